@@ -1,0 +1,65 @@
+# Two commands do everything on a fresh machine (README):  make book   ·   make test
+# The virtual environment is created and filled on first use; torch is pinned to the CPU build.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TORCH_PIN ?= torch==2.13.0
+JOBS   ?= 2
+export PYTHONHASHSEED := 0
+export MPLBACKEND := Agg
+
+.PHONY: book test unit nbval browser venv nb labs labs-check clean browser-deps bench
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[dev]" "$(TORCH_PIN)"
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (course)" >/dev/null
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## make book — build the HTML book from the stored notebook outputs (warnings are errors).
+book: $(STAMP)
+	$(VENV)/bin/jupyter-book build . -W --keep-going
+	@echo "book: $(CURDIR)/_build/html/index.html"
+
+## make test — everything: unit tests, strict nbval over book/ and solutions/, GPU cells in
+## COURSE_GPU=cpu mode, labs regenerated, grader, book build with -W, browser tests.
+test: $(STAMP) browser-deps
+	$(PY) -m pytest -n $(JOBS) --dist loadfile -q tests book solutions --nbval \
+	    --nbval-sanitize-with tests/nbval_sanitize.cfg -p tests.nbval_plugin --durations=15
+
+unit: $(STAMP)
+	$(PY) -m pytest -q tests -m "not slow"
+
+## make nbval NB=book/01_number_formats.ipynb — validate one notebook against its stored outputs.
+nbval: $(STAMP)
+	$(PY) -m pytest -q --nbval $(NB) --nbval-sanitize-with tests/nbval_sanitize.cfg -p tests.nbval_plugin
+
+## make nb NB=book/01_number_formats.ipynb — re-execute a notebook in place (refresh stored outputs).
+nb: $(STAMP)
+	$(PY) -m coursekit execute $(NB)
+
+labs: $(STAMP)
+	$(PY) -m coursekit labs
+
+labs-check: $(STAMP)
+	$(PY) -m coursekit labs --check
+
+## Chromium for the browser tests (Debian packages; needs root or sudo). Skipped if present.
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium chromium-driver fonts-noto-cjk >/dev/null \
+	  || echo "WARNING: could not install chromium; browser tests will be skipped"; }
+
+bench: $(STAMP)
+	$(PY) benchmarks/memory_accuracy.py
+
+clean:
+	rm -rf _build

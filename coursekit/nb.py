@@ -1,0 +1,92 @@
+"""Notebook helpers shared by every chapter, lab and solution.
+
+* :func:`setup` — the first code cell of every notebook: seeds, versions, the GPU flag line.
+* :func:`glue` — myst-nb's ``glue`` without needing myst-nb installed (Colab has none): it emits the
+  very same display data (``application/papermill.record/...`` + ``scrapbook`` metadata), so the
+  book's ``{glue:}`` / ``{glue:text}`` roles find it, and nbval compares it like any output.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import random
+from typing import Any
+
+GLUE_PREFIX = "application/papermill.record/"
+
+
+class Text(str):
+    """A string whose repr is itself, so ``{glue:}`key``` renders it without quotes."""
+
+    def __repr__(self) -> str:  # pragma: no cover - trivial
+        return str(self)
+
+
+def glue(name: str, value: Any, fmt: str | None = None, display: bool = False) -> Any:
+    """Store ``value`` under ``name`` for the book's ``{glue:}`` roles; return the value.
+
+    ``fmt`` (a format spec such as ``",.0f"`` or ``".2%"``) turns the value into the exact text the
+    prose shows, so ``{glue:}`name``` needs no format of its own. Figures are glued as images.
+    """
+    import IPython.core.formatters
+    from IPython.display import display as ipy_display
+
+    obj = Text(format(value, fmt)) if fmt is not None else value
+    if isinstance(obj, str) and not isinstance(obj, Text):
+        obj = Text(obj)
+    mimebundle, metadata = IPython.core.formatters.format_display_data(obj)
+    prefix = "" if display else GLUE_PREFIX
+    metadata["scrapbook"] = dict(name=name, mime_prefix=prefix)
+    ipy_display({prefix + k: v for k, v in mimebundle.items()}, raw=True, metadata=metadata)
+    return value
+
+
+def seed_everything(seed: int = 0) -> None:
+    """Seed python, numpy and torch (CPU and CUDA)."""
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # pragma: no cover
+        pass
+    import torch
+
+    torch.manual_seed(seed)
+
+
+def versions(packages: tuple[str, ...] = ("torch", "transformers", "peft")) -> dict[str, str]:
+    """Installed versions of ``packages`` ("not installed" for missing ones), plus python."""
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for p in packages:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            out[p] = "not installed"
+    return out
+
+
+def setup(seed: int = 0, packages: tuple[str, ...] = ("torch", "transformers", "peft"),
+          threads: int | None = 2, quiet: bool = False) -> None:
+    """First cell of every notebook: seed, pin CPU threads (stable timings), print versions + GPU line.
+
+    The printed lines are version-dependent, so this cell is tagged ``nbval-ignore-output``.
+    """
+    import torch
+
+    from .gpu import describe
+
+    seed_everything(seed)
+    if threads is not None and not os.environ.get("COURSE_KEEP_THREADS"):
+        torch.set_num_threads(threads)
+    try:
+        import matplotlib
+
+        matplotlib.rcParams.update({"figure.dpi": 100, "savefig.dpi": 100, "figure.figsize": (6.4, 3.6)})
+    except ImportError:  # pragma: no cover
+        pass
+    if not quiet:
+        print(" | ".join(f"{k} {v}" for k, v in versions(packages).items()))
+        print(describe())
