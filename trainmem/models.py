@@ -1,0 +1,84 @@
+"""Model configs and builders: named presets (no downloads) and tiny models for CPU runs.
+
+Every preset is a plain ``transformers`` config with the published shape of that model, so a
+model can be built with random weights (``build_model``), on the meta device (no memory at all),
+or measured under fake tensors. Numbers that matter (hidden size, layers, vocab) are those of the
+public config files of each model.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Published shapes (config.json of each model). Only fields that change memory are listed.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-7b": dict(arch="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                     max_position_embeddings=2048, tie_word_embeddings=False),
+    "llama2-7b": dict(arch="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                      max_position_embeddings=4096, tie_word_embeddings=False),
+    "llama2-13b": dict(arch="llama", vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+                       num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+                       max_position_embeddings=4096, tie_word_embeddings=False),
+    "llama2-70b": dict(arch="llama", vocab_size=32000, hidden_size=8192, intermediate_size=28672,
+                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                       max_position_embeddings=4096, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=32768, tie_word_embeddings=True),
+    "gpt2": dict(arch="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024),
+    # A 2-layer, 64-wide Llama for tests and CPU demos (STYLE.md).
+    "tiny": dict(arch="llama", vocab_size=256, hidden_size=64, intermediate_size=172,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                 max_position_embeddings=256, tie_word_embeddings=False),
+}
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS)
+
+
+def get_config(name: str, **overrides: Any):
+    """A ``transformers`` config for preset ``name`` (see :data:`PRESETS`), with ``overrides``.
+
+    Raises ``ValueError`` naming the allowed presets for an unknown name.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"model must be one of {', '.join(preset_names())} or a config .json file, got {name!r}")
+    fields = dict(PRESETS[name])
+    fields.update(overrides)
+    arch = fields.pop("arch")
+    if arch == "llama":
+        from transformers import LlamaConfig as C
+    elif arch == "qwen2":
+        from transformers import Qwen2Config as C
+    elif arch == "gpt2":
+        from transformers import GPT2Config as C
+    else:  # pragma: no cover
+        raise ValueError(f"unknown arch {arch!r}")
+    cfg = C(**fields)
+    cfg.name_or_path = name
+    return cfg
+
+
+def tiny_llama_config(**overrides: Any):
+    """The 2-layer, 64-wide Llama used by tests and CPU demos."""
+    return get_config("tiny", **overrides)
+
+
+def build_model(config, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                seed: int = 0, attn_implementation: str | None = None):
+    """A causal LM from ``config`` with random weights (seeded), on ``device`` (``"meta"`` allowed)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    kwargs = {}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model
