@@ -1,0 +1,78 @@
+"""Exact checks of trainmem.zero against the ZeRO paper's worked example and the formulas."""
+import pytest
+
+from trainmem import zero
+
+GB = 1e9
+
+
+def test_zero_paper_figure1_numbers():
+    # ZeRO paper, Figure 1: Ψ = 7.5B, N_d = 64, K = 12 → 120, 31.4, 16.6, 1.9 GB per GPU.
+    psi = 7_500_000_000
+    got = [zero.per_gpu_memory(psi, s, 64).total / GB for s in ("dp", "zero1", "zero2", "zero3")]
+    assert got == [120.0, 31.40625, 16.640625, 1.875]
+
+
+@pytest.mark.parametrize("stage", ["dp", "zero1", "zero2", "zero3"])
+def test_one_gpu_is_plain_dp(stage):
+    assert zero.per_gpu_memory(1000, stage, 1).total == 16 * 1000
+
+
+def test_terms_per_stage():
+    m = zero.per_gpu_memory(800, "zero2", 8)
+    assert (m.weights, m.grads, m.optimizer) == (1600, 200, 1200)
+    m = zero.per_gpu_memory(800, "zero1", 8)
+    assert (m.weights, m.grads, m.optimizer) == (1600, 1600, 1200)
+
+
+def test_fsdp_is_16_bytes_sharded_plus_units():
+    m = zero.per_gpu_memory(1000, "fsdp", 4, unit_params=10, inflight_units=2)
+    assert (m.weights, m.grads, m.optimizer) == (1000, 1000, 2000)
+    assert m.working == 2 * 10 * 2 * 2
+    assert zero.per_gpu_memory(1000, "fsdp", 1, unit_params=10).working == 0
+
+
+def test_activations_not_sharded_and_offload():
+    a = zero.per_gpu_memory(1000, "zero3", 1, activation_bytes=500).activations
+    b = zero.per_gpu_memory(1000, "zero3", 64, activation_bytes=500).activations
+    assert a == b == 500
+    m = zero.per_gpu_memory(1000, "zero2", 2, offload_optimizer="cpu")
+    assert m.optimizer == 0 and m.offloaded == 6000 and m.total == 2000 + 1000
+
+
+def test_comm_volume():
+    assert zero.comm_volume(10, "dp", 8) == 20
+    assert zero.comm_volume(10, 1, 8) == zero.comm_volume(10, 2, 8) == 20
+    assert zero.comm_volume(10, "zero3", 8) == zero.comm_volume(10, "fsdp", 8) == 30
+    assert zero.comm_volume(10, "zero3", 1, exact=True) == 0
+    assert zero.comm_volume(8, "dp", 4, exact=True) == 12
+
+
+def test_aliases_and_errors():
+    assert zero.normalize_stage(3) == "zero3" and zero.normalize_stage("DDP") == "dp"
+    with pytest.raises(ValueError, match="stage must be one of"):
+        zero.normalize_stage(4)
+    with pytest.raises(ValueError, match="n_gpus"):
+        zero.per_gpu_memory(10, "dp", 0)
+    with pytest.raises(ValueError, match="offload_optimizer"):
+        zero.per_gpu_memory(10, "dp", 1, offload_optimizer="nvme")
+
+
+def test_max_params_and_table():
+    assert zero.max_params_per_gpu(16 * 1000, "dp", 1) == 1000
+    assert zero.max_params_per_gpu(16 * 1000, "zero3", 4) == 4000
+    rows = zero.table({"m": 2**30}, gpus=(1, 2), stages=("dp", "zero3"))
+    assert [r["gib"] for r in rows] == [16.0, 16.0, 16.0, 8.0]
+
+
+def test_fsdp_local_rows_follow_torch_chunk():
+    import torch
+
+    for dim0 in (1, 3, 7, 8, 13):
+        for world in (1, 2, 3, 4):
+            sizes = [c.shape[0] for c in torch.chunk(torch.empty(dim0), world)]
+            sizes += [0] * (world - len(sizes))
+            assert [zero.fsdp_local_rows(dim0, world, r) for r in range(world)] == sizes
+    assert zero.fsdp_local_numel((7, 32), 2, 1) == 96
+    with pytest.raises(ValueError, match="rank"):
+        zero.fsdp_local_rows(4, 2, 2)
