@@ -22,8 +22,11 @@ class Text(str):
         return str(self)
 
 
-def glue(name: str, value: Any, fmt: str | None = None, display: bool = False) -> Any:
-    """Store ``value`` under ``name`` for the book's ``{glue:}`` roles; return the value.
+def glue(name: str, value: Any, fmt: str | None = None, display: bool = False) -> None:
+    """Store ``value`` under ``name`` for the book's ``{glue:}`` roles.
+
+    Returns None (like myst-nb): a value returned by the last line of a cell would be shown
+    again as ``Out[]`` — and IPython ignores a trailing ``;`` when nbval runs the cell.
 
     ``fmt`` (a format spec such as ``",.0f"`` or ``".2%"``) turns the value into the exact text the
     prose shows, so ``{glue:}`name``` needs no format of its own. Figures are glued as images.
@@ -38,7 +41,6 @@ def glue(name: str, value: Any, fmt: str | None = None, display: bool = False) -
     prefix = "" if display else GLUE_PREFIX
     metadata["scrapbook"] = dict(name=name, mime_prefix=prefix)
     ipy_display({prefix + k: v for k, v in mimebundle.items()}, raw=True, metadata=metadata)
-    return value
 
 
 def seed_everything(seed: int = 0) -> None:

@@ -32,3 +32,18 @@ def pytest_collectstart(collector):
     skip = getattr(collector, "skip_compare", None)
     if skip is not None:
         collector.skip_compare = tuple(skip) + tuple(m for m in IGNORED_MIME if m not in skip)
+
+
+def _execute_like_jupyter(self, cell_input, allow_stdin=None):
+    """nbval runs cells with ``store_history=False``, and then IPython decides whether a trailing
+    ``;`` silences a cell by looking at the *previous* cell in its history. Jupyter, nbclient and
+    ``make nb`` store history, so run cells the same way here: a ``;`` means what it means there."""
+    return self.kc.execute(cell_input, store_history=True, allow_stdin=allow_stdin, stop_on_error=False)
+
+
+def pytest_configure(config):
+    try:
+        from nbval.kernel import RunningKernel
+    except ImportError:  # pragma: no cover
+        return
+    RunningKernel.execute_cell_input = _execute_like_jupyter
