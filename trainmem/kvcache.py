@@ -1,0 +1,67 @@
+"""Inference memory: weights + KV cache, for MHA and GQA models (Llama-style configs).
+
+KV cache bytes = 2 (K and V) × layers × kv_heads × head_dim × context × batch × bytes/element.
+GQA shares each K/V head among ``num_attention_heads / num_key_value_heads`` query heads, so the
+cache shrinks by that factor. All results are ``int``/``float`` bytes; configs are the
+``transformers`` configs of :mod:`trainmem.models` (fields ``hidden_size``, ``num_hidden_layers``,
+``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``, ``vocab_size``,
+``tie_word_embeddings``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["param_count", "kv_cache_bytes", "InferenceMemory", "inference_memory"]
+
+
+def _kv_heads(cfg) -> int:
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def param_count(cfg) -> int:
+    """Parameters of a Llama/Qwen2-style decoder from its config (biases of Qwen2's q/k/v included)."""
+    h, L, V, I = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.intermediate_size
+    hd, nq, nkv = _head_dim(cfg), cfg.num_attention_heads, _kv_heads(cfg)
+    attn = h * nq * hd + 2 * h * nkv * hd + nq * hd * h
+    if getattr(cfg, "model_type", "") == "qwen2":
+        attn += nq * hd + 2 * nkv * hd  # q/k/v biases
+    layer = attn + 3 * h * I + 2 * h  # MLP (gate, up, down) + two RMSNorms
+    head = 0 if getattr(cfg, "tie_word_embeddings", False) else V * h
+    return V * h + L * layer + h + head
+
+
+def kv_cache_bytes(cfg, batch: int, context: int, bytes_per_element: float = 2) -> int:
+    """Bytes of the K and V cache for ``batch`` sequences of ``context`` tokens."""
+    if batch < 1 or context < 1:
+        raise ValueError(f"batch and context must be ≥ 1, got batch={batch}, context={context}")
+    return int(2 * cfg.num_hidden_layers * _kv_heads(cfg) * _head_dim(cfg) * context * batch * bytes_per_element)
+
+
+@dataclass(frozen=True)
+class InferenceMemory:
+    """Bytes of weights and KV cache; ``ratio`` = total / weights (the "1.2× weights" check)."""
+
+    weights: float
+    kv_cache: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.kv_cache
+
+    @property
+    def ratio(self) -> float:
+        return self.total / self.weights
+
+
+def inference_memory(cfg, batch: int = 1, context: int = 2048, weight_bytes: float = 2,
+                     kv_bytes: float = 2) -> InferenceMemory:
+    """Weights at ``weight_bytes`` per parameter (2 = bf16, ≈0.52 = NF4) + KV cache at ``kv_bytes``.
+
+    Activations of a forward pass at inference are transient and small next to these for
+    decoding (one token at a time); they are not included.
+    """
+    return InferenceMemory(param_count(cfg) * weight_bytes, kv_cache_bytes(cfg, batch, context, kv_bytes))
