@@ -92,3 +92,24 @@ def setup(seed: int = 0, packages: tuple[str, ...] = ("torch", "transformers", "
     if not quiet:
         print(" | ".join(f"{k} {v}" for k, v in versions(packages).items()))
         print(describe())
+
+
+def md_table(rows, headers=None):
+    """Display ``rows`` (a list of dicts, or of sequences with ``headers``) as a Markdown table.
+
+    The output is ``text/markdown`` (rendered as a real table in the book, compared by nbval) plus
+    a ``text/plain`` fallback. Cell values are shown with ``str``; format numbers before passing.
+    """
+    from IPython.display import Markdown
+
+    rows = list(rows)
+    if rows and isinstance(rows[0], dict):
+        headers = headers or list(rows[0].keys())
+        rows = [[r.get(h, "") for h in headers] for r in rows]
+    if headers is None:
+        raise ValueError("md_table needs headers when rows are not dicts")
+    esc = lambda v: str(v).replace("|", "\\|")  # noqa: E731
+    lines = ["| " + " | ".join(esc(h) for h in headers) + " |",
+             "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(esc(v) for v in r) + " |" for r in rows]
+    return Markdown("\n".join(lines))
