@@ -11,7 +11,9 @@
 def _dedupe_scripts(app, pagename, templatename, context, doctree):
     seen, out = set(), []
     for js in context.get("script_files", []):
-        key = (str(js), tuple(sorted((k, str(v)) for k, v in getattr(js, "attributes", {}).items())))
+        # the same inline script arrives once with filename None and once with '' (both inline)
+        key = (getattr(js, "filename", js) or "",
+               tuple(sorted((k, str(v)) for k, v in getattr(js, "attributes", {}).items())))
         if key in seen:
             continue
         seen.add(key)
