@@ -104,7 +104,7 @@ def run(spec: dict) -> dict:
                           allow_errors=True, interrupt_on_timeout=True,
                           error_on_timeout={"ename": "CellTimeoutError", "evalue": "cell time limit exceeded",
                                             "traceback": ["CellTimeoutError: cell time limit exceeded"]},
-                          iopub_timeout=5, shutdown_kernel="immediate",
+                          iopub_timeout=2, shutdown_kernel="immediate",
                           resources={"metadata": {"path": spec["workdir"]}})
     kernel_pgid = None
 
@@ -143,6 +143,10 @@ def run(spec: dict) -> dict:
                     break
                 except CellTimeoutError:
                     pass
+                except Exception as e:  # e.g. the submission broke the kernel's own json/zmq messages
+                    note("kernel_died", "the kernel stopped answering in the Jupyter protocol "
+                         f"({type(e).__name__}: {str(e)[:200]}); did the notebook patch json or builtins?")
+                    break
                 err = _error_text(cell)
                 timed_out = bool(err and "CellTimeoutError" in err) or (time.monotonic() - t0 >= client.timeout)
                 if timed_out:
@@ -173,19 +177,27 @@ def run(spec: dict) -> dict:
                     # interrupt worked? a trivial cell must finish quickly, else the kernel is stuck
                     probe_alive = nbformat.v4.new_code_cell("pass")
                     client.timeout = 5
+                    t1 = time.monotonic()
                     try:
                         client.execute_cell(probe_alive, idx)
-                        stuck = _error_text(probe_alive) is not None
+                        stuck = time.monotonic() - t1 >= 4.5
                     except Exception:
                         stuck = True
                     if stuck:
                         note("timeout", "the kernel ignored the interrupt after a time limit; it was killed")
+                        if kernel_pgid:
+                            try:
+                                os.killpg(kernel_pgid, signal.SIGKILL)
+                            except (ProcessLookupError, PermissionError):
+                                pass
                         for p in spec["probes"]:
                             result["probes"].setdefault(p["name"], {"ok": False, "timeout": True,
                                                                     "error": "not run: kernel stuck after a time limit"})
                         break
     except DeadKernelError:
         note("kernel_died", "kernel died")
+    except Exception as e:  # kernel start-up or shutdown broken by the submission
+        note("kernel_died", f"kernel failed: {type(e).__name__}: {str(e)[:200]}")
     finally:
         if kernel_pgid:
             try:
