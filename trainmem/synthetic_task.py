@@ -1,0 +1,137 @@
+"""A tiny, deterministic fine-tuning task that shows its effect on a CPU in seconds.
+
+The "language": a rule token followed by an arithmetic progression modulo ``N_NUMBERS``::
+
+    [R_k, x0, x0 + s_k, x0 + 2 s_k, ...]   (mod N_NUMBERS)
+
+Pre-training teaches rules ``PRETRAIN_STEPS`` (rule token ``k`` → step ``s_k``). Fine-tuning
+changes what one rule token means (``FINETUNE_RULE`` → ``FINETUNE_STEP``), a small, targeted
+change — the setting LoRA was designed for. Token ids: numbers ``0 … N_NUMBERS-1``, rule tokens
+after them. Everything is seeded: the same call gives the same batches and the same losses.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+N_NUMBERS = 24
+PRETRAIN_STEPS = (1, 2, 3, 5)  # rule k means "add PRETRAIN_STEPS[k]"
+FINETUNE_RULE = 0              # fine-tuning re-defines rule 0 ...
+FINETUNE_STEP = -1             # ... to count down instead of up
+VOCAB_SIZE = 32                # numbers + rule tokens, rounded up
+SEQ_LEN = 12
+
+
+def rule_token(k: int) -> int:
+    """Token id of rule ``k`` (0-based)."""
+    return N_NUMBERS + k
+
+
+def task_config(**overrides):
+    """The course's tiny Llama (2 layers, 64 wide) with this task's vocabulary."""
+    from .models import tiny_llama_config
+
+    kw = dict(vocab_size=VOCAB_SIZE, max_position_embeddings=64)
+    kw.update(overrides)
+    return tiny_llama_config(**kw)
+
+
+def make_batch(batch: int, rules: dict[int, int], seed: int, seq_len: int = SEQ_LEN):
+    """``(input_ids, labels)``, both ``(batch, seq_len)`` int64.
+
+    ``rules`` maps rule index → step. Rule and start are drawn uniformly (seeded). The label of
+    the first number (``x0``, unpredictable) is ``-100`` so the loss only counts learnable tokens.
+    """
+    if batch < 1 or seq_len < 3:
+        raise ValueError(f"batch must be ≥ 1 and seq_len ≥ 3, got batch={batch}, seq_len={seq_len}")
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.tensor(sorted(rules))
+    steps = torch.tensor([rules[int(k)] for k in keys])
+    pick = torch.randint(len(keys), (batch,), generator=g)
+    x0 = torch.randint(N_NUMBERS, (batch,), generator=g)
+    pos = torch.arange(seq_len - 1)
+    nums = (x0[:, None] + steps[pick][:, None] * pos[None, :]) % N_NUMBERS
+    ids = torch.cat([(N_NUMBERS + keys[pick])[:, None], nums], dim=1)
+    labels = ids.clone()
+    labels[:, :2] = -100  # the rule token and x0 are not predictable from what precedes them
+    return ids, labels
+
+
+def pretrain_rules() -> dict[int, int]:
+    return {k: s for k, s in enumerate(PRETRAIN_STEPS)}
+
+
+def finetune_rules() -> dict[int, int]:
+    """Only the re-defined rule: the fine-tuning data set."""
+    return {FINETUNE_RULE: FINETUNE_STEP}
+
+
+@dataclass
+class TrainResult:
+    """Losses per step (float), seconds per step (median, wall clock), trainable parameter count."""
+
+    losses: list[float] = field(default_factory=list)
+    step_seconds: float = 0.0
+    trainable: int = 0
+
+    @property
+    def final_loss(self) -> float:
+        """Mean of the last 10 losses (less noisy than the very last one)."""
+        tail = self.losses[-10:]
+        return sum(tail) / len(tail)
+
+
+def train(model: nn.Module, rules: dict[int, int], steps: int, lr: float, batch: int = 32,
+          seed: int = 0, weight_decay: float = 0.0) -> TrainResult:
+    """AdamW on the parameters with ``requires_grad``; the batch for step ``i`` uses seed ``seed+i``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("model has no trainable parameters (all requires_grad=False)")
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    model.train()
+    res = TrainResult(trainable=sum(p.numel() for p in params))
+    times = []
+    for i in range(steps):
+        ids, labels = make_batch(batch, rules, seed + i)
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        res.losses.append(loss.detach().item())
+    times.sort()
+    res.step_seconds = times[len(times) // 2]
+    model.eval()
+    return res
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, rules: dict[int, int], batch: int = 256, seed: int = 10_000) -> float:
+    """Mean loss on a fixed held-out batch."""
+    model.eval()
+    ids, labels = make_batch(batch, rules, seed)
+    return float(model(input_ids=ids, labels=labels).loss)
+
+
+@torch.no_grad()
+def continue_sequence(model: nn.Module, rule: int, start: int, n: int = 8) -> list[int]:
+    """Greedy continuation of ``[R_rule, start]`` for ``n`` tokens (numbers as ints)."""
+    model.eval()
+    ids = torch.tensor([[rule_token(rule), start]])
+    for _ in range(n):
+        nxt = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids[0, 1:].tolist()
+
+
+def pretrained_model(steps: int = 300, lr: float = 3e-3, seed: int = 0):
+    """A tiny Llama pre-trained on :func:`pretrain_rules` (a few seconds on a CPU)."""
+    from .models import build_model
+
+    model = build_model(task_config(), seed=seed)
+    train(model, pretrain_rules(), steps=steps, lr=lr, seed=seed)
+    return model
