@@ -35,7 +35,7 @@ def _grader_probe_{fid}():
         _out = {{"ok": True, "value": _ns["RESULT"]}}
         _text = _j.dumps(_out)
     except Exception as _e:
-        _msg = "".join(_tb.format_exception(type(_e), _e, _e.__traceback__, limit=-4))
+        _msg = "".join(_tb.format_exception(type(_e), _e, _e.__traceback__.tb_next, limit=-4))
         _text = _j.dumps({{"ok": False, "error": _msg[-3000:]}})
     _s.stdout.write("\\n{nonce}" + _text + "{nonce}\\n")
     _s.stdout.flush()
