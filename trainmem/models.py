@@ -7,9 +7,10 @@ public config files of each model.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported lazily: the estimator needs no torch
+    import torch
 
 # Published shapes (config.json of each model). Only fields that change memory are listed.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -71,6 +72,7 @@ def tiny_llama_config(**overrides: Any):
 def build_model(config, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                 seed: int = 0, attn_implementation: str | None = None):
     """A causal LM from ``config`` with random weights (seeded), on ``device`` (``"meta"`` allowed)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -82,3 +84,53 @@ def build_model(config, device: str | torch.device = "cpu", dtype: torch.dtype |
     if dtype is not None:
         model = model.to(dtype)
     return model
+
+
+_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gpt2": "gpt2"}
+
+
+def load_config_file(path: str):
+    """A ``transformers`` config built from an HF-style ``config.json`` file (no download).
+
+    Supported ``model_type`` values: llama, mistral, qwen2, gpt2. Raises ``ValueError`` with one
+    line naming the file and what is wrong (missing, not JSON, not an object, unknown model_type,
+    missing size fields).
+    """
+    import json
+    import os
+
+    if not os.path.isfile(path):
+        raise ValueError(f"model config file {path!r} does not exist; model must be a preset "
+                         f"({', '.join(preset_names())}) or a config .json file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"model config file {path!r} is not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"model config file {path!r} must hold a JSON object, got {type(data).__name__}")
+    mt = data.get("model_type")
+    if mt not in _ARCHS:
+        raise ValueError(f"model config file {path!r}: model_type must be one of "
+                         f"{', '.join(sorted(_ARCHS))}, got {mt!r}")
+    need = ("vocab_size", "n_embd", "n_layer", "n_head") if mt == "gpt2" else (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    for k in need:
+        v = data.get(k)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"model config file {path!r}: {k} must be a positive integer, got {v!r}")
+    if mt == "mistral":
+        from transformers import MistralConfig as C
+    elif mt == "qwen2":
+        from transformers import Qwen2Config as C
+    elif mt == "gpt2":
+        from transformers import GPT2Config as C
+    else:
+        from transformers import LlamaConfig as C
+    fields = {k: v for k, v in data.items() if k not in ("model_type", "architectures", "transformers_version")}
+    try:
+        cfg = C(**fields)
+    except Exception as e:  # transformers validation
+        raise ValueError(f"model config file {path!r} is not a valid {mt} config: {e}") from None
+    cfg.name_or_path = os.path.basename(path)
+    return cfg

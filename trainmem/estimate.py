@@ -1,0 +1,449 @@
+"""Training-memory estimator: peak bytes of one training step, term by term.
+
+Public API (stable; chapters and labs call it)::
+
+    from trainmem.estimate import estimate
+    est = estimate("llama-7b", method="lora", precision="bf16-amp", optimizer="adamw",
+                   batch=4, seq=512, lora_rank=8, lora_targets=("q_proj", "v_proj"),
+                   checkpointing=True, attn="sdpa")
+    est.total_bytes          # int, the peak (bytes)
+    est.breakdown            # {"weights", "gradients", "optimizer_states", "master_weights",
+                             #  "activations", "temporaries"} -> int bytes, at the peak; sums to total
+    est.activation_bytes     # bytes held for backward at the end of the forward pass
+    est.n_params, est.n_trainable
+    est.to_json(); est.to_dict(); print(est.table())      # table in GiB (2**30) and GB (10**9)
+
+``estimate(model, method, precision, optimizer, batch, seq, lora_rank, lora_alpha, lora_targets,
+lora_dtype, qlora_double_quant, checkpointing, attn, zero, gpus, grad_accum)``:
+
+* ``model``: a preset name (``trainmem.models.PRESETS``: llama-7b, llama2-13b, qwen2.5-0.5b, gpt2,
+  tiny, ...), a path to an HF ``config.json``, or a ``transformers`` config.
+* ``method``: ``"full"`` | ``"lora"`` | ``"qlora"`` (base Linear weights in 4-bit NF4).
+* ``precision``: ``"fp32"`` | ``"fp16-amp"`` | ``"bf16-amp"`` (``torch.autocast`` over fp32
+  parameters; fp16 adds loss scaling) | ``"bf16"`` (pure bf16: parameters, gradients and AdamW states
+  in bf16, no master copy).
+* ``optimizer``: ``"adamw"`` (torch, ``foreach``) | ``"adamw8bit"`` (bitsandbytes) | ``"sgd"`` |
+  ``"sgd-momentum"``.
+* ``batch``, ``seq``: micro-batch size and sequence length (tokens); ``grad_accum`` micro-batches
+  per optimizer step (gradients then stay allocated during the next forward).
+* ``lora_rank`` (r), ``lora_alpha``, ``lora_targets`` (module names), ``lora_dtype`` (``None`` =
+  peft's default: fp32 adapters), ``qlora_double_quant``.
+* ``checkpointing``: non-reentrant activation checkpointing of every decoder layer.
+* ``attn``: ``"sdpa"`` (also ``"flash"``: the same memory) | ``"eager"`` (materialises the
+  ``b x heads x s x s`` scores).
+* ``zero`` (0-3) and ``gpus``: per-GPU memory under ZeRO/FSDP partitioning — stage >= 1 divides
+  optimizer states and fp32 master weights by ``gpus``, >= 2 also gradients, 3 also weights (plus
+  one gathered layer).  This part is a model, not measured here.
+
+How the peak is computed.  Parameters, gradients and optimizer states are counted exactly from the
+config.  Activations and temporaries come from :mod:`trainmem.simulate`, a symbolic replay of the
+step: the Llama forward written op by op as ``transformers`` runs it, each op saving for backward
+what PyTorch's autograd saves, backward in autograd's order, then the optimizer's scratch memory.
+It agrees with the tensor-level measurement of :mod:`trainmem.measure` to a few hundred bytes on
+the tiny model and within the tolerances in ``benchmarks/results/memory_accuracy.md`` everywhere.
+Llama-family configs (llama, mistral, qwen2) are replayed; ``gpt2`` uses the closed-form
+activation estimate of Korthikanti et al. (2022) and is marked ``exact=False``.
+
+Bytes per parameter — the two conventions behind "16" and "18" (see :func:`bytes_per_param`):
+
+* **16 B/param, ZeRO paper** (Rajbhandari et al., 2020), mixed-precision Adam: fp16 parameters 2 +
+  fp16 gradients 2 + fp32 master weights 4 + fp32 Adam m 4 + fp32 Adam v 4 = 16.
+* **18 B/param, torch AMP / Hugging Face "model training anatomy"**: fp32 parameters 4 (these are
+  the master weights) + fp32 gradients 4 + Adam m, v 8 = 16, plus the fp16/bf16 working copies of
+  the weights that autocast makes and autograd keeps until backward, 2 → 18.
+* fp32 training: 4 + 4 + 8 = 16; pure bf16 (no master copy): 2 + 2 + 2 + 2 = 8.
+* ``accelerate estimate-memory`` uses "4x the model size in the dtype" (16 B/param fp32, 8 B/param
+  half precision) and no activations: :func:`accelerate_rule_bytes`.
+
+Units: every ``*_bytes`` value and breakdown entry is an int number of bytes; GiB = 2**30 bytes,
+GB = 10**9 bytes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+CATEGORIES = ("weights", "gradients", "optimizer_states", "master_weights", "activations", "temporaries")
+METHODS = ("full", "lora", "qlora")
+PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16")
+OPTIMIZERS = ("adamw", "adamw8bit", "sgd", "sgd-momentum")
+ATTN_IMPLS = ("sdpa", "eager", "flash")
+LORA_DTYPES = (None, "fp32", "bf16", "fp16")
+GiB = 1024 ** 3
+GB = 1000 ** 3
+
+
+# --------------------------------------------------------------------------------------------
+# Model shape
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    """The numbers of a decoder-only transformer that decide its memory (no units: counts)."""
+    arch: str                 # "llama" (also Qwen2/Mistral-style) or "gpt2"
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    positions: int = 0        # learned position embeddings (gpt2); 0 for RoPE models
+    name: str = "config"
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(d_in, d_out) of each Linear of one decoder layer, by module name (LoRA targets)."""
+        if self.arch == "gpt2":
+            h, i = self.hidden, self.intermediate
+            return {"c_attn": (h, 3 * h), "attn.c_proj": (h, h), "c_fc": (h, i), "mlp.c_proj": (i, h)}
+        h, i = self.hidden, self.intermediate
+        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
+                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def _from_hf(cfg) -> Shape:
+    name = getattr(cfg, "name_or_path", "") or "config"
+    mt = getattr(cfg, "model_type", "")
+    if mt == "gpt2":
+        h = cfg.n_embd
+        return Shape("gpt2", cfg.vocab_size, h, cfg.n_inner or 4 * h, cfg.n_layer, cfg.n_head,
+                     cfg.n_head, h // cfg.n_head, True, qkv_bias=True, o_bias=True, mlp_bias=True,
+                     positions=cfg.n_positions, name=name)
+    h = cfg.hidden_size
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    hd = getattr(cfg, "head_dim", None) or h // heads
+    qkv_bias = bool(getattr(cfg, "attention_bias", False)) or mt == "qwen2"
+    o_bias = bool(getattr(cfg, "attention_bias", False))
+    return Shape("llama", cfg.vocab_size, h, cfg.intermediate_size, cfg.num_hidden_layers, heads, kv,
+                 hd, bool(getattr(cfg, "tie_word_embeddings", False)), qkv_bias=qkv_bias,
+                 o_bias=o_bias, mlp_bias=bool(getattr(cfg, "mlp_bias", False)), name=name)
+
+
+def load_config_file(path: str):
+    """A ``transformers`` config from a ``config.json`` file (HF format, ``model_type`` llama,
+    qwen2, mistral or gpt2). Raises ``ValueError`` naming the file and the problem."""
+    from . import models
+    return models.load_config_file(path)
+
+
+def resolve_config(model: Any):
+    """``model`` as a transformers config: a preset name, a path to a config .json, or a config."""
+    from . import models
+    if isinstance(model, str):
+        if model.endswith(".json") or os.path.sep in model:
+            return models.load_config_file(model)
+        return models.get_config(model)
+    if hasattr(model, "to_dict") and hasattr(model, "vocab_size"):
+        return model
+    if isinstance(model, Shape):
+        raise ValueError("pass a preset name, a config .json path or a transformers config as model")
+    raise ValueError(f"model must be a preset name ({', '.join(models.preset_names())}), a config .json "
+                     f"path or a transformers config, got {type(model).__name__}")
+
+
+def model_shape(model: Any) -> Shape:
+    """The :class:`Shape` of a preset name, config .json path or transformers config."""
+    if isinstance(model, Shape):
+        return model
+    from . import models
+    if isinstance(model, str) and model in models.PRESETS:      # no transformers import needed
+        f = dict(models.PRESETS[model])
+        arch = f.pop("arch")
+        if arch == "gpt2":
+            h = f["n_embd"]
+            return Shape("gpt2", f["vocab_size"], h, f.get("n_inner") or 4 * h, f["n_layer"],
+                         f["n_head"], f["n_head"], h // f["n_head"], True, qkv_bias=True,
+                         o_bias=True, mlp_bias=True, positions=f.get("n_positions", 1024), name=model)
+        h, heads = f["hidden_size"], f["num_attention_heads"]
+        return Shape("llama", f["vocab_size"], h, f["intermediate_size"], f["num_hidden_layers"],
+                     heads, f.get("num_key_value_heads") or heads, f.get("head_dim") or h // heads,
+                     bool(f.get("tie_word_embeddings", arch == "qwen2")), qkv_bias=arch == "qwen2",
+                     o_bias=bool(f.get("attention_bias", False)),
+                     mlp_bias=bool(f.get("mlp_bias", False)), name=model)
+    return _from_hf(resolve_config(model))
+
+
+def _choice(name: str, value, allowed):
+    if value not in allowed:
+        shown = ", ".join("None" if a is None else str(a) for a in allowed)
+        raise ValueError(f"{name} must be one of {shown}, got {value!r}")
+
+
+def _positive_int(name: str, value):
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be an integer ≥ 1, got {value!r}")
+
+
+def check_options(shape_or_cfg, *, method, precision, optimizer, batch, seq, lora_rank,
+                  lora_targets, attn, grad_accum, zero, gpus, lora_dtype=None):
+    """Validate the estimator/measurement options; ``ValueError`` names the argument and the
+    allowed values."""
+    shape = shape_or_cfg if isinstance(shape_or_cfg, Shape) else _from_hf(shape_or_cfg)
+    _choice("method", method, METHODS)
+    _choice("precision", precision, PRECISIONS)
+    _choice("optimizer", optimizer, OPTIMIZERS)
+    _choice("attn", attn, ATTN_IMPLS)
+    _choice("lora_dtype", lora_dtype, LORA_DTYPES)
+    _positive_int("batch", batch)
+    _positive_int("seq", seq)
+    _positive_int("grad_accum", grad_accum)
+    _positive_int("gpus", gpus)
+    _choice("zero", zero, (0, 1, 2, 3))
+    if method in ("lora", "qlora"):
+        shapes = shape.linear_shapes()
+        targets = list(lora_targets) if not isinstance(lora_targets, str) else [lora_targets]
+        if not targets:
+            raise ValueError(f"lora_targets must name at least one of {', '.join(shapes)}")
+        for t in targets:
+            if t not in shapes:
+                raise ValueError(f"lora_targets: unknown target module {t!r}; allowed: {', '.join(shapes)}")
+        width = min(min(shapes[t]) for t in targets)
+        if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or not 1 <= lora_rank <= width:
+            raise ValueError(f"lora_rank must be ≥ 1 and ≤ min(d_in, d_out)={width}, got {lora_rank!r}")
+    return shape
+
+
+# --------------------------------------------------------------------------------------------
+# parameter counts and bytes per parameter
+# --------------------------------------------------------------------------------------------
+def count_params(model: Any) -> int:
+    """Number of parameters of the base model (no adapters), exactly as ``transformers`` builds it."""
+    s = model_shape(model)
+    h, i, L = s.hidden, s.intermediate, s.layers
+    if s.arch == "gpt2":
+        per = (2 * h) + (h * 3 * h + 3 * h) + (h * h + h) + (2 * h) + (h * i + i) + (i * h + h)
+        return s.vocab * h + s.positions * h + L * per + 2 * h
+    attn = h * s.q_dim + 2 * h * s.kv_dim + s.q_dim * h
+    if s.qkv_bias:
+        attn += s.q_dim + 2 * s.kv_dim
+    if s.o_bias:
+        attn += h
+    mlp = 3 * h * i + ((2 * i + h) if s.mlp_bias else 0)
+    per = attn + mlp + 2 * h
+    return s.vocab * h * (1 if s.tied else 2) + L * per + h
+
+
+def _targets(lora_targets) -> tuple[str, ...]:
+    if isinstance(lora_targets, str):
+        return tuple(t.strip() for t in lora_targets.split(",") if t.strip())
+    return tuple(lora_targets)
+
+
+def lora_trainable_params(model: Any, rank: int = 8, targets: Iterable[str] = ("q_proj", "v_proj")) -> int:
+    """Trainable LoRA parameters: ``rank * (d_in + d_out)`` per targeted Linear, in every layer."""
+    s = model_shape(model)
+    shapes = s.linear_shapes()
+    targets = _targets(targets)
+    check_options(s, method="lora", precision="fp32", optimizer="adamw", batch=1, seq=1,
+                  lora_rank=rank, lora_targets=targets, attn="sdpa", grad_accum=1, zero=0, gpus=1)
+    return s.layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets)
+
+
+def bytes_per_param(precision: str = "bf16-amp", optimizer: str = "adamw",
+                    convention: str = "torch-amp") -> float:
+    """Bytes of model state per *trainable* parameter (no activations).
+
+    ``convention``:
+
+    * ``"torch-amp"`` — what PyTorch actually holds: fp32 parameters (master) 4 + fp32 grads 4 +
+      optimizer states, plus 2 for the low-precision weight copies autocast keeps for backward
+      under ``fp16-amp``/``bf16-amp``: AdamW → 4 + 2 + 4 + 8 = **18** (Hugging Face's count);
+      fp32 → 4 + 4 + 8 = 16; pure ``bf16`` → 2 + 2 + 4 = 8.
+    * ``"zero-paper"`` — the ZeRO paper's mixed-precision Adam: fp16 params 2 + fp16 grads 2 +
+      fp32 master 4 + fp32 m 4 + fp32 v 4 = **16** (the transient copies are not counted because
+      the fp16 parameters *are* the working copy).
+    * ``"accelerate"`` — ``accelerate estimate-memory``: 4 x the dtype size (16 fp32, 8 half).
+
+    Optimizer states: AdamW 8 (two fp32 moments; 4 in pure bf16), 8-bit AdamW ≈ 2, SGD with
+    momentum 4 (2 in bf16), plain SGD 0.
+    """
+    _choice("precision", precision, PRECISIONS)
+    _choice("optimizer", optimizer, OPTIMIZERS)
+    _choice("convention", convention, ("torch-amp", "zero-paper", "accelerate"))
+    if convention == "accelerate":
+        return 16.0 if precision == "fp32" else 8.0
+    p = 2 if precision == "bf16" else 4
+    states = {"adamw": 2 * p, "adamw8bit": 2.0 + 8 / 256, "sgd": 0, "sgd-momentum": p}[optimizer]
+    if convention == "zero-paper":
+        if precision in ("fp16-amp", "bf16-amp"):
+            return 2 + 2 + 4 + {"adamw": 8, "adamw8bit": 2 + 8 / 256, "sgd": 0, "sgd-momentum": 4}[optimizer]
+        return p + p + states
+    copy = 2 if precision in ("fp16-amp", "bf16-amp") else 0
+    return p + copy + p + states
+
+
+def accelerate_rule_bytes(n_params: int, precision: str) -> int:
+    """``accelerate estimate-memory``'s training figure: 16 B/param (fp32) or 8 B/param (half /
+    mixed precision), Adam, no activations. Implemented here for comparison (bytes)."""
+    return int(n_params * bytes_per_param(precision, "adamw", convention="accelerate"))
+
+
+# --------------------------------------------------------------------------------------------
+# the estimate
+# --------------------------------------------------------------------------------------------
+@dataclass
+class MemoryEstimate:
+    """Peak memory of one training step (all sizes in bytes, per GPU)."""
+    total_bytes: int
+    breakdown: dict[str, int]
+    activation_bytes: int
+    n_params: int
+    n_trainable: int
+    peak_phase: str
+    phase_peaks: dict[str, int]
+    exact: bool = True
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"total_bytes": int(self.total_bytes),
+                "breakdown": {k: int(self.breakdown[k]) for k in CATEGORIES},
+                "activation_bytes": int(self.activation_bytes), "n_params": int(self.n_params),
+                "n_trainable": int(self.n_trainable), "peak_phase": self.peak_phase,
+                "phase_peaks": {k: int(v) for k, v in self.phase_peaks.items()},
+                "exact": self.exact, "options": self.options}
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    @property
+    def total_gib(self) -> float:
+        return self.total_bytes / GiB
+
+    def table(self) -> str:
+        title = f"estimated peak (peak in {self.peak_phase})"
+        extra = {"activations at end of forward": self.activation_bytes}
+        return format_table(title, self.breakdown, self.total_bytes, extra,
+                            params=(self.n_params, self.n_trainable))
+
+
+def format_table(title: str, rows: dict[str, int], total: int, extra: dict[str, int] | None = None,
+                 params: tuple[int, int] | None = None) -> str:
+    """A plain-text table of byte counts in GiB (2**30) and GB (10**9)."""
+    lines = [title, f"{'term':<32}{'GiB':>12}{'GB':>12}{'bytes':>18}"]
+    for k in CATEGORIES:
+        v = int(rows.get(k, 0))
+        lines.append(f"{k:<32}{v / GiB:>12.3f}{v / GB:>12.3f}{v:>18,}")
+    lines.append(f"{'total (peak)':<32}{total / GiB:>12.3f}{total / GB:>12.3f}{int(total):>18,}")
+    for k, v in (extra or {}).items():
+        lines.append(f"{k:<32}{v / GiB:>12.3f}{v / GB:>12.3f}{int(v):>18,}")
+    if params:
+        lines.append(f"parameters: {params[0]:,} total, {params[1]:,} trainable")
+    return "\n".join(lines)
+
+
+def _gpt2_estimate(s: Shape, *, method, precision, optimizer, batch, seq, lora_rank, lora_targets,
+                   lora_dtype, checkpointing, attn, zero, gpus, grad_accum) -> dict:
+    """Closed-form estimate (not replayed): model states exact, activations after Korthikanti et
+    al. 2022 (34·s·b·h + 5·a·s²·b bytes per layer in 16-bit, the s² term only for eager)."""
+    n = count_params(s)
+    p = 2 if precision == "bf16" else 4
+    amp = precision in ("fp16-amp", "bf16-amp")
+    if method == "full":
+        nt = n
+    else:
+        nt = lora_trainable_params(s, lora_rank, lora_targets)
+    ldt = 4 if (lora_dtype in (None, "fp32")) else 2
+    tp = p if method == "full" else ldt
+    weights = n * p if method != "qlora" else int(n * 0.55)
+    master = nt * 4 if amp and method == "full" else 0
+    if amp and method == "full":
+        weights = 2 * n          # low-precision working copies
+    grads = nt * tp
+    states = int(nt * {"adamw": 2 * tp, "adamw8bit": 2 + 8 / 256, "sgd": 0, "sgd-momentum": tp}[optimizer])
+    act_scale = 1.0 if precision != "fp32" else 2.0
+    b, sq, h, a = batch, seq, s.hidden, s.heads
+    per_layer = 34 * sq * b * h + (5 * a * sq * sq * b if attn == "eager" else 0)
+    per_layer = int(per_layer * act_scale / 2) * 2
+    if checkpointing:
+        acts = s.layers * sq * b * h * 2 * act_scale + per_layer
+    else:
+        acts = s.layers * per_layer
+    acts += b * sq * s.vocab * 4 * 2
+    temps = b * sq * s.vocab * 4
+    if zero >= 1:
+        states //= gpus
+        master //= gpus
+    if zero >= 2:
+        grads //= gpus
+    if zero >= 3:
+        weights //= gpus
+    bd = {"weights": int(weights), "gradients": int(grads), "optimizer_states": int(states),
+          "master_weights": int(master), "activations": int(acts), "temporaries": int(temps)}
+    return {"peak": sum(bd.values()), "breakdown": bd, "activations": int(acts),
+            "phase_peaks": {"backward": sum(bd.values())}, "n_params": n, "n_trainable": nt}
+
+
+def estimate(model: Any = "llama-7b", method: str = "full", precision: str = "bf16-amp",
+             optimizer: str = "adamw", batch: int = 1, seq: int = 512, lora_rank: int = 8,
+             lora_alpha: int = 16, lora_targets=("q_proj", "v_proj"), lora_dtype: str | None = None,
+             qlora_double_quant: bool = True, checkpointing: bool = False, attn: str = "sdpa",
+             zero: int = 0, gpus: int = 1, grad_accum: int = 1) -> MemoryEstimate:
+    """Estimate the peak memory (bytes, per GPU) of one training step; see the module docstring.
+
+    Raises ``ValueError`` naming the argument and the allowed values for bad input.
+    """
+    s = model_shape(model)
+    targets = _targets(lora_targets)
+    check_options(s, method=method, precision=precision, optimizer=optimizer, batch=batch, seq=seq,
+                  lora_rank=lora_rank, lora_targets=targets, attn=attn, grad_accum=grad_accum,
+                  zero=zero, gpus=gpus, lora_dtype=lora_dtype)
+    if attn == "flash":
+        attn = "sdpa"
+    opts = dict(model=s.name, method=method, precision=precision, optimizer=optimizer, batch=batch,
+                seq=seq, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=list(targets),
+                lora_dtype=lora_dtype, qlora_double_quant=qlora_double_quant,
+                checkpointing=checkpointing, attn=attn, zero=zero, gpus=gpus, grad_accum=grad_accum)
+    kw = dict(method=method, precision=precision, optimizer=optimizer, batch=batch, seq=seq,
+              lora_rank=lora_rank, lora_targets=targets, lora_dtype=lora_dtype,
+              checkpointing=checkpointing, attn=attn, grad_accum=grad_accum, zero=zero, gpus=gpus)
+    n = count_params(s)
+    if s.arch == "gpt2":
+        r = _gpt2_estimate(s, **kw)
+        exact = False
+        nt = r["n_trainable"]
+    else:
+        from .simulate import simulate_step
+        r = simulate_step(s, qlora_double_quant=qlora_double_quant, **kw)
+        exact = True
+        nt = n if method == "full" else lora_trainable_params(s, lora_rank, targets)
+    phase_peaks = r["phase_peaks"]
+    peak_phase = max(phase_peaks, key=lambda k: (phase_peaks[k], k))
+    return MemoryEstimate(int(r["peak"]), {k: int(r["breakdown"][k]) for k in CATEGORIES},
+                          int(r["activations"]), n, nt, peak_phase, phase_peaks, exact, opts)
+
+
+def activation_bytes_per_layer(model: Any = "llama-7b", batch: int = 1, seq: int = 512,
+                               precision: str = "bf16-amp", attn: str = "sdpa", method: str = "full",
+                               lora_targets=("q_proj", "v_proj"), checkpointing: bool = False) -> int:
+    """Bytes one (non-first) decoder layer holds for backward at the end of the forward pass.
+
+    Computed by the replay as the difference between models with 3 and 2 layers, so it is exactly
+    what autograd keeps for one more layer (e.g. fp32, SDPA, full fine-tuning:
+    ``b·s·(24h + 8·q_dim + 8·kv_dim + 16·I + 8) + 4·b·heads·s`` bytes).
+    """
+    from .simulate import simulate_step
+    s = model_shape(model)
+    if s.arch != "llama":
+        raise ValueError("activation_bytes_per_layer models Llama-family configs (llama, mistral, qwen2)")
+    vals = []
+    for L in (2, 3):
+        sl = Shape(**{**s.__dict__, "layers": L})
+        vals.append(simulate_step(sl, method=method, precision=precision, optimizer="sgd",
+                                  batch=batch, seq=seq, lora_targets=_targets(lora_targets),
+                                  checkpointing=checkpointing, attn=attn)["activations"])
+    return vals[1] - vals[0]

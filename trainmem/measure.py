@@ -1,0 +1,352 @@
+"""Measure the memory of one real training step, tensor by tensor.
+
+``measure(...)`` builds the model from its config (random weights, no downloads), runs the
+training step twice — forward, backward, optimizer step, ``zero_grad(set_to_none=True)`` — and
+reports the peak of the **second** step (the first one creates the optimizer states), with the
+storages alive at that peak split into the six categories of :mod:`trainmem.estimate`:
+
+=================  ===============================================================================
+weights            parameters and buffers the model holds (frozen ones included), plus the
+                   low-precision copies of parameters that ``torch.autocast`` makes (and autograd
+                   keeps for backward) under ``fp16-amp``/``bf16-amp``
+gradients          ``param.grad`` of the trainable parameters
+optimizer_states   everything in ``optimizer.state`` (AdamW ``exp_avg``, ``exp_avg_sq``, ``step``;
+                   SGD ``momentum_buffer``)
+master_weights     under ``fp16-amp``/``bf16-amp`` (autocast over fp32 parameters) the fp32
+                   trainable parameters are the master copy: they are counted here, not in weights
+activations        tensors allocated during the forward pass that are still alive (held by
+                   autograd for backward, incl. ``input_ids``/labels and the layer inputs that
+                   activation checkpointing keeps)
+temporaries        everything else alive at the peak: gradients flowing through backward, tensors
+                   recomputed by checkpointing, the optimizer's scratch tensors, ...
+=================  ===============================================================================
+
+All sizes are in **bytes** (sum of ``untyped_storage().nbytes()``, each storage counted once).
+
+Devices:
+
+* ``"cpu"`` — real tensors; exact and repeatable (the CPU allocator does not round).
+* ``"fake"`` — the same step under ``torch._subclasses.fake_tensor.FakeTensorMode``: shapes and
+  dtypes are propagated but nothing is allocated, so a 7B- or 13B-shaped model is measured on a
+  laptop.  With ``extrapolate=True`` (default for ``"fake"`` when the model has more than 3
+  layers) the step is measured with 2 and 3 decoder layers and every per-phase, per-category
+  number is extended linearly to the real layer count.  This is exact whenever each phase's peak
+  sits at the same place relative to the top of the network (true for decoder-only stacks of
+  identical layers; the tests check it against the full run on small models) and is reported as
+  ``extrapolated_from_layers`` in the result.
+* ``"cuda"`` — real tensors on a GPU; additionally reports ``torch.cuda.max_memory_allocated``,
+  ``max_memory_reserved`` and the device's used memory (``torch.cuda.mem_get_info``), whose gap to
+  ``reserved`` is the CUDA context plus other processes.
+
+The optimizer runs with ``foreach=True`` (PyTorch's default on CUDA) on every device so that its
+scratch memory is the same as on a GPU.  ``adamw8bit`` and ``qlora`` need ``bitsandbytes`` and a
+CUDA device and are estimated only.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .estimate import (CATEGORIES, METHODS, OPTIMIZERS, PRECISIONS, ATTN_IMPLS, resolve_config,
+                       check_options)
+from .models import build_model
+from .tracker import MemoryTracker
+
+__all__ = ["measure", "Measurement", "build_training_setup"]
+
+
+@dataclass
+class Measurement:
+    """Result of :func:`measure`. All sizes in bytes."""
+    total_bytes: int                       # peak of live storages during the 2nd step
+    breakdown: dict[str, int]              # categories at the peak (sum == total_bytes)
+    activation_bytes: int                  # forward-allocated bytes alive at the end of forward
+    phase_peaks: dict[str, int]            # peak within each phase (forward, backward, optimizer)
+    peak_phase: str
+    n_params: int
+    n_trainable: int
+    device: str
+    seconds: float
+    extrapolated_from_layers: tuple[int, ...] | None = None
+    cuda: dict[str, int] | None = None     # max_memory_allocated / reserved / device_used
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"total_bytes": int(self.total_bytes),
+             "breakdown": {k: int(self.breakdown[k]) for k in CATEGORIES},
+             "activation_bytes": int(self.activation_bytes),
+             "phase_peaks": {k: int(v) for k, v in self.phase_peaks.items()},
+             "peak_phase": self.peak_phase, "n_params": self.n_params,
+             "n_trainable": self.n_trainable, "device": self.device,
+             "seconds": round(self.seconds, 3),
+             "extrapolated_from_layers": list(self.extrapolated_from_layers)
+             if self.extrapolated_from_layers else None,
+             "options": self.options}
+        if self.cuda is not None:
+            d["cuda"] = self.cuda
+        return d
+
+    def to_json(self, **kw) -> str:
+        import json
+        return json.dumps(self.to_dict(), **kw)
+
+    def table(self) -> str:
+        from .estimate import format_table
+        rows = dict(self.breakdown)
+        extra = {"activations at end of forward": self.activation_bytes}
+        if self.cuda:
+            extra.update({f"cuda {k}": v for k, v in self.cuda.items()})
+        title = f"measured peak ({self.device}, peak in {self.peak_phase})"
+        if self.extrapolated_from_layers:
+            title += f", extrapolated from {self.extrapolated_from_layers} layers"
+        return format_table(title, rows, self.total_bytes, extra)
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_training_setup(cfg, *, method="full", precision="fp32", optimizer="adamw", lora_rank=8,
+                         lora_alpha=16, lora_targets=("q_proj", "v_proj"), lora_dtype=None,
+                         checkpointing=False, attn="sdpa", device="cpu", lr=1e-4):
+    """Model (train mode) and optimizer exactly as :func:`measure` runs them."""
+    model = build_model(cfg, device=device, attn_implementation=attn)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    if method == "lora":
+        from peft import LoraConfig, get_peft_model
+        lcfg = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules=list(lora_targets),
+                          lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+        model = get_peft_model(model, lcfg)
+        if lora_dtype is not None:
+            dt = _DTYPES[lora_dtype]
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.data = p.data.to(dt)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(params, lr=lr, foreach=True)
+    elif optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=lr, momentum=0.0, foreach=True)
+    elif optimizer == "sgd-momentum":
+        opt = torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
+    else:
+        raise ValueError(f"optimizer {optimizer!r} cannot be measured here (needs bitsandbytes on CUDA); "
+                         "allowed for measure: adamw, sgd, sgd-momentum")
+    return model, opt
+
+
+def _one_run(cfg, *, device, method, precision, optimizer, batch, seq, grad_accum, lora_rank,
+             lora_alpha, lora_targets, lora_dtype, checkpointing, attn, seed=0):
+    """Run two steps, track the second one. Returns a dict of raw numbers."""
+    fake = device == "fake"
+    real_device = "cuda" if device == "cuda" else "cpu"
+    outer = contextlib.nullcontext()
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        outer = FakeTensorMode(allow_non_fake_inputs=True)
+    with outer:
+        torch.manual_seed(seed)
+        model, opt = build_training_setup(
+            cfg, method=method, precision=precision, optimizer=optimizer, lora_rank=lora_rank,
+            lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dtype=lora_dtype,
+            checkpointing=checkpointing, attn=attn, device=real_device)
+        vocab = cfg.vocab_size
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        if fake:
+            x = torch.zeros(batch, seq, dtype=torch.long, device=real_device)
+        else:
+            x = torch.randint(0, vocab, (batch, seq), generator=g).to(real_device)
+        y = x.clone()
+        amp = precision in ("fp16-amp", "bf16-amp")
+        amp_dtype = torch.float16 if precision == "fp16-amp" else torch.bfloat16
+        scaler = None
+        scale = 2.0 ** 16
+        if precision == "fp16-amp" and not fake:
+            scaler = torch.amp.GradScaler(real_device, init_scale=scale)
+
+        tracker = MemoryTracker()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        for t in list(model.parameters()) + list(model.buffers()):
+            tracker.register(t)
+        tracker.set_phase("forward")          # the batch is held for backward (embedding, loss)
+        tracker.register(x)
+        tracker.register(y)
+        tracker.set_phase("pre")
+        tracker.param_storages = {id(p.untyped_storage()) for p in model.parameters()}
+        marks: dict[str, int] = {}
+
+        def step(track: bool):
+            for _ in range(grad_accum):
+                tracker.set_phase("forward")
+                ctx = torch.autocast(real_device, dtype=amp_dtype) if amp else contextlib.nullcontext()
+                with ctx:
+                    loss = model(input_ids=x, labels=y, use_cache=False).loss
+                if grad_accum > 1:
+                    loss = loss / grad_accum
+                if track:
+                    marks["forward_end"] = tracker.event
+                tracker.set_phase("backward")
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                elif precision == "fp16-amp":      # fake mode: the scaler's arithmetic, no .item()
+                    (loss * scale).backward()
+                else:
+                    loss.backward()
+                del loss
+            if track:
+                marks["grads"] = [tracker.record_of(p.grad) for p in trainable if p.grad is not None]
+            tracker.set_phase("optimizer")
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                if precision == "fp16-amp":
+                    torch._foreach_mul_([p.grad for p in trainable if p.grad is not None], 1.0 / scale)
+                opt.step()
+            if track:
+                marks["states"] = [tracker.record_of(t) for st in opt.state.values()
+                                   for t in st.values() if isinstance(t, torch.Tensor)]
+            opt.zero_grad(set_to_none=True)
+            tracker.set_phase("idle")
+
+        if device == "cuda":
+            torch.cuda.synchronize()
+        with tracker:
+            step(track=False)
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            tracker.reset_peak()
+            step(track=True)
+        cuda_stats = None
+        if device == "cuda":
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            cuda_stats = {"max_memory_allocated": int(torch.cuda.max_memory_allocated()),
+                          "max_memory_reserved": int(torch.cuda.max_memory_reserved()),
+                          "device_used": int(total - free)}
+
+        # ---- classify the storages alive at each event of interest ----
+        weight_ids = {id(tracker.record_of(t)) for t in list(model.parameters()) + list(model.buffers())}
+        master_ids = set()
+        if amp:
+            master_ids = {id(tracker.record_of(p)) for p in trainable if p.dtype == torch.float32}
+            weight_ids -= master_ids
+        grad_ids = {id(r) for r in marks["grads"] if r is not None}
+        state_ids = {id(r) for r in marks["states"] if r is not None}
+
+        def category(rec) -> str:
+            i = id(rec)
+            if i in master_ids:
+                return "master_weights"
+            if i in weight_ids or rec.cast_of_param:
+                return "weights"
+            if i in grad_ids:
+                return "gradients"
+            if i in state_ids:
+                return "optimizer_states"
+            if rec.phase == "forward":
+                return "activations"
+            return "temporaries"
+
+        def at(event: int) -> dict[str, int]:
+            out = dict.fromkeys(CATEGORIES, 0)
+            for rec in tracker.records:
+                if rec.alloc <= event and (rec.free is None or rec.free > event):
+                    out[category(rec)] += rec.nbytes
+            return out
+
+        peak_bd = at(tracker.peak_event)
+        fwd_end = at(marks["forward_end"])
+        # Which phase holds the peak: the phase whose own peak equals the global peak.
+        phase_peaks = {k: v for k, v in tracker.phase_peaks.items() if k in ("forward", "backward", "optimizer")}
+        peak_phase = max(phase_peaks, key=lambda k: (phase_peaks[k], k))
+        n_params = sum(p.numel() for p in model.parameters())
+        n_trainable = sum(p.numel() for p in trainable)
+        res = dict(total=tracker.peak, breakdown=peak_bd, activations=fwd_end["activations"],
+                   phase_peaks=phase_peaks, peak_phase=peak_phase, n_params=n_params,
+                   n_trainable=n_trainable, cuda=cuda_stats)
+        del model, opt, tracker
+        return res
+
+
+def _n_layers_field(cfg) -> str:
+    return "n_layer" if hasattr(cfg, "n_layer") and not hasattr(cfg, "num_hidden_layers") else "num_hidden_layers"
+
+
+def measure(model: Any = "tiny", *, method: str = "full", precision: str = "fp32",
+            optimizer: str = "adamw", batch: int = 1, seq: int = 512, lora_rank: int = 8,
+            lora_alpha: int = 16, lora_targets=("q_proj", "v_proj"), lora_dtype: str | None = None,
+            checkpointing: bool = False, attn: str = "sdpa", grad_accum: int = 1,
+            device: str = "cpu", extrapolate: bool | None = None, seed: int = 0) -> Measurement:
+    """Measure one training step of ``model`` (preset name, config .json path, or HF config).
+
+    Returns a :class:`Measurement` (bytes). See the module docstring for the categories and the
+    devices (``"cpu"``, ``"fake"``, ``"cuda"``). ``extrapolate`` (fake device only) measures 2 and
+    3 layers and extends linearly; ``None`` means "when the model has more than 3 layers".
+    """
+    if device not in ("cpu", "fake", "cuda"):
+        raise ValueError(f"device must be one of cpu, fake, cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False; allowed: cpu, fake")
+    cfg = resolve_config(model)
+    check_options(cfg, method=method, precision=precision, optimizer=optimizer, batch=batch,
+                  seq=seq, lora_rank=lora_rank, lora_targets=lora_targets, attn=attn,
+                  grad_accum=grad_accum, zero=0, gpus=1, lora_dtype=lora_dtype)
+    if method == "qlora":
+        raise ValueError("method 'qlora' cannot be measured here (needs bitsandbytes on CUDA); "
+                         "allowed for measure: full, lora")
+    kw = dict(method=method, precision=precision, optimizer=optimizer, batch=batch, seq=seq,
+              grad_accum=grad_accum, lora_rank=lora_rank, lora_alpha=lora_alpha,
+              lora_targets=tuple(lora_targets), lora_dtype=lora_dtype, checkpointing=checkpointing,
+              attn=attn, seed=seed)
+    options = dict(kw, device=device)
+    options["lora_targets"] = list(kw["lora_targets"])
+    options["model"] = getattr(cfg, "name_or_path", None) or "config"
+    lf = _n_layers_field(cfg)
+    n_layers = getattr(cfg, lf)
+    if extrapolate is None:
+        extrapolate = device == "fake" and n_layers > 3
+    if extrapolate and n_layers <= 3:
+        extrapolate = False
+    t0 = time.perf_counter()
+    if not extrapolate:
+        r = _one_run(cfg, device=device, **kw)
+        return Measurement(r["total"], r["breakdown"], r["activations"], r["phase_peaks"],
+                           r["peak_phase"], r["n_params"], r["n_trainable"], device,
+                           time.perf_counter() - t0, None, r["cuda"], options)
+    runs = {}
+    for L in (2, 3):
+        c = cfg.__class__.from_dict(cfg.to_dict())
+        setattr(c, lf, L)
+        runs[L] = _one_run(c, device=device, **kw)
+    a, b = runs[2], runs[3]
+
+    def ext(v2, v3):
+        return int(v2 + (v3 - v2) * (n_layers - 2))
+
+    # Each phase's peak is affine in the layer count; the step's peak is the largest of them.
+    phase_peaks = {k: ext(a["phase_peaks"][k], b["phase_peaks"][k]) for k in a["phase_peaks"]}
+    peak_phase = max(phase_peaks, key=lambda k: (phase_peaks[k], k))
+    if a["peak_phase"] == b["peak_phase"] == peak_phase:
+        breakdown = {k: ext(a["breakdown"][k], b["breakdown"][k]) for k in CATEGORIES}
+    else:   # the peak moves to another phase at full depth: re-measure that phase's breakdown
+        breakdown = None
+    total = phase_peaks[peak_phase]
+    if breakdown is None or sum(breakdown.values()) != total:
+        # fall back to the full run (correct, slower)
+        r = _one_run(cfg, device=device, **kw)
+        return Measurement(r["total"], r["breakdown"], r["activations"], r["phase_peaks"],
+                           r["peak_phase"], r["n_params"], r["n_trainable"], device,
+                           time.perf_counter() - t0, None, r["cuda"], options)
+    return Measurement(total, breakdown, ext(a["activations"], b["activations"]), phase_peaks,
+                       peak_phase, ext(a["n_params"], b["n_params"]),
+                       ext(a["n_trainable"], b["n_trainable"]), device, time.perf_counter() - t0,
+                       (2, 3), None, options)
