@@ -5,6 +5,8 @@
   already been declared". Identical scripts are de-duplicated.
 * pydata-sphinx-theme logs "Got invalid theme mode" on every first visit when ``default_mode`` is
   empty; it is set to ``auto`` (follow the reader's system setting).
+* The "Open in Colab" badge that notebooks embed (an image on colab.research.google.com) is served
+  from the book's own ``_static/colab-badge.svg``, so pages load nothing from another host.
 * A line break inside a Chinese paragraph of the Markdown source is a soft break, which browsers
   render as a space ("来自 那一章"). Breaks between two CJK characters are removed from the text.
 """
@@ -42,6 +44,15 @@ def _join_cjk_lines(app, doctree, docname):
             parent.replace(text, nodes.Text(new))
 
 
+COLAB_BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
+
+
+def _local_badge(app, pagename, templatename, context, doctree):
+    body = context.get("body")
+    if body and COLAB_BADGE in body:
+        context["body"] = body.replace(COLAB_BADGE, context["pathto"]("_static/colab-badge.svg", 1))
+
+
 def _dedupe_scripts(app, pagename, templatename, context, doctree):
     seen, out = set(), []
     for js in context.get("script_files", []):
@@ -60,4 +71,5 @@ def _dedupe_scripts(app, pagename, templatename, context, doctree):
 def setup(app):
     app.connect("html-page-context", _dedupe_scripts, priority=900)
     app.connect("doctree-resolved", _join_cjk_lines)
+    app.connect("html-page-context", _local_badge)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
