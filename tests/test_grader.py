@@ -183,3 +183,26 @@ def test_rerun_grades_only_changed(graded):
     assert records["deleted_cell"]["status"] == "ok" and sum(records["deleted_cell"]["scores"].values()) == 5
     assert sum(records["newcomer"]["scores"].values()) == 5
     assert records["kernel_exit"]["status"] == "kernel_died"      # cached rows unchanged
+
+
+LAB_IDS = sorted(p.stem.split("_")[0] for p in (ROOT / "solutions").glob("lab*.ipynb")
+                 if (ROOT / "tests" / "grading" / f"{p.stem.split('_')[0]}.py").exists())
+
+
+@pytest.mark.parametrize("lab", LAB_IDS)
+def test_solution_full_marks_untouched_lab_zero(lab, tmp_path):
+    """Grading the reference solution gives full marks; the untouched generated lab gives 0 with status ok."""
+    sol = next((ROOT / "solutions").glob(f"{lab}_*.ipynb"))
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    shutil.copy(sol, subs / "solution.ipynb")
+    shutil.copy(ROOT / "labs" / sol.name, subs / "untouched_lab.ipynb")
+    records = {r["student"]: r for r in grade(lab, subs, tmp_path / "out", jobs=2, log=None)}
+    from coursekit.grading import load_tests
+
+    full = load_tests(lab, ROOT / "tests" / "grading").max_points
+    s, u = records["solution"], records["untouched_lab"]
+    assert (s["status"], sum(s["scores"].values())) == ("ok", full), s["messages"]
+    assert (u["status"], sum(u["scores"].values())) == ("ok", 0), u["messages"]
+    rows = list(csv.reader((tmp_path / "out" / "grades.csv").open()))
+    assert rows[1][0] == "solution" and float(rows[1][-2]) == full and rows[2][-1] == "ok"
