@@ -4,6 +4,7 @@
   ``raise NotImplementedError`` at the marker's indentation (hint from an optional ``# HINT:`` line);
 * markdown between ``<!-- BEGIN SOLUTION -->`` / ``<!-- END SOLUTION -->`` → a placeholder;
 * cells tagged ``solution-only`` dropped; outputs and execution counts cleared;
+* ``{glue:}`key``` roles in markdown replaced by the solution's stored value (a lab has no outputs);
 * Open-in-Colab badge after the title and the Colab setup cell before the first code cell
   (:mod:`coursekit.colab`); notebook metadata asks Colab for a GPU runtime.
 
@@ -95,10 +96,37 @@ def strip_markdown(source: str, where: str = "") -> str:
     return result
 
 
+GLUE_ROLE = re.compile(r"\{glue(?::text|:)?\}`([^`]+)`")
+
+
+def glued_values(nb: nbformat.NotebookNode) -> dict[str, str]:
+    """``{key: text}`` of every text value glued in ``nb``'s stored outputs."""
+    values: dict[str, str] = {}
+    for cell in nb.cells:
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            name = out.get("metadata", {}).get("scrapbook", {}).get("name")
+            text = out.get("data", {}).get("application/papermill.record/text/plain")
+            if name and text is not None:
+                values[name] = str(text)
+    return values
+
+
+def inline_glue(source: str, values: dict[str, str], where: str = "") -> str:
+    """Replace ``{glue:}`key``` roles by the solution's stored value (labs have no outputs to glue from)."""
+    def sub(m: re.Match) -> str:
+        key = m.group(1).split(":")[0].strip()
+        if key not in values:
+            raise LabFormatError(f"{where}: glue key {key!r} has no stored value in the executed solution")
+        return values[key]
+
+    return GLUE_ROLE.sub(sub, source)
+
+
 def make_lab(solution: nbformat.NotebookNode, name: str, repo: Repository) -> nbformat.NotebookNode:
     """The student version of ``solution`` (not modified); ``name`` is the file name, e.g. lab01_x.ipynb."""
     lid = lab_id(name)
     nb = copy.deepcopy(solution)
+    glued = glued_values(solution)
     cells = []
     for k, cell in enumerate(nb.cells):
         tags = cell.get("metadata", {}).get("tags", [])
@@ -111,7 +139,7 @@ def make_lab(solution: nbformat.NotebookNode, name: str, repo: Repository) -> nb
             cell.outputs = []
             cell.execution_count = None
         elif cell.cell_type == "markdown":
-            cell.source = strip_markdown(cell.source, where)
+            cell.source = inline_glue(strip_markdown(cell.source, where), glued, where)
         cells.append(cell)
 
     badge = nbformat.v4.new_markdown_cell(badge_markdown(repo, f"labs/{name}"))
