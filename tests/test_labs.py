@@ -156,3 +156,13 @@ def test_lab03_hidden_reference_matches_transformers():
         with torch.device("meta"):
             model = LlamaForCausalLM(LlamaConfig(**cfg))
         assert mod.ref_count_params(cfg) == sum(p.numel() for p in model.parameters()), cfg
+
+
+def test_glue_roles_are_inlined_from_the_solution():
+    from coursekit.labs import inline_glue
+
+    assert inline_glue("约 {glue:}`n_7b` B，{glue:text}`x` 与 {glue}`y`", {"n_7b": "6.74", "x": "1", "y": "2"}) == "约 6.74 B，1 与 2"
+    with pytest.raises(LabFormatError):
+        inline_glue("{glue:}`missing`", {}, "cell 1")
+    lab = nbformat.read(ROOT / "labs" / "lab03_memory_estimator.ipynb", as_version=4)
+    assert not any("{glue" in c.source for c in lab.cells if c.cell_type == "markdown")
