@@ -212,3 +212,13 @@ def test_llama7b_counts_vs_peft_meta():
                                                 task_type="CAUSAL_LM"))
         assert p.get_nb_trainable_parameters() == (trainable, base_total + trainable)
     assert base_total + 4_194_304 == 6_742_609_920
+
+
+def test_two_injections_different_ranks():
+    model = build_model(tiny_llama_config())
+    inject_lora(model, ATT, r=8)
+    inject_lora(model, MLP, r=32)
+    cfg = tiny_llama_config()
+    expected = lora_param_count_for_config(cfg, ATT, 8) + lora_param_count_for_config(cfg, MLP, 32)
+    assert count_parameters(model)[0] == expected
+    assert sorted({m.r for m in lora_layers(model)}) == [8, 32]

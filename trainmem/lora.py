@@ -162,7 +162,8 @@ def inject_lora(model: nn.Module, target_modules: Iterable[str], r: int, alpha: 
                 dropout: float = 0.0, init: str = "kaiming") -> list[str]:
     """Replace every ``nn.Linear`` whose name ends with a target by a :class:`LoRALinear`, in place.
 
-    All other parameters are frozen (only A and B train), as peft does. Modules are visited in
+    All other parameters are frozen (only A and B train), as peft does; adapters injected by an
+    earlier call stay trainable, so two calls can give different ranks to different modules. Modules are visited in
     ``model.named_modules()`` order, like peft, so the same seed gives the same A matrices.
     Returns the replaced module names. Raises ``ValueError`` when a target matches no linear
     module (listing the available suffixes) or when ``target_modules`` is empty.
@@ -176,10 +177,13 @@ def inject_lora(model: nn.Module, target_modules: Iterable[str], r: int, alpha: 
     if missing:
         raise ValueError(f"target_modules {missing} match no nn.Linear in the model; "
                          f"allowed suffixes: {suffixes}")
-    for p in model.parameters():
-        p.requires_grad_(False)
+    for pname, p in model.named_parameters():
+        if ".lora_A." not in pname and ".lora_B." not in pname:  # keep earlier adapters trainable
+            p.requires_grad_(False)
     replaced = []
     for name in names:
+        if ".lora_A" in name or ".lora_B" in name:
+            continue
         if any(name == t or name.endswith("." + t) for t in targets):
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
