@@ -129,6 +129,58 @@ def build_training_setup(cfg, *, method="full", precision="fp32", optimizer="ada
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
+    return model, make_optimizer(model, optimizer, lr)
+
+
+@contextlib.contextmanager
+def _real_mask_decisions(active: bool):
+    """transformers treats fake tensors as "tracing" and then materialises the causal mask that
+    a real run skips (SDPA ``is_causal``). Make the fake run take the real run's decisions."""
+    if not active:
+        yield
+        return
+    from transformers import masking_utils
+    orig = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
+    if orig is None:  # pragma: no cover - other transformers versions
+        yield
+        return
+
+    def ignore(padding_mask, q_length, kv_length, *args, **kwargs):
+        local = kwargs.get("local_attention_size", args[2] if len(args) > 2 else None)
+        if padding_mask is None and q_length == kv_length and (local is None or kv_length < local):
+            return True                      # what the real (non-fake) run decides
+        return orig(padding_mask, q_length, kv_length, *args, **kwargs)
+
+    orig_packed = getattr(masking_utils, "find_packed_sequence_indices", None)
+    masking_utils._ignore_causal_mask_sdpa = ignore
+    if orig_packed is not None:     # our position ids are a plain arange: never packed
+        masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = orig
+        if orig_packed is not None:
+            masking_utils.find_packed_sequence_indices = orig_packed
+
+
+def _to_fake(model, mode):
+    """Replace the (meta) parameters and buffers of ``model`` by fake CPU tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def fake_of(t):
+        return FakeTensor(mode, torch.empty(t.shape, dtype=t.dtype, device="meta"), torch.device("cpu"))
+
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[name] = torch.nn.Parameter(fake_of(p), requires_grad=p.requires_grad)
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = fake_of(b)
+
+
+def make_optimizer(model, optimizer: str, lr: float = 1e-4):
+    """The optimizer :func:`measure` uses (``foreach=True``, as on CUDA), over trainable params."""
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer == "adamw":
         opt = torch.optim.AdamW(params, lr=lr, foreach=True)
@@ -139,7 +191,7 @@ def build_training_setup(cfg, *, method="full", precision="fp32", optimizer="ada
     else:
         raise ValueError(f"optimizer {optimizer!r} cannot be measured here (needs bitsandbytes on CUDA); "
                          "allowed for measure: adamw, sgd, sgd-momentum")
-    return model, opt
+    return opt
 
 
 def _one_run(cfg, *, device, method, precision, optimizer, batch, seq, grad_accum, lora_rank,
@@ -151,12 +203,23 @@ def _one_run(cfg, *, device, method, precision, optimizer, batch, seq, grad_accu
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
         outer = FakeTensorMode(allow_non_fake_inputs=True)
-    with outer:
-        torch.manual_seed(seed)
-        model, opt = build_training_setup(
-            cfg, method=method, precision=precision, optimizer=optimizer, lora_rank=lora_rank,
+    torch.manual_seed(seed)
+    if fake:
+        # Build on the meta device (no memory), then turn every parameter and buffer into a
+        # fake CPU tensor, so autocast and the CPU kernels' shape rules apply.
+        model, _ = build_training_setup(
+            cfg, method=method, precision=precision, optimizer="sgd", lora_rank=lora_rank,
             lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dtype=lora_dtype,
-            checkpointing=checkpointing, attn=attn, device=real_device)
+            checkpointing=checkpointing, attn=attn, device="meta")
+    with outer, _real_mask_decisions(fake):
+        if fake:
+            _to_fake(model, outer)
+            opt = make_optimizer(model, optimizer)
+        else:
+            model, opt = build_training_setup(
+                cfg, method=method, precision=precision, optimizer=optimizer, lora_rank=lora_rank,
+                lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dtype=lora_dtype,
+                checkpointing=checkpointing, attn=attn, device=real_device)
         vocab = cfg.vocab_size
         g = torch.Generator(device="cpu").manual_seed(seed)
         if fake:

@@ -266,6 +266,8 @@ def cast(sim: Sim, x: T, dt: str, cached_param=None) -> T:
         return x
     cat = "weights" if cached_param is not None else None
     out = new(sim, x.shape, dt, cat=cat, phys=x.phys)
+    if cached_param is not None and getattr(sim, "param_cast_scale", 1.0) != 1.0:
+        shrink(sim, out.buf, sim.param_cast_scale)   # ZeRO-3: only the local shard is cast
     src_dt, shape = x.dt, x.shape
 
     def bwd(node, g):
@@ -864,6 +866,7 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
                           for w in lin.values() if isinstance(w, T))
         layer_bytes += sum(t.nbytes for t in M["layers"][0].values() if isinstance(t, T))
         gathered = sim.alloc(layer_bytes, "weights")
+        sim.param_cast_scale = shard
     sim.grad_scale = shard if zero >= 2 else 1.0
     # optimizer states (created in step 1)
     states = []
@@ -912,7 +915,9 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
     sim.set_phase("optimizer")
     if optimizer == "adamw":
         step_one = new(sim, (), "fp32")
-        tmp = [new(sim, p.shape, p.dt) for p in params]      # _foreach_sqrt(exp_avg_sq)
+        # _foreach_sqrt(exp_avg_sq): one copy of the (local shard of the) trainable parameters
+        part = shard if zero >= 1 else 1.0
+        tmp = [sim.alloc(int(math.ceil(p.nbytes * part))) for p in params]
         del tmp, step_one
     sim.set_phase("idle")
     return {"peak": sim.peak, "breakdown": dict(sim.peak_by), "activations": act_end,

@@ -1,0 +1,179 @@
+"""``python -m trainmem estimate|measure`` — training-memory estimate and measurement from the shell.
+
+Both print a table in GiB (2**30 bytes) and GB (10**9 bytes), or with ``--json`` one JSON object
+whose top level has ``total_bytes`` (the peak) and ``breakdown`` (``weights``, ``gradients``,
+``optimizer_states``, ``master_weights``, ``activations``, ``temporaries``; integer bytes).
+Bad input exits with status 2 and one line on stderr naming the argument and the allowed values.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from .estimate import ATTN_IMPLS, METHODS, OPTIMIZERS, PRECISIONS
+
+_EPILOG = """\
+terms (bytes at the peak of one training step; they sum to total_bytes):
+  weights           parameters and buffers the model holds (frozen ones too) and, under
+                    fp16-amp/bf16-amp, the low-precision weight copies autocast keeps for backward
+  gradients         .grad of the trainable parameters
+  optimizer_states  AdamW exp_avg + exp_avg_sq (+ step), SGD momentum buffers, 8-bit states
+  master_weights    fp32 trainable parameters under fp16-amp/bf16-amp (torch AMP: the fp32
+                    parameters are the master copy)
+  activations       tensors from the forward pass held for backward
+  temporaries       everything else alive at the peak (gradients in flight, recomputed
+                    activations under checkpointing, the optimizer's scratch tensors)
+  also reported: activation_bytes (held for backward at the end of the forward pass), the peak
+  of each phase, parameter counts.
+
+conventions: 18 B/param = torch AMP (fp32 params 4 + bf16 copy 2 + fp32 grads 4 + Adam 8);
+16 B/param = ZeRO paper (fp16 params 2 + fp16 grads 2 + fp32 master 4 + Adam 8) or fp32 training.
+
+examples:
+  python -m trainmem estimate --model llama-7b --method lora --precision bf16-amp --batch 4 --seq 512
+  python -m trainmem estimate --model my_config.json --method full --checkpointing --zero 3 --gpus 8 --json
+  python -m trainmem measure --model tiny --method lora --device cpu --batch 2 --seq 64
+  python -m trainmem measure --model llama-7b --method lora --device fake --batch 1 --seq 512
+"""
+
+_FLAG = {"lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha", "lora_targets": "--lora-targets",
+         "lora_dtype": "--lora-dtype", "grad_accum": "--grad-accum", "batch": "--batch",
+         "seq": "--seq", "gpus": "--gpus", "zero": "--zero", "method": "--method",
+         "precision": "--precision", "optimizer": "--optimizer", "attn": "--attn",
+         "device": "--device", "model": "--model", "optimizer ": "--optimizer "}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive(name):
+    def conv(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer ≥ 1, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"must be an integer ≥ 1, got {v}")
+        return v
+    conv.__name__ = name
+    return conv
+
+
+def _rank(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer ≥ 1, got {text!r}") from None
+    return v   # range (≥ 1 and ≤ layer width) is checked against the model
+
+
+def _add_common(p: argparse.ArgumentParser):
+    p.add_argument("--model", default="llama-7b",
+                   help="preset name (llama-7b, llama2-7b, llama2-13b, llama2-70b, qwen2.5-0.5b, gpt2, "
+                        "tiny) or path to an HF config.json (model_type llama, mistral, qwen2, gpt2); "
+                        "default llama-7b")
+    p.add_argument("--method", default="full", choices=METHODS,
+                   help="full fine-tuning, LoRA, or QLoRA (4-bit NF4 base weights); default full")
+    p.add_argument("--precision", default="bf16-amp", choices=PRECISIONS,
+                   help="fp32; fp16-amp / bf16-amp = torch.autocast over fp32 parameters (fp16 with "
+                        "loss scaling); bf16 = pure bf16 parameters, grads and states; default bf16-amp")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+                   help="torch AdamW (foreach), bitsandbytes 8-bit AdamW, SGD, SGD with momentum; "
+                        "default adamw")
+    p.add_argument("--batch", type=_positive("batch"), default=1, help="micro-batch size (≥ 1); default 1")
+    p.add_argument("--seq", type=_positive("seq"), default=512, help="sequence length in tokens (≥ 1); default 512")
+    p.add_argument("--grad-accum", type=_positive("grad_accum"), default=1,
+                   help="gradient-accumulation micro-steps per optimizer step; default 1")
+    p.add_argument("--lora-rank", type=_rank, default=8,
+                   help="LoRA rank r (1 ≤ r ≤ smallest in/out width of the targets); default 8")
+    p.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha (scaling alpha/r; no memory effect); default 16")
+    p.add_argument("--lora-targets", default="q_proj,v_proj",
+                   help="comma-separated module names: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+                        "down_proj (gpt2: c_attn,attn.c_proj,c_fc,mlp.c_proj); default q_proj,v_proj")
+    p.add_argument("--lora-dtype", default=None, choices=("fp32", "bf16", "fp16"),
+                   help="adapter dtype; default: peft's (fp32 adapters)")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="activation (gradient) checkpointing of every decoder layer (non-reentrant)")
+    p.add_argument("--attn", default="sdpa", choices=ATTN_IMPLS,
+                   help="attention implementation: sdpa (flash: same memory) or eager (stores the "
+                        "b x heads x s x s scores); default sdpa")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (total_bytes, breakdown, ...) instead of the table")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m trainmem", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    pe = sub.add_parser("estimate", help="analytic estimate of the peak (no torch needed, instant)",
+                        description="Estimate the peak memory of one training step, term by term "
+                                    "(bytes per GPU).",
+                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
+    _add_common(pe)
+    pe.add_argument("--no-double-quant", action="store_true",
+                    help="QLoRA without double quantization of the NF4 constants")
+    pe.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                    help="ZeRO/FSDP stage: 1 shards optimizer states + master weights, 2 also "
+                         "gradients, 3 also weights; default 0")
+    pe.add_argument("--gpus", type=_positive("gpus"), default=1, help="data-parallel GPUs (≥ 1); default 1")
+    pm = sub.add_parser("measure", help="run two real training steps and account every tensor",
+                        description="Measure one training step (forward, backward, optimizer step; "
+                                    "the peak of the 2nd of two steps) tensor by tensor.",
+                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
+    _add_common(pm)
+    pm.add_argument("--device", default="cpu", choices=("cpu", "fake", "cuda"),
+                    help="cpu: real tensors; fake: FakeTensorMode (no memory: 7B/13B shapes); "
+                         "cuda: a GPU, adds max_memory_allocated/reserved; default cpu")
+    pm.add_argument("--no-extrapolate", action="store_true",
+                    help="with --device fake: run every layer instead of extending 2- and 3-layer "
+                         "runs linearly (slower; the result is the same)")
+    return parser
+
+
+def _one_line(msg: str) -> str:
+    msg = " ".join(str(msg).split())
+    m = re.match(r"^([a-z_]+)(\b.*)$", msg)
+    if m and m.group(1) in _FLAG:
+        return _FLAG[m.group(1)] + m.group(2)
+    if msg.startswith("model config file"):
+        return "--model: " + msg
+    return msg
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    common = dict(method=args.method, precision=args.precision, optimizer=args.optimizer,
+                  batch=args.batch, seq=args.seq, lora_rank=args.lora_rank,
+                  lora_alpha=args.lora_alpha, lora_targets=targets, lora_dtype=args.lora_dtype,
+                  checkpointing=args.checkpointing, attn=args.attn, grad_accum=args.grad_accum)
+    prog = f"{parser.prog} {args.command}"
+    try:
+        if args.command == "estimate":
+            from .estimate import estimate
+            res = estimate(args.model, qlora_double_quant=not args.no_double_quant, zero=args.zero,
+                           gpus=args.gpus, **common)
+        else:
+            from .estimate import check_options, resolve_config
+            check_options(resolve_config(args.model), zero=0, gpus=1,
+                          **{k: v for k, v in common.items() if k not in ("lora_alpha", "checkpointing")})
+            from .measure import measure
+            res = measure(args.model, device=args.device,
+                          extrapolate=False if args.no_extrapolate else None, **common)
+    except ValueError as e:
+        sys.stderr.write(f"{prog}: error: {_one_line(e)}\n")
+        return 2
+    if args.json:
+        print(json.dumps(res.to_dict()))
+    else:
+        print(res.table())
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
