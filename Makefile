@@ -31,7 +31,7 @@ book: $(STAMP)
 ## make test — everything: unit tests, strict nbval over book/ and solutions/, GPU cells in
 ## COURSE_GPU=cpu mode, labs regenerated, grader, book build with -W, browser tests.
 test: $(STAMP) browser-deps
-	$(PY) -m pytest -n $(JOBS) --dist loadfile -q tests book solutions --nbval \
+	$(PY) -m pytest -n $(JOBS) --dist loadfile -q tests book solutions --nbval --timeout=1200 --nbval-cell-timeout=600 \
 	    --nbval-sanitize-with tests/nbval_sanitize.cfg -p tests.nbval_plugin --durations=15
 
 unit: $(STAMP)
