@@ -20,6 +20,7 @@ import os
 import random
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -241,8 +242,8 @@ def grade_one(student: str, path: Path | None, problem: str, tests: LabTests, se
 
 def _atomic_write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_symlink() or (path.exists() and not path.is_file()):
-        path.unlink() if path.is_symlink() or path.is_file() else None
+    if path.is_dir() and not path.is_symlink():  # a submission put a folder where a file goes
+        shutil.rmtree(path, ignore_errors=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
@@ -361,11 +362,7 @@ def grade(lab: str, submissions: str | Path, out: str | Path, *, jobs: int = 1, 
             keys[student] = key
     # Everything below is written from this process's memory, after every worker is gone, so files a
     # submission wrote into OUT_DIR while it ran are overwritten or removed.
-    new_cache = {}
-    for student, path, problem, *_ in [(s, p, w) for s, p, w in subs]:
-        rec = records[student]
-        key = keys.get(student) or cache[student]["key"]
-        new_cache[student] = {"key": key, "record": rec}
+    new_cache = {s: {"key": keys.get(s) or cache[s]["key"], "record": records[s]} for s, _, _ in subs}
     ordered = [records[s] for s, _, _ in subs]
     _atomic_write(cache_path, json.dumps(new_cache, ensure_ascii=False, indent=1))
     _atomic_write(out / "grades.csv", grades_csv(ordered, tests))
@@ -374,7 +371,7 @@ def grade(lab: str, submissions: str | Path, out: str | Path, *, jobs: int = 1, 
     wanted = {f"{rec['student']}.html" for rec in ordered}
     for p in fb.iterdir():
         if p.name not in wanted:
-            (p.unlink() if not p.is_dir() or p.is_symlink() else __import__("shutil").rmtree(p, ignore_errors=True))
+            p.unlink() if not p.is_dir() or p.is_symlink() else shutil.rmtree(p, ignore_errors=True)
     for rec in ordered:
         _atomic_write(fb / f"{rec['student']}.html", feedback_html(rec, tests))
     for p in out.iterdir():  # stray files a submission may have dropped next to grades.csv

@@ -133,11 +133,16 @@ def graded(tmp_path_factory):
         p = subs / f"{name}.ipynb"
         p.write_bytes(content if isinstance(content, bytes) else content.encode())
     (subs / "tamper_outdir.ipynb").write_text(nb(STUB_ADD, STUB_MEAN, tamper_out(out)))
+    pidfile = base / "orphan.pid"   # a process that leaves the kernel's process group (new session)
+    (subs / "orphan_process.ipynb").write_text(nb(ADD, MEAN, (
+        "import subprocess, pathlib\n"
+        "p = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+        f"pathlib.Path({str(pidfile)!r}).write_text(str(p.pid))")))
     logs: list[str] = []
     records = grade("lab99", subs, out, jobs=2, tests_dir=tests_dir, log=logs.append, **SETTINGS)
     rows = {r["student"]: r for r in csv.DictReader((out / "grades.csv").open())}
     return dict(records={r["student"]: r for r in records}, rows=rows, out=out, subs=subs,
-                tests_dir=tests_dir, logs=logs)
+                tests_dir=tests_dir, logs=logs, pidfile=pidfile)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -153,10 +158,21 @@ def test_tamper_outdir_changes_nothing(graded):
     out, rows = graded["out"], graded["rows"]
     assert rows["tamper_outdir"]["total"] == "0" and rows["tamper_outdir"]["status"] == "ok"
     assert "mallory" not in rows and rows["good"]["total"] == "5"
-    assert sorted(rows) == sorted([*CASES, "tamper_outdir", "MAX"])
+    assert sorted(rows) == sorted([*CASES, "tamper_outdir", "orphan_process", "MAX"])
     assert "hacked" not in (out / "feedback" / "good.html").read_text()
     assert not (out / "evil.txt").exists() and not (out / "feedback" / "zz_fake.html").exists()
     assert "mallory" not in json.loads((out / ".grade_cache.json").read_text())
+
+
+def test_escaped_processes_are_killed(graded):
+    """A child that left the kernel's process group (setsid) is found by the run's token and killed."""
+    assert graded["rows"]["orphan_process"]["total"] == "5"
+    pid = int(graded["pidfile"].read_text())
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return
+    assert "zombie" in state or "(dead)" in state, state
 
 
 def test_csv_and_feedback_content(graded):
