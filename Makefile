@@ -8,7 +8,6 @@ STAMP  := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 JOBS   ?= 2
 export PYTHONHASHSEED := 0
-export MPLBACKEND := Agg
 
 .PHONY: book test unit nbval browser venv nb labs labs-check clean browser-deps bench
 

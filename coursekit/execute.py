@@ -40,7 +40,6 @@ def execute_notebook(path: str | Path, timeout: int = 600, env: dict | None = No
     old_env = dict(os.environ)
     os.environ.setdefault("COURSE_GPU", "auto")
     os.environ["PYTHONHASHSEED"] = "0"
-    os.environ["MPLBACKEND"] = "Agg"
     os.environ.update(env or {})
     try:
         client = NotebookClient(nb, timeout=timeout, kernel_name="python3",

@@ -70,6 +70,18 @@ def versions(packages: tuple[str, ...] = ("torch", "transformers", "peft")) -> d
     return out
 
 
+def _inline_figures() -> None:
+    """In a Jupyter kernel, store figures in the notebook (``%matplotlib inline``) even when the
+    environment says ``MPLBACKEND=Agg`` — with Agg, ``plt.show()`` stores nothing."""
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover
+        return
+    ip = get_ipython()
+    if ip is not None and getattr(ip, "kernel", None) is not None:
+        ip.run_line_magic("matplotlib", "inline")
+
+
 def setup(seed: int = 0, packages: tuple[str, ...] = ("torch", "transformers", "peft"),
           threads: int | None = 2, quiet: bool = False) -> None:
     """First cell of every notebook: seed, pin CPU threads (stable timings), print versions + GPU line.
@@ -86,6 +98,7 @@ def setup(seed: int = 0, packages: tuple[str, ...] = ("torch", "transformers", "
     try:
         import matplotlib
 
+        _inline_figures()
         matplotlib.rcParams.update({"figure.dpi": 100, "savefig.dpi": 100, "figure.figsize": (6.4, 3.6)})
     except ImportError:  # pragma: no cover
         pass

@@ -25,7 +25,6 @@ IGNORED_MIME = (
 
 os.environ.setdefault("COURSE_GPU", "auto")
 os.environ.setdefault("PYTHONHASHSEED", "0")
-os.environ.setdefault("MPLBACKEND", "Agg")
 
 
 def pytest_collectstart(collector):
