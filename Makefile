@@ -57,8 +57,11 @@ browser-deps:
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium chromium-driver fonts-noto-cjk >/dev/null \
 	  || echo "WARNING: could not install chromium; browser tests will be skipped"; }
 
+## Benchmarks print tables (ours vs a reference, measured in the same run); never timed tests.
 bench: $(STAMP)
 	$(PY) benchmarks/memory_accuracy.py
+	$(PY) benchmarks/grading_bench.py
+	$(PY) benchmarks/dev_loop.py --skip-setup
 
 clean:
 	rm -rf _build
