@@ -40,12 +40,13 @@ def test_peak_live_bytes_counts_and_frees():
 def test_checkpoint_keeps_only_segment_inputs_same_grads():
     model = Stack(n_layers=4, d=16, mult=2)
     x = torch.randn(2, 8, 16)
-    ref = measure_step(model, x, repeats=1)
+    ref = measure_step(model, x, repeats=0)
     model(x).square().mean().backward()
     g_ref = grads(model)
     model.zero_grad()
     for k in (1, 2, 4):
-        m = measure_step(model, x, segment=k, repeats=1)
+        m = measure_step(model, x, segment=k, repeats=0)
+        assert m.seconds != m.seconds  # nan: timing skipped
         assert m.saved_bytes == (4 // k) * 2 * 8 * 16 * 4     # one fp32 (2, 8, 16) input per segment
         assert m.saved_bytes < ref.saved_bytes and m.flops > ref.flops
         model.segment = k

@@ -207,12 +207,13 @@ def measure_step(model: Stack, x: torch.Tensor, segment: int = 0, every: int = 0
     """Measure one training step of a :class:`Stack` with the given checkpoint placement.
 
     ``x``: (batch, seq, d); the loss is ``out.square().mean()``. Memory and FLOPs are measured once
-    (they are deterministic); ``seconds`` is the median of ``repeats`` plain, uninstrumented runs.
+    (they are deterministic); ``seconds`` is the median of ``repeats`` plain, uninstrumented runs
+    (``repeats=0`` skips timing and returns ``nan``).
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    if repeats < 1:
-        raise ValueError(f"repeats must be ≥ 1, got {repeats}")
+    if repeats < 0:
+        raise ValueError(f"repeats must be ≥ 0, got {repeats}")
     model.segment = model.every = 0
     model.segment, model.every = segment, every
     model.zero_grad(set_to_none=True)
@@ -235,4 +236,4 @@ def measure_step(model: Stack, x: torch.Tensor, segment: int = 0, every: int = 0
         model.zero_grad(set_to_none=True)
     times.sort()
     return StepMeasurement(segment, every, saved.bytes, live.peak, int(fc.get_total_flops()),
-                           times[len(times) // 2])
+                           times[len(times) // 2] if times else float("nan"))
