@@ -50,3 +50,8 @@ def test_optimizer_order_and_activations(results):
 def test_bad_world_size():
     with pytest.raises(ValueError, match="world_size"):
         fsdp_demo.run(world_size=0)
+
+
+def test_bad_start_method():
+    with pytest.raises(ValueError, match="start_method"):
+        fsdp_demo.run(start_method="fork")

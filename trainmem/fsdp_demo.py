@@ -3,6 +3,9 @@
 :func:`run` spawns ``world_size`` processes with ``torch.multiprocessing`` (``spawn``), which
 rendezvous on 127.0.0.1 at a free port with the **gloo** backend (NCCL is GPU-only). Every rank:
 
+(Ranks are forked from a ``forkserver`` that imported torch and transformers once; ``spawn``
+where forkserver does not exist.)
+
 1. builds the same tiny Llama (:func:`trainmem.models.build_model`, fp32, seed 0);
 2. applies ``fully_shard`` to each decoder layer, then to the root (bottom-up, as the FSDP2 docs
    ask), and only **then** builds AdamW — the optimizer must see the sharded DTensor parameters;
@@ -165,22 +168,45 @@ def _worker(rank: int, world_size: int, port: int, model_name: str, seed: int, l
         q.put(dict(rank=rank, error=traceback.format_exc()))
 
 
+PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.device_mesh", "trainmem.models",
+           "transformers.models.llama.modeling_llama"]
+
+
+def _context(mp, start_method: str | None = None):
+    """A ``forkserver`` context that has imported :data:`PRELOAD` once (where the platform has
+    forkserver), else ``spawn``.
+
+    Each rank is then forked from a clean, single-threaded server process that already holds
+    torch and transformers, instead of importing them again in every rank (a few CPU-seconds each).
+    Never plain ``fork``: forking a process that has used OpenMP threads (a Jupyter kernel that ran
+    torch) can deadlock.
+    """
+    if start_method not in (None, "spawn", "forkserver"):
+        raise ValueError(f"start_method must be None, 'spawn' or 'forkserver', got {start_method!r}")
+    if start_method == "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run(world_size: int = 2, model: str = "tiny", seed: int = 0, lr: float = 1e-2,
-        timeout: float = 120.0) -> list[dict]:
+        timeout: float = 120.0, start_method: str | None = None) -> list[dict]:
     """Run the FSDP2 demo on ``world_size`` CPU processes; return one result dict per rank.
 
     Each dict: ``rank``, ``params`` (per parameter: ``name``, global ``shape``, ``global_numel``,
     ``local_numel``, ``param_bytes``, ``grad_bytes``, ``optim_bytes``), the mean ``loss``, and the
     pitfall measurements (``right_order_changed``/``wrong_order_changed``: parameter tensors the
     step changed on this rank, ``saved_bytes_fsdp``, ``saved_bytes_plain``).
-    Raises ``RuntimeError`` with the worker's traceback if a rank fails, ``TimeoutError`` if the
+    ``start_method``: ``None`` (forkserver where available, else spawn), ``"spawn"`` or
+    ``"forkserver"``. Raises ``RuntimeError`` with the worker's traceback if a rank fails, ``TimeoutError`` if the
     ranks do not report within ``timeout`` seconds.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer ≥ 1, got {world_size!r}")
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = _context(mp, start_method)
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, model, seed, lr, q), daemon=True)
