@@ -46,6 +46,7 @@ class Sim:
         self.grad_enabled = True
         self.ckpt = None               # the active _CkptGroup while recording a checkpointed region
         self.marks: dict[str, dict] = {}
+        self.live = None               # a WeakSet of live buffers when debugging
 
     def alloc(self, nbytes: int, cat: str | None = None) -> "Buf":
         if cat is None:
@@ -78,10 +79,13 @@ class Sim:
 
 
 class Buf:
-    __slots__ = ("sim", "n", "cat", "__weakref__")
+    __slots__ = ("sim", "n", "cat", "info", "__weakref__")
 
     def __init__(self, sim, n, cat):
         self.sim, self.n, self.cat = sim, n, cat
+        self.info = None
+        if sim.live is not None:
+            sim.live.add(self)
 
     def __del__(self):
         self.sim._free(self)
@@ -113,7 +117,9 @@ class T:
 
 def new(sim: Sim, shape, dt, cat=None, phys=None) -> T:
     n = math.prod(shape) * ITEMSIZE[dt]
-    return T(sim.alloc(n, cat), shape, dt, phys=phys)
+    t = T(sim.alloc(n, cat), shape, dt, phys=phys)
+    t.buf.info = (tuple(shape), dt)
+    return t
 
 
 def view(t: T, shape, phys=None) -> T:
@@ -185,6 +191,7 @@ class _CkptGroup:
         self.recording = True
         self.replaying = None
         self.done = False
+        self.executed = 0
 
     def replay_node(self, node, saved):
         i = self.replaying
@@ -206,11 +213,9 @@ class _CkptGroup:
         sim.autocast = self.autocast
         try:
             ins = [view(t, t.shape, t.phys) if t is not None else None for t in self.inputs]
-            for t in ins:
+            for t in ins:       # same requires_grad as in the forward, so the node order matches
                 if t is not None:
-                    t.rg, t.fn, t.acc = False, None, None
-            ins[0].rg = True    # the hidden states: only their grad is wanted
-            ins[0].fn = _DUMMY
+                    t.fn, t.acc = (_DUMMY if t.rg else None), None
             try:
                 self.fn(*ins)
             except _StopRecompute:
@@ -219,7 +224,7 @@ class _CkptGroup:
             sim.ckpt = prev
             sim.autocast = prev_ac
             self.replaying = None
-            self.inputs = None
+            # the checkpoint keeps its inputs until the layer's backward is over (see backward())
 
 
 _DUMMY = Node(-1, [], [], None)
@@ -578,6 +583,11 @@ def backward(sim: Sim, loss: T):
         grads = node.bwd(node, g)
         del g
         node.saved = None
+        grp = node.group
+        if grp is not None:
+            grp.executed += 1
+            if grp.executed == len(grp.nodes):
+                grp.inputs = None
         for e, gr in zip(node.edges, grads):
             if e is None or gr is None or e is _DUMMY:
                 continue
@@ -617,9 +627,8 @@ def lora_linear(sim: Sim, x: T, lin: dict) -> T:
     if "A" not in lin:
         return result
     rdt = result.dt
-    xa = cast(sim, x, lin["A"].dt)
-    h = linear(sim, xa, lin["A"])
-    del xa
+    x = cast(sim, x, lin["A"].dt)       # x = self._cast_input_dtype(x, ...): lives to the end
+    h = linear(sim, x, lin["A"])
     h2 = linear(sim, h, lin["B"])
     del h
     h3 = mul_scalar(sim, h2)
@@ -722,16 +731,18 @@ def llama_loss(sim: Sim, M: dict, ids: T, labels: T, cfg: dict) -> T:
     if cfg["checkpointing"]:
         del pos
     h = rmsnorm(sim, h, M["norm"])
+    del mask                                      # LlamaModel.forward returns here
     logits = linear(sim, h, M["lm_head"])
-    del h
+    # (h, the model output's last_hidden_state, lives until the causal-LM forward returns)
     # ForCausalLMLoss: logits.float(); pad+shift labels; cross_entropy = log_softmax + nll_loss
     lf = cast(sim, logits, "fp32")
-    padded = new(sim, (b, s + 1), "i64")
+    padded = new(sim, (b, s + 1), "i64")          # the padded labels live until the loss returns
     target = new(sim, (b * s,), "i64")
-    del padded
     logp = log_softmax(sim, view(lf, (b * s, lf.shape[-1])))
-    del lf, logits
-    return nll_loss(sim, logp, target)
+    del lf
+    loss = nll_loss(sim, logp, target)
+    del logp, target, padded, logits, h
+    return loss
 
 
 def log_softmax(sim: Sim, x: T) -> T:
