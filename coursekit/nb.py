@@ -83,7 +83,7 @@ def _inline_figures() -> None:
 
 
 def setup(seed: int = 0, packages: tuple[str, ...] = ("torch", "transformers", "peft"),
-          threads: int | None = 2, quiet: bool = False) -> None:
+          threads: int | None = 1, quiet: bool = False) -> None:
     """First cell of every notebook: seed, pin CPU threads (stable timings), print versions + GPU line.
 
     The printed lines are version-dependent, so this cell is tagged ``nbval-ignore-output``.
