@@ -132,15 +132,23 @@ class AdamW8bit(torch.optim.Optimizer):
     ``m`` uses the signed dynamic code, ``v`` (never negative) the unsigned one; each block of
     ``block_size`` values carries one float32 absmax. Tensors with fewer than ``min_8bit_size``
     elements keep float32 states (as bitsandbytes does, default 4096).
+    ``code="linear"`` uses evenly spaced codes instead — a deliberately bad choice the book uses
+    to show why the dynamic code exists (small ``v`` entries round to zero → huge steps).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, block_size: int = 2048, min_8bit_size: int = 4096):
+                 weight_decay: float = 0.01, block_size: int = 2048, min_8bit_size: int = 4096,
+                 code: str = "dynamic"):
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
+        if code not in ("dynamic", "linear"):
+            raise ValueError(f"code must be 'dynamic' or 'linear', got {code!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.block_size, self.min_8bit_size = block_size, min_8bit_size
-        self._codes = (dynamic_code(signed=True), dynamic_code(signed=False))
+        if code == "dynamic":
+            self._codes = (dynamic_code(signed=True), dynamic_code(signed=False))
+        else:
+            self._codes = (linear_code(8, signed=True), linear_code(8, signed=False))
 
     @torch.no_grad()
     def step(self, closure=None):
