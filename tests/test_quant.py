@@ -116,3 +116,11 @@ def test_adamw8bit_tracks_fp32_adamw_and_saves_memory():
     assert Q.optimizer_state_bytes(o8) == 2 * (8192 + 4 * 4) + 2 * 64 * 4
     with pytest.raises(ValueError, match="lr"):
         Q.AdamW8bit(torch.nn.Linear(2, 2).parameters(), lr=0)
+
+
+def test_adamw8bit_code_option():
+    p = torch.nn.Linear(2, 2).parameters()
+    with pytest.raises(ValueError, match="code"):
+        Q.AdamW8bit(p, code="log")
+    opt = Q.AdamW8bit(torch.nn.Linear(2, 2).parameters(), code="linear")
+    assert opt._codes[0].numel() == 255 and opt._codes[1].numel() == 256
