@@ -186,7 +186,7 @@ def _check_accum(inputs, result, sizes_of):
     if not isinstance(result, list) or len(result) != len(inputs):
         return 0.0, f"expected {len(inputs)} results, got {type(result).__name__}"
     ns = _ns()
-    score, msgs = 0.0, []
+    score, msgs, bad_ok, good_full = 0.0, [], 0, 0
     for case, got in zip(inputs, result):
         label = f"N={case['n']}, {'accum' if 'accum' in case else 'micro_batch_size'}={case.get('accum', case.get('mbs'))}"
         if not isinstance(got, dict):
@@ -194,7 +194,7 @@ def _check_accum(inputs, result, sizes_of):
             continue
         if case["bad"]:
             if got.get("raised") == "ValueError":
-                score += 1
+                bad_ok += 1
             else:
                 msgs.append(f"{label}: expected ValueError, got {got.get('raised')}")
             continue
@@ -203,13 +203,19 @@ def _check_accum(inputs, result, sizes_of):
         ok_dot, why_dot = _grads_match(got.get("dot_grad"), want)
         want_sizes = sizes_of(case) * 2
         ok_sizes = got.get("sizes") == want_sizes
-        part = (0.5 * ok_ret + 0.3 * ok_dot + 0.2 * ok_sizes)
+        # the micro-batch loop is the exercise: right gradients from one big batch earn little
+        part = (0.6 * ok_ret + 0.4 * ok_dot) if ok_sizes else 0.2 * ok_ret
+        good_full += part == 1
         score += part
         if part < 1:
             msgs.append(f"{label}: " + "; ".join(
                 m for m in [why if not ok_ret else "", ("(.grad) " + why_dot) if not ok_dot else "",
                             f"model saw micro-batch sizes {got.get('sizes')} over two calls, expected {want_sizes}"
                             if not ok_sizes else ""] if m))
+    if good_full:        # raising ValueError only counts for a function that also computes something right
+        score += bad_ok
+    elif bad_ok:
+        msgs.append("ValueError cases not counted: no valid case was fully correct")
     frac = score / len(inputs)
     return frac, "all cases correct" if not msgs else " | ".join(msgs[:3])
 
@@ -336,8 +342,12 @@ def check_blocks(inputs, result):
                 f"saved bytes (expected {want_saved})": g.get("saved") == want_saved,
                 f"block forwards (expected {want_fw})": g.get("forwards") == want_fw,
             }
-            score += sum(checks.values()) / len(checks) / 2
-            wrong = [k for k, v in checks.items() if not v]
+            v = list(checks.values())
+            if ck == "False":      # plain run: a quarter of the case
+                score += 0.25 * all(v)
+            else:                  # checkpointed run: same numbers (1/4), and really checkpointed (3/4)
+                score += 0.75 * (0.25 * all(v[:3]) + 0.75 * (v[3] and v[4]))
+            wrong = [k for k, ok in checks.items() if not ok]
             if wrong:
                 msgs.append(f"{label}, checkpointing={ck}: wrong " + ", ".join(wrong)
                             + (f" (got saved={g.get('saved')}, forwards={g.get('forwards')})" if ck == "True" else ""))
