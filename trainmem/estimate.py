@@ -41,10 +41,10 @@ step: the Llama forward written op by op as ``transformers`` runs it, each op sa
 what PyTorch's autograd saves, backward in autograd's order, then the optimizer's scratch memory.
 It agrees with the tensor-level measurement of :mod:`trainmem.measure` (real CPU tensors, and fake
 tensors for 7B shapes) to a few bytes in most configurations; the largest gap on the grid of
-``benchmarks/results/memory_accuracy.md`` is about -1.4 % (LoRA on every Linear + bf16 autocast +
-checkpointing: during the recompute, autocast's casts of the frozen weights live a little longer
-than modelled).  The ``forward`` phase peak under checkpointing is modelled less exactly (it is
-never the step's peak there).  On a GPU, ``max_memory_allocated`` adds the caching allocator's
+``benchmarks/results/memory_accuracy.md`` is about -1 % (tiny model, LoRA on every Linear + bf16
+autocast + checkpointing: one 16 KiB temporary of the layer-0 recompute is not modelled).  The
+``forward`` phase peak under checkpointing is modelled less exactly (it is not the step's peak in
+those runs).  On a GPU, ``max_memory_allocated`` adds the caching allocator's
 512-byte rounding and kernel workspaces; ``max_memory_reserved`` adds fragmentation and the device
 total adds the CUDA context (several hundred MiB) — none of these is in the estimate.
 Llama-family configs (llama, mistral, qwen2) are replayed; ``gpt2`` uses the closed-form

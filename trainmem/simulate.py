@@ -141,12 +141,13 @@ class Node:
 
 class AccGrad:
     """AccumulateGrad of a leaf parameter: the first gradient is stolen, later ones added in place."""
-    __slots__ = ("param", "grad", "seq", "__weakref__")
+    __slots__ = ("param", "grad", "seq", "sink", "__weakref__")
 
     def __init__(self, param: T):
         self.param = param
         self.grad = None
         self.seq = math.inf
+        self.sink = False
 
     def __lt__(self, other):
         return self.seq > other.seq
@@ -568,6 +569,9 @@ def backward(sim: Sim, loss: T):
         g = buffers.pop(id(node))
         if isinstance(node, AccGrad):
             p = node.param
+            if node.sink:                   # a leaf that is not a parameter: grad discarded
+                del g
+                continue
             if p.buf is not None and getattr(p, "acc", None) is node:
                 if node.grad is None:
                     if g.buf.cat != "gradients":
@@ -587,7 +591,9 @@ def backward(sim: Sim, loss: T):
         if grp is not None:
             grp.executed += 1
             if grp.executed == len(grp.nodes):
-                grp.inputs = None
+                grp.inputs = grp.fn = None      # release the kept inputs (and break the
+                grp.nodes = []                  # group <-> node reference cycle)
+                grp.executed = -1
         for e, gr in zip(node.edges, grads):
             if e is None or gr is None or e is _DUMMY:
                 continue
@@ -702,6 +708,14 @@ def decoder_layer(sim: Sim, h: T, cos: T, sin: T, L: dict, cfg: dict, mask) -> T
 def llama_loss(sim: Sim, M: dict, ids: T, labels: T, cfg: dict) -> T:
     b, s = ids.shape
     h = embedding(sim, ids, M["embed"])
+    if cfg["checkpointing"] and not h.rg:
+        # transformers' gradient_checkpointing_enable() calls enable_input_require_grads(): the
+        # (frozen) embedding output is made a leaf that requires grad, so layer 0 is checkpointed
+        # and back-propagated like the others (its gradient is computed and dropped).
+        h.rg = True
+        h.acc = AccGrad(h)
+        h.acc.sink = True
+        h.acc.param = None          # (no reference cycle: h is freed as usual)
     dt = h.dt
     d = cfg["head_dim"]
     # rotary embedding (computed once per forward, in fp32, then cast to the activation dtype)
