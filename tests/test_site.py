@@ -94,7 +94,11 @@ def test_page_loads_offline_and_renders(browser, doc):
         assert not problems, "\n".join(problems)
         body = page.inner_text("article")
         if _has_math(doc):
-            page.wait_for_selector("mjx-container", timeout=15000)
+            # wait for MathJax itself to finish typesetting (slow on a loaded CI machine)
+            page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.promise",
+                                   timeout=120000)
+            page.evaluate("() => MathJax.startup.promise")
+            page.wait_for_selector("mjx-container", state="attached", timeout=120000)
             assert page.locator("mjx-container").count() > 0, "math not typeset"
             assert "$$" not in body, "raw $$ left in the page"
         # glue: no missing keys, no empty pasted values
