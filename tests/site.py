@@ -47,7 +47,8 @@ def source_of(doc: str) -> Path:
 def build_book() -> subprocess.CompletedProcess:
     """``jupyter-book build . -W --keep-going`` (what ``make book`` runs)."""
     jb = Path(sys.executable).parent / "jupyter-book"
-    return subprocess.run([str(jb), "build", ".", "-W", "--keep-going"], cwd=ROOT,
+    # --all: an incremental build re-reads only changed pages and would hide their earlier warnings
+    return subprocess.run([str(jb), "build", ".", "--all", "-W", "--keep-going"], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
 
 
