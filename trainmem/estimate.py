@@ -31,9 +31,26 @@ lora_dtype, qlora_double_quant, checkpointing, attn, zero, gpus, grad_accum)``:
 * ``checkpointing``: non-reentrant activation checkpointing of every decoder layer.
 * ``attn``: ``"sdpa"`` (also ``"flash"``: the same memory) | ``"eager"`` (materialises the
   ``b x heads x s x s`` scores).
-* ``zero`` (0-3) and ``gpus``: per-GPU memory under ZeRO/FSDP partitioning — stage >= 1 divides
-  optimizer states and fp32 master weights by ``gpus``, >= 2 also gradients, 3 also weights (plus
-  one gathered layer).  This part is a model, not measured here.
+* ``zero`` (0-3) and ``gpus``: per-GPU memory under ZeRO partitioning over ``gpus`` data-parallel
+  GPUs — stage >= 1 divides optimizer states and fp32 master weights by ``gpus``, >= 2 also
+  gradients, 3 also weights (plus one gathered, unsharded layer in flight).  The AdamW ``foreach``
+  scratch (``temporaries`` at the optimizer step) covers the local shard only.  This part is a
+  model, not measured here.  Which parameter layout applies:
+
+  - ``zero=0``: the layout of plain PyTorch, as measured — under ``fp16-amp``/``bf16-amp`` torch
+    AMP (fp32 parameters that *are* the master weights, fp32 gradients, autocast's 16-bit weight
+    copies kept for backward: the 18 B/param convention below).
+  - ``zero>=1`` with ``fp16-amp``/``bf16-amp``: the ZeRO paper's / DeepSpeed's layout — the module
+    is cast to the 16-bit dtype (no autocast; adapters too), so 16-bit parameters 2Ψ (replicated
+    for forward/backward at stages 1-2, sharded at stage 3) + 16-bit gradients 2Ψ (sharded from
+    stage 2) + fp32 master weights 4Ψ and fp32 Adam m, v 8Ψ held by the optimizer for its shard
+    (12Ψ/N from stage 1).  The model states then equal :func:`trainmem.zero.per_gpu_memory`
+    exactly (stage 3: plus the gathered layer, ``2 × params of one layer`` bytes).  Activations
+    follow the 16-bit module (a 16-bit residual stream, as with ``precision="bf16"``).
+    DeepSpeed's transient fp32 copy of the local gradient shard at the step is not modelled.
+  - ``fp32`` and pure ``bf16``: one layout at every stage (4 + 4 + 8, resp. 2 + 2 + 4 bytes per
+    parameter, each term sharded as above); fp32 matches ``per_gpu_memory(weight_bytes=4,
+    grad_bytes=4, k=8)``.
 
 How the peak is computed.  Parameters, gradients and optimizer states are counted exactly from the
 config.  Activations and temporaries come from :mod:`trainmem.simulate`, a symbolic replay of the
@@ -314,6 +331,11 @@ class MemoryEstimate:
     phase_peaks: dict[str, int]
     exact: bool = True
     options: dict[str, Any] = field(default_factory=dict)
+    #: weights + gradients + optimizer states + master weights held per GPU when the optimizer
+    #: step starts (bytes; not in ``to_dict``). Unlike ``breakdown`` (taken at the peak, which may
+    #: fall in backward before every gradient exists) this is the resident model state that
+    #: :func:`trainmem.zero.per_gpu_memory` counts.
+    model_state_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"total_bytes": int(self.total_bytes),
@@ -371,6 +393,10 @@ def _gpt2_estimate(s: Shape, *, method, precision, optimizer, batch, seq, lora_r
         weights = 2 * n          # low-precision working copies
     grads = nt * tp
     states = int(nt * {"adamw": 2 * tp, "adamw8bit": 2 + 8 / 256, "sgd": 0, "sgd-momentum": tp}[optimizer])
+    if amp and zero >= 1:       # ZeRO/DeepSpeed layout: 16-bit module, fp32 master + states
+        weights = 2 * n if method != "qlora" else int(n * 0.55)
+        grads, master = 2 * nt, 4 * nt
+        states = int(nt * {"adamw": 8, "adamw8bit": 2 + 8 / 256, "sgd": 0, "sgd-momentum": 4}[optimizer])
     act_scale = 1.0 if precision != "fp32" else 2.0
     b, sq, h, a = batch, seq, s.hidden, s.heads
     per_layer = 34 * sq * b * h + (5 * a * sq * sq * b if attn == "eager" else 0)
@@ -391,6 +417,7 @@ def _gpt2_estimate(s: Shape, *, method, precision, optimizer, batch, seq, lora_r
     bd = {"weights": int(weights), "gradients": int(grads), "optimizer_states": int(states),
           "master_weights": int(master), "activations": int(acts), "temporaries": int(temps)}
     return {"peak": sum(bd.values()), "breakdown": bd, "activations": int(acts),
+            "model_states": int(weights + grads + states + master),
             "phase_peaks": {"backward": sum(bd.values())}, "n_params": n, "n_trainable": nt}
 
 
@@ -430,7 +457,8 @@ def estimate(model: Any = "llama-7b", method: str = "full", precision: str = "bf
     phase_peaks = r["phase_peaks"]
     peak_phase = max(phase_peaks, key=lambda k: (phase_peaks[k], k))
     return MemoryEstimate(int(r["peak"]), {k: int(r["breakdown"][k]) for k in CATEGORIES},
-                          int(r["activations"]), n, nt, peak_phase, phase_peaks, exact, opts)
+                          int(r["activations"]), n, nt, peak_phase, phase_peaks, exact, opts,
+                          int(r["model_states"]))
 
 
 def activation_bytes_per_layer(model: Any = "llama-7b", batch: int = 1, seq: int = 512,

@@ -775,10 +775,15 @@ def nll_loss(sim: Sim, logp: T, target: T) -> T:
 
 
 def build_params(sim: Sim, shape, *, method: str, precision: str, lora_rank: int, lora_targets,
-                 lora_dtype: str | None, tie_lora=None) -> dict:
-    """Parameters (and buffers) as the measured model holds them."""
-    pdt = "bf16" if precision == "bf16" else "fp32"
-    amp = precision in ("fp16-amp", "bf16-amp")
+                 lora_dtype: str | None, tie_lora=None, param_dtype: str | None = None) -> dict:
+    """Parameters (and buffers) as the measured model holds them.
+
+    ``param_dtype`` (``"bf16"``/``"fp16"``) overrides the dtype of every parameter, buffer and
+    LoRA adapter: the ZeRO/DeepSpeed mixed-precision layout, where the module itself is cast to the
+    low precision (``model.bfloat16()``) and the fp32 master copy lives in the optimizer (added by
+    :func:`simulate_step`, category ``master_weights``); all parameters are then ``weights``."""
+    pdt = param_dtype or ("bf16" if precision == "bf16" else "fp32")
+    amp = precision in ("fp16-amp", "bf16-amp") and param_dtype is None
     full = method == "full"
 
     def P(shp, trainable, dt=pdt):
@@ -789,7 +794,7 @@ def build_params(sim: Sim, shape, *, method: str, precision: str, lora_rank: int
     M = {"embed": P((shape.vocab, h), full)}
     # rotary buffers: inv_freq and original_inv_freq (head_dim/2 floats each)
     M["_buffers"] = [new(sim, (shape.head_dim // 2,), pdt, cat="weights") for _ in range(2)]
-    ldt = lora_dtype or "fp32"          # peft upcasts adapters to fp32 by default
+    ldt = param_dtype or lora_dtype or "fp32"      # peft upcasts adapters to fp32 by default
     layers = []
     lin_shapes = shape.linear_shapes()
     for _ in range(shape.layers):
@@ -858,13 +863,18 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
                   qlora_double_quant=True) -> dict:
     """Replay step 2 of training (states exist, grads start as None) and return bytes:
     ``peak``, ``breakdown`` (categories at the peak), ``activations`` (forward-allocated bytes alive
-    at the end of the forward pass), ``phase_peaks``."""
+    at the end of the forward pass), ``model_states`` (weights + gradients + optimizer states +
+    master weights when the optimizer step starts), ``phase_peaks``."""
     if shape.arch != "llama":
         raise NotImplementedError("the step replay models Llama-family decoders")
     sim = Sim()
     sim.set_phase("idle")
+    # ZeRO >= 1 with mixed precision: DeepSpeed's layout (the ZeRO paper's), not torch AMP's. The
+    # module is cast to the 16-bit dtype (weights, grads 2 B/param; no autocast), the optimizer
+    # holds fp32 master weights and fp32 states for its shard only.
+    zero_mp = {"fp16-amp": "fp16", "bf16-amp": "bf16"}.get(precision) if zero >= 1 else None
     M = build_params(sim, shape, method=method, precision=precision, lora_rank=lora_rank,
-                     lora_targets=tuple(lora_targets), lora_dtype=lora_dtype)
+                     lora_targets=tuple(lora_targets), lora_dtype=lora_dtype, param_dtype=zero_mp)
     params = trainable_params(M)
     if method == "qlora":
         # NF4: 4 bits per weight + one fp32 absmax per 64 weights, or (double quantization) an
@@ -877,6 +887,11 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
                     shrink(sim, w.buf, per / ITEMSIZE[w.dt])
                     lin["q"] = True
     shard = 1.0 / gpus
+    masters = []
+    if zero_mp:
+        masters = [new(sim, p.shape, "fp32", cat="master_weights") for p in params]
+        for m in masters:
+            shrink(sim, m.buf, shard)
     if zero >= 1:
         for p in params:
             if p.buf.cat == "master_weights":
@@ -893,8 +908,9 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
         gathered = sim.alloc(layer_bytes, "weights")
         sim.param_cast_scale = shard
     sim.grad_scale = shard if zero >= 2 else 1.0
-    # optimizer states (created in step 1)
+    # optimizer states (created in step 1; fp32, like the master weights, under zero_mp)
     states = []
+    sdt = "fp32" if zero_mp else None
     for p in params:
         if optimizer == "adamw8bit":
             if p.numel >= 4096:     # bitsandbytes keeps small tensors in 32-bit states
@@ -906,11 +922,11 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
                            new(sim, p.shape, "fp32", cat="optimizer_states")]
             states.append(new(sim, (), "fp32", cat="optimizer_states"))
         elif optimizer == "adamw":
-            states += [new(sim, p.shape, p.dt, cat="optimizer_states"),
-                       new(sim, p.shape, p.dt, cat="optimizer_states")]
+            states += [new(sim, p.shape, sdt or p.dt, cat="optimizer_states"),
+                       new(sim, p.shape, sdt or p.dt, cat="optimizer_states")]
             states.append(new(sim, (), "fp32", cat="optimizer_states"))      # step
         elif optimizer == "sgd-momentum":
-            states.append(new(sim, p.shape, p.dt, cat="optimizer_states"))
+            states.append(new(sim, p.shape, sdt or p.dt, cat="optimizer_states"))
     if zero >= 1:
         for st in states:
             shrink(sim, st.buf, shard)
@@ -921,7 +937,7 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
     sim.phase_peaks = {}
     cfg = {"heads": shape.heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
            "attn": attn, "checkpointing": checkpointing}
-    amp = {"fp16-amp": "fp16", "bf16-amp": "bf16"}.get(precision)
+    amp = None if zero_mp else {"fp16-amp": "fp16", "bf16-amp": "bf16"}.get(precision)
     act_end = 0
     for _ in range(grad_accum):
         sim.set_phase("forward")
@@ -938,13 +954,18 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
         backward(sim, loss)
         del loss
     sim.set_phase("optimizer")
+    sim.mark("optimizer_start")
     if optimizer == "adamw":
         step_one = new(sim, (), "fp32")
         # _foreach_sqrt(exp_avg_sq): one copy of the (local shard of the) trainable parameters
         part = shard if zero >= 1 else 1.0
-        tmp = [sim.alloc(int(math.ceil(p.nbytes * part))) for p in params]
+        tmp = [sim.alloc(int(math.ceil(p.numel * ITEMSIZE[sdt or p.dt] * part))) for p in params]
         del tmp, step_one
+    del masters
     sim.set_phase("idle")
+    at_step = sim.marks["optimizer_start"]
+    model_states = sum(at_step[k] for k in ("weights", "gradients", "optimizer_states", "master_weights"))
     return {"peak": sim.peak, "breakdown": dict(sim.peak_by), "activations": act_end,
+            "model_states": model_states,
             "phase_peaks": {k: v for k, v in sim.phase_peaks.items()
                             if k in ("forward", "backward", "optimizer")}}
