@@ -5,8 +5,9 @@
   checkpoint segments of ``segment`` consecutive layers (``torch.utils.checkpoint``).
 * :class:`SavedTensorBytes` — bytes autograd keeps for backward (saved-tensor hooks), deduplicated
   by storage, parameters excluded: the activation memory, exactly.
-* :class:`PeakLiveBytes` — peak bytes of tensors alive during a region (a ``TorchDispatchMode``
-  watching every op's outputs; freed storages are subtracted by weak-reference callbacks).
+* :class:`PeakLiveBytes` — peak bytes of tensors alive during a region (the
+  :class:`trainmem.tracker.MemoryTracker` dispatch mode watching every op's outputs; freed storages
+  are subtracted by weak-reference callbacks).
 * :func:`measure_step` — one forward+backward of a :class:`Stack` under both meters, plus time.
 
 All byte counts are bytes (not MiB/GiB); shapes are stated in each docstring.
@@ -14,14 +15,13 @@ All byte counts are bytes (not MiB/GiB); shapes are stated in each docstring.
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
+
+from .tracker import MemoryTracker
 
 
 def grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -154,38 +154,18 @@ class SavedTensorBytes:
         self._hooks.__exit__(*exc)
 
 
-class PeakLiveBytes(TorchDispatchMode):
+class PeakLiveBytes(MemoryTracker):
     """Context manager: current and peak bytes of storages created by ops inside the block.
 
-    Counts every op output's storage once, from its creation until it is freed (a weak-reference
-    callback on the storage subtracts it). Tensors that existed before the block (parameters,
-    inputs) are not counted. ``.peak`` and ``.current`` are ints in bytes.
+    A :class:`trainmem.tracker.MemoryTracker` with nothing registered by hand: every op output's
+    storage counts once, from its creation until it is freed (a weak-reference callback on the
+    storage subtracts it); ``meta`` tensors are ignored. Tensors that existed before the block
+    (parameters, inputs) are not counted until an op returns a view of them.
+    ``.peak`` and ``.current`` are ints in bytes.
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.current = 0
-        self.peak = 0
-        self._live: dict[int, tuple[weakref.ref, int]] = {}
-
-    def _freed(self, key: int) -> None:
-        ref_n = self._live.pop(key, None)
-        if ref_n is not None:
-            self.current -= ref_n[1]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                st = t.untyped_storage()
-                key = id(st)
-                if key in self._live and self._live[key][0]() is st:
-                    continue
-                n = st.nbytes()
-                self._live[key] = (weakref.ref(st, lambda _r, k=key: self._freed(k)), n)
-                self.current += n
-        self.peak = max(self.peak, self.current)
-        return out
+    skip_meta = True
+    keep_records = False
 
 
 @dataclass

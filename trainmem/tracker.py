@@ -41,7 +41,14 @@ class MemoryTracker(TorchDispatchMode):
     Use ``register(t, phase)`` for tensors that exist before tracking starts (parameters, optimizer
     states, the batch), ``set_phase(name)`` to label the phases of the step, ``reset_peak()`` to
     start a new peak window, and ``classify(...)`` afterwards for the breakdown at the peak.
+
+    Subclasses tune it with two class attributes: ``skip_meta`` (ignore ``meta`` tensors, which have
+    no memory) and ``keep_records`` (keep a record of every storage ever seen, for the breakdown).
+    :class:`trainmem.accum.PeakLiveBytes` is such a subclass.
     """
+
+    skip_meta = False
+    keep_records = True
 
     def __init__(self):
         super().__init__()
@@ -58,6 +65,8 @@ class MemoryTracker(TorchDispatchMode):
     # -- bookkeeping -------------------------------------------------------------------------
     def _storage(self, t):
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return None
+        if self.skip_meta and t.device.type == "meta":
             return None
         try:
             return t.untyped_storage()
@@ -78,7 +87,8 @@ class MemoryTracker(TorchDispatchMode):
                    shape=tuple(t.shape), dtype=t.dtype)
         ref = weakref.ref(st, lambda _r, key=key, rec=rec: self._on_free(key, rec))
         self._live[key] = (rec, ref)
-        self.records.append(rec)
+        if self.keep_records:
+            self.records.append(rec)
         self.current += rec.nbytes
         if self.current > self.phase_peaks.get(self.phase, -1):
             self.phase_peaks[self.phase] = self.current
@@ -93,7 +103,11 @@ class MemoryTracker(TorchDispatchMode):
             del self._live[key]
         self.event += 1
         rec.free = self.event
-        self.current -= rec.nbytes
+        self._release(rec.nbytes)
+
+    def _release(self, nbytes: int) -> None:
+        """Subtract ``nbytes`` (bytes) of a freed storage from the live total."""
+        self.current -= nbytes
 
     def record_of(self, t):
         st = self._storage(t)
