@@ -5,8 +5,9 @@ milliseconds (end of forward / start of backward). What you want is the *peak si
 record*, logged once per step:
 
 * CUDA: ``torch.cuda.max_memory_allocated()`` then ``torch.cuda.reset_peak_memory_stats()``.
-* CPU (this course's CI machine): :class:`TensorMemoryTracker` counts the bytes of every tensor
-  storage created by an operator while it is active and notices when a storage is freed, so it
+* CPU (this course's CI machine): :class:`TensorMemoryTracker` (a
+  :class:`trainmem.tracker.MemoryTracker`) counts the bytes of every tensor storage created by an
+  operator while it is active and notices when a storage is freed, so it
   knows the live bytes and the peak at operator granularity. It is exact for tensors; it does not
   see temporaries that a kernel allocates and frees inside one operator, nor allocator rounding.
 
@@ -18,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from .tracker import MemoryTracker
 
 __all__ = ["TensorMemoryTracker", "PeakMemoryMonitor", "StepRecord", "storage_bytes"]
 
@@ -35,11 +36,18 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-class TensorMemoryTracker(TorchDispatchMode):
+class TensorMemoryTracker(MemoryTracker):
     """Live and peak bytes of tensor storages created by operators inside the ``with`` block.
 
-    ``baseline`` tensors (e.g. ``model.parameters()``) that existed before are added to the count,
-    so ``peak_bytes`` is comparable with ``torch.cuda.max_memory_allocated`` (minus rounding).
+    A :class:`trainmem.tracker.MemoryTracker` with three rules of its own:
+
+    * an op output whose storage is one of the op's inputs (in-place ops, views) is not new memory;
+      storages of size 0 and ``meta`` tensors are ignored;
+    * ``baseline`` tensors (e.g. ``model.parameters()``) that existed before are added to the
+      count once, as a constant, so ``peak_bytes`` is comparable with
+      ``torch.cuda.max_memory_allocated`` (minus rounding);
+    * frees are settled at the next operator (and by :meth:`reset_peak`), so ``current_bytes``
+      read between operators still includes storages freed since the last one.
 
     >>> with TensorMemoryTracker() as tr:
     ...     x = torch.zeros(1024)            # 4096 bytes
@@ -48,39 +56,47 @@ class TensorMemoryTracker(TorchDispatchMode):
     8192
     """
 
+    skip_meta = True
+    keep_records = False
+
     def __init__(self, baseline: Iterable[torch.Tensor] = ()):
         super().__init__()
-        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._freed = 0                     # bytes freed since the last settlement
         self.baseline_bytes = storage_bytes(baseline)
-        self.current_bytes = self.baseline_bytes
-        self.peak_bytes = self.baseline_bytes
+        self.current = self.peak = self.baseline_bytes
+
+    @property
+    def current_bytes(self) -> int:
+        """Live bytes (baseline included) as of the last operator or :meth:`reset_peak`."""
+        return self.current
+
+    @property
+    def peak_bytes(self) -> int:
+        """Peak of ``current_bytes`` since entering the block or the last :meth:`reset_peak`."""
+        return self.peak
+
+    def _release(self, nbytes: int) -> None:
+        self._freed += nbytes
 
     def _sweep(self) -> None:
-        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
-        for k in dead:
-            self.current_bytes -= self._live.pop(k)[1]
+        """Subtract the bytes of the storages freed since the last call."""
+        self.current -= self._freed
+        self._freed = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self._sweep()
-        # in-place ops and views return storages that already existed: not new memory
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
-        flat, _ = tree_flatten(out)
-        for t in flat:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                st = t.untyped_storage()
-                key = st.data_ptr()
-                if key not in self._live and key not in inputs and st.nbytes() > 0:
-                    self._live[key] = (StorageWeakRef(st), st.nbytes())
-                    self.current_bytes += st.nbytes()
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        inputs = {id(st) for st in map(self._storage, tree_flatten((args, kwargs))[0]) if st is not None}
+        for t in tree_flatten(out)[0]:
+            st = self._storage(t)
+            if st is not None and id(st) not in inputs and st.nbytes() > 0:
+                self.register(t, op=func)
         return out
 
     def reset_peak(self) -> None:
         """Start a new peak window at the current live bytes (like ``reset_peak_memory_stats``)."""
         self._sweep()
-        self.peak_bytes = self.current_bytes
+        super().reset_peak()
 
 
 @dataclass

@@ -44,7 +44,8 @@ class MemoryTracker(TorchDispatchMode):
 
     Subclasses tune it with two class attributes: ``skip_meta`` (ignore ``meta`` tensors, which have
     no memory) and ``keep_records`` (keep a record of every storage ever seen, for the breakdown).
-    :class:`trainmem.accum.PeakLiveBytes` is such a subclass.
+    :class:`trainmem.accum.PeakLiveBytes` and :class:`trainmem.monitor.TensorMemoryTracker` are
+    such subclasses.
     """
 
     skip_meta = False
