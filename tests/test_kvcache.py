@@ -5,7 +5,7 @@ from trainmem.kvcache import inference_memory, kv_cache_bytes, param_count
 from trainmem.models import build_model, get_config
 
 
-@pytest.mark.parametrize("name", ["tiny", "qwen2.5-0.5b", "llama-7b", "llama2-70b"])
+@pytest.mark.parametrize("name", ["tiny", "qwen2.5-0.5b", "llama-7b", "llama2-70b", "gpt2"])
 def test_param_count_matches_meta_model(name):
     cfg = get_config(name)
     model = build_model(cfg, device="meta")

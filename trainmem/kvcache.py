@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .estimate import count_params
+
 __all__ = ["param_count", "kv_cache_bytes", "InferenceMemory", "inference_memory"]
 
 
@@ -23,15 +25,12 @@ def _head_dim(cfg) -> int:
 
 
 def param_count(cfg) -> int:
-    """Parameters of a Llama/Qwen2-style decoder from its config (biases of Qwen2's q/k/v included)."""
-    h, L, V, I = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.intermediate_size
-    hd, nq, nkv = _head_dim(cfg), cfg.num_attention_heads, _kv_heads(cfg)
-    attn = h * nq * hd + 2 * h * nkv * hd + nq * hd * h
-    if getattr(cfg, "model_type", "") == "qwen2":
-        attn += nq * hd + 2 * nkv * hd  # q/k/v biases
-    layer = attn + 3 * h * I + 2 * h  # MLP (gate, up, down) + two RMSNorms
-    head = 0 if getattr(cfg, "tie_word_embeddings", False) else V * h
-    return V * h + L * layer + h + head
+    """Parameters of the decoder described by ``cfg`` (a ``transformers`` config or preset name).
+
+    The library's one config-based count, :func:`trainmem.estimate.count_params` (Qwen2's q/k/v
+    biases, tied embeddings and GPT-2 included), under the name this module has always used.
+    """
+    return count_params(cfg)
 
 
 def kv_cache_bytes(cfg, batch: int, context: int, bytes_per_element: float = 2) -> int:
