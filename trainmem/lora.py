@@ -37,14 +37,12 @@ def llama_linear_shapes(config) -> dict[str, tuple[int, int]]:
     """``{module_suffix: (in_features, out_features)}`` of one Llama decoder layer, from its config.
 
     ``k_proj``/``v_proj`` have ``num_key_value_heads · head_dim`` outputs (grouped-query attention).
+    The shapes come from the library's one reading of a config,
+    ``trainmem.estimate.model_shape(config).linear_shapes()`` (a GPT-2 config gives GPT-2's names).
     """
-    h = config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    kv = config.num_key_value_heads * head_dim
-    q = config.num_attention_heads * head_dim
-    i = config.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    from .estimate import model_shape
+
+    return model_shape(config).linear_shapes()
 
 
 def lora_param_count_for_config(config, target_modules: Iterable[str], r: int) -> int:
