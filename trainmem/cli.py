@@ -118,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="QLoRA without double quantization of the NF4 constants")
     pe.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                     help="ZeRO/FSDP stage: 1 shards optimizer states + master weights, 2 also "
-                         "gradients, 3 also weights; default 0")
+                         "gradients, 3 also weights; default 0. With fp16/bf16-amp and stage >= 1 the "
+                         "ZeRO-paper layout is used (16-bit weights and grads, fp32 master/m/v); "
+                         "stage 0 is torch.autocast over fp32 parameters")
     pe.add_argument("--gpus", type=_positive("gpus"), default=1, help="data-parallel GPUs (≥ 1); default 1")
     pm = sub.add_parser("measure", help="run two real training steps and account every tensor",
                         description="Measure one training step (forward, backward, optimizer step; "
