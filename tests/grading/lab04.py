@@ -8,9 +8,9 @@ lab's own code. References are computed here: the big-batch gradient, autograd's
 """
 from __future__ import annotations
 
-import math
 
 from coursekit.grading import Question
+from coursekit.grading_checks import close_floats, exec_source
 
 NOTEBOOK = "lab04_accumulation_checkpointing.ipynb"
 CELL_TIMEOUT = 60
@@ -112,20 +112,11 @@ def _lab04_saved_cases(case):
 
 
 def _ns() -> dict:
-    ns: dict = {}
-    exec(BUILD_SRC, ns)
-    return ns
+    return exec_source(BUILD_SRC)
 
 
 def _close(got, want, rtol=RTOL, atol=ATOL) -> bool:
-    if not isinstance(got, list) or len(got) != len(want):
-        return False
-    for g, w in zip(got, want):
-        if not isinstance(g, (int, float)) or isinstance(g, bool) or not math.isfinite(g):
-            return False
-        if abs(g - w) > atol + rtol * abs(w):
-            return False
-    return True
+    return close_floats(got, want, rtol, atol)
 
 
 def _grads_match(got: dict, want: dict) -> tuple[bool, str]:

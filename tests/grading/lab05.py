@@ -8,21 +8,13 @@ same outputs, gradients and merged weights. The tiny Llama for ``inject_lora`` i
 """
 from __future__ import annotations
 
-import functools
 import math
-import warnings
 
 from coursekit.grading import Question
+from coursekit.grading_checks import close_floats, exec_source, quiet_warnings
 
 
-def _quiet(fn):
-    """Run a check without transformers/peft deprecation chatter in the grader's output."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return fn(*args, **kwargs)
-    return wrapper
+_quiet = quiet_warnings
 
 NOTEBOOK = "lab05_lora_from_scratch.ipynb"
 CELL_TIMEOUT = 60
@@ -85,20 +77,11 @@ def _lab05_ids(case):
 
 
 def _ns() -> dict:
-    ns: dict = {}
-    exec(BUILD_SRC, ns)
-    return ns
+    return exec_source(BUILD_SRC)
 
 
 def _close(got, want, rtol=RTOL, atol=ATOL) -> bool:
-    if not isinstance(got, list) or len(got) != len(want):
-        return False
-    for g, w in zip(got, want):
-        if not isinstance(g, (int, float)) or isinstance(g, bool) or not math.isfinite(g):
-            return False
-        if abs(g - w) > atol + rtol * abs(w):
-            return False
-    return True
+    return close_floats(got, want, rtol, atol)
 
 
 def _peft_layer(ns, case):

@@ -8,21 +8,13 @@ fp32 optimizer step, non-checkpointed gradients) are computed here.
 """
 from __future__ import annotations
 
-import functools
 import math
-import warnings
 
 from coursekit.grading import Question
+from coursekit.grading_checks import close_floats, exec_source, quiet_warnings
 
 
-def _quiet(fn):
-    """Run a check without transformers/peft deprecation chatter in the grader's output."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return fn(*args, **kwargs)
-    return wrapper
+_quiet = quiet_warnings
 
 NOTEBOOK = "lab06_capstone_lora_finetune.ipynb"
 CELL_TIMEOUT = 240
@@ -91,20 +83,11 @@ def _lab06_trainable(m):
 
 
 def _ns() -> dict:
-    ns: dict = {}
-    exec(BUILD_SRC, ns)
-    return ns
+    return exec_source(BUILD_SRC)
 
 
 def _close(got, want, rtol, atol) -> bool:
-    if not isinstance(got, list) or len(got) != len(want):
-        return False
-    for g, w in zip(got, want):
-        if not isinstance(g, (int, float)) or isinstance(g, bool) or not math.isfinite(g):
-            return False
-        if abs(g - w) > atol + rtol * abs(w):
-            return False
-    return True
+    return close_floats(got, want, rtol, atol)
 
 
 def _case(rng, **extra):
