@@ -104,7 +104,9 @@ def run(spec: dict) -> dict:
                           allow_errors=True, interrupt_on_timeout=True,
                           error_on_timeout={"ename": "CellTimeoutError", "evalue": "cell time limit exceeded",
                                             "traceback": ["CellTimeoutError: cell time limit exceeded"]},
-                          iopub_timeout=2, shutdown_kernel="immediate",
+                          # output of a cell can trail its execute_reply on a loaded machine; waiting
+                          # ends at the kernel's idle message, so a generous bound costs nothing normally
+                          iopub_timeout=20, shutdown_kernel="immediate",
                           resources={"metadata": {"path": spec["workdir"]}})
     kernel_pgid = None
 
