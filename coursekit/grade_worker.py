@@ -47,6 +47,15 @@ PROBE_OUTPUT_CAP = 20_000_000  # characters kept from a probe cell (its result i
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
+def _kill_group(pgid: int | None) -> None:
+    """SIGKILL the kernel's process group, if it has one and it still exists."""
+    if pgid:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def _limits(memory_mb: int) -> None:
     cap = int(memory_mb) * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
@@ -191,11 +200,7 @@ def run(spec: dict) -> dict:
                         stuck = True
                     if stuck:
                         note("timeout", "the kernel ignored the interrupt after a time limit; it was killed")
-                        if kernel_pgid:
-                            try:
-                                os.killpg(kernel_pgid, signal.SIGKILL)
-                            except (ProcessLookupError, PermissionError):
-                                pass
+                        _kill_group(kernel_pgid)
                         for p in spec["probes"]:
                             result["probes"].setdefault(p["name"], {"ok": False, "timeout": True,
                                                                     "error": "not run: kernel stuck after a time limit"})
@@ -205,11 +210,7 @@ def run(spec: dict) -> dict:
     except Exception as e:  # kernel start-up or shutdown broken by the submission
         note("kernel_died", f"kernel failed: {type(e).__name__}: {str(e)[:200]}")
     finally:
-        if kernel_pgid:
-            try:
-                os.killpg(kernel_pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        _kill_group(kernel_pgid)
     for p in spec["probes"]:
         result["probes"].setdefault(p["name"], {"ok": False, "timeout": False,
                                                 "error": "not run: " + (result["message"] or "kernel died")})
