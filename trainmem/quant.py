@@ -89,7 +89,7 @@ def _nearest(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(x, mids).to(torch.uint8)
 
 
-def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, block_size: int = 2048) -> Quantized:
+def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, block_size: int = 256) -> Quantized:
     """Blockwise absmax quantisation of ``x`` (any shape) onto ``code``; last block may be short."""
     if block_size < 1:
         raise ValueError(f"block_size must be ≥ 1, got {block_size}")
@@ -130,14 +130,15 @@ class AdamW8bit(torch.optim.Optimizer):
 
     Each step: dequantise m and v (float32), do the ordinary AdamW update, quantise them back.
     ``m`` uses the signed dynamic code, ``v`` (never negative) the unsigned one; each block of
-    ``block_size`` values carries one float32 absmax. Tensors with fewer than ``min_8bit_size``
+    ``block_size`` values carries one float32 absmax (256 as in bitsandbytes since 0.44; the
+    8-bit optimizers paper used 2048). Tensors with fewer than ``min_8bit_size``
     elements keep float32 states (as bitsandbytes does, default 4096).
     ``code="linear"`` uses evenly spaced codes instead — a deliberately bad choice the book uses
     to show why the dynamic code exists (small ``v`` entries round to zero → huge steps).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, block_size: int = 2048, min_8bit_size: int = 4096,
+                 weight_decay: float = 0.01, block_size: int = 256, min_8bit_size: int = 4096,
                  code: str = "dynamic"):
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
@@ -193,11 +194,14 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> float:
     return total
 
 
-def adam_state_bytes_per_param(bits: int = 32, block_size: int = 2048) -> float:
+def adam_state_bytes_per_param(bits: int = 32, block_size: int = 256) -> float:
     """Adam(W) state bytes per parameter: two moments at ``bits`` + one float32 absmax per block each.
 
-    ``bits=32`` → 8.0; ``bits=8, block_size=2048`` → 2 × (1 + 4/2048) = 2.00390625.
+    ``bits=32`` → 8.0; ``bits=8`` with bitsandbytes' block of 256 (since 0.44) → 2 × (1 + 4/256)
+    = 2.03125; with the paper's 2048 → 2.00390625.
     """
+    if block_size < 1:
+        raise ValueError(f"block_size must be ≥ 1, got {block_size}")
     if bits not in (8, 16, 32):
         raise ValueError(f"bits must be 8, 16 or 32, got {bits}")
     if bits == 32 or bits == 16:

@@ -1,0 +1,82 @@
+"""Numbers that several chapters quote, each computed in exactly one place.
+
+A quantity that appears in two chapters (the 7B weights, the 7B activations at 2048 tokens, the
+bytes per parameter of 8-bit Adam, the NF4 QLoRA base ...) comes from a function here, so the
+chapters cannot drift apart; ``tests/test_consistency.py`` checks the glued values of the stored
+notebooks against these functions.
+
+Units: every ``*_bytes`` function returns bytes (int or float); ``GiB`` = 2**30, ``GB`` = 10**9.
+Each function states the conditions its number holds under — a memory number without them
+(batch, sequence length, attention implementation, precision) is not a number.
+"""
+from __future__ import annotations
+
+from .estimate import GB, GiB, count_params, estimate
+from .quant import adam_state_bytes_per_param, nf4_bytes_per_param
+
+__all__ = [
+    "MODEL_7B", "GB", "GiB", "ADAM8_BLOCK", "ADAM8_PAPER_BLOCK", "ACT_CONDITIONS",
+    "n_params", "weights_bytes", "activation_bytes", "adam8_bytes_per_param", "adam8_saving",
+    "qlora_base_split", "qlora_base_bytes",
+]
+
+MODEL_7B = "llama-7b"
+# bitsandbytes quantises Adam's states in blocks of 256 values since 0.44 (2024); the 8-bit
+# optimizers paper (Dettmers et al., 2022) used 2048.
+ADAM8_BLOCK = 256
+ADAM8_PAPER_BLOCK = 2048
+# The conditions of the activation number every chapter quotes.
+ACT_CONDITIONS = dict(precision="bf16-amp", attn="sdpa", batch=1, seq=2048, checkpointing=False)
+
+
+def n_params(model: str = MODEL_7B) -> int:
+    """Parameters of ``model`` (a preset name or config), counted from its shapes."""
+    return count_params(model)
+
+
+def weights_bytes(model: str = MODEL_7B, bytes_per_param: float = 2) -> float:
+    """Bytes of the weights alone at ``bytes_per_param`` (2 = fp16/bf16, 4 = fp32)."""
+    return n_params(model) * bytes_per_param
+
+
+def activation_bytes(model: str = MODEL_7B, **conditions) -> int:
+    """Bytes held for backward at the end of the forward pass (the estimator's replay).
+
+    Defaults: :data:`ACT_CONDITIONS` (bf16 autocast over fp32 parameters, SDPA attention, batch 1,
+    2048 tokens, no checkpointing, full fine-tuning); any of them can be overridden, e.g.
+    ``attn="eager"`` or ``checkpointing=True``.
+    """
+    unknown = set(conditions) - set(ACT_CONDITIONS) - {"method"}
+    if unknown:
+        raise ValueError(f"conditions must be among {sorted(ACT_CONDITIONS)} or 'method', got {sorted(unknown)}")
+    return estimate(model, **{**ACT_CONDITIONS, **conditions}).activation_bytes
+
+
+def adam8_bytes_per_param(block_size: int = ADAM8_BLOCK) -> float:
+    """Bytes per parameter of 8-bit AdamW's m and v: 2 × (1 + 4/block) (one fp32 absmax per block)."""
+    return adam_state_bytes_per_param(8, block_size=block_size)
+
+
+def adam8_saving(block_size: int = ADAM8_BLOCK) -> float:
+    """Fraction of the 8 B/param of fp32 Adam states that 8-bit states save."""
+    return 1 - adam8_bytes_per_param(block_size) / adam_state_bytes_per_param(32)
+
+
+def qlora_base_split(model: str = MODEL_7B) -> tuple[int, int]:
+    """(parameters in decoder Linear layers, all other parameters) of a Llama-family model.
+
+    bitsandbytes/transformers quantise the ``nn.Linear`` modules of the decoder layers to 4 bits and
+    keep the embeddings, ``lm_head`` and the norms in 16 bits.
+    """
+    from .estimate import model_shape
+
+    s = model_shape(model)
+    linear = s.layers * sum(d_in * d_out for d_in, d_out in s.linear_shapes().values())
+    return linear, n_params(model) - linear
+
+
+def qlora_base_bytes(model: str = MODEL_7B, double_quant: bool = True, block_size: int = 64,
+                     other_bytes: float = 2) -> float:
+    """Bytes of a QLoRA base model: NF4 decoder Linears (constants included) + 16-bit rest."""
+    linear, rest = qlora_base_split(model)
+    return linear * nf4_bytes_per_param(block_size, double_quant=double_quant) + rest * other_bytes
