@@ -62,7 +62,7 @@ QUANTITIES = {
     "NF4 bytes/param without double quant": (
         lambda: quant.nf4_bytes_per_param(double_quant=False), [("07", "nf4_bpp", 1), ("09", "q_nf4_nodq", 1)]),
     "7B QLoRA base (NF4 Linears, 16-bit embeddings/lm_head/norms)": (
-        lambda: R.qlora_base_bytes(), [("07", "nf4dq_7b", GB), ("09", "q_qlora_base_gb", GB)]),
+        lambda: R.qlora_base_bytes(), [("07", "nf4dq_7b", GB), ("09", "q_qlora_base_gib", GiB)]),
     "7B QLoRA r=16 on all Linears, model states": (
         lambda: R.qlora_base_bytes() + _lora_states(16, ALL_LINEARS),
         [("08", "seed_qlora_7b", GiB), ("09", "cs_qlora_7b", GiB)]),
