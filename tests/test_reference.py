@@ -41,3 +41,13 @@ def test_activation_bytes_conditions():
     assert R.activation_bytes(attn="eager") > 2 * sdpa
     with pytest.raises(ValueError, match="conditions"):
         R.activation_bytes(micro_batch=2)
+
+
+def test_throughput_arithmetic():
+    assert R.decode_seconds_per_token() == pytest.approx(2 * 6_738_415_616 / 3.35e12)
+    assert R.decode_seconds_per_token(bytes_per_param=1) == pytest.approx(R.decode_seconds_per_token() / 2)
+    assert R.pipeline_bubble(1, 4) == 0 and R.pipeline_bubble(4, 1) == 0.75
+    assert R.pipeline_bubble(8, 64) == pytest.approx(7 / 71)
+    with pytest.raises(ValueError, match="stages"):
+        R.pipeline_bubble(0, 4)
+    assert R.mfu(1e12 / (6 * 6_738_415_616), peak_flops=1e12) == pytest.approx(1.0)

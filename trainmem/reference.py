@@ -17,7 +17,8 @@ from .quant import adam_state_bytes_per_param, nf4_bytes_per_param
 __all__ = [
     "MODEL_7B", "GB", "GiB", "ADAM8_BLOCK", "ADAM8_PAPER_BLOCK", "ACT_CONDITIONS",
     "n_params", "weights_bytes", "activation_bytes", "adam8_bytes_per_param", "adam8_saving",
-    "qlora_base_split", "qlora_base_bytes",
+    "qlora_base_split", "qlora_base_bytes", "H100_HBM_BYTES_PER_S", "H100_BF16_DENSE_FLOPS",
+    "decode_seconds_per_token", "pipeline_bubble", "mfu",
 ]
 
 MODEL_7B = "llama-7b"
@@ -80,3 +81,31 @@ def qlora_base_bytes(model: str = MODEL_7B, double_quant: bool = True, block_siz
     """Bytes of a QLoRA base model: NF4 decoder Linears (constants included) + 16-bit rest."""
     linear, rest = qlora_base_split(model)
     return linear * nf4_bytes_per_param(block_size, double_quant=double_quant) + rest * other_bytes
+
+
+# ------------------------------------------------------------------ throughput arithmetic
+# NVIDIA H100 SXM datasheet: HBM3 bandwidth and dense (no sparsity) BF16 tensor-core peak.
+H100_HBM_BYTES_PER_S = 3.35e12
+H100_BF16_DENSE_FLOPS = 989e12
+
+
+def decode_seconds_per_token(model: str = MODEL_7B, bytes_per_param: float = 2,
+                             hbm_bytes_per_s: float = H100_HBM_BYTES_PER_S) -> float:
+    """Lower bound of one decode step at batch 1: every weight is read once from memory.
+
+    Decode does 2 FLOPs per weight per token, far below what the GPU needs to be compute-bound,
+    so the time is the weight bytes over the memory bandwidth (KV cache and kernels ignored).
+    """
+    return n_params(model) * bytes_per_param / hbm_bytes_per_s
+
+
+def pipeline_bubble(stages: int, micro_batches: int) -> float:
+    """Idle fraction of a GPipe/1F1B pipeline: (p - 1) / (m + p - 1)."""
+    if stages < 1 or micro_batches < 1:
+        raise ValueError(f"stages and micro_batches must be ≥ 1, got {stages}, {micro_batches}")
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def mfu(tokens_per_s: float, model: str = MODEL_7B, peak_flops: float = H100_BF16_DENSE_FLOPS) -> float:
+    """Model FLOPs utilisation: 6 FLOPs per parameter per token (forward 2 + backward 4) / peak."""
+    return 6 * n_params(model) * tokens_per_s / peak_flops
