@@ -4,6 +4,10 @@
 * :func:`glue` — myst-nb's ``glue`` without needing myst-nb installed (Colab has none): it emits the
   very same display data (``application/papermill.record/...`` + ``scrapbook`` metadata), so the
   book's ``{glue:}`` / ``{glue:text}`` roles find it, and nbval compares it like any output.
+  A measured float declares its tolerance: ``glue(name, x, fmt, rtol=..., atol=...)``.
+* :class:`measured` — ``with measured(rtol=...): print(...)``: printed measured floats, compared by
+  the nbval plugin within the tolerance (words and integers stay exact).
+* :func:`md_table` — a Markdown table; ``rtol``/``atol`` make it a table of measured floats.
 """
 from __future__ import annotations
 

@@ -36,7 +36,8 @@ IGNORED_MIME = (
 TOL_KEY = "coursekit"  # same as coursekit.nb.TOL_KEY (kept literal: no import of the package here)
 TEXT_MIME = ("text/plain", "text/markdown")
 
-NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+(?:,\d{3})*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|[-+]?\b(?:nan|inf)\b")
+NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+(?:,\d{3})*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+                    r"|[-+]?\b(?:nan|inf)\b")
 
 
 def pytest_addoption(parser):

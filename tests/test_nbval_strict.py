@@ -43,24 +43,6 @@ def _kernel_output(code: str) -> list:
     return captured
 
 
-def _notebook(code: str, outputs: list):
-    nb = nbformat.v4.new_notebook()
-    cell = nbformat.v4.new_code_cell(code, execution_count=1)
-    cell.outputs = outputs
-    nb.cells = [nbformat.v4.new_markdown_cell("算例"), cell]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    return nb
-
-
-def _nbval(tmp_path, nb) -> subprocess.CompletedProcess:
-    path = tmp_path / "worked_number.ipynb"
-    nbformat.write(nb, path)
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval", str(path),
-                           "--nbval-sanitize-with", str(ROOT / "tests/nbval_sanitize.cfg"),
-                           "-p", "tests.nbval_plugin", "--rootdir", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180)
-
-
 def _glue_output(name, text, meta=None):
     md = {"scrapbook": {"name": name, "mime_prefix": "application/papermill.record/"}}
     if meta:
@@ -68,77 +50,101 @@ def _glue_output(name, text, meta=None):
     return nbformat.v4.new_output("display_data", data={GLUE_MIME: text}, metadata=md)
 
 
-# ------------------------------------------------------------------ exact numbers
-
-@pytest.mark.parametrize("stored,ok", [("16", True), ("17", False)])
-def test_exact_glued_number_changed_by_one_fails(tmp_path, stored, ok):
-    code = "from coursekit import glue\nglue('bytes_per_param', 2 + 2 + 4 + 4 + 4)"
-    r = _nbval(tmp_path, _notebook(code, [_glue_output("bytes_per_param", stored)]))
-    assert (r.returncode == 0) is ok, r.stdout[-2000:]
-    if not ok:
-        assert "17" in r.stdout and "16" in r.stdout
+def _stream(text):
+    return nbformat.v4.new_output("stream", name="stdout", text=text)
 
 
-def test_exact_printed_float_changed_in_last_digit_fails(tmp_path):
-    code = "print(f'{2**-11:.3e}')"
-    stored = nbformat.v4.new_output("stream", name="stdout", text="4.884e-04\n")
-    r = _nbval(tmp_path, _notebook(code, [stored]))
-    assert r.returncode != 0 and "4.883e-04" in r.stdout, r.stdout[-2000:]
+def _measured_output(text, rtol=0.0, atol=0.0):
+    return nbformat.v4.new_output("display_data", data={"text/plain": text},
+                                  metadata={TOL: {"rtol": rtol, "atol": atol}})
 
 
-# ------------------------------------------------------------------ tolerant numbers
+def _table_output(md, rtol=0.0, atol=0.0):
+    return nbformat.v4.new_output("execute_result", data={"text/markdown": md, "text/plain": md},
+                                  metadata={TOL: {"rtol": rtol, "atol": atol}}, execution_count=1)
 
+
+EXACT_CODE = "from coursekit import glue\nglue('bytes_per_param', 2 + 2 + 4 + 4 + 4)"
 GLUE_CODE = "from coursekit import glue\nglue('loss', 3.805, fmt='.2f', rtol=0.05)"
-
-
-@pytest.mark.parametrize("stored,ok", [(3.700, True),     # 2.8 % away: inside rtol=5 %
-                                       (3.990, True),     # 4.6 %
-                                       (3.600, False),    # 5.4 %: outside
-                                       (4.100, False)])
-def test_tolerant_glue_inside_passes_outside_fails(tmp_path, stored, ok):
-    out = _glue_output("loss", f"{stored:.2f}", {"rtol": 0.05, "atol": 0.0, "value": stored})
-    r = _nbval(tmp_path, _notebook(GLUE_CODE, [out]))
-    assert (r.returncode == 0) is ok, r.stdout[-2000:]
-    if not ok:
-        assert "outside rtol=0.05" in r.stdout
-
-
-def test_tolerant_glue_needs_a_stored_tolerance(tmp_path):
-    """A stored output made before the tolerance was declared is still compared as text."""
-    r = _nbval(tmp_path, _notebook(GLUE_CODE, [_glue_output("loss", "3.79")]))
-    assert r.returncode != 0, r.stdout[-2000:]
-
-
 MEASURED_CODE = """from coursekit import measured
 with measured(rtol=0.1):
     print(f"fp32 matmul  n 512  relative error {2.9e-07:.1e}")
 """
-
-
-@pytest.mark.parametrize("stored,ok", [("fp32 matmul  n 512  relative error 2.7e-07", True),
-                                       ("fp32 matmul  n 512  relative error 2.4e-07", False),
-                                       ("fp32 matmul  n 513  relative error 2.9e-07", False),  # integer
-                                       ("fp16 matmul  n 512  relative error 2.9e-07", False)])  # words
-def test_measured_printout(tmp_path, stored, ok):
-    out = nbformat.v4.new_output("display_data", data={"text/plain": stored},
-                                 metadata={TOL: {"rtol": 0.1, "atol": 0.0}})
-    r = _nbval(tmp_path, _notebook(MEASURED_CODE, [out]))
-    assert (r.returncode == 0) is ok, r.stdout[-2000:]
-
-
 TABLE_CODE = """from coursekit.nb import md_table
 md_table([{"steps": 300, "loss": f"{3.805:.3f}", "error": f"{0.1234:.1%}"}], atol=0.05)
 """
+TABLE = "| steps | loss | error |\n|---|---|---|\n| 300 | {} | {} |"
 
 
-@pytest.mark.parametrize("loss,err,ok", [("3.805", "12.3%", True), ("3.840", "12.3%", True),
-                                         ("3.900", "12.3%", False), ("3.805", "12.5%", False)])
-def test_tolerant_table(tmp_path, loss, err, ok):
-    md = f"| steps | loss | error |\n|---|---|---|\n| 300 | {loss} | {err} |"
-    out = nbformat.v4.new_output("execute_result", data={"text/markdown": md, "text/plain": md},
-                                 metadata={TOL: {"rtol": 0.0, "atol": 0.05}}, execution_count=1)
-    r = _nbval(tmp_path, _notebook(TABLE_CODE, [out]))
-    assert (r.returncode == 0) is ok, r.stdout[-2000:]
+def _matmul(fmt, n, err):
+    return _measured_output(f"{fmt} matmul  n {n}  relative error {err}", rtol=0.1)
+
+
+def _loss(stored):
+    return _glue_output("loss", f"{stored:.2f}", {"rtol": 0.05, "atol": 0.0, "value": stored})
+
+
+# (id, code, stored outputs, passes?) — every case is one cell of one notebook, validated by one
+# nbval run (each case imports what it needs, so the cells are independent).
+CASES = [
+    ("exact-int-same", EXACT_CODE, [_glue_output("bytes_per_param", "16")], True),
+    ("exact-int-plus-one", EXACT_CODE, [_glue_output("bytes_per_param", "17")], False),
+    ("exact-float-last-digit", "print(f'{2**-11:.3e}')", [_stream("4.884e-04\n")], False),
+    ("glue-2.8%-inside", GLUE_CODE, [_loss(3.700)], True),          # rtol = 5 %
+    ("glue-4.6%-inside", GLUE_CODE, [_loss(3.990)], True),
+    ("glue-5.4%-outside", GLUE_CODE, [_loss(3.600)], False),
+    ("glue-7.2%-outside", GLUE_CODE, [_loss(4.100)], False),
+    ("glue-stored-without-tolerance", GLUE_CODE, [_glue_output("loss", "3.79")], False),
+    ("measured-inside", MEASURED_CODE, [_matmul("fp32", 512, "2.7e-07")], True),   # rtol = 10 %
+    ("measured-outside", MEASURED_CODE, [_matmul("fp32", 512, "2.4e-07")], False),
+    ("measured-integer", MEASURED_CODE, [_matmul("fp32", 513, "2.9e-07")], False),
+    ("measured-words", MEASURED_CODE, [_matmul("fp16", 512, "2.9e-07")], False),
+    ("table-same", TABLE_CODE, [_table_output(TABLE.format("3.805", "12.3%"), atol=0.05)], True),
+    ("table-inside", TABLE_CODE, [_table_output(TABLE.format("3.840", "12.3%"), atol=0.05)], True),
+    ("table-outside", TABLE_CODE, [_table_output(TABLE.format("3.900", "12.3%"), atol=0.05)], False),
+    ("table-percent-outside", TABLE_CODE, [_table_output(TABLE.format("3.805", "12.5%"), atol=0.05)], False),
+]
+
+
+@pytest.fixture(scope="module")
+def nbval_results(tmp_path_factory):
+    """Validate one notebook holding every case; return {case id: (passed, failure text)}."""
+    import xml.etree.ElementTree as ET
+
+    tmp = tmp_path_factory.mktemp("nbval_cases")
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    for i, (_, code, outputs, _) in enumerate(CASES):
+        cell = nbformat.v4.new_code_cell(code, execution_count=i + 1)
+        cell.outputs = outputs
+        nb.cells.append(cell)
+    path = tmp / "cases.ipynb"
+    nbformat.write(nb, path)
+    junit = tmp / "junit.xml"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                        "--nbval", str(path), "--nbval-sanitize-with", str(ROOT / "tests/nbval_sanitize.cfg"),
+                        "-p", "tests.nbval_plugin", "--rootdir", str(tmp), f"--junitxml={junit}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert junit.exists(), r.stdout[-3000:] + r.stderr[-3000:]
+    results = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        n = int(case.get("name").rsplit(" ", 1)[-1])
+        bad = case.find("failure")
+        why = "" if bad is None else bad.get("message", "") + (bad.text or "")
+        results[CASES[n][0]] = (bad is None, why)
+    assert len(results) == len(CASES), r.stdout[-3000:]
+    return results
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_nbval_case(nbval_results, case):
+    name, _, _, ok = case
+    passed, why = nbval_results[name]
+    assert passed is ok, why[-2000:]
+    if name == "exact-int-plus-one":
+        assert "17" in why and "16" in why
+    if name in ("glue-5.4%-outside", "glue-7.2%-outside", "measured-outside"):
+        assert "outside rtol=" in why
 
 
 # ------------------------------------------------------------------ the helpers themselves
@@ -194,9 +200,12 @@ def _exact_registry() -> list[tuple[str, str]]:
 
 
 def glued_floats(nb) -> list[tuple[str, bool]]:
-    """``(key, has_tolerance)`` for every glued value of ``nb`` that is a float (by type or text)."""
+    """``(key, has_tolerance)`` for every compared glued value of ``nb`` that is a float (by type or
+    text). Cells tagged ``nbval-ignore-output`` (timings) are not compared, so not linted."""
     out = []
     for cell in nb.cells:
+        if "nbval-ignore-output" in cell.get("metadata", {}).get("tags", []):
+            continue
         for o in cell.get("outputs", []) if cell.cell_type == "code" else []:
             meta = o.get("metadata") or {}
             name = (meta.get("scrapbook") or {}).get("name")
@@ -211,13 +220,31 @@ def glued_floats(nb) -> list[tuple[str, bool]]:
     return out
 
 
+def loose_floats(nb, rel: str) -> list[str]:
+    """Glued floats of notebook ``rel`` with neither a tolerance nor an exact_glue.txt entry."""
+    registry = [k for n, k in _exact_registry() if fnmatch.fnmatch(rel, n)]
+    return [key for key, tolerant in glued_floats(nb)
+            if not tolerant and not any(fnmatch.fnmatch(key, k) for k in registry)]
+
+
+def test_lint_catches_an_undeclared_float():
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("glue(...)")
+    cell.outputs = [_glue_output("new_loss", "3.81", {"float": True}),       # a float, no tolerance
+                    _glue_output("tol_loss", "3.81", {"rtol": 0.05, "atol": 0.0, "value": 3.81}),
+                    _glue_output("pct", "12.5%"),                          # a float by its text
+                    _glue_output("count", "16"),                           # an integer
+                    _glue_output("fp16_max", "65,504", {"float": True})]   # listed for book/01
+    nb.cells = [cell]
+    assert loose_floats(nb, "book/01_number_formats.ipynb") == ["new_loss", "pct"]
+    cell.metadata["tags"] = ["nbval-ignore-output"]                        # not compared: not linted
+    assert loose_floats(nb, "book/01_number_formats.ipynb") == []
+
+
 @pytest.mark.parametrize("path", all_notebooks(), ids=lambda p: p.name)
 def test_every_glued_float_is_exact_or_tolerant(path):
-    nb = nbformat.read(path, as_version=4)
     rel = str(path.relative_to(ROOT))
-    registry = [k for n, k in _exact_registry() if fnmatch.fnmatch(rel, n)]
-    loose = [key for key, tolerant in glued_floats(nb)
-             if not tolerant and not any(fnmatch.fnmatch(key, k) for k in registry)]
+    loose = loose_floats(nbformat.read(path, as_version=4), rel)
     assert not loose, (
         f"{rel}: glued floats with neither a tolerance nor an entry in tests/exact_glue.txt: "
         f"{', '.join(loose)}. A measured number declares glue(..., rtol=...); an exact one "
@@ -235,4 +262,38 @@ def test_exact_registry_names_existing_keys():
                 for k, tolerant in keys.items() if fnmatch.fnmatch(k, key) and not tolerant]
         if not hits:
             stale.append(f"{nb_glob}: {key}")
-    assert not stale, "entries in tests/exact_glue.txt that match no untoleranced glued float: " + json.dumps(stale)
+    assert not stale, ("entries in tests/exact_glue.txt that match no untoleranced glued float: "
+                       + json.dumps(stale))
+
+
+# ------------------------------------------------------------------ kernel environment
+
+def test_kernel_env_is_the_reference_plus_overrides():
+    from coursekit.execute import REFERENCE_ENV, kernel_env
+
+    env = kernel_env({"ATEN_CPU_CAPABILITY": "default", "DROP_ME": None},
+                     base={"COURSE_GPU": "cpu", "DROP_ME": "x", "PATH": "/bin"})
+    assert env["COURSE_GPU"] == "auto"            # a caller's COURSE_GPU does not leak into stored outputs
+    assert env["CUDA_VISIBLE_DEVICES"] == ""      # GPUs hidden: GPU cells store their skip line
+    assert env["ATEN_CPU_CAPABILITY"] == "default" and env["PATH"] == "/bin" and "DROP_ME" not in env
+    assert all(env[k] == v for k, v in REFERENCE_ENV.items() if k != "ATEN_CPU_CAPABILITY")
+    assert kernel_env({"COURSE_GPU": "cpu"}, base={})["COURSE_GPU"] == "cpu"
+
+
+def test_execute_gives_the_kernel_its_environment(tmp_path):
+    """The kernel sees the reference environment; this process's os.environ is untouched."""
+    import os
+
+    from coursekit.execute import execute_notebook
+
+    nb = nbformat.v4.new_notebook()
+    keys = ["COURSE_GPU", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY"]
+    nb.cells = [nbformat.v4.new_code_cell(f"import os; print([os.environ.get(k) for k in {keys!r}])")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "env.ipynb"
+    nbformat.write(nb, path)
+    before = dict(os.environ)
+    execute_notebook(path, timeout=120, env={"ATEN_CPU_CAPABILITY": "default"})
+    assert dict(os.environ) == before
+    out = nbformat.read(path, as_version=4).cells[0].outputs[0]["text"]
+    assert out.strip() == str(["auto", "", "1", "default"])
