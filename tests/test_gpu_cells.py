@@ -4,11 +4,10 @@ The stored outputs (checked by nbval) come from COURSE_GPU=auto on a machine wit
 GPU cell prints one skip line. Here every notebook's ``setup`` cell plus its ``gpu`` cells run in a
 fresh kernel with COURSE_GPU=cpu, so the real GPU code is executed at its smallest size.
 """
-import os
-
 import nbformat
 import pytest
 
+from coursekit.execute import kernel_env
 from coursekit.gpu import OFF_LINE, SKIP_LINE
 from tests.notebooks import all_notebooks, tags
 
@@ -45,14 +44,9 @@ def test_gpu_cells_run_on_cpu(path, tmp_path):
     keep = [c for c in nb.cells if c.cell_type == "code" and ({"setup", "gpu"} & set(tags(c)))]
     assert any("setup" in tags(c) for c in keep), f"{path.name}: no cell tagged 'setup'"
     sub = nbformat.v4.new_notebook(cells=keep, metadata=nb.metadata)
-    env_before = dict(os.environ)
-    os.environ["COURSE_GPU"] = "cpu"
-    try:
-        NotebookClient(sub, timeout=300, kernel_name="python3",
-                       resources={"metadata": {"path": str(path.parent)}}).execute()
-    finally:
-        os.environ.clear()
-        os.environ.update(env_before)
+    NotebookClient(sub, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute(
+        env=kernel_env({"COURSE_GPU": "cpu"}))   # the kernel's environment, not ours
     for c in sub.cells:
         if "gpu" not in tags(c):
             continue
