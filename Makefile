@@ -23,7 +23,11 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 ## make book — build the HTML book from the stored notebook outputs (warnings are errors).
-book: $(STAMP)
+## npm ci installs Pyodide (package-lock.json) for the in-page calculator; the site serves it.
+node_modules/.package-lock.json: package.json package-lock.json
+	npm ci --no-audit --no-fund
+
+book: $(STAMP) node_modules/.package-lock.json
 	$(VENV)/bin/jupyter-book build . -W --keep-going
 	@echo "book: $(CURDIR)/_build/html/index.html"
 
