@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import html
 import json
 import shutil
@@ -307,6 +308,40 @@ def ensure_pyodide() -> Path:
     return PYODIDE_NPM
 
 
+# CLI runs that decide which standard modules get bytecode: the page's first answer and an error
+BYTECODE_RUNS = (["estimate", "--json"], ["estimate", "--method=lora", "--json"],
+                 ["estimate", "--batch=0", "--json"])
+
+
+def compiled_stdlib(npm: Path, lib: Path, cache: Path) -> dict:
+    """``python_stdlib.zip`` plus bytecode for the standard modules the estimator's page imports
+    (``_ext/calculator_stdlib.mjs``, run with Node.js by the very Pyodide the page loads; about
+    halves the time to the first answer). Cached under ``cache`` by the inputs' hash."""
+    script = Path(__file__).resolve().parent / "calculator_stdlib.mjs"
+    h = hashlib.sha256()
+    for f in [npm / "package.json", npm / "python_stdlib.zip", script, *sorted(lib.rglob("*.py"))]:
+        h.update(f.name.encode() + f.read_bytes())
+    h.update(json.dumps(BYTECODE_RUNS).encode())
+    out = cache / f"python_stdlib-{h.hexdigest()[:16]}.zip"
+    info = out.with_suffix(".json")
+    if out.is_file() and info.is_file():
+        return {"zip": out, **json.loads(info.read_text(encoding="utf-8"))}
+    node = shutil.which("node")
+    if node is None:
+        raise ExtensionError("calculator: Node.js is needed to build the calculator (npm comes with it)")
+    cache.mkdir(parents=True, exist_ok=True)
+    logger.info("calculator: compiling the standard modules the page imports (Pyodide under Node)")
+    r = subprocess.run([node, str(script), str(npm), str(lib), str(out)]
+                       + [json.dumps(a) for a in BYTECODE_RUNS],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 or not out.is_file():
+        last = ((r.stderr or r.stdout).strip().splitlines() or ["no output"])[-1]
+        raise ExtensionError(f"calculator: {script.name} failed: {last}")
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    info.write_text(json.dumps(report), encoding="utf-8")
+    return {"zip": out, **report}
+
+
 def _add_assets(app, pagename, templatename, context, doctree):
     """The calculator's script and style on the pages that hold a calculator, and only there.
     (``app.add_js_file`` would also register them in the global registry, i.e. on later pages.)"""
@@ -328,9 +363,6 @@ def _copy_runtime(app, exception):
     shutil.copytree(ASSETS / STATIC_DIR, dest, dirs_exist_ok=True)
     npm = ensure_pyodide()
     version = json.loads((npm / "package.json").read_text(encoding="utf-8"))["version"]
-    (dest / "pyodide").mkdir(parents=True, exist_ok=True)
-    for f in PYODIDE_FILES:
-        shutil.copy2(npm / f, dest / "pyodide" / f)
     shipped, left_out = browser_modules()
     py = dest / "py"
     if py.exists():
@@ -342,7 +374,13 @@ def _copy_runtime(app, exception):
         (py / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, py / rel)
         files.append(rel)
-    manifest = {"pyodide": version, "entry": ENTRY, "files": files, "left_out": left_out}
+    (dest / "pyodide").mkdir(parents=True, exist_ok=True)
+    for f in PYODIDE_FILES:
+        shutil.copy2(npm / f, dest / "pyodide" / f)
+    stdlib = compiled_stdlib(npm, py, Path(app.outdir).parent / ".calculator-cache")
+    shutil.copy2(stdlib["zip"], dest / "pyodide" / "python_stdlib.zip")
+    manifest = {"pyodide": version, "entry": ENTRY, "files": files, "left_out": left_out,
+                "stdlib_bytecode": {k: v for k, v in stdlib.items() if k != "zip"}}
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
 
 

@@ -162,7 +162,7 @@ def tm_run(request):
       for (const [k, zh] of TERMS) {
         const v = d.breakdown[k];
         tbody.append(el("tr", {}, el("th", { scope: "row" }, el("span", { class: `tm-swatch tm-${k}` }),
-          `${zh}（${k}）`), el("td", {}, fmt(v, GB)), el("td", {}, fmt(v, GiB)),
+          zh, el("span", { class: "tm-en" }, `（${k}）`)), el("td", {}, fmt(v, GB)), el("td", {}, fmt(v, GiB)),
           el("td", {}, v.toLocaleString("en-US"))));
       }
       tbody.append(el("tr", { class: "tm-total" }, el("th", { scope: "row" }, `合计（峰值，${phase}）`),
