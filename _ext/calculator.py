@@ -1,5 +1,7 @@
 """The in-page memory calculator: ``python -m trainmem estimate`` run by Pyodide in the reader's browser.
 
+* ``{format-explorer}`` makes chapter 1's number-format explorer live the same way
+  (``trainmem.formats.describe_value``; ``trainmem.formats`` needs only the standard library).
 * The ``memory-calculator`` directive renders the form from the CLI's own argparse definitions
   (``trainmem.cli.build_parser()``: every option of ``estimate`` with its choices and default), so
   an option added to the CLI appears in the page without editing JavaScript.
@@ -36,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "trainmem"
-ENTRY = "trainmem.cli"
+ENTRY = "trainmem.cli"                 # the calculator: python -m trainmem estimate
+ENTRIES = (ENTRY, "trainmem.formats")  # + chapter 1's number-format explorer
 PYODIDE_NPM = ROOT / "node_modules" / "pyodide"
 # runtime files of the npm package that the browser loads (no source maps, typings, demos)
 PYODIDE_FILES = ("pyodide.mjs", "pyodide.asm.mjs", "pyodide.asm.wasm", "python_stdlib.zip",
@@ -130,9 +133,9 @@ def _optional_imports(path: Path) -> set[str]:
     return out
 
 
-def browser_modules(entry: str = ENTRY, root: Path = ROOT) -> tuple[list[str], dict[str, str]]:
-    """The modules of ``trainmem`` that the estimator reaches from ``entry`` and that import only the
-    standard library (and each other) at import time.
+def browser_modules(entries: tuple[str, ...] = ENTRIES, root: Path = ROOT) -> tuple[list[str], dict[str, str]]:
+    """The modules of ``trainmem`` reached from ``entries`` that import only the standard library
+    (and each other) at import time.
 
     Returns ``(shipped, left_out)``: ``shipped`` are module names (packages included, sorted);
     ``left_out`` maps each reached module that cannot run without a third-party package to the
@@ -141,7 +144,7 @@ def browser_modules(entry: str = ENTRY, root: Path = ROOT) -> tuple[list[str], d
     """
     stdlib = set(sys.stdlib_module_names)
     graph: dict[str, tuple[set[str], set[str]]] = {}
-    todo = [entry]
+    todo = list(entries)
     while todo:
         name = todo.pop()
         if name in graph:
@@ -177,8 +180,9 @@ def browser_modules(entry: str = ENTRY, root: Path = ROOT) -> tuple[list[str], d
                 left_out[name] = "imports " + ", ".join(bad) + " at import time"
                 changed = True
     shipped = sorted(n for n in graph if n not in left_out)
-    if entry not in shipped:
-        raise ExtensionError(f"calculator: {entry} cannot run in the browser: {left_out.get(entry)}")
+    for entry in entries:
+        if entry not in shipped:
+            raise ExtensionError(f"calculator: {entry} cannot run in the browser: {left_out.get(entry)}")
     return shipped, left_out
 
 
@@ -274,6 +278,25 @@ def _skip(self, node):
     raise nodes.SkipNode
 
 
+class format_node(calculator_node):
+    pass
+
+
+def _visit_format_html(self, node):
+    e = html.escape
+    uid, value = node["uid"], node["value"]
+    self.body.append(f"""<div class="tm-calc tm-fmt" id="{uid}" data-load="{node['load']}">
+<form class="tm-calc-form" autocomplete="off" onsubmit="return false">
+<div class="tm-field tm-fmt-field"><label for="{uid}-x">x =</label>
+<input type="text" name="x" id="{uid}-x" value="{e(value)}" placeholder="0.1, 65504, 1e-8, -2.5 …"
+ autocomplete="off" spellcheck="false"></div>
+</form>
+<p class="tm-calc-status" role="status">这个演示需要 JavaScript：浏览器内的 Python（Pyodide）运行 trainmem.formats。</p>
+<pre class="tm-fmt-out" aria-live="polite"></pre>
+</div>""")
+    raise nodes.SkipNode
+
+
 class MemoryCalculator(Directive):
     """``{memory-calculator}`` — the calculator. ``:load: visible`` starts Pyodide only when the
     calculator scrolls into view (for a chapter page); the default ``immediate`` starts it at once."""
@@ -286,6 +309,24 @@ class MemoryCalculator(Directive):
         node = calculator_node()
         node["uid"] = f"tm-calc-{n}"
         node["load"] = self.options.get("load", "immediate")
+        return [node]
+
+
+class FormatExplorer(Directive):
+    """``{format-explorer}`` — chapter 1's number-format explorer, live: the table of
+    ``trainmem.formats.describe_value(float(x))`` for the number typed (what the ipywidgets demo
+    prints). ``:value:`` the first number (default 0.1); ``:load:`` as for the calculator
+    (default ``visible``)."""
+    has_content = False
+    option_spec = {"value": directives.unchanged,
+                   "load": lambda v: directives.choice(v, ("immediate", "visible"))}
+
+    def run(self):
+        env = self.state.document.settings.env
+        node = format_node()
+        node["uid"] = f"tm-fmt-{env.new_serialno('format-explorer')}"
+        node["value"] = self.options.get("value", "0.1")
+        node["load"] = self.options.get("load", "visible")
         return [node]
 
 
@@ -379,7 +420,7 @@ def _copy_runtime(app, exception):
         shutil.copy2(npm / f, dest / "pyodide" / f)
     stdlib = compiled_stdlib(npm, py, Path(app.outdir).parent / ".calculator-cache")
     shutil.copy2(stdlib["zip"], dest / "pyodide" / "python_stdlib.zip")
-    manifest = {"pyodide": version, "entry": ENTRY, "files": files, "left_out": left_out,
+    manifest = {"pyodide": version, "entries": list(ENTRIES), "files": files, "left_out": left_out,
                 "stdlib_bytecode": {k: v for k, v in stdlib.items() if k != "zip"}}
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
 
@@ -393,6 +434,9 @@ def setup(app):
     app.add_node(calculator_node, html=(_visit_html, None), latex=(_skip, None),
                  text=(_skip, None), man=(_skip, None), texinfo=(_skip, None))
     app.add_directive("memory-calculator", MemoryCalculator)
+    app.add_node(format_node, html=(_visit_format_html, None), latex=(_skip, None),
+                 text=(_skip, None), man=(_skip, None), texinfo=(_skip, None))
+    app.add_directive("format-explorer", FormatExplorer)
     app.connect("html-page-context", _add_assets)
     app.connect("build-finished", _copy_runtime)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

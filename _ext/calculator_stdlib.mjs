@@ -36,6 +36,8 @@ for argv in json.loads(argvs):
             main(argv)
         except SystemExit:
             pass
+from trainmem.formats import describe_value   # chapter 1's explorer
+describe_value(0.1)
 ZIP = next(p for p in sys.path if p.endswith(".zip"))
 prefix = ZIP + "/"
 used = {m.__file__[len(prefix):] for m in list(sys.modules.values())

@@ -126,7 +126,7 @@ def _cli(values: dict, config_text: str | None, tmp: Path) -> subprocess.Complet
 # --------------------------------------------------------------------------------------------
 def test_shipped_modules_come_from_the_import_graph():
     shipped, left_out = calc.browser_modules()
-    for m in ("trainmem", "trainmem.cli", "trainmem.estimate", "trainmem.models"):
+    for m in ("trainmem", "trainmem.cli", "trainmem.estimate", "trainmem.models", "trainmem.formats"):
         assert m in shipped
     assert not any(m.startswith("trainmem.measure") for m in shipped), shipped
     assert "trainmem.measure" in left_out and "torch" in left_out["trainmem.measure"]
@@ -322,6 +322,34 @@ def test_chapter3_embeds_the_calculator(site, tmp_path):
         _first_answer(page)
         ref = json.loads(_cli({}, None, tmp_path).stdout)
         assert page.get_attribute(".tm-calc-result", "data-total-bytes") == str(ref["total_bytes"])
+        assert not problems, "\n".join(problems)
+    finally:
+        page.context.close()
+
+
+def test_chapter1_format_explorer_is_live(site):
+    """Chapter 1's number-format explorer runs trainmem.formats in the page: the same table as
+    describe_value in this Python, for the first value and for typed ones."""
+    from trainmem.formats import describe_value
+
+    b, base = site
+    page, problems = open_offline(b, base, "book/01_number_formats.html")
+    try:
+        root = page.locator(".tm-fmt")
+        assert root.count() == 1
+        root.scroll_into_view_if_needed()
+        page.wait_for_selector(".tm-fmt[data-state=ready]", state="attached", timeout=120000)
+        out = page.locator(".tm-fmt-out")
+        first = page.get_attribute(".tm-fmt input[name=x]", "value")
+        assert out.inner_text().strip() == describe_value(float(first))
+        for text in ("65504", "1e-8", "-2.5", "0.50001", "abc"):
+            seq = int(out.get_attribute("data-seq"))
+            page.fill(".tm-fmt input[name=x]", text)
+            page.wait_for_function("s => Number(document.querySelector('.tm-fmt-out').dataset.seq) > s",
+                                   arg=seq, timeout=60000)
+            want = (describe_value(float(text)) if text != "abc"
+                    else "not a number: 'abc' (try 0.1, 65504, 1e-8)")
+            assert out.inner_text().strip() == want, text
         assert not problems, "\n".join(problems)
     finally:
         page.context.close()

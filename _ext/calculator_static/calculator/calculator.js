@@ -37,6 +37,14 @@ def tm_run(request):
             print(f"internal error: {type(e).__name__}: {e}", file=sys.stderr)
             rc = 1
     return json.dumps({"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()})
+
+def tm_formats(text):
+    """Chapter 1's explorer: what the ipywidgets demo (coursekit.widgets) shows for the text."""
+    from trainmem.formats import describe_value
+    try:
+        return describe_value(float(text))
+    except ValueError:
+        return f"not a number: {text!r} (try 0.1, 65504, 1e-8)"
 `;
 
   let runtime = null;
@@ -69,7 +77,11 @@ def tm_run(request):
       py.runPython(RUNNER);
       mark("estimator");
       const run = py.globals.get("tm_run");
-      return (argv, config) => JSON.parse(run(JSON.stringify({ argv, config })));
+      const formats = py.globals.get("tm_formats");
+      return {
+        estimate: (argv, config) => JSON.parse(run(JSON.stringify({ argv, config }))),
+        formats: (text) => formats(text),
+      };
     })();
     return runtime;
   }
@@ -192,7 +204,7 @@ def tm_run(request):
         return;
       }
       const t0 = performance.now();
-      const res = run(args.argv, args.config);
+      const res = run.estimate(args.argv, args.config);
       const ms = performance.now() - t0;
       render(res, args, ms);
       if (!answered) {          // time since the page started loading (navigation start)
@@ -217,18 +229,57 @@ def tm_run(request):
     showRelevant();
     root.dataset.state = "loading";
     status.textContent = "正在加载浏览器内的 Python（Pyodide）与估算器模块…";
-    if (root.dataset.load === "visible" && "IntersectionObserver" in window) {
+    if (root.dataset.load === "visible") {
       status.textContent = "计算器滚动到屏幕上时开始加载浏览器内的 Python（Pyodide）。";
+    }
+    whenVisible(root, compute);
+  }
+
+  function whenVisible(root, start) {
+    if (root.dataset.load === "visible" && "IntersectionObserver" in window) {
       const io = new IntersectionObserver((entries) => {
-        if (entries.some((e) => e.isIntersecting)) { io.disconnect(); compute(); }
+        if (entries.some((e) => e.isIntersecting)) { io.disconnect(); start(); }
       }, { rootMargin: "200px" });
       io.observe(root);
     } else {
-      compute();
+      start();
     }
   }
 
-  function init() { document.querySelectorAll(".tm-calc").forEach(setup); }
+  // chapter 1: the number-format explorer (trainmem.formats.describe_value)
+  function setupFormats(root) {
+    const input = root.querySelector("input[name=x]");
+    const out = root.querySelector(".tm-fmt-out");
+    const status = root.querySelector(".tm-calc-status");
+    let timer = null, seq = 0;
+    async function show() {
+      let rt;
+      try {
+        rt = await loadRuntime();
+      } catch (e) {
+        status.textContent = `无法加载 Pyodide：${e.message}（请通过 HTTP 打开本书，而不是 file://）`;
+        root.dataset.state = "failed";
+        return;
+      }
+      out.textContent = rt.formats(input.value);
+      out.dataset.value = input.value;
+      out.dataset.seq = String(++seq);
+      root.dataset.state = "ready";
+      status.textContent = "输入任意数（如 65504、1e-8、0.5001），表格在浏览器里由 trainmem.formats 现场算出。";
+    }
+    input.addEventListener("input", () => { clearTimeout(timer); timer = setTimeout(show, 120); });
+    root.dataset.state = "loading";
+    status.textContent = "滚动到此处时开始加载浏览器内的 Python（Pyodide）。";
+    whenVisible(root, () => {
+      status.textContent = "正在加载浏览器内的 Python（Pyodide）…";
+      show();
+    });
+  }
+
+  function init() {
+    document.querySelectorAll(".tm-calc").forEach((root) =>
+      (root.classList.contains("tm-fmt") ? setupFormats : setup)(root));
+  }
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);
   else init();
 })();
