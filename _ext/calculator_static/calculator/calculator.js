@@ -177,7 +177,7 @@ def tm_formats(text):
           zh, el("span", { class: "tm-en" }, `（${k}）`)), el("td", {}, fmt(v, GB)), el("td", {}, fmt(v, GiB)),
           el("td", {}, v.toLocaleString("en-US"))));
       }
-      tbody.append(el("tr", { class: "tm-total" }, el("th", { scope: "row" }, `合计（峰值，${phase}）`),
+      tbody.append(el("tr", { class: "tm-total" }, el("th", { scope: "row" }, "合计（峰值）"),
         el("td", {}, fmt(total, GB)), el("td", {}, fmt(total, GiB)),
         el("td", {}, total.toLocaleString("en-US"))));
       const table = el("table", { class: "tm-table" },
