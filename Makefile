@@ -66,6 +66,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/memory_accuracy.py
 	$(PY) benchmarks/grading_bench.py
 	$(PY) benchmarks/dev_loop.py --skip-setup
+	$(PY) benchmarks/calculator_load.py
 
 clean:
 	rm -rf _build

@@ -5,7 +5,10 @@ host blocked, opens book/calculator.html in a fresh browser context (cold cache)
 and prints:
 
 * the first answer: milliseconds from navigation start until the result is on screen, with the
-  stages (script started, Pyodide module imported, interpreter ready, estimator imported);
+  stages (script started, Pyodide module imported, interpreter ready, estimator imported) —
+  with the site's python_stdlib.zip (bytecode added for the modules the page imports, see
+  _ext/calculator_stdlib.mjs) and, as the reference, the npm package's own zip (sources only),
+  alternating in the same run;
 * later changes: milliseconds from an edit of a field (an ``input`` event, as typing fires) until
   the new result is rendered (includes the 120 ms the page waits for typing to pause);
 * the bytes the calculator adds to the built site.
@@ -15,6 +18,7 @@ and prints:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -69,18 +73,21 @@ def main() -> int:
         return 2
     from playwright.sync_api import sync_playwright
 
-    loads, changes, computes = [], [], []
+    npm_zip = ROOT / "node_modules" / "pyodide" / "python_stdlib.zip"
+    variants = {"site (bytecode added)": None, "npm zip (sources only)": {"/python_stdlib.zip": npm_zip}}
+    loads = {v: [] for v in variants}
+    changes, computes = [], []
     with SiteServer(HTML) as server, sync_playwright() as p:
         b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
-        for _ in range(args.runs):
-            page, problems = open_offline(b, server.url, "book/calculator.html")
+        for _, (variant, serve) in itertools.product(range(args.runs), variants.items()):
+            page, problems = open_offline(b, server.url, "book/calculator.html", serve=serve)
             page.wait_for_selector(".tm-calc[data-state=ready]", state="attached", timeout=120000)
-            t = json.loads(page.get_attribute(".tm-calc", "data-timings"))
-            loads.append(t)
-            for name, value in EDITS[:args.changes]:
-                ms, compute = page.evaluate(CHANGE, [name, value])
-                changes.append(ms)
-                computes.append(compute)
+            loads[variant].append(json.loads(page.get_attribute(".tm-calc", "data-timings")))
+            if serve is None:                  # later edits: measured on the site as built
+                for name, value in EDITS[:args.changes]:
+                    ms, compute = page.evaluate(CHANGE, [name, value])
+                    changes.append(ms)
+                    computes.append(compute)
             if problems:
                 print("problems:", *problems, sep="\n  ")
             page.context.close()
@@ -88,11 +95,15 @@ def main() -> int:
 
     print("## First answer (ms since navigation start; fresh browser context each run)\n")
     stages = ["start", "imported", "pyodide", "estimator", "answer"]
-    print("| run | " + " | ".join(stages) + " |")
-    print("|---|" + "---:|" * len(stages))
-    for i, t in enumerate(loads, 1):
-        print(f"| {i} | " + " | ".join(str(t[s]) for s in stages) + " |")
-    print(f"\nmedian first answer: {statistics.median(t['answer'] for t in loads) / 1000:.1f} s\n")
+    print("| python_stdlib.zip | run | " + " | ".join(stages) + " |")
+    print("|---|---|" + "---:|" * len(stages))
+    for variant, ts in loads.items():
+        for i, t in enumerate(ts, 1):
+            print(f"| {variant} | {i} | " + " | ".join(str(t[s]) for s in stages) + " |")
+    print()
+    for variant, ts in loads.items():
+        print(f"median first answer, {variant}: {statistics.median(t['answer'] for t in ts) / 1000:.1f} s")
+    print()
     print("## Later changes (ms from the edit to the rendered result)\n")
     print("| edits | median | max | estimator call, median | estimator call, max |")
     print("|---:|---:|---:|---:|---:|")

@@ -121,17 +121,23 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-def open_offline(browser, base: str, path: str, viewport=(1280, 800), wait: str = "load"):
+def open_offline(browser, base: str, path: str, viewport=(1280, 800), wait: str = "load",
+                 serve=None):
     """Open ``base/path`` in a new context with every request to another host aborted.
 
-    Returns ``(page, problems)``; ``problems`` collects external requests, console errors,
-    page errors and failed or >= 400 responses from the site.
+    ``serve``: optional ``{url suffix: local file}`` answered from those files instead of the
+    site (a benchmark swaps a file this way). Returns ``(page, problems)``; ``problems`` collects
+    external requests, console errors, page errors and failed or >= 400 responses from the site.
     """
     ctx = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]})
     page = ctx.new_page()
     problems: list[str] = []
 
     def route(r):
+        for suffix, local in (serve or {}).items():
+            if r.request.url.startswith(base) and r.request.url.endswith(suffix):
+                r.fulfill(path=str(local))
+                return
         if r.request.url.startswith(base) or r.request.url.startswith("data:"):
             r.continue_()
         else:
