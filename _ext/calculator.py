@@ -133,7 +133,8 @@ def _optional_imports(path: Path) -> set[str]:
     return out
 
 
-def browser_modules(entries: tuple[str, ...] = ENTRIES, root: Path = ROOT) -> tuple[list[str], dict[str, str]]:
+def browser_modules(entries: tuple[str, ...] = ENTRIES,
+                    root: Path = ROOT) -> tuple[list[str], dict[str, str]]:
     """The modules of ``trainmem`` reached from ``entries`` that import only the standard library
     (and each other) at import time.
 
@@ -255,7 +256,8 @@ def calculator_html(uid: str, load: str) -> str:
 <form class="tm-calc-form" autocomplete="off" onsubmit="return false">
 <div class="tm-calc-grid">{fields}</div>
 <div class="tm-calc-config" hidden>
-<label for="{uid}-config-json">config.json（Hugging Face 格式，model_type 为 llama、mistral、qwen2 或 gpt2）</label>
+<label for="{uid}-config-json">config.json（Hugging Face 格式，model_type 为
+ llama、mistral、qwen2 或 gpt2）</label>
 <textarea name="config-json" id="{uid}-config-json" rows="7" spellcheck="false"
  placeholder='{{"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, ...}}'></textarea>
 </div>
@@ -291,7 +293,8 @@ def _visit_format_html(self, node):
 <input type="text" name="x" id="{uid}-x" value="{e(value)}" placeholder="0.1, 65504, 1e-8, -2.5 …"
  autocomplete="off" spellcheck="false"></div>
 </form>
-<p class="tm-calc-status" role="status">这个演示需要 JavaScript：浏览器内的 Python（Pyodide）运行 trainmem.formats。</p>
+<p class="tm-calc-status" role="status">这个演示需要 JavaScript：
+浏览器内的 Python（Pyodide）运行 trainmem.formats。</p>
 <pre class="tm-fmt-out" aria-live="polite"></pre>
 </div>""")
     raise nodes.SkipNode

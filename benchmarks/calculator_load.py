@@ -55,7 +55,8 @@ def site_bytes() -> list[tuple[str, int]]:
     root = HTML / "_static" / "calculator"
     rows = []
     for sub in ("pyodide", "py"):
-        rows.append((f"_static/calculator/{sub}/", sum(f.stat().st_size for f in (root / sub).rglob("*") if f.is_file())))
+        size = sum(f.stat().st_size for f in (root / sub).rglob("*") if f.is_file())
+        rows.append((f"_static/calculator/{sub}/", size))
     rows.append(("_static/calculator/ (script, style, manifest)",
                  sum(f.stat().st_size for f in root.iterdir() if f.is_file())))
     rows.append(("book/calculator.html", (HTML / "book" / "calculator.html").stat().st_size))

@@ -149,7 +149,8 @@ def test_shipped_modules_run_without_third_party_packages(tmp_path):
     for values, config in cases:
         text = json.dumps(config) if config is not None else None
         ref = _cli(values, text, tmp_path)
-        argv = ["estimate"] + [f"--{k}" if v is True else f"--{k}={v}" for k, v in values.items()] + ["--json"]
+        opts = [f"--{k}" if v is True else f"--{k}={v}" for k, v in values.items()]
+        argv = ["estimate", *opts, "--json"]
         iso = subprocess.run([sys.executable, "-I", "-S", "-c", runner, str(lib), json.dumps(argv)],
                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert iso.returncode == ref.returncode == 0, (values, iso.stderr, ref.stderr)
@@ -305,7 +306,8 @@ def test_typing_recomputes_and_screenshots(site, tmp_path):
             page.screenshot(path=str(SCREENSHOTS / f"calculator_{label}.png"), full_page=True)
             page.locator(".tm-calc-result").scroll_into_view_if_needed()
             page.screenshot(path=str(SCREENSHOTS / f"calculator_{label}_result.png"))
-            over = page.evaluate("() => document.documentElement.scrollWidth - document.documentElement.clientWidth")
+            over = page.evaluate("() => document.documentElement.scrollWidth"
+                                 " - document.documentElement.clientWidth")
             assert over <= 1, f"{label}: page is {over}px wider than the screen"
             assert not problems, "\n".join(problems)
         finally:
