@@ -38,7 +38,11 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 venv: $(STAMP)
 
 ## make book — build the HTML book from the stored notebook outputs (warnings are errors).
-book: $(STAMP)
+## npm ci installs Pyodide (package-lock.json) for the in-page calculator; the site serves it.
+node_modules/.package-lock.json: package.json package-lock.json
+	npm ci --no-audit --no-fund
+
+book: $(STAMP) node_modules/.package-lock.json
 	$(VENV)/bin/jupyter-book build . -W --keep-going
 	@echo "book: $(CURDIR)/_build/html/index.html"
 
@@ -80,6 +84,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/memory_accuracy.py
 	$(PY) benchmarks/grading_bench.py
 	$(PY) benchmarks/dev_loop.py --skip-setup
+	$(PY) benchmarks/calculator_load.py
 
 clean:
 	rm -rf _build
