@@ -1,6 +1,7 @@
 """Build the book once per test session and serve it on 127.0.0.1 (helpers for tests/test_site.py)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import shutil
@@ -84,5 +85,66 @@ def chromium_path() -> str | None:
     return None
 
 
+PHONE = (390, 844)
+DESKTOP = (1280, 800)
+
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@contextlib.contextmanager
+def served_browser(root: Path = HTML):
+    """Serve ``root`` on 127.0.0.1 and launch headless Chromium; yield ``(browser, base_url)``."""
+    exe = chromium_path()
+    if exe is None:
+        raise RuntimeError("chromium is not installed (make browser-deps installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with SiteServer(root) as server, sync_playwright() as p:
+        b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
+        try:
+            yield b, server.url
+        finally:
+            b.close()
+
+
+def open_page(browser, base: str, path: str, viewport=DESKTOP):
+    """Open ``base/path`` with every other host cut off; return ``(page, problems)``.
+
+    ``problems`` collects, while the page lives: requests to another host (aborted), console
+    errors, uncaught page errors, failed or 4xx/5xx requests to the site itself.
+    """
+    ctx = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]})
+    page = ctx.new_page()
+    problems: list[str] = []
+
+    def route(r):
+        url = r.request.url
+        if url.startswith(base + "/") or url == base or url.startswith("data:"):
+            r.continue_()
+        else:
+            problems.append(f"external request (network is cut): {url}")
+            r.abort()
+
+    page.route("**/*", route)
+    page.on("console", lambda m: m.type == "error" and problems.append(f"console error: {m.text}"))
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("requestfailed",
+            lambda r: r.url.startswith(base) and problems.append(f"failed: {r.url}"))
+    page.on("response", lambda r: r.url.startswith(base) and r.status >= 400
+            and problems.append(f"HTTP {r.status}: {r.url}"))
+    page.goto(f"{base}/{path}", wait_until="load")
+    page.wait_for_load_state("networkidle")
+    return page, problems
+
+
+def wait_for_math(page, timeout_ms: int = 120000) -> None:
+    """Wait until MathJax (if the page loads it) has finished typesetting."""
+    if page.evaluate("() => !!document.querySelector('script[src*=\"mathjax\" i]')"):
+        page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.promise",
+                               timeout=timeout_ms)
+        page.evaluate("() => MathJax.startup.promise")
+
+
+def screenshot_name(doc: str, label: str) -> str:
+    return f"{doc.replace('/', '_')}_{label}.png"
