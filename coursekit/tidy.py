@@ -76,6 +76,18 @@ def _is_glue_call(node: ast.AST) -> bool:
     return True
 
 
+_NONE_CALLS = {"print", "display", "show", "glue"}  # calls whose value Jupyter never shows
+
+
+def _returns_none(node: ast.Expr) -> bool:
+    v = node.value
+    if not isinstance(v, ast.Call):
+        return False
+    f = v.func
+    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+    return name in _NONE_CALLS
+
+
 def _glue_name(node: ast.Expr) -> str | None:
     args = node.value.args
     if args and isinstance(args[0], ast.Constant) and isinstance(args[0].value, str):
@@ -101,11 +113,12 @@ def _is_glue_output(out) -> bool:
     ) or (out.get("metadata", {}).get("scrapbook", {}).get("mime_prefix") == GLUE_MIME)
 
 
-def _new_code_cell(source: str, outputs: list, tags: list[str]):
+def _new_code_cell(source: str, outputs: list, tags: list[str], count):
     cell = nbformat.v4.new_code_cell(source=source)
     cell.metadata["tags"] = list(tags)
     cell.outputs = outputs
-    cell.execution_count = None
+    # it ran as part of the original cell: nbval refuses stored outputs of an "unrun" cell
+    cell.execution_count = count
     return cell
 
 
@@ -165,7 +178,7 @@ def _split_glue(cell, where: str, report: Report) -> list:
         tail_out = [o for o in glue_out if _glue_name_of_out(o) in tail_names]
     L = src.split("\n")
     # the statement now last in the cell: keep it from being displayed, as it was before
-    if trail < len(body) and isinstance(rest[-1], ast.Expr):
+    if trail < len(body) and isinstance(rest[-1], ast.Expr) and not _returns_none(rest[-1]):
         end = rest[-1]
         i = end.end_lineno - 1
         after = L[i][end.end_col_offset :]
@@ -183,13 +196,13 @@ def _split_glue(cell, where: str, report: Report) -> list:
     moved = [id(o) for o in head_out + tail_out]
     cell.outputs = [o for o in outputs if id(o) not in moved]
     cell.source = "\n".join(main).strip("\n")
-    out = []
+    out, count = [], cell.get("execution_count")
     if head:
-        out.append(_new_code_cell("\n".join(head).strip("\n"), head_out, [REMOVE]))
+        out.append(_new_code_cell("\n".join(head).strip("\n"), head_out, [REMOVE], count))
         report.changes.append(f"{where}: {lead} leading glue statement(s) moved to a {REMOVE} cell")
     out.append(cell)
     if tail:
-        out.append(_new_code_cell("\n".join(tail).strip("\n"), tail_out, [REMOVE]))
+        out.append(_new_code_cell("\n".join(tail).strip("\n"), tail_out, [REMOVE], count))
         n = len(body) - trail
         report.changes.append(f"{where}: {n} trailing glue statement(s) moved to a {REMOVE} cell")
     return out
