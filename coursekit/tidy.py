@@ -14,7 +14,8 @@ This tool rewrites notebooks so that plumbing lives where the HTML does not show
 * **nbval markers.** A ``# nbval-ignore-output: reason`` comment line becomes the
   ``nbval-ignore-output`` cell tag; the reason is kept in ``metadata.nbval_ignore_reason``.
 * **the setup cell** (tag ``setup``: imports, seeds, warning filters, version banner) is tagged
-  ``hide-cell``: collapsed on the page behind a toggle, still there in Jupyter and Colab.
+  ``hide-cell``: collapsed on the page behind a toggle labelled "显示准备代码…", still there in
+  Jupyter and Colab.
 
 The tool is idempotent: a second run changes nothing. ``--check`` only reports (exit 1 when a
 notebook would change), for CI. Outputs are moved, never recomputed: re-execute (``make nb``)
@@ -34,6 +35,9 @@ GLUE_MIME = "application/papermill.record/"
 REMOVE = "remove-cell"
 HIDE_SETUP = "hide-cell"
 NBVAL_IGNORE = "nbval-ignore-output"
+# the toggle of the collapsed setup cell says what is behind it (myst-nb cell-level config)
+SETUP_PROMPTS = {"code_prompt_show": "显示准备代码（导入、随机种子、版本与 GPU 信息）",
+                 "code_prompt_hide": "隐藏准备代码"}
 _NBVAL_COMMENT = re.compile(r"^\s*#\s*nbval-ignore-output\b[\s:：,，;；.。-]*(.*?)\s*$")
 
 
@@ -241,8 +245,13 @@ def tidy_notebook(nb, path: Path | str = "<notebook>") -> Report:
             continue
         where = f"{path} cell {i}"
         _nbval_comments(cell, where, report)
-        if "setup" in _tags(cell) and _add_tag(cell, HIDE_SETUP):
-            report.changes.append(f"{where}: setup cell tagged {HIDE_SETUP}")
+        if "setup" in _tags(cell):
+            if _add_tag(cell, HIDE_SETUP):
+                report.changes.append(f"{where}: setup cell tagged {HIDE_SETUP}")
+            prompts = cell.metadata.setdefault("mystnb", {})
+            if "code_prompt_show" not in prompts:
+                prompts.update(SETUP_PROMPTS)
+                report.changes.append(f"{where}: setup cell's toggle labelled")
         if "gpu" in _tags(cell):  # GPU cells run alone in tests (setup + gpu): never split
             cells.append(cell)
             continue

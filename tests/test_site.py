@@ -303,7 +303,8 @@ def test_no_authoring_plumbing_on_pages(build, doc):
         f"{(glue + nbval)[:3]} (run `python -m coursekit tidy`, or move the call out of the code)")
 
 
-HAND_NUMBER = re.compile(r"^#{1,6}\s+(\d+(\.\d+)*[.、．)）]?)\s")
+# "## 1. 标题", "### 2.1 标题", "## 3、标题" — not "## 8 位优化器" (a quantity, not a number)
+HAND_NUMBER = re.compile(r"^#{1,6}\s+(\d+(\.\d+)+\.?|\d+[.、．)）])\s*\S")
 
 
 def test_no_hand_typed_heading_numbers():

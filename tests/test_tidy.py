@@ -105,6 +105,7 @@ def test_nbval_comment_becomes_a_tag_and_setup_is_collapsed():
                code("# nbval-ignore-output：耗时随机器变化\nt = time()"))
     tidy_notebook(nb)
     assert nb.cells[0].metadata["tags"] == ["setup", "nbval-ignore-output", "hide-cell"]
+    assert nb.cells[0].metadata["mystnb"]["code_prompt_show"].startswith("显示准备代码")
     assert nb.cells[1].source == "t = time()"
     assert nb.cells[1].metadata["tags"] == ["nbval-ignore-output"]
     assert nb.cells[1].metadata["nbval_ignore_reason"] == "耗时随机器变化"
