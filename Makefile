@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 JOBS   ?= 2
 export PYTHONHASHSEED := 0
 
-.PHONY: book test unit nbval browser venv nb labs labs-check clean browser-deps bench
+.PHONY: book test unit nbval browser venv nb labs labs-check clean browser-deps bench tidy
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,14 @@ nbval: $(STAMP)
 ## make nb NB=book/01_number_formats.ipynb — re-execute a notebook in place (refresh stored outputs).
 nb: $(STAMP)
 	$(PY) -m coursekit execute $(NB)
+
+## make tidy — authoring plumbing off the page (coursekit tidy) and code formatted to 88 columns
+## (ruff) in book/ and solutions/. Then re-execute what changed (make nb) and run make labs.
+tidy: $(STAMP)
+	$(PY) -m coursekit tidy book solutions
+	$(VENV)/bin/ruff format book solutions
+	$(VENV)/bin/ruff check --fix book solutions || true
+	$(VENV)/bin/ruff format book solutions
 
 labs: $(STAMP)
 	$(PY) -m coursekit labs
