@@ -249,7 +249,7 @@ def test_one_search_box(browser, viewport):
 
 ENGLISH_UI = ["Click to show", "Click to hide", "Show code cell", "Hide code cell",
               "Toggle primary sidebar", "Toggle secondary sidebar", "Launch on Colab", "Color mode",
-              "System Settings", "Link to this heading", "Toggle hidden content", "Search this book"]
+              "System Settings", "Link to this", "Launch interactive content", "Toggle hidden content", "Search this book"]
 
 
 @pytest.mark.parametrize("doc", CHAPTERS)
