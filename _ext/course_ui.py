@@ -14,6 +14,9 @@
   left out (``coursekit.tidy.visible_source``); the notebook itself is unchanged, and
   ``python -m coursekit tidy`` moves such calls into removed cells for Jupyter and Colab readers.
   A code cell with nothing left to show is dropped from the page.
+* **Alt text.** A figure printed by a code cell gets, when it has none, an alt text made of the
+  titles and axis labels its code writes ("图：…；横轴 …；纵轴 …"). Captioned figures set their
+  own (``{glue:figure}`` with ``:alt:``).
 """
 from __future__ import annotations
 
@@ -109,6 +112,70 @@ def _hide_plumbing(app, doctree):
             cell.parent.remove(cell)
 
 
+_TITLE_CALLS = {"set_title": "", "suptitle": "", "title": "", "set_xlabel": "横轴 ",
+                "set_ylabel": "纵轴 ", "xlabel": "横轴 ", "ylabel": "纵轴 "}
+
+
+def figure_alt(source: str) -> str | None:
+    """Alt text for a figure drawn by ``source``: its titles and axis labels, as written in the
+    code (string literals only), or None when the code names none."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    titles, labels = [], []
+
+    def text_of(arg):
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            return arg.value.strip()
+        if isinstance(arg, ast.JoinedStr):  # f"...{x}...": the computed parts become "…"
+            return "".join(v.value if isinstance(v, ast.Constant) else "…"
+                           for v in arg.values).strip()
+        return ""
+
+    def add(kind, arg):
+        text = text_of(arg)
+        if text.strip("…"):
+            (labels if kind else titles).append(kind + text)
+
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr == "set":  # ax.set(title=..., xlabel=..., ylabel=...)
+            for kw in node.keywords:
+                if kw.arg in _TITLE_CALLS:
+                    add(_TITLE_CALLS[kw.arg], kw.value)
+            continue
+        kind = _TITLE_CALLS.get(node.func.attr)
+        if kind is not None and node.args:
+            add(kind, node.args[0])
+    parts = list(dict.fromkeys(titles)) + list(dict.fromkeys(labels))
+    return "图：" + "；".join(parts) if parts else None
+
+
+class FigureAlt(SphinxPostTransform):
+    """Runs after myst-nb has chosen each output's mime type (image nodes exist by then)."""
+
+    default_priority = 900
+    formats = ("html",)
+
+    def run(self, **kwargs):
+        for cell in self.document.findall(nodes.container):
+            if cell.get("nb_element") != "cell_code":
+                continue
+            images = [i for i in cell.findall(nodes.image) if not i.get("alt")]
+            if not images:
+                continue
+            src = [c for c in cell.findall(nodes.container)
+                   if c.get("nb_element") == "cell_code_source"]
+            alt = figure_alt(cell.get("nb_source", "") or (src[0].astext() if src else ""))
+            for image in images:
+                if alt:
+                    image["alt"] = alt
+
+
 def _search_options(app, config):
     opts = dict(config.html_search_options or {})
     opts.setdefault("dict", str(TERMS))
@@ -145,6 +212,7 @@ def setup(app):
     app.connect("builder-inited", _wrap_renderer)
     app.connect("doctree-read", _hide_plumbing)
     app.add_post_transform(ChinesePrompts)
+    app.add_post_transform(FigureAlt)
     app.add_js_file("course-nav.js")
     app.add_js_file("course-search.js")
     app.add_js_file("course-ui.js")

@@ -380,3 +380,42 @@ def test_screenshots_and_phone_layout(browser, doc):
                 assert over <= 1, f"page is {over}px wider than a phone screen"
         finally:
             page.context.close()
+
+
+@pytest.mark.parametrize("doc", CHAPTERS)
+def test_figures_have_alt_text(build, doc):
+    """Every figure has alt text: its own (``{glue:figure}`` ``:alt:``) or one made from the titles
+    and axis labels its code writes (_ext/course_ui.py). A bare file name is not alt text."""
+    html = (HTML / f"{doc}.html").read_text(encoding="utf-8")
+    imgs = re.findall(r"<img\b[^>]*>", html)
+    bare = [i for i in imgs if not re.search(r'alt="(?![^"]*\.(png|svg|jpe?g)")[^"]+"', i)]
+    assert not bare, (f"{len(bare)} of {len(imgs)} images without alt text (give the figure a title "
+                      f"in its code, or glue it with a caption and :alt:): "
+                      + "; ".join(re.sub(r'src="data:[^"]*"', "", b)[:120] for b in bare[:3]))
+
+
+def _course_ui():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("course_ui", ROOT / "_ext" / "course_ui.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_figure_alt_from_titles_and_labels():
+    ui = _course_ui()
+    src = ('fig, ax = plt.subplots()\nax.set_title(f"rank {r}: loss")\n'
+           'ax.set(xlabel="step", ylabel="loss")\nplt.suptitle("LoRA")')
+    assert ui.figure_alt(src) == "图：rank …: loss；LoRA；横轴 step；纵轴 loss"
+    assert ui.figure_alt("plt.plot(x)\nplt.show()") is None
+    assert ui.figure_alt("%matplotlib inline") is None
+
+
+def test_ui_strings_translated_in_attributes_only():
+    ui = _course_ui()
+    html = ('<button title="Toggle primary sidebar">Toggle primary sidebar</button>'
+            '<a title="Link to this heading2" aria-label="Color mode">')
+    assert ui.translate_attributes(html) == (
+        '<button title="章节目录">Toggle primary sidebar</button>'
+        '<a title="Link to this heading2" aria-label="颜色模式">')
