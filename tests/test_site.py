@@ -242,6 +242,16 @@ def test_one_search_box(browser, viewport):
             .filter(e => e.offsetParent !== null && e.getBoundingClientRect().width > 0).length""")
         assert fields == 1, f"{fields} search boxes/buttons visible"
         assert not page.locator("#pst-header").is_visible(), "the extra top navbar is shown"
+        # the reader's path: click it, type a Chinese word, press Enter, land on the results
+        page.locator(".search-button-field:visible, .search-button:visible").first.click()
+        box = page.locator("#pst-search-dialog input[type=search]")
+        box.wait_for(state="visible", timeout=5000)
+        box.fill("混合精度")
+        box.press("Enter")
+        page.wait_for_url("**/search.html?q=*", timeout=10000)
+        page.wait_for_selector("ul.search li a", timeout=30000)
+        hrefs = page.evaluate("() => [...document.querySelectorAll('ul.search li a')].map(a => a.href)")
+        assert any("02_mixed_precision.html" in h for h in hrefs), hrefs[:5]
         assert not problems, "\n".join(problems)
     finally:
         page.context.close()
