@@ -49,7 +49,7 @@ nb: $(STAMP)
 tidy: $(STAMP)
 	$(PY) -m coursekit tidy book solutions
 	$(VENV)/bin/ruff format book solutions
-	$(VENV)/bin/ruff check --fix book solutions || true
+	$(VENV)/bin/ruff check --fix --output-format concise book solutions || true
 	$(VENV)/bin/ruff format book solutions
 
 labs: $(STAMP)
