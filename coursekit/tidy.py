@@ -126,6 +126,12 @@ def _new_code_cell(source: str, outputs: list, tags: list[str], count):
     return cell
 
 
+def _copy_reason(src, new) -> None:
+    reason = src.metadata.get("nbval_ignore_reason")
+    if reason and NBVAL_IGNORE in new.metadata.get("tags", []):
+        new.metadata["nbval_ignore_reason"] = reason
+
+
 def _split_glue(cell, where: str, report: Report) -> list:
     """Return the cells that replace ``cell`` (itself, possibly split into glue + rest)."""
     src = cell.source
@@ -201,12 +207,16 @@ def _split_glue(cell, where: str, report: Report) -> list:
     cell.outputs = [o for o in outputs if id(o) not in moved]
     cell.source = "\n".join(main).strip("\n")
     out, count = [], cell.get("execution_count")
+    # outputs that nbval does not compare in the original cell stay uncompared in the new ones
+    new_tags = [REMOVE] + [t for t in (NBVAL_IGNORE, "nbval-skip") if t in _tags(cell)]
     if head:
-        out.append(_new_code_cell("\n".join(head).strip("\n"), head_out, [REMOVE], count))
+        out.append(_new_code_cell("\n".join(head).strip("\n"), head_out, new_tags, count))
+        _copy_reason(cell, out[-1])
         report.changes.append(f"{where}: {lead} leading glue statement(s) moved to a {REMOVE} cell")
     out.append(cell)
     if tail:
-        out.append(_new_code_cell("\n".join(tail).strip("\n"), tail_out, [REMOVE], count))
+        out.append(_new_code_cell("\n".join(tail).strip("\n"), tail_out, new_tags, count))
+        _copy_reason(cell, out[-1])
         n = len(body) - trail
         report.changes.append(f"{where}: {n} trailing glue statement(s) moved to a {REMOVE} cell")
     return out

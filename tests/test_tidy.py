@@ -174,3 +174,14 @@ def test_cli_check_then_tidy_then_clean(tmp_path):
     bad = _cli("nothere.ipynb", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
     assert "nothere.ipynb" in bad.stderr
+
+
+def test_moved_glue_of_an_uncompared_cell_stays_uncompared():
+    """A timing cell's glued value varies by machine: nbval must not start comparing it."""
+    nb = nb_of(code("# nbval-ignore-output: wall-clock time\nt = run()\nprint(t)\nglue('t', t)",
+                    [stream("1.2\n"), glue_out("t", "1.2")]))
+    tidy_notebook(nb)
+    main, moved = nb.cells
+    assert moved.metadata["tags"] == [REMOVE, "nbval-ignore-output"]
+    assert moved.metadata["nbval_ignore_reason"] == "wall-clock time"
+    assert main.metadata["tags"] == ["nbval-ignore-output"]
