@@ -1,4 +1,4 @@
-"""The book as a reader meets it (DESIGN.md §1, §5): built with -W, then loaded in headless Chromium.
+"""The book as a reader meets it: built with -W, then loaded in headless Chromium.
 
 The site is served from 127.0.0.1; every other host is cut off, so nothing may depend on a CDN.
 Full-page screenshots of every chapter and lab (desktop 1280×800, phone 390×844) are written to
