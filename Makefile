@@ -20,7 +20,7 @@ NBVAL_OPTS = --nbval-sanitize-with tests/nbval_sanitize.cfg -p tests.nbval_plugi
              $(foreach kv,$(NBVAL_ENV),--kernel-env $(kv))
 export PYTHONHASHSEED := 0
 
-.PHONY: book test unit nbval browser venv nb labs labs-check clean browser-deps bench
+.PHONY: book test unit nbval browser venv nb labs labs-check clean browser-deps bench tidy
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,14 @@ nbval: $(STAMP)
 ## native kernel path, COURSE_GPU=auto with GPUs hidden: see coursekit/execute.py).
 nb: $(STAMP)
 	$(PY) -m coursekit execute $(NB)
+
+## make tidy — authoring plumbing off the page (coursekit tidy) and code formatted to 88 columns
+## (ruff) in book/ and solutions/. Then re-execute what changed (make nb) and run make labs.
+tidy: $(STAMP)
+	$(PY) -m coursekit tidy book solutions
+	$(VENV)/bin/ruff format book solutions
+	$(VENV)/bin/ruff check --fix --output-format concise book solutions || true
+	$(VENV)/bin/ruff format book solutions
 
 labs: $(STAMP)
 	$(PY) -m coursekit labs

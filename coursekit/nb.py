@@ -193,6 +193,9 @@ def setup(seed: int = 0, packages: tuple[str, ...] = ("torch", "transformers", "
 
         _inline_figures()
         matplotlib.rcParams.update({"figure.dpi": 100, "savefig.dpi": 100, "figure.figsize": (6.4, 3.6)})
+        from .fonts import use_cjk_font
+
+        use_cjk_font()  # Chinese figure labels where a CJK font is installed (coursekit.fonts.zh)
     except ImportError:  # pragma: no cover
         pass
     if not quiet:

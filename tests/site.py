@@ -1,6 +1,7 @@
 """Build the book once per test session and serve it on 127.0.0.1 (helpers for tests/test_site.py)."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import http.server
@@ -117,11 +118,14 @@ def chromium_path() -> str | None:
     return None
 
 
+PHONE = (390, 844)
+DESKTOP = (1280, 800)
+
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-def open_offline(browser, base: str, path: str, viewport=(1280, 800), wait: str = "load",
+def open_offline(browser, base: str, path: str, viewport=DESKTOP, wait: str = "load",
                  serve=None):
     """Open ``base/path`` in a new context with every request to another host aborted.
 
@@ -152,3 +156,38 @@ def open_offline(browser, base: str, path: str, viewport=(1280, 800), wait: str 
             and problems.append(f"HTTP {r.status}: {r.url}"))
     page.goto(f"{base}/{path}", wait_until=wait)
     return page, problems
+
+
+@contextlib.contextmanager
+def served_browser(root: Path = HTML):
+    """Serve ``root`` on 127.0.0.1 and launch headless Chromium; yield ``(browser, base_url)``."""
+    exe = chromium_path()
+    if exe is None:
+        raise RuntimeError("chromium is not installed (make browser-deps installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with SiteServer(root) as server, sync_playwright() as p:
+        b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
+        try:
+            yield b, server.url
+        finally:
+            b.close()
+
+
+def open_page(browser, base: str, path: str, viewport=DESKTOP):
+    """:func:`open_offline`, then wait until the page's own requests have settled."""
+    page, problems = open_offline(browser, base, path, viewport=viewport)
+    page.wait_for_load_state("networkidle")
+    return page, problems
+
+
+def wait_for_math(page, timeout_ms: int = 120000) -> None:
+    """Wait until MathJax (if the page loads it) has finished typesetting."""
+    if page.evaluate("() => !!document.querySelector('script[src*=\"mathjax\" i]')"):
+        page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.promise",
+                               timeout=timeout_ms)
+        page.evaluate("() => MathJax.startup.promise")
+
+
+def screenshot_name(doc: str, label: str) -> str:
+    return f"{doc.replace('/', '_')}_{label}.png"
