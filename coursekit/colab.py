@@ -151,4 +151,5 @@ def read_notebook(name: str) -> dict:
     for path in candidates:
         if path.is_file():
             return json.loads(path.read_text(encoding="utf-8"))
-    raise FileNotFoundError(f"notebook {name!r} not found in " + " or ".join(str(c.parent) for c in candidates))
+    where = " or ".join(str(c.parent) for c in candidates)
+    raise FileNotFoundError(f"notebook {name!r} not found in {where}")

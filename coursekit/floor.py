@@ -84,7 +84,8 @@ def link_torch(target_venv: str | Path) -> list[Path]:
     target = Path(target_venv).resolve()
     found = sorted(target.glob("lib/python*/site-packages"))
     if not found:
-        raise FileNotFoundError(f"{target} has no lib/python*/site-packages: create it with python -m venv first")
+        raise FileNotFoundError(f"{target} has no lib/python*/site-packages: "
+                                "create it with python -m venv first")
     dest = found[0]
     tops = {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
     links = []
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         for link in link_torch(args[1]):
             print(f"linked {link}")
     else:
-        print("usage: python -m coursekit.floor constraints | requirements | link-torch VENV", file=sys.stderr)
+        print("usage: python -m coursekit.floor constraints | requirements | link-torch VENV",
+              file=sys.stderr)
         return 2
     return 0
 

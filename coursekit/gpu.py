@@ -1,4 +1,4 @@
-"""The GPU flag (DESIGN.md §4) and device choice.
+"""The GPU flag (DESIGN.md §4), device choice, and the decisions GPU cells make by capability.
 
 One environment variable, ``COURSE_GPU``, decides what a GPU cell does:
 
@@ -236,13 +236,16 @@ def matmul_rows(device_type: str, capability: tuple[int, int] | None = None) -> 
     cap = _cap(device_type, capability)
     rows = [MatmulRow("fp32 (ieee)", "highest", torch.float32, False, "")]
     if device_type != "cuda":
-        rows.append(MatmulRow("tf32", "high", torch.float32, True, "absent on CPU (the setting changes nothing)"))
-    elif not tf32_available(cap):
         rows.append(MatmulRow("tf32", "high", torch.float32, True,
-                              f"absent on sm_{cap[0]}{cap[1]} (needs sm_80+): the setting runs plain FP32"))
+                              "absent on CPU (the setting changes nothing)"))
+    elif not tf32_available(cap):
+        where = f"sm_{cap[0]}{cap[1]}" if cap else "this GPU"
+        rows.append(MatmulRow("tf32", "high", torch.float32, True,
+                              f"absent on {where} (needs sm_80+): the setting runs plain FP32"))
     else:
         rows.append(MatmulRow("tf32", "high", torch.float32, False, ""))
-    bf16_note = "" if device_type != "cuda" or bf16_supported("cuda", cap) else "emulated: no bf16 Tensor Cores"
+    native = device_type != "cuda" or bf16_supported("cuda", cap)
+    bf16_note = "" if native else "emulated: no bf16 Tensor Cores"
     rows.append(MatmulRow("bf16", "highest", torch.bfloat16, False, bf16_note))
     rows.append(MatmulRow("fp16", "highest", torch.float16, False, ""))
     return rows
@@ -263,7 +266,8 @@ def loss_scale_demo(steps: int, tokens_per_batch: int) -> dict:
     import math
 
     if steps < 6 or tokens_per_batch < 1:
-        raise ValueError(f"loss_scale_demo needs steps >= 6 and tokens_per_batch >= 1, got {steps}, {tokens_per_batch}")
+        raise ValueError("loss_scale_demo needs steps >= 6 and tokens_per_batch >= 1, "
+                         f"got {steps}, {tokens_per_batch}")
     init = 2.0 ** (math.ceil(math.log2(FP16_MAX * tokens_per_batch)) + 2)
     return {"init_scale": init, "growth_interval": max(2, steps // 6)}
 
@@ -310,7 +314,8 @@ class EstimateCheckPlan:
 
 
 def estimate_check_plan(cfg, device_type: str, capability: tuple[int, int] | None = None,
-                        free_bytes: int | None = None, want_batch: int = 4, seq: int = 512) -> EstimateCheckPlan:
+                        free_bytes: int | None = None, want_batch: int = 4,
+                        seq: int = 512) -> EstimateCheckPlan:
     """Precision from the capability (fp16-amp below sm_80, where SDPA's memory-efficient kernel
     runs and the estimate's ``attn="sdpa"`` holds), batch scaled to ``free_bytes``."""
     from trainmem.estimate import estimate

@@ -90,3 +90,25 @@ def test_notebook_runs_at_floor(path):
     seen = json.loads("".join(o.get("text", "") for o in probe.outputs))
     assert _same_versions({p: seen[p] for p in FLOOR_PACKAGES}, floor_pins()), \
         f"the kernel ({seen['python']}) runs {seen}, not the floor versions"
+
+
+def test_link_torch_reuses_the_cpu_torch(tmp_path):
+    """The floor venv gets this interpreter's torch by symlink: pip there sees it installed."""
+    import subprocess
+    import sys
+
+    from coursekit.floor import link_torch
+
+    with pytest.raises(FileNotFoundError, match="no lib/python"):
+        link_torch(tmp_path)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    links = link_torch(venv)
+    names = {p.name for p in links}
+    assert "torch" in names and any(n.startswith("torch-") and n.endswith(".dist-info") for n in names)
+    assert all(p.is_symlink() and p.resolve().exists() for p in links)
+    assert link_torch(venv) == []                                   # idempotent
+    r = subprocess.run([str(venv / "bin" / "python"), "-c",
+                        "from importlib import metadata; print(metadata.version('torch'))"],
+                       capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == metadata.version("torch")
