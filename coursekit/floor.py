@@ -87,6 +87,9 @@ def link_torch(target_venv: str | Path) -> list[Path]:
         raise FileNotFoundError(f"{target} has no lib/python*/site-packages: "
                                 "create it with python -m venv first")
     dest = found[0]
+    if dest.parent.name != site.parent.name:   # compiled extensions only load in the same Python
+        raise ValueError(f"{target} is {dest.parent.name} but torch is installed for {site.parent.name}: "
+                         f"create it with the interpreter of {site.parents[2]}")
     tops = {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
     links = []
     for top in sorted(tops):

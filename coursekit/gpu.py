@@ -167,7 +167,10 @@ def describe() -> str:
 
         name = torch.cuda.get_device_name(0)
         cap = compute_capability()
-        return f"{ENV_VAR}={mode}; CUDA: {name} (sm_{cap[0]}{cap[1]}), bf16 native: {bf16_supported('cuda')}"
+        free, total = torch.cuda.mem_get_info()
+        return (f"{ENV_VAR}={mode}; CUDA: {name} (sm_{cap[0]}{cap[1]}), bf16 native: "
+                f"{bf16_supported('cuda')}, TF32: {tf32_available(cap)}, "
+                f"memory {free / 2**30:.2f} of {total / 2**30:.2f} GiB free")
     return f"{ENV_VAR}={mode}; CUDA: none (GPU cells {'run on CPU at small size' if mode == 'cpu' else 'are skipped' if mode != 'on' else 'will fail'})"
 
 

@@ -112,3 +112,10 @@ def test_link_torch_reuses_the_cpu_torch(tmp_path):
                         "from importlib import metadata; print(metadata.version('torch'))"],
                        capture_output=True, text=True, check=True)
     assert r.stdout.strip() == metadata.version("torch")
+
+
+def test_make_test_runs_the_floor_pass():
+    text = (ROOT / "Makefile").read_text(encoding="utf-8")
+    recipe = text.split("\ntest:", 1)[1].split("\n\n", 1)[0]
+    assert "$(MAKE) --no-print-directory floor" in recipe
+    assert "COURSE_FLOOR_RUN=1" in text and "link-torch" in text

@@ -240,3 +240,13 @@ def test_qlora_plan_by_capability(cap):
     assert q["load_in_4bit"] and q["bnb_4bit_quant_type"] == "nf4" and q["bnb_4bit_use_double_quant"]
     assert q["bnb_4bit_compute_dtype"] is plan.compute_dtype is (torch.float16 if cap < (8, 0) else torch.bfloat16)
     assert plan.optimizer == "PagedAdamW8bit"
+
+
+def test_describe_names_the_capability_decisions(monkeypatch):
+    monkeypatch.setattr(gpu, "cuda_available", lambda: True)
+    monkeypatch.setattr(gpu, "compute_capability", lambda device=0: T4)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(14.3 * GiB), 15_835_660_288))
+    monkeypatch.setenv("COURSE_GPU", "auto")
+    assert gpu.describe() == ("COURSE_GPU=auto; CUDA: Tesla T4 (sm_75), bf16 native: False, TF32: False, "
+                              "memory 14.30 of 14.75 GiB free")
