@@ -20,7 +20,7 @@ NBVAL_OPTS = --nbval-sanitize-with tests/nbval_sanitize.cfg -p tests.nbval_plugi
              $(foreach kv,$(NBVAL_ENV),--kernel-env $(kv))
 export PYTHONHASHSEED := 0
 
-.PHONY: book test unit nbval browser venv nb labs labs-check clean browser-deps bench tidy
+.PHONY: book test unit nbval browser venv nb labs labs-check clean browser-deps bench tidy floor floor-venv
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,29 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 
 venv: $(STAMP)
 
+# The floor environment: transformers, peft, numpy, IPython, ipykernel, ipywidgets at the lower bounds
+# pyproject.toml declares (older Colab images), read by coursekit.floor. It reuses .venv's CPU torch
+# through symlinks: torch is never downloaded or reinstalled there.
+FLOOR_VENV  := .venv-floor
+FLOOR_PY    := $(FLOOR_VENV)/bin/python
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
+$(FLOOR_STAMP): $(STAMP) pyproject.toml coursekit/floor.py
+	test -x $(FLOOR_PY) || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(PY) -m coursekit.floor link-torch $(FLOOR_VENV)
+	$(PY) -m coursekit.floor constraints > $(FLOOR_VENV)/constraints.txt
+	$(FLOOR_PY) -m pip install -q -c $(FLOOR_VENV)/constraints.txt $$($(PY) -m coursekit.floor requirements)
+	$(FLOOR_PY) -m pip check
+	$(FLOOR_PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (course, floor)" >/dev/null
+	touch $(FLOOR_STAMP)
+
+floor-venv: $(FLOOR_STAMP)
+
+## make floor — every chapter and solution executed top to bottom in .venv-floor (errors only
+## outside cells tagged raises-exception fail; outputs are not compared: that is nbval's job).
+floor: $(FLOOR_STAMP)
+	COURSE_FLOOR_RUN=1 JUPYTER_PATH=$(CURDIR)/$(FLOOR_VENV)/share/jupyter $(FLOOR_PY) -m pytest -n $(JOBS) \
+	    --dist load -q tests/test_floor.py --timeout=900 -p no:cacheprovider --durations=5
+
 ## make book — build the HTML book from the stored notebook outputs (warnings are errors).
 ## npm ci installs Pyodide (package-lock.json) for the in-page calculator; the site serves it.
 node_modules/.package-lock.json: package.json package-lock.json
@@ -48,10 +71,12 @@ book: $(STAMP) node_modules/.package-lock.json
 
 ## make test — everything: unit tests, nbval over book/ and solutions/ (exact outputs as text,
 ## declared measured numbers within their tolerance; on the NBVAL_ENV kernel path), GPU cells in
-## COURSE_GPU=cpu mode, labs regenerated, grader, book build with -W, browser tests.
+## COURSE_GPU=cpu mode, labs regenerated, grader, book build with -W, browser tests; then the
+## same chapters and solutions executed at the declared floor versions (make floor).
 test: $(STAMP) browser-deps
 	$(PY) -m pytest -n $(JOBS) --dist loadfile -q tests book solutions --nbval --timeout=1200 --nbval-cell-timeout=600 \
 	    $(NBVAL_OPTS) --durations=15
+	$(MAKE) --no-print-directory floor
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests -m "not slow"
