@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import labs_cli
+
 
 def _cmd_execute(args: argparse.Namespace) -> int:
     from .execute import execute_notebook
@@ -21,12 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("notebooks", nargs="+")
     e.add_argument("--timeout", type=int, default=600, help="per-cell timeout in seconds")
     e.set_defaults(func=_cmd_execute)
-    try:  # lab generation and grading register themselves when present
-        from . import labs_cli  # noqa: F401
-
-        labs_cli.register(sub)
-    except ImportError:
-        pass
+    labs_cli.register(sub)
     return p
 
 

@@ -28,7 +28,7 @@ def _cmd_grade(args: argparse.Namespace) -> int:
     from .grading import grade, total
 
     records = grade(args.lab, args.submissions, args.out, jobs=args.jobs, force=args.force,
-                    tests_dir=args.tests, cell_timeout=args.cell_timeout,
+                    tests_dir=args.tests, seed=args.seed, cell_timeout=args.cell_timeout,
                     notebook_timeout=args.notebook_timeout, probe_timeout=args.probe_timeout,
                     memory_mb=args.memory_mb, gpu=args.gpu)
     print(f"wrote {args.out}/grades.csv and {len(records)} feedback pages in {args.out}/feedback/")
@@ -52,6 +52,8 @@ def register(sub) -> None:
     g.add_argument("--jobs", type=int, default=1, help="submissions graded in parallel (default 1)")
     g.add_argument("--force", action="store_true", help="regrade everything, ignoring the cache")
     g.add_argument("--tests", default=None, help="folder of hidden tests (default: tests/grading)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of the random inputs (default: fixed by the lab and its hidden tests)")
     g.add_argument("--cell-timeout", type=float, default=None, help="seconds per student cell")
     g.add_argument("--notebook-timeout", type=float, default=None, help="seconds per submission")
     g.add_argument("--probe-timeout", type=float, default=None, help="seconds per hidden test")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 from coursekit.grading import Question
-from coursekit.grading_checks import close_floats, exec_source
+from coursekit.grading.checks import close_floats, exec_source
 
 NOTEBOOK = "lab04_accumulation_checkpointing.ipynb"
 CELL_TIMEOUT = 60

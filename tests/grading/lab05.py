@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from coursekit.grading import Question
-from coursekit.grading_checks import close_floats, exec_source, quiet_warnings
+from coursekit.grading.checks import close_floats, exec_source, quiet_warnings
 
 
 _quiet = quiet_warnings
