@@ -25,7 +25,7 @@ def _cmd_labs(args: argparse.Namespace) -> int:
 
 
 def _cmd_grade(args: argparse.Namespace) -> int:
-    from .grading import grade, total
+    from .grading import grade
 
     records = grade(args.lab, args.submissions, args.out, jobs=args.jobs, force=args.force,
                     tests_dir=args.tests, seed=args.seed, cell_timeout=args.cell_timeout,

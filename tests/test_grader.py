@@ -1,4 +1,5 @@
-"""The grader (issue 7): robustness cases, tamper-proofing, cache, and every lab's solution/stub.
+"""The grader: robustness cases, tamper-proofing, cache, fair scores (seed, case types, stub limit),
+Colab names, Chinese feedback, and every lab's solution/stub.
 
 Robustness submissions are generated here (not stored as .ipynb under tests/, where the nbval run
 would collect them) against a tiny synthetic lab ``lab99`` whose hidden tests are written to a temp
@@ -12,6 +13,7 @@ import json
 import os
 import shutil
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import nbformat
@@ -362,8 +364,8 @@ def _not_implemented(x):
 @pytest.mark.parametrize("lab", ALL_LABS)
 def test_stub_share_within_stated_limit(lab):
     """No stub earns more than STUB_LIMIT of any question: NotImplementedError, the input handed
-    back, and every constant the constant correction tries (0, False, None, the most frequent
-    reference answers …)."""
+    back, and constants (0, False, None, …, and every reference answer shared by several inputs,
+    more of them than the correction itself tries)."""
     from coursekit.grading import STUB_LIMIT, load_tests, prepare, score
     from coursekit.grading.scoring import CONSTANTS, TOP_WANTS
 
@@ -373,9 +375,10 @@ def test_stub_share_within_stated_limit(lab):
             for const in (None, [], {}):
                 assert score(p, {"ok": True, "value": const})["share"] <= STUB_LIMIT, (p.question.name, const)
             continue
-        wants = sorted({json.dumps(w, sort_keys=True) for w in p.wants}, key=lambda k: -p.wants.count(json.loads(k)))
+        counts = Counter(json.dumps(w, sort_keys=True) for w in p.wants)
+        shared = [k for k, n in counts.most_common(TOP_WANTS + 4) if n > 1]   # answers a constant can hit
         stubs = [_not_implemented, lambda x: x] + [lambda x, c=c: c for c in CONSTANTS]
-        stubs += [lambda x, k=k: json.loads(k) for k in wants[:TOP_WANTS + 4]]
+        stubs += [lambda x, k=k: json.loads(k) for k in shared]
         for stub in stubs:
             share = score(p, {"ok": True, "value": _entries(stub, p.inputs)})["share"]
             assert share <= STUB_LIMIT, (p.question.name, share)

@@ -7,7 +7,7 @@ Policy (also in tests/grading/README.md and on every feedback page):
 2. A question's cases come in types, each with a fixed quota and a weight set by the lab author.
    A type earns ``weight × passed / drawn``; the raw share is the weighted mean over types.
 3. ``c`` is the best raw share any *constant* answer would get (the answer returned for every
-   input: each of the most frequent reference answers, ``0``, ``False``, ``None``, …). The share
+   input: ``0``, ``False``, ``None``, …, and every reference answer shared by several inputs). The share
    awarded is ``max(0, (raw − c) / (1 − c))``: a constant answer earns 0, a right answer 1.
 4. Points = ``round(points × share, 2)``. An exception, a timeout or a result that is not plain
    data fails that case (typed questions) or the question (whole-result questions).
@@ -62,8 +62,9 @@ def constant_baseline(q: Question, drawn, wants) -> float:
     """The best raw share a constant answer gets on these inputs (policy point 3)."""
     counts = Counter(json.dumps(w, sort_keys=True, default=repr) for w in wants)
     candidates = list(CONSTANTS)
-    for key, _ in counts.most_common(TOP_WANTS):
-        candidates.append(json.loads(key))
+    for key, n in counts.most_common(TOP_WANTS):
+        if n > 1:  # an answer shared by several inputs is one a constant can hit
+            candidates.append(json.loads(key))
     best = 0.0
     for const in candidates:
         passed = [_verdict(q, const, w)[0] for w in wants]

@@ -18,10 +18,10 @@ N_STATES = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}
 
 
 def ref_count_params(cfg: dict) -> int:
-    V, h, I = cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"]
+    V, h, inter = cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"]
     L, n, k = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = h // n
-    per_layer = 2 * h * h + 2 * h * k * d + 3 * h * I + 2 * h
+    per_layer = 2 * h * h + 2 * h * k * d + 3 * h * inter + 2 * h
     return V * h + L * per_layer + h + (0 if cfg.get("tie_word_embeddings", False) else V * h)
 
 
