@@ -9,6 +9,7 @@ graded in ONE run with ``jobs=2``, so each row also proves that no case disturbe
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import shutil
@@ -193,6 +194,7 @@ def test_csv_and_feedback_content(graded):
     assert "NameError" in page and "average" not in page.split("<h2>隐藏测试")[0]
     assert "NameError" in hidden and "总分：2 / 5" in page
     assert "超过时间上限" in (out / "feedback" / "right_but_slow.html").read_text()
+    assert "以 import os 开头的单元时 kernel 死了" in graded["records"]["kernel_exit"]["message"]
 
 
 def test_feedback_names_cells_by_heading_and_shows_seed_and_policy(graded):
@@ -226,23 +228,23 @@ def test_identical_submissions_get_identical_scores(graded):
 
 
 def test_rerun_reproduces_every_grade(graded, tmp_path):
-    """A new run (default seed, then the same seed given explicitly) reproduces the grades of
-    the first run; another seed draws other inputs but a right answer keeps full marks."""
-    subs = tmp_path / "subs"
-    subs.mkdir()
-    for name in ("partial_a", "good", "untouched_stubs"):
-        shutil.copy(graded["subs"] / f"{name}.ipynb", subs / f"again_{name}.ipynb")
-    first = graded["records"]
-    seed = first["good"]["seed"]
-    runs = [grade("lab99", subs, tmp_path / f"out{i}", jobs=2, tests_dir=graded["tests_dir"], log=None,
-                  seed=s, **SETTINGS) for i, s in enumerate((None, seed))]
-    for run in runs:
-        for rec in run:
-            old = first[rec["student"].removeprefix("again_")]
-            assert (rec["scores"], rec["details"], rec["seed"]) == (old["scores"], old["details"], seed)
-    other = {r["student"]: r for r in grade("lab99", subs, tmp_path / "out_other", tests_dir=graded["tests_dir"],
-                                            log=None, seed=seed + 1, **SETTINGS)}
-    assert other["again_good"]["seed"] == seed + 1 and sum(other["again_good"]["scores"].values()) == 5
+    """A second run, given the first run's (default) seed explicitly, reproduces its grades and
+    feedback exactly; another seed draws other inputs, and a right answer keeps full marks."""
+    seed = graded["records"]["good"]["seed"]
+    for i, (names, s) in enumerate(((("partial_a", "good"), seed), (("good",), seed + 1))):
+        subs = tmp_path / f"subs{i}"
+        subs.mkdir()
+        for name in names:
+            shutil.copy(graded["subs"] / f"{name}.ipynb", subs / f"again_{name}.ipynb")
+        recs = grade("lab99", subs, tmp_path / f"out{i}", jobs=2, tests_dir=graded["tests_dir"], log=None,
+                     seed=s, **SETTINGS)
+        for rec in recs:
+            old = graded["records"][rec["student"].removeprefix("again_")]
+            assert rec["seed"] == s
+            if s == seed:
+                assert (rec["scores"], rec["details"]) == (old["scores"], old["details"])
+            else:
+                assert rec["details"] != old["details"] and sum(rec["scores"].values()) == 5
 
 
 def test_colab_download_names_pick_newest_and_say_which(graded):
@@ -348,13 +350,21 @@ def _entries(fn, inputs) -> list[dict]:
     return out
 
 
-def _shares(lab: str, answers: dict) -> dict[str, float]:
-    """Share of each named question that the Python functions in ``answers`` earn."""
-    from coursekit.grading import load_tests, prepare, score
+@functools.cache
+def _prepared(lab: str):
+    """A lab's questions with this run's inputs and references (default seed), built once."""
+    from coursekit.grading import load_tests, prepare
 
     tests = load_tests(lab, ROOT / "tests" / "grading")
+    return prepare(tests, tests.default_seed)
+
+
+def _shares(lab: str, answers: dict) -> dict[str, float]:
+    """Share of each named question that the Python functions in ``answers`` earn."""
+    from coursekit.grading import score
+
     return {p.question.name: score(p, {"ok": True, "value": _entries(answers[p.question.name], p.inputs)})["share"]
-            for p in prepare(tests, tests.default_seed) if p.question.name in answers}
+            for p in _prepared(lab) if p.question.name in answers}
 
 
 def _not_implemented(x):
@@ -366,11 +376,10 @@ def test_stub_share_within_stated_limit(lab):
     """No stub earns more than STUB_LIMIT of any question: NotImplementedError, the input handed
     back, and constants (0, False, None, …, and every reference answer shared by several inputs,
     more of them than the correction itself tries)."""
-    from coursekit.grading import STUB_LIMIT, load_tests, prepare, score
+    from coursekit.grading import STUB_LIMIT, score
     from coursekit.grading.scoring import CONSTANTS, TOP_WANTS
 
-    tests = load_tests(lab, ROOT / "tests" / "grading")
-    for p in prepare(tests, tests.default_seed):
+    for p in _prepared(lab):
         if not p.question.typed:     # whole-result questions: a constant whole result
             for const in (None, [], {}):
                 assert score(p, {"ok": True, "value": const})["share"] <= STUB_LIMIT, (p.question.name, const)
@@ -427,10 +436,9 @@ def test_lab02_answers_are_type_checked():
 
 
 def test_lab01_feedback_shows_both_numbers_in_hex():
-    from coursekit.grading import load_tests, prepare, score
+    from coursekit.grading import score
 
-    tests = load_tests("lab01", ROOT / "tests" / "grading")
-    p = next(p for p in prepare(tests, tests.default_seed) if p.question.name == "fp32_to_bf16_bits")
+    p = next(p for p in _prepared("lab01") if p.question.name == "fp32_to_bf16_bits")
     import struct
     detail = score(p, {"ok": True, "value": _entries(
         lambda x: struct.unpack("<I", struct.pack("<f", x))[0] >> 16, p.inputs)})

@@ -123,6 +123,7 @@ def grade_one(sub: Submission, prepared: list[Prepared], settings: dict) -> dict
         spec = {"notebook": str(nb_path), "workdir": work, "cell_timeout": settings["cell_timeout"],
                 "notebook_timeout": settings["notebook_timeout"],
                 "memory_mb": settings["memory_mb"], "max_output": MAX_CELL_OUTPUT, "probes": probes,
+                "labels": cell_labels(nb),
                 "env": {"COURSE_GPU": settings["gpu"], "PYTHONHASHSEED": "0", "MPLBACKEND": "Agg",
                         TOKEN_ENV: token}}
         hard = settings["notebook_timeout"] + 90  # kernel start-up and shutdown on top

@@ -8,7 +8,7 @@ pipe through them), and at the end kills the kernel's process tree. It never sco
 probe results are plain data that the parent checks against the reference in its own process.
 
 Spec keys: notebook (path), workdir, cell_timeout, notebook_timeout (s), memory_mb, max_output
-(bytes kept per student cell), env (dict), probes: [{name, source, per_case, inputs_json, timeout}].
+(bytes kept per student cell), env (dict), labels (a name per code cell, for messages), probes: [{name, source, per_case, inputs_json, timeout}].
 Result keys: status (ok|timeout|kernel_died|grader_error), message, cells: [{index, error,
 timeout}] (index: 1-based among code cells), probes: {name: {ok, value | error, timeout}}, seconds.
 """
@@ -228,8 +228,9 @@ class Session:
         """Run one student cell; returns "ok", "stop" (kernel gone or stuck) or "skip"."""
         if self.out_of_time():
             return "skip"
-        outcome, err, timed_out = self._execute(idx, float(self.spec["cell_timeout"]),
-                                                f"第 {idx + 1} 个代码单元")
+        labels = self.spec.get("labels") or []
+        what = labels[idx] if idx < len(labels) else f"第 {idx + 1} 个代码单元"
+        outcome, err, timed_out = self._execute(idx, float(self.spec["cell_timeout"]), what)
         if outcome == "dead":
             return "stop"
         self.result["cells"].append({"index": idx + 1, "error": err, "timeout": timed_out})
