@@ -18,13 +18,7 @@ from pathlib import Path
 
 import nbformat
 
-from .colab import (
-    COLAB_METADATA,
-    Repository,
-    badge_markdown,
-    read_repository,
-    setup_cell_source,
-)
+from .colab import COLAB_METADATA, Repository, badge_markdown, read_repository, setup_cell_source
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
