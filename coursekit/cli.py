@@ -1,4 +1,5 @@
 """``python -m coursekit`` — course machinery from the command line."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,13 @@ def _cmd_execute(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m coursekit", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("execute", help="re-execute notebooks in place (fresh stored outputs)")
+    e = sub.add_parser(
+        "execute", help="re-execute notebooks in place (fresh stored outputs)"
+    )
     e.add_argument("notebooks", nargs="+")
-    e.add_argument("--timeout", type=int, default=600, help="per-cell timeout in seconds")
+    e.add_argument(
+        "--timeout", type=int, default=600, help="per-cell timeout in seconds"
+    )
     e.set_defaults(func=_cmd_execute)
     labs_cli.register(sub)
     return p

@@ -12,7 +12,13 @@ import nbformat
 import pytest
 
 from coursekit.colab import read_repository, setup_cell_source
-from coursekit.labs import LabFormatError, generate, make_lab, strip_code, strip_markdown
+from coursekit.labs import (
+    LabFormatError,
+    generate,
+    make_lab,
+    strip_code,
+    strip_markdown,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 _REAL_FIND_SPEC = _iu.find_spec

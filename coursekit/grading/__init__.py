@@ -13,11 +13,23 @@ Parts, each with one job (imports go downwards in this list):
 
 Formats, statuses and the partial-credit policy: ``tests/grading/README.md``.
 """
+
 from .api import STUB_LIMIT, CaseType, LabTests, Question, load_tests
 from .core import grade
 from .report import total
 from .scoring import prepare, score
 from .submissions import colab_base, discover
 
-__all__ = ["STUB_LIMIT", "CaseType", "LabTests", "Question", "colab_base", "discover", "grade",
-           "load_tests", "prepare", "score", "total"]
+__all__ = [
+    "STUB_LIMIT",
+    "CaseType",
+    "LabTests",
+    "Question",
+    "colab_base",
+    "discover",
+    "grade",
+    "load_tests",
+    "prepare",
+    "score",
+    "total",
+]

@@ -10,6 +10,7 @@ questions whose cases are whole models (labs 04–06 use it).
 The partial-credit policy these declarations feed is in :mod:`coursekit.grading.scoring` and
 tests/grading/README.md.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -48,7 +49,9 @@ class CaseType:
         if not NAME_RE.match(self.name):
             raise ValueError(f"CaseType name must match [a-z0-9_]+, got {self.name!r}")
         if not self.weight > 0:
-            raise ValueError(f"CaseType {self.name}: weight must be > 0, got {self.weight}")
+            raise ValueError(
+                f"CaseType {self.name}: weight must be > 0, got {self.weight}"
+            )
 
 
 def _show(x: Any) -> str:
@@ -77,12 +80,16 @@ class Question:
         if not NAME_RE.match(self.name):
             raise ValueError(f"Question name must match [a-z0-9_]+, got {self.name!r}")
         if self.points <= 0:
-            raise ValueError(f"Question {self.name}: points must be > 0, got {self.points}")
+            raise ValueError(
+                f"Question {self.name}: points must be > 0, got {self.points}"
+            )
         typed = bool(self.cases) and self.expect is not None
         legacy = self.make_inputs is not None and self.check is not None
         if typed == legacy:
-            raise ValueError(f"Question {self.name}: give either cases= and expect= (case types) "
-                             "or make_inputs= and check= (whole-result check), not both or neither")
+            raise ValueError(
+                f"Question {self.name}: give either cases= and expect= (case types) "
+                "or make_inputs= and check= (whole-result check), not both or neither"
+            )
         names = [c.name for c in self.cases]
         if len(set(names)) != len(names):
             raise ValueError(f"Question {self.name}: duplicate case types {names}")
@@ -100,7 +107,9 @@ class Question:
         for ct in self.cases:
             drawn = ct.make(random.Random(f"{seed}:{self.name}:{ct.name}"))
             if not drawn:
-                raise ValueError(f"Question {self.name}: case type {ct.name} drew no inputs")
+                raise ValueError(
+                    f"Question {self.name}: case type {ct.name} drew no inputs"
+                )
             out += [(ct.name, x) for x in drawn]
         return out
 
@@ -127,7 +136,9 @@ class LabTests:
     def default_seed(self) -> int:
         """The seed used when none is given: fixed by the lab and its hidden tests, so a
         re-run grades every submission on the same inputs and gives the same grades."""
-        return int(hashlib.sha256(f"{self.lab}:{self.digest}".encode()).hexdigest()[:8], 16)
+        return int(
+            hashlib.sha256(f"{self.lab}:{self.digest}".encode()).hexdigest()[:8], 16
+        )
 
 
 def load_tests(lab: str, tests_dir: str | Path) -> LabTests:
@@ -150,8 +161,14 @@ def load_tests(lab: str, tests_dir: str | Path) -> LabTests:
     def setting(key: str):
         return getattr(mod, key, DEFAULTS[key])
 
-    return LabTests(lab=lab, path=path, notebook=getattr(mod, "NOTEBOOK", ""), questions=qs,
-                    cell_timeout=setting("CELL_TIMEOUT"),
-                    notebook_timeout=setting("NOTEBOOK_TIMEOUT"),
-                    probe_timeout=setting("PROBE_TIMEOUT"), memory_mb=int(setting("MEMORY_MB")),
-                    digest=hashlib.sha256(path.read_bytes()).hexdigest())
+    return LabTests(
+        lab=lab,
+        path=path,
+        notebook=getattr(mod, "NOTEBOOK", ""),
+        questions=qs,
+        cell_timeout=setting("CELL_TIMEOUT"),
+        notebook_timeout=setting("NOTEBOOK_TIMEOUT"),
+        probe_timeout=setting("PROBE_TIMEOUT"),
+        memory_mb=int(setting("MEMORY_MB")),
+        digest=hashlib.sha256(path.read_bytes()).hexdigest(),
+    )

@@ -3,6 +3,7 @@
 A submission's key covers its bytes (or why it has none), the grader's own code, the hidden-test
 module, the settings and the seed; any change to one of them regrades it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,8 +27,10 @@ def code_digest() -> str:
 
 def key(sub: Submission, tests_digest: str, settings: dict) -> str:
     h = hashlib.sha256()
-    h.update(f"{GRADER_VERSION}|{code_digest()}|{tests_digest}|"
-             f"{json.dumps(settings, sort_keys=True)}|{sub.note}|".encode())
+    h.update(
+        f"{GRADER_VERSION}|{code_digest()}|{tests_digest}|"
+        f"{json.dumps(settings, sort_keys=True)}|{sub.note}|".encode()
+    )
     try:
         h.update(sub.path.read_bytes() if sub.path else sub.problem.encode())
     except OSError as e:
@@ -46,11 +49,18 @@ def load(out: Path) -> dict:
 
 def hit(cache: dict, student: str, k: str) -> dict | None:
     entry = cache.get(student)
-    if isinstance(entry, dict) and entry.get("key") == k and isinstance(entry.get("record"), dict):
+    if (
+        isinstance(entry, dict)
+        and entry.get("key") == k
+        and isinstance(entry.get("record"), dict)
+    ):
         return entry["record"]
     return None
 
 
 def dumps(keys: dict[str, str], records: dict[str, dict]) -> str:
-    return json.dumps({s: {"key": keys[s], "record": records[s]} for s in records},
-                      ensure_ascii=False, indent=1)
+    return json.dumps(
+        {s: {"key": keys[s], "record": records[s]} for s in records},
+        ensure_ascii=False,
+        indent=1,
+    )

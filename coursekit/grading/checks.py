@@ -4,6 +4,7 @@ Every comparison type-checks what a kernel handed back: a bool is not an int, an
 bool, NaN equals NaN only where the reference is NaN, and signed zeros differ. Anything a
 comparison does not recognise is simply unequal (never an exception).
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,8 +18,9 @@ def _is_number(x: Any) -> bool:
 
 
 def equal(got: Any, want: Any) -> bool:
-    """Exact equality of JSON data with types checked at every level (``True != 1``,
-    ``1 != 1.0`` only where one side is a bool; dict keys and list lengths must match)."""
+    """Exact equality of JSON data, types checked at every level: a bool equals only the
+    same bool (``True != 1``), numbers compare by value (``1 == 1.0``), NaN only NaN,
+    lists by length and items, dicts by keys and values."""
     if isinstance(want, bool) or isinstance(got, bool):
         return isinstance(got, bool) and isinstance(want, bool) and got is want
     if isinstance(want, float) and math.isnan(want):
@@ -26,11 +28,17 @@ def equal(got: Any, want: Any) -> bool:
     if _is_number(want):
         return _is_number(got) and got == want
     if isinstance(want, list):
-        return (isinstance(got, list) and len(got) == len(want)
-                and all(equal(g, w) for g, w in zip(got, want)))
+        return (
+            isinstance(got, list)
+            and len(got) == len(want)
+            and all(equal(g, w) for g, w in zip(got, want))
+        )
     if isinstance(want, dict):
-        return (isinstance(got, dict) and set(got) == set(want)
-                and all(equal(got[k], w) for k, w in want.items()))
+        return (
+            isinstance(got, dict)
+            and set(got) == set(want)
+            and all(equal(got[k], w) for k, w in want.items())
+        )
     return type(got) is type(want) and got == want
 
 
@@ -77,9 +85,11 @@ def exec_source(src: str) -> dict:
 
 def quiet_warnings(fn):
     """Run a check without transformers/peft deprecation chatter in the grader's output."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return fn(*args, **kwargs)
+
     return wrapper

@@ -5,6 +5,7 @@ environment; when it ends — normally, by time limit or by error — its whole 
 process group and any process still carrying the token (a child that escaped with ``setsid``)
 are killed through psutil.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,9 @@ def read_notebook(path: Path):
 
     nb = nbformat.reads(path.read_bytes().decode("utf-8"), as_version=4)
     cells = nb.get("cells")
-    if not isinstance(cells, list) or any(not isinstance(c, dict) or "cell_type" not in c
-                                          for c in cells):
+    if not isinstance(cells, list) or any(
+        not isinstance(c, dict) or "cell_type" not in c for c in cells
+    ):
         raise ValueError("no list of cells")
     for c in cells:
         if c.get("cell_type") == "code" and not isinstance(c.get("source", ""), str):
@@ -64,7 +66,9 @@ def cell_labels(nb) -> list[str]:
                 if line.lstrip().startswith("#"):
                     heading = line.lstrip("# ").strip()[:60] or heading
         elif c.get("cell_type") == "code":
-            first = next((ln.strip() for ln in src.splitlines() if ln.strip()), "（空单元）")
+            first = next(
+                (ln.strip() for ln in src.splitlines() if ln.strip()), "（空单元）"
+            )
             labels.append(f"「{heading}」下以 {first[:60]} 开头的单元")
     return labels
 
@@ -75,18 +79,32 @@ def run_worker(spec: dict, token: str, hard_timeout: float, cwd: str) -> dict:
 
     env = dict(os.environ)
     env[TOKEN_ENV] = token
-    proc = psutil.Popen([sys.executable, "-m", "coursekit.grading.worker"], stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=cwd, env=env,
-                        start_new_session=True)
+    proc = psutil.Popen(
+        [sys.executable, "-m", "coursekit.grading.worker"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=cwd,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(json.dumps(spec).encode(), timeout=hard_timeout)
         return json.loads(out.decode().strip().splitlines()[-1])
     except subprocess.TimeoutExpired:
-        return {"status": "timeout", "message": f"评分超过 {hard_timeout:g} 秒，已终止",
-                "cells": [], "probes": {}}
+        return {
+            "status": "timeout",
+            "message": f"评分超过 {hard_timeout:g} 秒，已终止",
+            "cells": [],
+            "probes": {},
+        }
     except Exception as e:
-        return {"status": "grader_error", "cells": [], "probes": {},
-                "message": f"worker returned no result ({type(e).__name__}: {e})"}
+        return {
+            "status": "grader_error",
+            "cells": [],
+            "probes": {},
+            "message": f"worker returned no result ({type(e).__name__}: {e})",
+        }
     finally:
         from .worker import kill_tree
 
@@ -96,9 +114,18 @@ def run_worker(spec: dict, token: str, hard_timeout: float, cwd: str) -> dict:
 
 
 def new_record(sub: Submission, prepared: list[Prepared], seed: int) -> dict[str, Any]:
-    return {"student": sub.student, "file": str(sub.path) if sub.path else "", "status": "ok",
-            "note": sub.note, "message": "", "seed": seed, "seconds": 0.0, "cells": [],
-            "scores": {p.question.name: 0.0 for p in prepared}, "details": {}}
+    return {
+        "student": sub.student,
+        "file": str(sub.path) if sub.path else "",
+        "status": "ok",
+        "note": sub.note,
+        "message": "",
+        "seed": seed,
+        "seconds": 0.0,
+        "cells": [],
+        "scores": {p.question.name: 0.0 for p in prepared},
+        "details": {},
+    }
 
 
 def grade_one(sub: Submission, prepared: list[Prepared], settings: dict) -> dict:
@@ -112,20 +139,32 @@ def grade_one(sub: Submission, prepared: list[Prepared], settings: dict) -> dict
 
         nb = read_notebook(sub.path)
     except Exception as e:
-        rec.update(status="invalid",
-                   message=f"不是可读的 notebook：{type(e).__name__}: {str(e)[:300]}")
+        rec.update(
+            status="invalid",
+            message=f"不是可读的 notebook：{type(e).__name__}: {str(e)[:300]}",
+        )
         return rec
     probes = [probe_spec(p, settings["probe_timeout"]) for p in prepared]
     token = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="coursekit-grade-") as work:
         nb_path = Path(work) / "submission.ipynb"
         nb_path.write_text(nbformat.writes(nb), encoding="utf-8")
-        spec = {"notebook": str(nb_path), "workdir": work, "cell_timeout": settings["cell_timeout"],
-                "notebook_timeout": settings["notebook_timeout"],
-                "memory_mb": settings["memory_mb"], "max_output": MAX_CELL_OUTPUT, "probes": probes,
-                "labels": cell_labels(nb),
-                "env": {"COURSE_GPU": settings["gpu"], "PYTHONHASHSEED": "0", "MPLBACKEND": "Agg",
-                        TOKEN_ENV: token}}
+        spec = {
+            "notebook": str(nb_path),
+            "workdir": work,
+            "cell_timeout": settings["cell_timeout"],
+            "notebook_timeout": settings["notebook_timeout"],
+            "memory_mb": settings["memory_mb"],
+            "max_output": MAX_CELL_OUTPUT,
+            "probes": probes,
+            "labels": cell_labels(nb),
+            "env": {
+                "COURSE_GPU": settings["gpu"],
+                "PYTHONHASHSEED": "0",
+                "MPLBACKEND": "Agg",
+                TOKEN_ENV: token,
+            },
+        }
         hard = settings["notebook_timeout"] + 90  # kernel start-up and shutdown on top
         result = run_worker(spec, token, hard, work)
     status = result.get("status")
@@ -136,9 +175,18 @@ def grade_one(sub: Submission, prepared: list[Prepared], settings: dict) -> dict
     for c in result.get("cells", []):
         if isinstance(c, dict) and c.get("error") and len(rec["cells"]) < 200:
             i = c.get("index", 0)
-            where = labels[i - 1] if isinstance(i, int) and 0 < i <= len(labels) else f"单元 {i}"
-            rec["cells"].append({"where": where, "error": str(c["error"]),
-                                 "timeout": bool(c.get("timeout"))})
+            where = (
+                labels[i - 1]
+                if isinstance(i, int) and 0 < i <= len(labels)
+                else f"单元 {i}"
+            )
+            rec["cells"].append(
+                {
+                    "where": where,
+                    "error": str(c["error"]),
+                    "timeout": bool(c.get("timeout")),
+                }
+            )
     for p in prepared:
         name = p.question.name
         probe = result.get("probes", {}).get(name) or {"ok": False, "error": "未运行"}

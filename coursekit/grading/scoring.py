@@ -12,6 +12,7 @@ Policy (also in tests/grading/README.md and on every feedback page):
 4. Points = ``round(points × share, 2)``. An exception, a timeout or a result that is not plain
    data fails that case (typed questions) or the question (whole-result questions).
 """
+
 from __future__ import annotations
 
 import json
@@ -43,7 +44,9 @@ class Prepared:
 def _verdict(q: Question, got: Any, want: Any) -> tuple[bool, str]:
     try:
         v = q.compare(got, want)
-    except Exception as e:  # a comparison must cope with garbage; if it does not, it is a miss
+    except (
+        Exception
+    ) as e:  # a comparison must cope with garbage; if it does not, it is a miss
         return False, f"{type(e).__name__}: {e}"
     ok, why = v if isinstance(v, tuple) else (v, "")
     return bool(ok), str(why or "")
@@ -89,8 +92,13 @@ def prepare(tests: LabTests, seed: int) -> list[Prepared]:
 def probe_spec(p: Prepared, default_timeout: float) -> dict:
     """What the worker needs to run one question's probe in the kernel."""
     data = p.inputs if p.question.typed else p.drawn[0][1]
-    return {"name": p.question.name, "source": p.question.probe, "per_case": p.question.typed,
-            "inputs_json": json.dumps(data), "timeout": p.question.timeout or default_timeout}
+    return {
+        "name": p.question.name,
+        "source": p.question.probe,
+        "per_case": p.question.typed,
+        "inputs_json": json.dumps(data),
+        "timeout": p.question.timeout or default_timeout,
+    }
 
 
 def _got_text(q: Question, entry: Any) -> str:
@@ -117,20 +125,39 @@ def score_typed(p: Prepared, entries: list) -> dict:
         idx = [i for i, (t, _) in enumerate(p.drawn) if t == ct.name]
         passed = [i for i in idx if results[i][0]]
         first = next((i for i in idx if not results[i][0]), None)
-        row = {"name": ct.name, "label": ct.label, "weight": ct.weight, "passed": len(passed),
-               "total": len(idx), "fix": ct.fix, "first": None}
+        row = {
+            "name": ct.name,
+            "label": ct.label,
+            "weight": ct.weight,
+            "passed": len(passed),
+            "total": len(idx),
+            "fix": ct.fix,
+            "first": None,
+        }
         if first is not None:
-            row["first"] = {"input": q.show_input(p.drawn[first][1]),
-                            "got": _got_text(q, entries[first]),
-                            "want": q.show_value(p.wants[first]), "why": results[first][1]}
+            row["first"] = {
+                "input": q.show_input(p.drawn[first][1]),
+                "got": _got_text(q, entries[first]),
+                "want": q.show_value(p.wants[first]),
+                "why": results[first][1],
+            }
         types.append(row)
     raw = _raw_share(q, p.drawn, [r[0] for r in results])
     share = _share(raw, p.baseline)
     n_ok = sum(r[0] for r in results)
-    summary = (f"全部 {len(results)} 个输入正确" if n_ok == len(results) else
-               f"{len(results)} 个输入中 {n_ok} 个正确；按类型加权的通过率 {raw:.0%}，"
-               f"扣除常数答案可得的 {p.baseline:.0%} 后得 {share:.0%}")
-    return {"share": share, "raw": raw, "baseline": p.baseline, "summary": summary, "types": types}
+    summary = (
+        f"全部 {len(results)} 个输入正确"
+        if n_ok == len(results)
+        else f"{len(results)} 个输入中 {n_ok} 个正确；按类型加权的通过率 {raw:.0%}，"
+        f"扣除常数答案可得的 {p.baseline:.0%} 后得 {share:.0%}"
+    )
+    return {
+        "share": share,
+        "raw": raw,
+        "baseline": p.baseline,
+        "summary": summary,
+        "types": types,
+    }
 
 
 def _case_result(q: Question, entry: Any, want: Any) -> tuple[bool, str]:
@@ -147,8 +174,13 @@ def score_legacy(p: Prepared, value: Any) -> dict:
         frac = float(frac)
         frac = min(1.0, max(0.0, frac)) if math.isfinite(frac) else 0.0
     except Exception as e:  # garbage in the student's result
-        return {"share": 0.0, "raw": 0.0, "baseline": 0.0, "types": [],
-                "summary": f"结果的形式不对：{type(e).__name__}: {e}"}
+        return {
+            "share": 0.0,
+            "raw": 0.0,
+            "baseline": 0.0,
+            "types": [],
+            "summary": f"结果的形式不对：{type(e).__name__}: {e}",
+        }
     msg = str(msg or ("全部正确" if frac == 1 else "部分正确" if frac else "错误"))
     return {"share": frac, "raw": frac, "baseline": 0.0, "summary": msg, "types": []}
 
@@ -157,8 +189,13 @@ def score(p: Prepared, probe: dict) -> dict:
     """Score one question from the worker's probe record; adds ``points`` and ``max``."""
     q = p.question
     if not probe.get("ok"):
-        out = {"share": 0.0, "raw": 0.0, "baseline": p.baseline, "types": [],
-               "summary": "隐藏测试没有得到结果：" + str(probe.get("error") or "未运行")}
+        out = {
+            "share": 0.0,
+            "raw": 0.0,
+            "baseline": p.baseline,
+            "types": [],
+            "summary": "隐藏测试没有得到结果：" + str(probe.get("error") or "未运行"),
+        }
     elif q.typed:
         entries = probe.get("value")
         if not isinstance(entries, list) or len(entries) != len(p.drawn):

@@ -4,6 +4,7 @@
 is graded; Colab's names for copies and repeated downloads ("Copy of X.ipynb", "X 的副本.ipynb",
 "X (1).ipynb") count as that name, and among several the newest file (modification time) wins.
 """
+
 from __future__ import annotations
 
 import re
@@ -43,7 +44,9 @@ def _newest(paths: list[Path]) -> Path:
 
 
 def pick_notebook(folder: Path, notebook_name: str, student: str) -> Submission:
-    nbs = sorted(x for x in folder.rglob("*.ipynb") if ".ipynb_checkpoints" not in x.parts)
+    nbs = sorted(
+        x for x in folder.rglob("*.ipynb") if ".ipynb_checkpoints" not in x.parts
+    )
     if not nbs:
         return Submission(student, None, "提交的文件夹里没有 .ipynb 文件")
     matching = [x for x in nbs if notebook_name and colab_base(x.name) == notebook_name]
@@ -52,11 +55,19 @@ def pick_notebook(folder: Path, notebook_name: str, student: str) -> Submission:
     if matching:
         pick = _newest(matching)
         others = "、".join(x.name for x in matching if x != pick)
-        return Submission(student, pick, note=f"文件夹里有 {len(matching)} 个该实验的 notebook，"
-                          f"评的是最新的 {pick.name}（未评：{others}）")
+        return Submission(
+            student,
+            pick,
+            note=f"文件夹里有 {len(matching)} 个该实验的 notebook，"
+            f"评的是最新的 {pick.name}（未评：{others}）",
+        )
     names = "、".join(x.name for x in nbs[:6])
-    return Submission(student, None, f"文件夹里有多个 notebook（{names}），没有一个名为 "
-                      f"{notebook_name or '实验的文件名'}（或它的 Colab 副本名）")
+    return Submission(
+        student,
+        None,
+        f"文件夹里有多个 notebook（{names}），没有一个名为 "
+        f"{notebook_name or '实验的文件名'}（或它的 Colab 副本名）",
+    )
 
 
 def discover(submissions: str | Path, notebook_name: str = "") -> list[Submission]:
@@ -71,5 +82,7 @@ def discover(submissions: str | Path, notebook_name: str = "") -> list[Submissio
         if p.is_file() and p.suffix == ".ipynb":
             found[safe_name(p.stem)] = Submission(safe_name(p.stem), p)
         elif p.is_dir():
-            found[safe_name(p.name)] = pick_notebook(p, notebook_name, safe_name(p.name))
+            found[safe_name(p.name)] = pick_notebook(
+                p, notebook_name, safe_name(p.name)
+            )
     return [found[s] for s in sorted(found)]

@@ -12,6 +12,7 @@ Spec keys: notebook (path), workdir, cell_timeout, notebook_timeout (s), memory_
 Result keys: status (ok|timeout|kernel_died|grader_error), message, cells: [{index, error,
 timeout}] (index: 1-based among code cells), probes: {name: {ok, value | error, timeout}}, seconds.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,7 @@ import time
 # The probe cell: runs the hidden test's source in a copy of the student's namespace and prints
 # its result as JSON between two nonces. A per-case probe defines CASE(x); every input is tried on
 # its own, so one exception or one non-JSON value fails that case only.
-PROBE_TEMPLATE = '''\
+PROBE_TEMPLATE = """\
 def _grader_probe_{fid}():
     import json as _j, sys as _s, traceback as _tb
     _ns = dict(globals())
@@ -57,7 +58,7 @@ def _grader_probe_{fid}():
     _s.stdout.write("\\n{nonce}" + _text + "{nonce}\\n")
     _s.stdout.flush()
 _grader_probe_{fid}()
-'''
+"""
 
 PROBE_OUTPUT_CAP = 20_000_000  # characters kept from a probe cell (its result is JSON)
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -101,22 +102,31 @@ def _error_text(cell) -> str | None:
     for out in cell.get("outputs", []):
         if out.get("output_type") == "error":
             tb = "\n".join(out.get("traceback", [])[-6:])
-            return ANSI.sub("", tb)[-3000:] or f"{out.get('ename')}: {out.get('evalue')}"
+            return (
+                ANSI.sub("", tb)[-3000:] or f"{out.get('ename')}: {out.get('evalue')}"
+            )
     return None
 
 
 def _read_probe(cell, nonce: str, err: str | None) -> dict:
     """The probe's JSON record from its stdout (between the nonces), or why there is none."""
-    text = "".join(o.get("text", "") for o in cell.outputs
-                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
+    text = "".join(
+        o.get("text", "")
+        for o in cell.outputs
+        if o.get("output_type") == "stream" and o.get("name") == "stdout"
+    )
     found = re.findall(re.escape(nonce) + r"(.*?)" + re.escape(nonce), text, re.S)
     if not found:
         return {"ok": False, "timeout": False, "error": err or "隐藏测试没有打印结果"}
     try:
         data = json.loads(found[-1])
         ok = bool(data.get("ok")) if isinstance(data, dict) else False
-        return {"ok": ok, "timeout": False, "value": data.get("value") if ok else None,
-                "error": None if ok else str(data.get("error"))[-3000:]}
+        return {
+            "ok": ok,
+            "timeout": False,
+            "value": data.get("value") if ok else None,
+            "error": None if ok else str(data.get("error"))[-3000:],
+        }
     except Exception as e:
         return {"ok": False, "timeout": False, "error": f"结果无法读取：{e}"}
 
@@ -130,12 +140,20 @@ class Session:
         self.spec = spec
         self.t_start = time.monotonic()
         self.deadline = self.t_start + float(spec["notebook_timeout"])
-        self.result = {"status": "ok", "message": "", "cells": [], "probes": {}, "seconds": 0.0}
+        self.result = {
+            "status": "ok",
+            "message": "",
+            "cells": [],
+            "probes": {},
+            "seconds": 0.0,
+        }
         with open(spec["notebook"], encoding="utf-8") as f:
             sub = nbformat.read(f, as_version=4)
         code = [c for c in sub.cells if c.get("cell_type") == "code"]
         self.nb = nbformat.v4.new_notebook()
-        self.nb.cells = [nbformat.v4.new_code_cell(str(c.get("source", ""))) for c in code]
+        self.nb.cells = [
+            nbformat.v4.new_code_cell(str(c.get("source", ""))) for c in code
+        ]
         self.n_student = len(self.nb.cells)
         self.client = self._client()
         self.kernel_pid: int | None = None
@@ -153,7 +171,8 @@ class Session:
             def output(self, outs, msg, display_id, cell_index):
                 content = msg.get("content", {})
                 size = len(str(content.get("text", ""))) + sum(
-                    len(str(v)) for v in content.get("data", {}).values())
+                    len(str(v)) for v in content.get("data", {}).values()
+                )
                 used = self._sizes.get(cell_index, 0)
                 limit = cap if cell_index < n_student else PROBE_OUTPUT_CAP
                 self._sizes[cell_index] = used + size
@@ -161,15 +180,24 @@ class Session:
                     return None
                 return super().output(outs, msg, display_id, cell_index)
 
-        timeout_error = {"ename": "CellTimeoutError", "evalue": "cell time limit exceeded",
-                         "traceback": ["CellTimeoutError: cell time limit exceeded"]}
+        timeout_error = {
+            "ename": "CellTimeoutError",
+            "evalue": "cell time limit exceeded",
+            "traceback": ["CellTimeoutError: cell time limit exceeded"],
+        }
         # output of a cell can trail its execute_reply on a loaded machine; waiting ends at the
         # kernel's idle message, so a generous iopub bound costs nothing normally
-        return CappedClient(self.nb, timeout=int(self.spec["cell_timeout"]), kernel_name="python3",
-                            allow_errors=True, interrupt_on_timeout=True,
-                            error_on_timeout=timeout_error, iopub_timeout=20,
-                            shutdown_kernel="immediate",
-                            resources={"metadata": {"path": self.spec["workdir"]}})
+        return CappedClient(
+            self.nb,
+            timeout=int(self.spec["cell_timeout"]),
+            kernel_name="python3",
+            allow_errors=True,
+            interrupt_on_timeout=True,
+            error_on_timeout=timeout_error,
+            iopub_timeout=20,
+            shutdown_kernel="immediate",
+            resources={"metadata": {"path": self.spec["workdir"]}},
+        )
 
     def note(self, status: str, message: str) -> None:
         if STATUS_ORDER.index(status) > STATUS_ORDER.index(self.result["status"]):
@@ -177,7 +205,9 @@ class Session:
         if message and message not in self.result["message"]:
             self.result["message"] = (self.result["message"] + " " + message).strip()
 
-    def _execute(self, idx: int, limit: float, what: str) -> tuple[str, str | None, bool]:
+    def _execute(
+        self, idx: int, limit: float, what: str
+    ) -> tuple[str, str | None, bool]:
         """Run cell ``idx``; returns (outcome, error text, timed out); outcome is "ran" or "dead"."""
         from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
@@ -191,13 +221,19 @@ class Session:
             return "dead", None, False
         except CellTimeoutError:
             pass
-        except Exception as e:  # e.g. the submission broke the kernel's own json/zmq messages
-            self.note("kernel_died", "kernel 不再按 Jupyter 协议应答"
-                      f"（{type(e).__name__}: {str(e)[:200]}）；notebook 是否改动了 json 或 builtins？")
+        except (
+            Exception
+        ) as e:  # e.g. the submission broke the kernel's own json/zmq messages
+            self.note(
+                "kernel_died",
+                "kernel 不再按 Jupyter 协议应答"
+                f"（{type(e).__name__}: {str(e)[:200]}）；notebook 是否改动了 json 或 builtins？",
+            )
             return "dead", None, False
         err = _error_text(cell)
         timed_out = bool(err and "CellTimeoutError" in err) or (
-            time.monotonic() - t0 >= self.client.timeout)
+            time.monotonic() - t0 >= self.client.timeout
+        )
         if timed_out:
             self.note("timeout", "")
         return "ran", err, timed_out
@@ -221,7 +257,10 @@ class Session:
     def out_of_time(self) -> bool:
         if self.deadline - time.monotonic() > 1:
             return False
-        self.note("timeout", f"整份 notebook 超过时间上限（{self.spec['notebook_timeout']} 秒）")
+        self.note(
+            "timeout",
+            f"整份 notebook 超过时间上限（{self.spec['notebook_timeout']} 秒）",
+        )
         return True
 
     def student_cell(self, idx: int) -> str:
@@ -230,10 +269,14 @@ class Session:
             return "skip"
         labels = self.spec.get("labels") or []
         what = labels[idx] if idx < len(labels) else f"第 {idx + 1} 个代码单元"
-        outcome, err, timed_out = self._execute(idx, float(self.spec["cell_timeout"]), what)
+        outcome, err, timed_out = self._execute(
+            idx, float(self.spec["cell_timeout"]), what
+        )
         if outcome == "dead":
             return "stop"
-        self.result["cells"].append({"index": idx + 1, "error": err, "timeout": timed_out})
+        self.result["cells"].append(
+            {"index": idx + 1, "error": err, "timeout": timed_out}
+        )
         return "stop" if timed_out and self.kernel_stuck(idx) else "ok"
 
     def probe(self, k: int, nonce: str) -> str:
@@ -241,16 +284,28 @@ class Session:
         p, idx = self.spec["probes"][k], self.n_student + k
         name = p["name"]
         if self.out_of_time():
-            self.result["probes"][name] = {"ok": False, "timeout": True,
-                                           "error": "未运行：整份 notebook 超时"}
+            self.result["probes"][name] = {
+                "ok": False,
+                "timeout": True,
+                "error": "未运行：整份 notebook 超时",
+            }
             return "ok"
-        outcome, err, timed_out = self._execute(idx, float(p["timeout"]), f"隐藏测试 {name} ")
+        outcome, err, timed_out = self._execute(
+            idx, float(p["timeout"]), f"隐藏测试 {name} "
+        )
         if outcome == "dead":
-            self.result["probes"][name] = {"ok": False, "timeout": False, "error": "kernel 死了"}
+            self.result["probes"][name] = {
+                "ok": False,
+                "timeout": False,
+                "error": "kernel 死了",
+            }
             return "stop"
         if timed_out:
-            self.result["probes"][name] = {"ok": False, "timeout": True,
-                                           "error": f"超过时间上限（{self.client.timeout} 秒）"}
+            self.result["probes"][name] = {
+                "ok": False,
+                "timeout": True,
+                "error": f"超过时间上限（{self.client.timeout} 秒）",
+            }
             return "stop" if self.kernel_stuck(idx) else "ok"
         self.result["probes"][name] = _read_probe(self.nb.cells[idx], nonce, err)
         return "ok"
@@ -261,15 +316,24 @@ class Session:
 
         nonces = ["@@" + secrets.token_hex(16) + "@@" for _ in self.spec["probes"]]
         for p, nonce in zip(self.spec["probes"], nonces):
-            src = PROBE_TEMPLATE.format(fid=secrets.token_hex(8), nonce=nonce, name=p["name"],
-                                        inputs=p["inputs_json"], source=p["source"],
-                                        per_case=bool(p.get("per_case")))
+            src = PROBE_TEMPLATE.format(
+                fid=secrets.token_hex(8),
+                nonce=nonce,
+                name=p["name"],
+                inputs=p["inputs_json"],
+                source=p["source"],
+                per_case=bool(p.get("per_case")),
+            )
             self.nb.cells.append(nbformat.v4.new_code_cell(src))
         try:
             with self.client.setup_kernel():
                 self.kernel_pid = getattr(self.client.km.provisioner, "pid", None)
-                steps = [lambda i=i: self.student_cell(i) for i in range(self.n_student)]
-                steps += [lambda k=k: self.probe(k, nonces[k]) for k in range(len(nonces))]
+                steps = [
+                    lambda i=i: self.student_cell(i) for i in range(self.n_student)
+                ]
+                steps += [
+                    lambda k=k: self.probe(k, nonces[k]) for k in range(len(nonces))
+                ]
                 for step in steps:
                     if step() == "stop":
                         break
@@ -281,8 +345,9 @@ class Session:
             kill_tree(self.kernel_pid)
         why = self.result["message"] or "kernel 死了"
         for p in self.spec["probes"]:
-            self.result["probes"].setdefault(p["name"], {"ok": False, "timeout": False,
-                                                         "error": "未运行：" + why})
+            self.result["probes"].setdefault(
+                p["name"], {"ok": False, "timeout": False, "error": "未运行：" + why}
+            )
         self.result["seconds"] = round(time.monotonic() - self.t_start, 2)
         return self.result
 
@@ -315,9 +380,13 @@ def main() -> int:
     except BaseException as e:  # report instead of dying silently
         import traceback
 
-        result = {"status": "grader_error",
-                  "message": "".join(traceback.format_exception(e))[-3000:],
-                  "cells": [], "probes": {}, "seconds": 0.0}
+        result = {
+            "status": "grader_error",
+            "message": "".join(traceback.format_exception(e))[-3000:],
+            "cells": [],
+            "probes": {},
+            "seconds": 0.0,
+        }
     data = (json.dumps(result, default=repr) + "\n").encode()
     with os.fdopen(out_fd, "wb") as f:
         f.write(data)
