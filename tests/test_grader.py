@@ -297,9 +297,24 @@ LAB_IDS = sorted(p.stem.split("_")[0] for p in (ROOT / "solutions").glob("lab*.i
                  if (ROOT / "tests" / "grading" / f"{p.stem.split('_')[0]}.py").exists())
 
 
+# A mistake the self-checks must catch (they did not before): (lab, name, solution text, replacement)
+MISTAKES = {
+    "lab01": ("ulp_without_zero", "    if x == 0:\n        return math.ldexp(1.0, 1 - bias - m)\n", ""),
+    "lab03": ("forgets_tied", 'tied = cfg.get("tie_word_embeddings", False)', "tied = False"),
+}
+
+
+def _with_mistake(sol: Path, old: str, new: str) -> str:
+    nb = nbformat.read(sol, as_version=4)
+    hits = [c for c in nb.cells if old in c.source]
+    assert len(hits) == 1, f"{sol.name}: {old!r} not found once"
+    hits[0].source = hits[0].source.replace(old, new)
+    return nbformat.writes(nb)
+
+
 @pytest.fixture(scope="session")
 def lab_runs(tmp_path_factory):
-    """Each lab's solution and untouched lab, graded once per test session (the slow part)."""
+    """Each lab's solution, untouched lab (and known mistake), graded once per test session."""
     cache: dict[str, dict] = {}
 
     def run(lab: str) -> dict:
@@ -310,10 +325,28 @@ def lab_runs(tmp_path_factory):
             subs.mkdir()
             shutil.copy(sol, subs / "solution.ipynb")
             shutil.copy(ROOT / "labs" / sol.name, subs / "untouched_lab.ipynb")
+            if lab in MISTAKES:
+                name, old, new = MISTAKES[lab]
+                (subs / f"{name}.ipynb").write_text(_with_mistake(sol, old, new))
             records = {r["student"]: r for r in grade(lab, subs, base / "out", jobs=2, log=None)}
             cache[lab] = dict(records=records, out=base / "out")
         return cache[lab]
     return run
+
+
+@pytest.mark.parametrize("lab", sorted(MISTAKES))
+def test_self_check_catches_what_the_hidden_tests_grade(lab, lab_runs):
+    """A forgotten special case fails a self-check with a message saying what was expected,
+    and costs points in the hidden tests."""
+    name = MISTAKES[lab][0]
+    runs = lab_runs(lab)
+    rec = runs["records"][name]
+    question, expected_text = {"lab01": ("ulp", "ulp(0.0, 'fp16') 应为"),
+                               "lab03": ("count_params", "transformers 建出的模型有")}[lab]
+    assert rec["status"] == "ok" and 0 < rec["scores"][question] < runs["records"]["solution"]["scores"][question]
+    errors = [c for c in rec["cells"] if "AssertionError" in c["error"]]
+    assert errors and expected_text in errors[0]["error"], rec["cells"]
+    assert "「" in errors[0]["where"]          # named by its heading, not by a number
 
 
 @pytest.mark.parametrize("lab", LAB_IDS)
@@ -326,9 +359,9 @@ def test_solution_full_marks_untouched_lab_zero(lab, lab_runs):
     s, u = runs["records"]["solution"], runs["records"]["untouched_lab"]
     assert (s["status"], sum(s["scores"].values())) == ("ok", full), s["details"]
     assert (u["status"], sum(u["scores"].values())) == ("ok", 0), u["details"]
-    rows = list(csv.DictReader((runs["out"] / "grades.csv").open()))
-    assert rows[0]["student"] == "solution" and float(rows[0]["total"]) == full
-    assert rows[1]["status"] == "ok" and rows[1]["seed"] == str(s["seed"])
+    rows = {r["student"]: r for r in csv.DictReader((runs["out"] / "grades.csv").open())}
+    assert float(rows["solution"]["total"]) == full and float(rows["MAX"]["total"]) == full
+    assert rows["untouched_lab"]["status"] == "ok" and rows["untouched_lab"]["seed"] == str(s["seed"])
 
 
 # ---------------------------------------------------------------- scoring policy, in-process
