@@ -103,7 +103,7 @@ def run_worker(spec: dict, token: str, hard_timeout: float, cwd: str) -> dict:
             "status": "grader_error",
             "cells": [],
             "probes": {},
-            "message": f"worker returned no result ({type(e).__name__}: {e})",
+            "message": f"评分子进程没有返回结果（{type(e).__name__}: {e}）",
         }
     finally:
         from .worker import kill_tree
