@@ -1,6 +1,7 @@
 """trainmem.lora against peft: same seed → same A/B, outputs, gradients, merged weights; counts."""
 import copy
 
+import peft
 import pytest
 import torch
 from torch import nn
