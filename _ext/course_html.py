@@ -31,13 +31,14 @@ def _join_cjk_lines(app, doctree, docname):
         if parent is None or "\n" not in text or isinstance(parent, _SKIP):
             continue
         if str(text).strip() == "":
-            i = parent.index(text)
+            # by identity: Text is a str, so parent.index() would find the first equal "\n"
+            i = next(k for k, c in enumerate(parent.children) if c is text)
             prev_ = parent[i - 1] if i > 0 else None
             next_ = parent[i + 1] if i + 1 < len(parent) else None
             before = prev_.astext()[-1:] if prev_ is not None else ""
             after = next_.astext()[:1] if next_ is not None else ""
             if _is_cjk(before) and _is_cjk(after):
-                parent.replace(text, nodes.Text(""))
+                parent[i] = nodes.Text("")
             continue
         new = _SOFT_BREAK.sub("", str(text))
         if new != str(text):

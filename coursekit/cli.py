@@ -1,8 +1,11 @@
 """``python -m coursekit`` — course machinery from the command line."""
+
 from __future__ import annotations
 
 import argparse
 import sys
+
+from . import labs_cli
 
 
 def _cmd_execute(args: argparse.Namespace) -> int:
@@ -14,19 +17,38 @@ def _cmd_execute(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tidy(args: argparse.Namespace) -> int:
+    from .tidy import tidy_paths
+
+    reports = tidy_paths(args.paths, check=args.check)
+    for r in reports:
+        for line in r.changes if args.verbose or args.check else []:
+            print(line)
+        for line in r.left if args.verbose else []:
+            print("left:", line)
+    changed = [r for r in reports if r.changed]
+    verb = "would change" if args.check else "changed"
+    print(f"tidy: {verb} {len(changed)} of {len(reports)} notebooks")
+    return 1 if args.check and changed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m coursekit", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("execute", help="re-execute notebooks in place (fresh stored outputs)")
+    e = sub.add_parser(
+        "execute", help="re-execute notebooks in place (fresh stored outputs)"
+    )
     e.add_argument("notebooks", nargs="+")
-    e.add_argument("--timeout", type=int, default=600, help="per-cell timeout in seconds")
+    e.add_argument(
+        "--timeout", type=int, default=600, help="per-cell timeout in seconds"
+    )
     e.set_defaults(func=_cmd_execute)
-    try:  # lab generation and grading register themselves when present
-        from . import labs_cli  # noqa: F401
-
-        labs_cli.register(sub)
-    except ImportError:
-        pass
+    t = sub.add_parser("tidy", help="move authoring plumbing (glue, nbval markers, setup) off the page")
+    t.add_argument("paths", nargs="*", default=["book", "solutions"])
+    t.add_argument("--check", action="store_true", help="change nothing; exit 1 if a notebook would change")
+    t.add_argument("-v", "--verbose", action="store_true", help="list every change and every glue call left")
+    t.set_defaults(func=_cmd_tidy)
+    labs_cli.register(sub)
     return p
 
 

@@ -1,4 +1,4 @@
-"""The GPU flag (DESIGN.md §4) and device choice.
+"""The GPU flag (DESIGN.md §4), device choice, and the decisions GPU cells make by capability.
 
 One environment variable, ``COURSE_GPU``, decides what a GPU cell does:
 
@@ -167,5 +167,276 @@ def describe() -> str:
 
         name = torch.cuda.get_device_name(0)
         cap = compute_capability()
-        return f"{ENV_VAR}={mode}; CUDA: {name} (sm_{cap[0]}{cap[1]}), bf16 native: {bf16_supported('cuda')}"
+        free, total = torch.cuda.mem_get_info()
+        return (f"{ENV_VAR}={mode}; CUDA: {name} (sm_{cap[0]}{cap[1]}), bf16 native: "
+                f"{bf16_supported('cuda')}, TF32: {tf32_available(cap)}, "
+                f"memory {free / 2**30:.2f} of {total / 2**30:.2f} GiB free")
     return f"{ENV_VAR}={mode}; CUDA: none (GPU cells {'run on CPU at small size' if mode == 'cpu' else 'are skipped' if mode != 'on' else 'will fail'})"
+
+
+# --------------------------------------------------------------------------------------------
+# Decisions the GPU cells make. Each is a plain function of the compute capability (and, where
+# it matters, of the free memory), so tests fake sm_75 (T4), sm_80 (A100) and sm_90 (H100/H200)
+# on a CPU-only machine. ``capability=None`` on CUDA reads the real device.
+# --------------------------------------------------------------------------------------------
+
+SM80 = (8, 0)
+
+
+def _cap(device_type: str, capability: tuple[int, int] | None) -> tuple[int, int] | None:
+    if device_type != "cuda":
+        return None
+    return tuple(capability) if capability is not None else compute_capability()
+
+
+def tf32_available(capability: tuple[int, int] | None) -> bool:
+    """TF32 Tensor Core matmuls exist from sm_80 (Ampere) on; below, the TF32 setting is a no-op."""
+    return capability is not None and tuple(capability) >= SM80
+
+
+@dataclass(frozen=True)
+class AmpPlan:
+    """How a training cell runs mixed precision on a device."""
+
+    dtype: object        # torch.bfloat16 or torch.float16
+    use_scaler: bool     # fp16 needs a GradScaler; bf16 has fp32's exponent range
+    precision: str       # the matching trainmem.estimate ``precision``: "bf16-amp" / "fp16-amp"
+    reason: str
+
+
+def amp_plan(device_type: str, capability: tuple[int, int] | None = None) -> AmpPlan:
+    """bf16 autocast where it is native (CPU, sm_80+); fp16 autocast + GradScaler below sm_80.
+
+    >>> amp_plan("cuda", (7, 5)).precision
+    'fp16-amp'
+    """
+    import torch
+
+    cap = _cap(device_type, capability)
+    if device_type != "cuda":
+        return AmpPlan(torch.bfloat16, False, "bf16-amp", "CPU: bf16 autocast")
+    if bf16_supported("cuda", cap):
+        return AmpPlan(torch.bfloat16, False, "bf16-amp", f"sm_{cap[0]}{cap[1]}: native bf16")
+    where = f"sm_{cap[0]}{cap[1]}" if cap else "this GPU"
+    return AmpPlan(torch.float16, True, "fp16-amp", f"{where} < sm_80: no native bf16, fp16 + GradScaler")
+
+
+@dataclass(frozen=True)
+class MatmulRow:
+    """One row of chapter 1's matmul table: run with ``precision``/``dtype``, or report ``note``."""
+
+    label: str
+    precision: str       # torch.set_float32_matmul_precision
+    dtype: object
+    absent: bool         # True: the format does not exist on this device; the row is not timed
+    note: str
+
+
+def matmul_rows(device_type: str, capability: tuple[int, int] | None = None) -> list[MatmulRow]:
+    """The fp32 / tf32 / bf16 / fp16 rows for ``device_type``, TF32 marked absent below sm_80."""
+    import torch
+
+    cap = _cap(device_type, capability)
+    rows = [MatmulRow("fp32 (ieee)", "highest", torch.float32, False, "")]
+    if device_type != "cuda":
+        rows.append(MatmulRow("tf32", "high", torch.float32, True,
+                              "absent on CPU (the setting changes nothing)"))
+    elif not tf32_available(cap):
+        where = f"sm_{cap[0]}{cap[1]}" if cap else "this GPU"
+        rows.append(MatmulRow("tf32", "high", torch.float32, True,
+                              f"absent on {where} (needs sm_80+): the setting runs plain FP32"))
+    else:
+        rows.append(MatmulRow("tf32", "high", torch.float32, False, ""))
+    native = device_type != "cuda" or bf16_supported("cuda", cap)
+    bf16_note = "" if native else "emulated: no bf16 Tensor Cores"
+    rows.append(MatmulRow("bf16", "highest", torch.bfloat16, False, bf16_note))
+    rows.append(MatmulRow("fp16", "highest", torch.float16, False, ""))
+    return rows
+
+
+FP16_MAX = 65504.0
+
+
+def loss_scale_demo(steps: int, tokens_per_batch: int) -> dict:
+    """GradScaler settings that make a short fp16 run show both back-off and growth.
+
+    The gradient of the mean cross-entropy w.r.t. one logit is at most 1/N (N tokens per batch), so
+    the scaled gradient entering the fp16 ``lm_head`` backward overflows once ``S / N > 65504``.
+    Starting 4x above that guarantees overflows (back-off, step skipped) in the first steps; a
+    growth interval of a sixth of the run then lets the scale grow and overflow again several
+    times. (The default ``growth_interval=2000`` shows nothing in a 60-step demo.)
+    """
+    import math
+
+    if steps < 6 or tokens_per_batch < 1:
+        raise ValueError("loss_scale_demo needs steps >= 6 and tokens_per_batch >= 1, "
+                         f"got {steps}, {tokens_per_batch}")
+    init = 2.0 ** (math.ceil(math.log2(FP16_MAX * tokens_per_batch)) + 2)
+    return {"init_scale": init, "growth_interval": max(2, steps // 6)}
+
+
+def scale_events(scales: list[float]) -> dict[str, int]:
+    """Count growths (scale went up) and back-offs (went down) in a per-step list of scales."""
+    ups = sum(b > a for a, b in zip(scales, scales[1:]))
+    downs = sum(b < a for a, b in zip(scales, scales[1:]))
+    return {"growth": ups, "backoff": downs}
+
+
+def fit_batch(free_bytes: int, need_bytes, want: int, margin: float = 0.85) -> int:
+    """Largest batch ``b <= want`` whose ``need_bytes(b)`` fits in ``margin * free_bytes``.
+
+    ``need_bytes`` maps a batch size to the estimated peak (bytes); ``margin`` leaves room for the
+    caching allocator's rounding and fragmentation. Raises ``ValueError`` with both sizes in GiB
+    when not even one sample fits.
+    """
+    budget = margin * free_bytes
+    for b in range(want, 0, -1):
+        if need_bytes(b) <= budget:
+            return b
+    raise ValueError(f"batch 1 needs {need_bytes(1) / 2**30:.2f} GiB; the device has "
+                     f"{free_bytes / 2**30:.2f} GiB free ({margin:.0%} of it usable)")
+
+
+def free_memory(device_type: str) -> int | None:
+    """Free bytes on the current CUDA device (``torch.cuda.mem_get_info``); None on CPU."""
+    if device_type != "cuda":
+        return None
+    import torch
+
+    return int(torch.cuda.mem_get_info()[0])
+
+
+@dataclass(frozen=True)
+class EstimateCheckPlan:
+    """Chapter 3's "check the estimate on the GPU" cell: what to run."""
+
+    precision: str
+    batch: int
+    seq: int
+    need_bytes: int      # the estimate for that batch
+
+
+def estimate_check_plan(cfg, device_type: str, capability: tuple[int, int] | None = None,
+                        free_bytes: int | None = None, want_batch: int = 4,
+                        seq: int = 512) -> EstimateCheckPlan:
+    """Precision from the capability (fp16-amp below sm_80, where SDPA's memory-efficient kernel
+    runs and the estimate's ``attn="sdpa"`` holds), batch scaled to ``free_bytes``."""
+    from trainmem.estimate import estimate
+
+    plan = amp_plan(device_type, capability)
+
+    def need(b):
+        return estimate(cfg, method="full", precision=plan.precision, batch=b, seq=seq).total_bytes
+
+    batch = want_batch if free_bytes is None else fit_batch(free_bytes, need, want_batch)
+    return EstimateCheckPlan(plan.precision, batch, seq, need(batch))
+
+
+SDPA_OPS = {  # aten op seen by a TorchDispatchMode -> the SDPA backend that ran
+    "aten._scaled_dot_product_flash_attention_for_cpu": "flash (CPU kernel)",
+    "aten._scaled_dot_product_flash_attention": "flash",
+    "aten._scaled_dot_product_efficient_attention": "memory-efficient",
+    "aten._scaled_dot_product_cudnn_attention": "cuDNN",
+    "aten._scaled_dot_product_fused_attention_overrideable": "fused (other device)",
+}
+
+
+def sdpa_dtype(device_type: str, capability: tuple[int, int] | None = None):
+    """fp16 below sm_80 (bf16 there is accepted only by the math backend), bf16 from sm_80, fp32 on CPU."""
+    import torch
+
+    if device_type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if bf16_supported("cuda", _cap(device_type, capability)) else torch.float16
+
+
+def sdpa_eligible(capability: tuple[int, int], dtype) -> list[str]:
+    """SDPA CUDA backends that accept ``dtype`` on ``capability`` (head_dim 64, no mask).
+
+    flash: sm_80+ and fp16/bf16; memory-efficient: sm_50+, bf16 only from sm_80; math: always.
+    """
+    import torch
+
+    cap = tuple(capability)
+    half = dtype in (torch.float16, torch.bfloat16)
+    out = []
+    if cap >= SM80 and half:
+        out.append("flash")
+    if cap >= (5, 0) and (dtype != torch.bfloat16 or cap >= SM80):
+        out.append("memory-efficient")
+    out.append("math")
+    return out
+
+
+def sdpa_backend_from_ops(op_names) -> str:
+    """The SDPA backend named by the aten ops a call dispatched (``"math"``: no fused kernel ran,
+    the call decomposed into ``bmm``/``softmax``, materialising the scores)."""
+    for name in op_names:
+        if name in SDPA_OPS:
+            return SDPA_OPS[name]
+    return "math"
+
+
+def sdpa_backend_ran(fn) -> str:
+    """Run ``fn()`` (a ``scaled_dot_product_attention`` call) and return the backend that ran.
+
+    A ``TorchDispatchMode`` records the aten ops the call dispatched to: SDPA's backend choice
+    happens before that, so the fused kernel's op (or the math backend's ``bmm``) is what is seen.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with _Record() as rec:
+        fn()
+    return sdpa_backend_from_ops(rec.ops)
+
+
+#: Memory a GPU reports (``torch.cuda.get_device_properties(0).total_memory / 2**30``, recent
+#: drivers, ECC on), not the marketing number: a "16 GB" T4 exposes about 14.6 GiB.
+REPORTED_GIB = {
+    "T4 16GB": 14.56,
+    "A10 24GB": 22.06,
+    "RTX 4090 24GB": 23.52,
+    "A100 40GB": 39.39,
+    "A100 80GB": 79.15,
+    "H100 80GB": 79.11,
+}
+
+
+def usable_capacities(include_current: bool = True) -> dict[str, float]:
+    """``{GPU: GiB}`` for the GPU picker: :data:`REPORTED_GIB`, plus this machine's GPU (its real
+    ``total_memory``) first when CUDA is present and ``include_current``."""
+    caps = {}
+    if include_current and cuda_available():
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        caps[f"this GPU ({props.name})"] = round(props.total_memory / 2**30, 2)
+    caps.update(REPORTED_GIB)
+    return caps
+
+
+@dataclass(frozen=True)
+class QLoRAPlan:
+    """Chapter 7's QLoRA cell: the BitsAndBytesConfig arguments and the optimizer to use."""
+
+    quant_kwargs: dict   # for transformers.BitsAndBytesConfig
+    compute_dtype: object
+    optimizer: str       # bitsandbytes optimizer class name (paged 8-bit AdamW)
+    lora_baseline_dtype: object  # dtype of the plain-LoRA comparison run
+
+
+def qlora_plan(device_type: str, capability: tuple[int, int] | None = None) -> QLoRAPlan:
+    """NF4 + double quantization; compute in bf16 (fp16 below sm_80); paged 8-bit AdamW."""
+    plan = amp_plan(device_type, capability)
+    kwargs = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+              "bnb_4bit_compute_dtype": plan.dtype}
+    return QLoRAPlan(kwargs, plan.dtype, "PagedAdamW8bit", plan.dtype)

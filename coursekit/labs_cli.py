@@ -1,4 +1,5 @@
 """``python -m coursekit labs [--check]`` and ``python -m coursekit grade ...`` (registered by cli.py)."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,10 @@ def _cmd_labs(args: argparse.Namespace) -> int:
     changed = generate(args.root, check=args.check)
     if args.check:
         if changed:
-            print("labs/ is out of date (run `python -m coursekit labs`):", file=sys.stderr)
+            print(
+                "labs/ is out of date (run `python -m coursekit labs`):",
+                file=sys.stderr,
+            )
             for c in changed:
                 print(f"  {c}", file=sys.stderr)
             return 1
@@ -25,37 +29,96 @@ def _cmd_labs(args: argparse.Namespace) -> int:
 
 
 def _cmd_grade(args: argparse.Namespace) -> int:
-    from .grading import grade, total
+    from .grading import grade
 
-    records = grade(args.lab, args.submissions, args.out, jobs=args.jobs, force=args.force,
-                    tests_dir=args.tests, cell_timeout=args.cell_timeout,
-                    notebook_timeout=args.notebook_timeout, probe_timeout=args.probe_timeout,
-                    memory_mb=args.memory_mb, gpu=args.gpu)
-    print(f"wrote {args.out}/grades.csv and {len(records)} feedback pages in {args.out}/feedback/")
+    records = grade(
+        args.lab,
+        args.submissions,
+        args.out,
+        jobs=args.jobs,
+        force=args.force,
+        tests_dir=args.tests,
+        seed=args.seed,
+        cell_timeout=args.cell_timeout,
+        notebook_timeout=args.notebook_timeout,
+        probe_timeout=args.probe_timeout,
+        memory_mb=args.memory_mb,
+        gpu=args.gpu,
+    )
+    print(
+        f"wrote {args.out}/grades.csv and {len(records)} feedback pages in {args.out}/feedback/"
+    )
     bad = [r for r in records if r["status"] == "grader_error"]
     if bad:
-        print("grader errors for: " + ", ".join(r["student"] for r in bad), file=sys.stderr)
+        print(
+            "grader errors for: " + ", ".join(r["student"] for r in bad),
+            file=sys.stderr,
+        )
     return 0 if not bad else 3
 
 
 def register(sub) -> None:
     """Add the ``labs`` and ``grade`` sub-commands to coursekit's CLI."""
-    p = sub.add_parser("labs", help="generate labs/ from solutions/ (--check: fail if labs/ is stale)")
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 naming stale labs")
-    p.add_argument("--root", default=None, help="repository root (default: found from the cwd)")
+    p = sub.add_parser(
+        "labs", help="generate labs/ from solutions/ (--check: fail if labs/ is stale)"
+    )
+    p.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 naming stale labs"
+    )
+    p.add_argument(
+        "--root", default=None, help="repository root (default: found from the cwd)"
+    )
     p.set_defaults(func=_cmd_labs)
 
-    g = sub.add_parser("grade", help="grade a folder of submitted lab notebooks → grades.csv + feedback/")
-    g.add_argument("--lab", required=True, help="lab id, e.g. lab01 (hidden tests: tests/grading/lab01.py)")
-    g.add_argument("submissions", help="folder of <student>.ipynb files or <student>/ folders")
-    g.add_argument("--out", required=True, help="output folder (grades.csv, feedback/, cache)")
-    g.add_argument("--jobs", type=int, default=1, help="submissions graded in parallel (default 1)")
-    g.add_argument("--force", action="store_true", help="regrade everything, ignoring the cache")
-    g.add_argument("--tests", default=None, help="folder of hidden tests (default: tests/grading)")
-    g.add_argument("--cell-timeout", type=float, default=None, help="seconds per student cell")
-    g.add_argument("--notebook-timeout", type=float, default=None, help="seconds per submission")
-    g.add_argument("--probe-timeout", type=float, default=None, help="seconds per hidden test")
-    g.add_argument("--memory-mb", type=int, default=None, help="address-space cap of the kernel (MiB)")
-    g.add_argument("--gpu", default="off", choices=["off", "cpu", "auto", "on"],
-                   help="COURSE_GPU inside the kernels (default off: GPU cells are skipped)")
+    g = sub.add_parser(
+        "grade",
+        help="grade a folder of submitted lab notebooks → grades.csv + feedback/",
+    )
+    g.add_argument(
+        "--lab",
+        required=True,
+        help="lab id, e.g. lab01 (hidden tests: tests/grading/lab01.py)",
+    )
+    g.add_argument(
+        "submissions", help="folder of <student>.ipynb files or <student>/ folders"
+    )
+    g.add_argument(
+        "--out", required=True, help="output folder (grades.csv, feedback/, cache)"
+    )
+    g.add_argument(
+        "--jobs", type=int, default=1, help="submissions graded in parallel (default 1)"
+    )
+    g.add_argument(
+        "--force", action="store_true", help="regrade everything, ignoring the cache"
+    )
+    g.add_argument(
+        "--tests", default=None, help="folder of hidden tests (default: tests/grading)"
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the random inputs (default: fixed by the lab and its hidden tests)",
+    )
+    g.add_argument(
+        "--cell-timeout", type=float, default=None, help="seconds per student cell"
+    )
+    g.add_argument(
+        "--notebook-timeout", type=float, default=None, help="seconds per submission"
+    )
+    g.add_argument(
+        "--probe-timeout", type=float, default=None, help="seconds per hidden test"
+    )
+    g.add_argument(
+        "--memory-mb",
+        type=int,
+        default=None,
+        help="address-space cap of the kernel (MiB)",
+    )
+    g.add_argument(
+        "--gpu",
+        default="off",
+        choices=["off", "cpu", "auto", "on"],
+        help="COURSE_GPU inside the kernels (default off: GPU cells are skipped)",
+    )
     g.set_defaults(func=_cmd_grade)

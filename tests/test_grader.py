@@ -1,4 +1,5 @@
-"""The grader (issue 7): robustness cases, tamper-proofing, cache, and every lab's solution/stub.
+"""The grader: robustness cases, tamper-proofing, cache, fair scores (seed, case types, stub limit),
+Colab names, Chinese feedback, and every lab's solution/stub.
 
 Robustness submissions are generated here (not stored as .ipynb under tests/, where the nbval run
 would collect them) against a tiny synthetic lab ``lab99`` whose hidden tests are written to a temp
@@ -8,46 +9,44 @@ graded in ONE run with ``jobs=2``, so each row also proves that no case disturbe
 from __future__ import annotations
 
 import csv
+import functools
 import json
+import os
 import shutil
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import nbformat
 import pytest
-from nbformat.v4 import new_code_cell, new_notebook
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from coursekit.grading import grade
 
 ROOT = Path(__file__).resolve().parents[1]
 
 HIDDEN = '''
-from coursekit.grading import Question
+from coursekit.grading import CaseType, Question
 
 NOTEBOOK = "lab99_toy.ipynb"
 
-def _add_inputs(rng):
-    return [[rng.randint(-10**6, 10**6), rng.randint(-10**6, 10**6)] for _ in range(20)]
+def _pairs(bound):
+    return lambda rng: [[rng.randint(-bound, bound), rng.randint(-bound, bound)] for _ in range(10)]
 
-def _add_check(inputs, result):
-    want = [a + b for a, b in inputs]
-    if result == want:
-        return 1.0, "correct"
-    return 0.0, "wrong"
+def _lists(lo, hi):
+    return lambda rng: [[rng.uniform(-5, 5) for _ in range(rng.randint(lo, hi))] for _ in range(5)]
 
-def _mean_inputs(rng):
-    return [[rng.uniform(-5, 5) for _ in range(rng.randint(1, 9))] for _ in range(10)]
-
-def _mean_check(inputs, result):
-    want = [sum(xs) / len(xs) for xs in inputs]
-    ok = [isinstance(g, float) and abs(g - w) < 1e-9 for g, w in zip(result, want)] if isinstance(result, list) else []
-    return sum(ok) / len(want), f"{sum(ok)} of {len(want)} correct"
+def _close(got, want):
+    return isinstance(got, float) and abs(got - want) < 1e-9
 
 QUESTIONS = [
-    Question("add", points=2, make_inputs=_add_inputs, check=_add_check,
-             probe="RESULT = [add(a, b) for a, b in INPUTS]"),
-    Question("mean", points=3, make_inputs=_mean_inputs, check=_mean_check,
-             probe="RESULT = [float(mean(xs)) for xs in INPUTS]"),
+    Question("add", points=2, probe="CASE = lambda ab: add(*ab)", expect=lambda ab: ab[0] + ab[1],
+             cases=[CaseType("small", "小整数", 1, _pairs(9), fix="把两个数相加"),
+                    CaseType("big", "大整数", 1, _pairs(10**6), fix="大数也要相加")]),
+    Question("mean", points=3, probe="CASE = mean", expect=lambda xs: sum(xs) / len(xs),
+             compare=_close,
+             cases=[CaseType("one", "一个数", 1, _lists(1, 1), fix="一个数的平均数是它自己"),
+                    CaseType("many", "多个数", 2, _lists(2, 9), fix="总和除以个数")]),
 ]
 '''
 
@@ -56,11 +55,14 @@ MEAN = "def mean(xs):\n    return sum(xs) / len(xs)"
 CHECK = "assert add(1, 2) == 3 and mean([1, 2]) == 1.5\nprint('✓')"
 STUB_ADD = "def add(a, b):\n    # TODO\n    raise NotImplementedError"
 STUB_MEAN = "def mean(xs):\n    # TODO\n    raise NotImplementedError"
+PARTIAL_ADD = "def add(a, b):\n    return a + b if abs(a) < 10 and abs(b) < 10 else 0"
 
 
 def nb(*sources: str) -> str:
+    """A notebook of code cells; a source starting with "#" and a space is a markdown cell."""
     n = new_notebook()
-    n.cells = [new_code_cell(s) for s in sources]
+    n.cells = [new_markdown_cell(s) if s.startswith("# ") or s.startswith("## ") else new_code_cell(s)
+               for s in sources]
     return nbformat.writes(n)
 
 
@@ -108,7 +110,9 @@ CASES = {
     "huge_output": (nb(ADD, MEAN, "import sys\nfor _ in range(50):\n    sys.stdout.write('x' * 2**20)"), (2, 3, 5, "ok")),
     "memory_bomb": (nb(ADD, MEAN, "blocks = []\nwhile True:\n    blocks.append(bytes(256 * 2**20))"), (2, 3, 5, "ok")),
     "input_call": (nb(ADD, "name = input('your name: ')", MEAN), (2, 3, 5, "ok")),
-    "deleted_cell": (nb(ADD, CHECK), (2, 0, 2, "ok")),
+    "deleted_cell": (nb(ADD, "## 3. 检查平均数", CHECK), (2, 0, 2, "ok")),
+    "partial_a": (nb(PARTIAL_ADD, MEAN), (None, 3, None, "ok")),       # add: small cases only
+    "Copy_of_partial_a": (nb(PARTIAL_ADD, MEAN), (None, 3, None, "ok")),
     "reordered_cells": (nb(CHECK, MEAN, ADD), (2, 3, 5, "ok")),
     "renamed_function": (nb(ADD, MEAN.replace("def mean", "def average"), CHECK), (2, 0, 2, "ok")),
     "right_but_slow": (nb(ADD, "import time\n" + MEAN.replace("    return", "    time.sleep(10)\n    return")),
@@ -119,7 +123,8 @@ CASES = {
                     (0, 0, 0, "kernel_died")),
     "untouched_stubs": (nb(STUB_ADD, STUB_MEAN, CHECK), (0, 0, 0, "ok")),
 }
-SETTINGS = dict(cell_timeout=4, notebook_timeout=30, probe_timeout=2, memory_mb=1536)
+# probe_timeout: a trivial probe must answer in time even on a loaded 2-core CI machine
+SETTINGS = dict(cell_timeout=4, notebook_timeout=30, probe_timeout=4, memory_mb=1536)
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +143,11 @@ def graded(tmp_path_factory):
         "import subprocess, pathlib\n"
         "p = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
         f"pathlib.Path({str(pidfile)!r}).write_text(str(p.pid))")))
+    carol = subs / "carol"          # Colab: a copy and a repeated download; the newer one counts
+    carol.mkdir()
+    (carol / "Copy of lab99_toy.ipynb").write_text(nb(STUB_ADD, STUB_MEAN))
+    (carol / "lab99_toy (1).ipynb").write_text(nb(ADD, MEAN))
+    os.utime(carol / "Copy of lab99_toy.ipynb", (1_000_000, 1_000_000))
     logs: list[str] = []
     records = grade("lab99", subs, out, jobs=2, tests_dir=tests_dir, log=logs.append, **SETTINGS)
     rows = {r["student"]: r for r in csv.DictReader((out / "grades.csv").open())}
@@ -147,10 +157,10 @@ def graded(tmp_path_factory):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_robustness_case(graded, case):
-    add, mean, total, status = CASES[case][1]
+    want = CASES[case][1]
     row = graded["rows"][case]
-    assert (float(row["add"]), float(row["mean"]), float(row["total"]), row["status"]) == (add, mean, total, status), \
-        graded["records"][case]
+    got = (float(row["add"]), float(row["mean"]), float(row["total"]), row["status"])
+    assert all(w is None or g == w for g, w in zip(got, want)), graded["records"][case]
     assert (graded["out"] / "feedback" / f"{case}.html").exists()
 
 
@@ -158,7 +168,7 @@ def test_tamper_outdir_changes_nothing(graded):
     out, rows = graded["out"], graded["rows"]
     assert rows["tamper_outdir"]["total"] == "0" and rows["tamper_outdir"]["status"] == "ok"
     assert "mallory" not in rows and rows["good"]["total"] == "5"
-    assert sorted(rows) == sorted([*CASES, "tamper_outdir", "orphan_process", "MAX"])
+    assert sorted(rows) == sorted([*CASES, "tamper_outdir", "orphan_process", "carol", "MAX"])
     assert "hacked" not in (out / "feedback" / "good.html").read_text()
     assert not (out / "evil.txt").exists() and not (out / "feedback" / "zz_fake.html").exists()
     assert "mallory" not in json.loads((out / ".grade_cache.json").read_text())
@@ -178,11 +188,93 @@ def test_escaped_processes_are_killed(graded):
 def test_csv_and_feedback_content(graded):
     out = graded["out"]
     header = (out / "grades.csv").read_text().splitlines()[0]
-    assert header == "student,add,mean,total,status"
+    assert header == "student,add,mean,total,status,seed,file"
     assert graded["rows"]["MAX"]["total"] == "5"
     page = (out / "feedback" / "renamed_function.html").read_text()
-    assert "NameError" in page and "average" not in page.split("<h2>Hidden tests")[0]
-    assert "time limit" in (out / "feedback" / "right_but_slow.html").read_text()
+    hidden = page.split("<h2>隐藏测试")[1].split("<h2>")[0]
+    assert "NameError" in page and "average" not in page.split("<h2>隐藏测试")[0]
+    assert "NameError" in hidden and "总分：2 / 5" in page
+    assert "超过时间上限" in (out / "feedback" / "right_but_slow.html").read_text()
+    assert "以 import os 开头的单元时 kernel 死了" in graded["records"]["kernel_exit"]["message"]
+
+
+def test_feedback_names_cells_by_heading_and_shows_seed_and_policy(graded):
+    """Colab shows no cell numbers: an erroring cell is named by its heading and first line."""
+    page = (graded["out"] / "feedback" / "deleted_cell.html").read_text()
+    assert "「3. 检查平均数」下以 assert add(1, 2) == 3" in page and "NameError" in page
+    assert f"<code>{graded['records']['good']['seed']}</code>" in page
+    assert "怎么给分" in page and "常数答案" in page and "10%" in page
+
+
+def test_feedback_first_failing_input_per_type_and_fix(graded):
+    """partial_a adds only small numbers: the big-number type reports its first failing input,
+    what was expected and what to fix; the passing type reports none."""
+    rec = graded["records"]["partial_a"]
+    types = {t["name"]: t for t in rec["details"]["add"]["types"]}
+    assert types["small"]["passed"] == types["small"]["total"] == 10 and types["small"]["first"] is None
+    first = types["big"]["first"]
+    a, b = json.loads(first["input"])
+    assert first["got"] == "0" and first["want"] == repr(a + b)
+    page = (graded["out"] / "feedback" / "partial_a.html").read_text()
+    assert "大数也要相加" in page and "第一个没通过的输入" in page
+
+
+def test_identical_submissions_get_identical_scores(graded):
+    """Same code under different names in one run: every score and every message is identical."""
+    recs = graded["records"]
+    a, b = recs["partial_a"], recs["Copy_of_partial_a"]
+    assert 0 < a["scores"]["add"] < 2 and a["scores"] == b["scores"] and a["details"] == b["details"]
+    assert recs["good"]["scores"] == recs["reordered_cells"]["scores"] == {"add": 2, "mean": 3}
+    assert len({r["seed"] for r in recs.values() if r["status"] != "invalid"}) == 1
+
+
+def test_rerun_reproduces_every_grade(graded, tmp_path):
+    """A second run, given the first run's (default) seed explicitly, reproduces its grades and
+    feedback exactly; another seed draws other inputs, and a right answer keeps full marks."""
+    seed = graded["records"]["good"]["seed"]
+    for i, (names, s) in enumerate(((("partial_a", "good"), seed), (("good",), seed + 1))):
+        subs = tmp_path / f"subs{i}"
+        subs.mkdir()
+        for name in names:
+            shutil.copy(graded["subs"] / f"{name}.ipynb", subs / f"again_{name}.ipynb")
+        recs = grade("lab99", subs, tmp_path / f"out{i}", jobs=2, tests_dir=graded["tests_dir"], log=None,
+                     seed=s, **SETTINGS)
+        for rec in recs:
+            old = graded["records"][rec["student"].removeprefix("again_")]
+            assert rec["seed"] == s
+            if s == seed:
+                assert (rec["scores"], rec["details"]) == (old["scores"], old["details"])
+            else:
+                assert rec["details"] != old["details"] and sum(rec["scores"].values()) == 5
+
+
+def test_colab_download_names_pick_newest_and_say_which(graded):
+    rec = graded["records"]["carol"]
+    assert (rec["status"], sum(rec["scores"].values())) == ("ok", 5)
+    assert rec["file"].endswith("lab99_toy (1).ipynb")
+    page = (graded["out"] / "feedback" / "carol.html").read_text()
+    assert "lab99_toy (1).ipynb" in page and "Copy of lab99_toy.ipynb" in page
+
+
+def test_colab_base_and_pick(tmp_path):
+    from coursekit.grading import colab_base, discover
+
+    name = "lab03_memory_estimator.ipynb"
+    for copy in ("Copy of lab03_memory_estimator.ipynb", "lab03_memory_estimator (1).ipynb",
+                 "Copy of lab03_memory_estimator (2).ipynb", "lab03_memory_estimator的副本.ipynb", name):
+        assert colab_base(copy) == name, copy
+    assert colab_base("lab04_accumulation_checkpointing.ipynb") != name
+    for student, files in {"ann": ["Copy of " + name, "lab03_memory_estimator (1).ipynb"],
+                           "bob": ["notes.ipynb", "other.ipynb"], "cid": ["mine.ipynb"], "dan": []}.items():
+        (tmp_path / student).mkdir()
+        for i, f in enumerate(files):
+            (tmp_path / student / f).write_text("{}")
+            os.utime(tmp_path / student / f, (1_000_000 + i, 1_000_000 + i))
+    subs = {s.student: s for s in discover(tmp_path, name)}
+    assert subs["ann"].path.name == "lab03_memory_estimator (1).ipynb" and "最新" in subs["ann"].note
+    assert subs["bob"].path is None and "多个 notebook" in subs["bob"].problem
+    assert subs["cid"].path.name == "mine.ipynb"
+    assert subs["dan"].path is None and "没有 .ipynb" in subs["dan"].problem
 
 
 def test_rerun_grades_only_changed(graded):
@@ -205,20 +297,194 @@ LAB_IDS = sorted(p.stem.split("_")[0] for p in (ROOT / "solutions").glob("lab*.i
                  if (ROOT / "tests" / "grading" / f"{p.stem.split('_')[0]}.py").exists())
 
 
+# A mistake the self-checks must catch (they did not before): (lab, name, solution text, replacement)
+MISTAKES = {
+    "lab01": ("ulp_without_zero", "    if x == 0:\n        return math.ldexp(1.0, 1 - bias - m)\n", ""),
+    "lab03": ("forgets_tied", 'tied = cfg.get("tie_word_embeddings", False)', "tied = False"),
+}
+
+
+def _with_mistake(sol: Path, old: str, new: str) -> str:
+    nb = nbformat.read(sol, as_version=4)
+    hits = [c for c in nb.cells if old in c.source]
+    assert len(hits) == 1, f"{sol.name}: {old!r} not found once"
+    hits[0].source = hits[0].source.replace(old, new)
+    return nbformat.writes(nb)
+
+
+@pytest.fixture(scope="session")
+def lab_runs(tmp_path_factory):
+    """Each lab's solution, untouched lab (and known mistake), graded once per test session."""
+    cache: dict[str, dict] = {}
+
+    def run(lab: str) -> dict:
+        if lab not in cache:
+            base = tmp_path_factory.mktemp(lab)
+            sol = next((ROOT / "solutions").glob(f"{lab}_*.ipynb"))
+            subs = base / "subs"
+            subs.mkdir()
+            shutil.copy(sol, subs / "solution.ipynb")
+            shutil.copy(ROOT / "labs" / sol.name, subs / "untouched_lab.ipynb")
+            if lab in MISTAKES:
+                name, old, new = MISTAKES[lab]
+                (subs / f"{name}.ipynb").write_text(_with_mistake(sol, old, new))
+            records = {r["student"]: r for r in grade(lab, subs, base / "out", jobs=2, log=None)}
+            cache[lab] = dict(records=records, out=base / "out")
+        return cache[lab]
+    return run
+
+
+@pytest.mark.parametrize("lab", sorted(MISTAKES))
+def test_self_check_catches_what_the_hidden_tests_grade(lab, lab_runs):
+    """A forgotten special case fails a self-check with a message saying what was expected,
+    and costs points in the hidden tests."""
+    name = MISTAKES[lab][0]
+    runs = lab_runs(lab)
+    rec = runs["records"][name]
+    question, expected_text = {"lab01": ("ulp", "ulp(0.0, 'fp16') 应为"),
+                               "lab03": ("count_params", "transformers 建出的模型有")}[lab]
+    assert rec["status"] == "ok" and 0 < rec["scores"][question] < runs["records"]["solution"]["scores"][question]
+    errors = [c for c in rec["cells"] if "AssertionError" in c["error"]]
+    assert errors and expected_text in errors[0]["error"], rec["cells"]
+    assert "「" in errors[0]["where"]          # named by its heading, not by a number
+
+
 @pytest.mark.parametrize("lab", LAB_IDS)
-def test_solution_full_marks_untouched_lab_zero(lab, tmp_path):
+def test_solution_full_marks_untouched_lab_zero(lab, lab_runs):
     """Grading the reference solution gives full marks; the untouched generated lab gives 0 with status ok."""
-    sol = next((ROOT / "solutions").glob(f"{lab}_*.ipynb"))
-    subs = tmp_path / "subs"
-    subs.mkdir()
-    shutil.copy(sol, subs / "solution.ipynb")
-    shutil.copy(ROOT / "labs" / sol.name, subs / "untouched_lab.ipynb")
-    records = {r["student"]: r for r in grade(lab, subs, tmp_path / "out", jobs=2, log=None)}
     from coursekit.grading import load_tests
 
+    runs = lab_runs(lab)
     full = load_tests(lab, ROOT / "tests" / "grading").max_points
-    s, u = records["solution"], records["untouched_lab"]
-    assert (s["status"], sum(s["scores"].values())) == ("ok", full), s["messages"]
-    assert (u["status"], sum(u["scores"].values())) == ("ok", 0), u["messages"]
-    rows = list(csv.reader((tmp_path / "out" / "grades.csv").open()))
-    assert rows[1][0] == "solution" and float(rows[1][-2]) == full and rows[2][-1] == "ok"
+    s, u = runs["records"]["solution"], runs["records"]["untouched_lab"]
+    assert (s["status"], sum(s["scores"].values())) == ("ok", full), s["details"]
+    assert (u["status"], sum(u["scores"].values())) == ("ok", 0), u["details"]
+    rows = {r["student"]: r for r in csv.DictReader((runs["out"] / "grades.csv").open())}
+    assert float(rows["solution"]["total"]) == full and float(rows["MAX"]["total"]) == full
+    assert rows["untouched_lab"]["status"] == "ok" and rows["untouched_lab"]["seed"] == str(s["seed"])
+
+
+# ---------------------------------------------------------------- scoring policy, in-process
+ALL_LABS = sorted(p.stem for p in (ROOT / "tests" / "grading").glob("lab[0-9][0-9].py"))
+
+
+def _entries(fn, inputs) -> list[dict]:
+    """What the kernel's per-case harness hands back for ``fn`` (JSON round trip included)."""
+    out = []
+    for x in inputs:
+        try:
+            v = fn(x)
+        except Exception as e:
+            out.append({"e": f"{type(e).__name__}: {e}"})
+            continue
+        try:
+            out.append({"v": json.loads(json.dumps(v))})
+        except TypeError:
+            out.append({"t": repr(v)})
+    return out
+
+
+@functools.cache
+def _prepared(lab: str):
+    """A lab's questions with this run's inputs and references (default seed), built once."""
+    from coursekit.grading import load_tests, prepare
+
+    tests = load_tests(lab, ROOT / "tests" / "grading")
+    return prepare(tests, tests.default_seed)
+
+
+def _shares(lab: str, answers: dict) -> dict[str, float]:
+    """Share of each named question that the Python functions in ``answers`` earn."""
+    from coursekit.grading import score
+
+    return {p.question.name: score(p, {"ok": True, "value": _entries(answers[p.question.name], p.inputs)})["share"]
+            for p in _prepared(lab) if p.question.name in answers}
+
+
+def _not_implemented(x):
+    raise NotImplementedError
+
+
+@pytest.mark.parametrize("lab", ALL_LABS)
+def test_stub_share_within_stated_limit(lab):
+    """No stub earns more than STUB_LIMIT of any question: NotImplementedError, the input handed
+    back, and constants (0, False, None, …, and every reference answer shared by several inputs,
+    more of them than the correction itself tries)."""
+    from coursekit.grading import STUB_LIMIT, score
+    from coursekit.grading.scoring import CONSTANTS, TOP_WANTS
+
+    for p in _prepared(lab):
+        if not p.question.typed:     # whole-result questions: a constant whole result
+            for const in (None, [], {}):
+                assert score(p, {"ok": True, "value": const})["share"] <= STUB_LIMIT, (p.question.name, const)
+            continue
+        counts = Counter(json.dumps(w, sort_keys=True) for w in p.wants)
+        shared = [k for k, n in counts.most_common(TOP_WANTS + 4) if n > 1]   # answers a constant can hit
+        stubs = [_not_implemented, lambda x: x] + [lambda x, c=c: c for c in CONSTANTS]
+        stubs += [lambda x, k=k: json.loads(k) for k in shared]
+        for stub in stubs:
+            share = score(p, {"ok": True, "value": _entries(stub, p.inputs)})["share"]
+            assert share <= STUB_LIMIT, (p.question.name, share)
+
+
+def test_lab01_special_cases_weigh_what_they_teach():
+    """The trial's lab01 submission: special cases ignored, truncation instead of rounding,
+    ulp without its zero case (or with frexp's exponent used as k) — each loses a real share."""
+    import math
+
+    def decode_normal_only(bits, e=5, m=10):
+        s = -1.0 if bits >> (e + m) else 1.0
+        return s * math.ldexp((1 << m) + (bits & ((1 << m) - 1)), ((bits >> m) & ((1 << e) - 1)) - (2 ** (e - 1) - 1) - m)
+
+    def truncate(x):
+        import struct
+        return struct.unpack("<I", struct.pack("<f", x))[0] >> 16
+
+    def ulp_no_zero(case, frexp_k=False):
+        x, fmt = case
+        e, m = {"fp32": (8, 23), "fp16": (5, 10), "bf16": (8, 7)}[fmt]
+        k = max(math.frexp(abs(x))[1] - (0 if frexp_k else 1), 2 - 2 ** (e - 1))
+        return math.ldexp(1.0, k - m)
+
+    shares = _shares("lab01", {"decode_fp16": decode_normal_only, "fp32_to_bf16_bits": truncate,
+                               "ulp": ulp_no_zero})
+    assert shares["decode_fp16"] <= 0.25 and shares["fp32_to_bf16_bits"] <= 0.6, shares
+    assert 0.6 <= shares["ulp"] <= 0.9, shares            # loses the zero type, keeps the rest
+    assert _shares("lab01", {"ulp": lambda c: ulp_no_zero(c, frexp_k=True)})["ulp"] <= 0.2
+
+
+def test_lab02_answers_are_type_checked():
+    """has_inf_or_nan must return a bool: 0/1 answers earn nothing; catching inf but not NaN
+    earns half."""
+    import math
+
+    def only_inf(case):
+        return any(math.isinf(x) for _, vals in case for x in vals)
+
+    def right_but_int(case):
+        return int(any(not math.isfinite(x) for _, vals in case for x in vals))
+
+    shares = _shares("lab02", {"has_inf_or_nan": right_but_int})
+    assert shares["has_inf_or_nan"] == 0
+    assert _shares("lab02", {"has_inf_or_nan": only_inf})["has_inf_or_nan"] == pytest.approx(0.5)
+
+
+def test_lab01_feedback_shows_both_numbers_in_hex():
+    from coursekit.grading import score
+
+    p = next(p for p in _prepared("lab01") if p.question.name == "fp32_to_bf16_bits")
+    import struct
+    detail = score(p, {"ok": True, "value": _entries(
+        lambda x: struct.unpack("<I", struct.pack("<f", x))[0] >> 16, p.inputs)})
+    first = next(t["first"] for t in detail["types"] if t["name"] == "round_up")
+    assert first["got"].startswith("0x") and first["want"].startswith("0x"), first
+    assert "就近舍入" in next(t["fix"] for t in detail["types"] if t["name"] == "round_up")
+
+
+def test_seed_is_fixed_by_lab_and_hidden_tests(tmp_path):
+    from coursekit.grading import load_tests
+
+    a = load_tests("lab01", ROOT / "tests" / "grading")
+    assert a.default_seed == load_tests("lab01", ROOT / "tests" / "grading").default_seed
+    (tmp_path / "lab01.py").write_text(a.path.read_text() + "\n# changed\n")
+    assert load_tests("lab01", tmp_path).default_seed != a.default_seed

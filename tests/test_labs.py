@@ -1,6 +1,7 @@
-"""Lab generation (issue 7): solutions/ → labs/ is up to date, the stub format, Colab badge and setup cell."""
+"""Lab generation: solutions/ → labs/ is up to date, the stub format, Colab badge and setup cell."""
 from __future__ import annotations
 
+import importlib.util as _iu
 import random
 import subprocess
 import sys
@@ -11,9 +12,13 @@ import nbformat
 import pytest
 
 from coursekit.colab import read_repository, setup_cell_source
-from coursekit.labs import LabFormatError, generate, make_lab, strip_code, strip_markdown
-
-import importlib.util as _iu
+from coursekit.labs import (
+    LabFormatError,
+    generate,
+    make_lab,
+    strip_code,
+    strip_markdown,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 _REAL_FIND_SPEC = _iu.find_spec
@@ -143,8 +148,8 @@ def test_lab03_hidden_reference_matches_transformers():
     """The count_params reference in tests/grading/lab03.py agrees with real (meta) models."""
     import importlib.util as iu
 
-    from transformers import LlamaConfig, LlamaForCausalLM
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     spec = iu.spec_from_file_location("_lab03_hidden", ROOT / "tests" / "grading" / "lab03.py")
     mod = iu.module_from_spec(spec)

@@ -1,6 +1,7 @@
 """trainmem.lora against peft: same seed → same A/B, outputs, gradients, merged weights; counts."""
 import copy
 
+import peft
 import pytest
 import torch
 from torch import nn
@@ -9,20 +10,10 @@ from trainmem.lora import (LoRALinear, count_parameters, inject_lora, lora_layer
                            lora_param_count_for_config, lora_state_dict, merge_lora, unmerge_lora)
 from trainmem.models import build_model, get_config, tiny_llama_config
 
-peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 ATT = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (and do not fight other jobs for the cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 
 def _pair(targets, r=4, alpha=8, dropout=0.0, init="kaiming", cfg=None, seed=1):

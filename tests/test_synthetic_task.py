@@ -6,15 +6,6 @@ from trainmem.models import build_model
 from trainmem.synthetic_task import (N_NUMBERS, continue_sequence, evaluate, finetune_rules, make_batch,
                                      pretrain_rules, rule_token, task_config, train)
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (and do not fight other jobs for the cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 
 def test_batches_follow_the_rules_and_are_seeded():
     ids, labels = make_batch(16, {0: 1, 3: 5}, seed=3)

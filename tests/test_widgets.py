@@ -1,7 +1,6 @@
 """coursekit.widgets.format_explorer: typing a value updates the table; bad input says so."""
 import pytest
 
-pytest.importorskip("ipywidgets")
 
 from coursekit.widgets import format_explorer  # noqa: E402
 

@@ -10,7 +10,8 @@ def test_zero_paper_figure1_numbers():
     # ZeRO paper, Figure 1: Ψ = 7.5B, N_d = 64, K = 12 → 120, 31.4, 16.6, 1.9 GB per GPU.
     psi = 7_500_000_000
     got = [zero.per_gpu_memory(psi, s, 64).total / GB for s in ("dp", "zero1", "zero2", "zero3")]
-    assert got == [120.0, 31.40625, 16.640625, 1.875]
+    # The paper prints one decimal (120, 31.4, 16.6, 1.9): compare at the printed rounding.
+    assert [round(g, 1) for g in got] == [120.0, 31.4, 16.6, 1.9]
 
 
 @pytest.mark.parametrize("stage", ["dp", "zero1", "zero2", "zero3"])
@@ -84,7 +85,8 @@ def test_agrees_with_the_estimator_for_fp32_adamw():
     ZeRO-0/1/2 agree to within AdamW's per-tensor ``step`` scalars (bytes, not per-parameter);
     ZeRO-3 differs by the one gathered (unsharded) layer the estimator adds.
     """
-    estimate = pytest.importorskip("trainmem.estimate")
+    from trainmem import estimate
+
     for stage in (0, 1, 2, 3):
         e = estimate.estimate("tiny", precision="fp32", zero=stage, gpus=4, batch=1, seq=8)
         b = e.breakdown
@@ -93,4 +95,10 @@ def test_agrees_with_the_estimator_for_fp32_adamw():
         if stage < 3:
             assert abs(states - mine) <= 8 * 64  # a few scalars per parameter tensor
         else:
-            assert 0 < states - mine < 4 * e.n_params / 2  # one gathered layer, well under the model
+            # ZeRO-3: the estimator also holds one gathered (unsharded) decoder layer in
+            # 16-bit while it computes; that is the whole difference.
+            from trainmem.models import build_model, get_config
+
+            meta = build_model(get_config("tiny"), device="meta")
+            layer = sum(p.numel() for p in meta.model.layers[0].parameters())
+            assert abs(states - mine - 4 * layer) <= 8 * 64  # fp32: 4 bytes/param

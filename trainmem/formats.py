@@ -19,9 +19,10 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where arrays are used: the scalar functions need only the
+    import numpy as np  # standard library (they also run in the book's page, under Pyodide)
 
 __all__ = [
     "FloatFormat", "Encoded", "FORMATS", "get_format", "format_names",
@@ -337,6 +338,7 @@ def ulp(x: float, fmt: str | FloatFormat) -> float:
 
 def ulp_array(x: Any, fmt: str | FloatFormat) -> np.ndarray:
     """Vectorised :func:`ulp` over a numpy array (float64 result, same shape)."""
+    import numpy as np
     f = get_format(fmt)
     a = np.abs(np.asarray(x, dtype=np.float64))
     e = np.frexp(a)[1].astype(np.int64) - 1
@@ -354,6 +356,7 @@ def round_array(x: Any, fmt: str | FloatFormat, saturate: bool = False) -> np.nd
     ``np.rint`` (ties to even), and scaled back — power-of-two scaling loses nothing in float64.
     Overflow follows :func:`encode` (inf, NaN for E4M3, or ±max with ``saturate``).
     """
+    import numpy as np
     f = get_format(fmt)
     a = np.asarray(x, dtype=np.float64)
     with np.errstate(invalid="ignore", over="ignore"):

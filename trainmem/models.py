@@ -7,6 +7,7 @@ public config files of each model.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported lazily: the estimator needs no torch
@@ -88,6 +89,24 @@ def build_model(config, device: str | torch.device = "cpu", dtype: torch.dtype |
 
 _ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gpt2": "gpt2"}
 
+# Where transformers is not installed (Pyodide in the book's calculator) a config file becomes a
+# PlainConfig: its own fields plus the defaults that the transformers config class of its
+# model_type gives the fields the estimator reads (tests/test_calculator.py compares the two).
+_PLAIN_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(num_key_value_heads=None, head_dim=None, tie_word_embeddings=False,
+                  attention_bias=False, mlp_bias=False),
+    "mistral": dict(num_key_value_heads=8, head_dim=None, tie_word_embeddings=False),
+    "qwen2": dict(num_key_value_heads=32, tie_word_embeddings=False),
+    "gpt2": dict(n_inner=None, n_positions=1024, tie_word_embeddings=True),
+}
+
+
+class PlainConfig(SimpleNamespace):
+    """The fields of a config.json as attributes (a stand-in for a transformers config)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
 
 def load_config_file(path: str):
     """A ``transformers`` config built from an HF-style ``config.json`` file (no download).
@@ -119,15 +138,20 @@ def load_config_file(path: str):
         v = data.get(k)
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"model config file {path!r}: {k} must be a positive integer, got {v!r}")
-    if mt == "mistral":
-        from transformers import MistralConfig as C
-    elif mt == "qwen2":
-        from transformers import Qwen2Config as C
-    elif mt == "gpt2":
-        from transformers import GPT2Config as C
-    else:
-        from transformers import LlamaConfig as C
     fields = {k: v for k, v in data.items() if k not in ("model_type", "architectures", "transformers_version")}
+    try:
+        if mt == "mistral":
+            from transformers import MistralConfig as C
+        elif mt == "qwen2":
+            from transformers import Qwen2Config as C
+        elif mt == "gpt2":
+            from transformers import GPT2Config as C
+        else:
+            from transformers import LlamaConfig as C
+    except ImportError:  # no transformers (the book's in-page calculator): the estimator's fields
+        cfg = PlainConfig(**{**_PLAIN_DEFAULTS[mt], **fields, "model_type": mt})
+        cfg.name_or_path = os.path.basename(path)
+        return cfg
     try:
         cfg = C(**fields)
     except Exception as e:  # transformers validation

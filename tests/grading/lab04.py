@@ -8,9 +8,8 @@ lab's own code. References are computed here: the big-batch gradient, autograd's
 """
 from __future__ import annotations
 
-
-from coursekit.grading import Question
-from coursekit.grading_checks import close_floats, exec_source
+from coursekit.grading import CaseType, Question
+from coursekit.grading.checks import close_floats, exec_source
 
 NOTEBOOK = "lab04_accumulation_checkpointing.ipynb"
 CELL_TIMEOUT = 60
@@ -111,48 +110,58 @@ def _lab04_saved_cases(case):
 '''
 
 
+_NS: dict = {}
+
+
 def _ns() -> dict:
-    return exec_source(BUILD_SRC)
+    """The builders, run once in this process (the same source the probe runs in the kernel)."""
+    if not _NS:
+        _NS.update(exec_source(BUILD_SRC))
+    return _NS
 
 
 def _close(got, want, rtol=RTOL, atol=ATOL) -> bool:
     return close_floats(got, want, rtol, atol)
 
 
-def _grads_match(got: dict, want: dict) -> tuple[bool, str]:
-    if not isinstance(got, dict) or set(got) != set(want):
-        return False, f"expected gradients for parameters {sorted(want)}, got {type(got).__name__}"
-    for name, w in want.items():
-        if not _close(got[name], w):
-            return False, f"gradient of {name} differs from the big-batch gradient beyond rtol={RTOL}, atol={ATOL}"
-    return True, ""
+def _grads_match(got, want: dict) -> bool:
+    return isinstance(got, dict) and set(got) == set(want) and all(
+        (w is None and got[n] is None) or (w is not None and _close(got[n], w)) for n, w in want.items())
 
 
-def _ref_full_grads(ns, case):
-    import torch
-
-    model = ns["_lab04_mlp"](case)
-    x, y = ns["_lab04_data"](case)
-    torch.nn.CrossEntropyLoss()(model(x), y).backward()
-    return ns["_lab04_grads"](model)
+TOL = f"（rtol={RTOL}, atol={ATOL}）"
 
 
-# ---------------------------------------------------------------- accumulate_grads
-def _accum_inputs(rng):
-    cases = []
-    for _ in range(4):
-        accum = rng.choice([2, 3, 4, 5])
-        cases.append(dict(seed=rng.randrange(10**6), d_in=rng.randint(3, 10), d_hidden=rng.randint(4, 16),
-                          n_classes=rng.randint(2, 6), n=accum * rng.randint(1, 5), accum=accum, bad=False))
-    accum = rng.choice([3, 4, 5])
-    cases.append(dict(seed=rng.randrange(10**6), d_in=4, d_hidden=6, n_classes=3,
-                      n=accum * rng.randint(2, 4) + 1, accum=accum, bad=True))
-    return cases
+# ---------------------------------------------------------------- accumulate_grads(_weighted)
+def _mlp_case(rng, n, **extra):
+    return dict(seed=rng.randrange(10**6), d_in=rng.randint(3, 10), d_hidden=rng.randint(4, 16),
+                n_classes=rng.randint(2, 6), n=n, **extra)
+
+
+def _accum_type(kind):
+    def make(rng):
+        if kind == "bad":
+            return [_mlp_case(rng, a * rng.randint(2, 4) + 1, accum=a, bad=True) for a in (3, 4)]
+        return [_mlp_case(rng, a * rng.randint(1, 5), accum=a, bad=False)
+                for a in (rng.choice([2, 3, 4, 5]) for _ in range(4))]
+    return make
+
+
+def _weighted_type(kind):
+    def make(rng):
+        if kind == "bad":
+            return [_mlp_case(rng, 9, mbs=m, bad=True) for m in (0, -1)]
+        cases = []
+        for _ in range(4 if kind == "uneven" else 2):
+            mbs = rng.randint(2, 6)
+            n = mbs * rng.randint(1, 4) + (rng.randint(1, mbs - 1) if kind == "uneven" else 0)
+            cases.append(_mlp_case(rng, n, mbs=mbs, bad=False))
+        return cases
+    return make
 
 
 ACCUM_PROBE = BUILD_SRC + r'''
-RESULT = []
-for _case in INPUTS:
+def CASE(_case):
     _model = _lab04_mlp(_case)
     _x, _y = _lab04_data(_case)
     _sizes = []
@@ -161,188 +170,181 @@ for _case in INPUTS:
     if _case["bad"]:
         try:
             accumulate_grads(_model, _loss, _x, _y, _case["accum"])
-            RESULT.append({"raised": None})
+            return {"raised": None}
         except Exception as _e:
-            RESULT.append({"raised": type(_e).__name__})
-        continue
+            return {"raised": type(_e).__name__}
     accumulate_grads(_model, _loss, _x, _y, _case["accum"])          # a first call leaves grads behind
     _ret = accumulate_grads(_model, _loss, _x, _y, _case["accum"])   # the second must start from zero
-    RESULT.append({"sizes": _sizes,
-                   "returned": {k: v.detach().flatten().tolist() for k, v in dict(_ret).items()},
-                   "dot_grad": _lab04_grads(_model)})
+    return {"sizes": _sizes, "returned": {k: v.detach().flatten().tolist() for k, v in dict(_ret).items()},
+            "dot_grad": _lab04_grads(_model)}
 '''
-
-
-def _check_accum(inputs, result, sizes_of):
-    if not isinstance(result, list) or len(result) != len(inputs):
-        return 0.0, f"expected {len(inputs)} results, got {type(result).__name__}"
-    ns = _ns()
-    score, msgs, bad_ok, good_full = 0.0, [], 0, 0
-    for case, got in zip(inputs, result):
-        label = f"N={case['n']}, {'accum' if 'accum' in case else 'micro_batch_size'}={case.get('accum', case.get('mbs'))}"
-        if not isinstance(got, dict):
-            msgs.append(f"{label}: no result")
-            continue
-        if case["bad"]:
-            if got.get("raised") == "ValueError":
-                bad_ok += 1
-            else:
-                msgs.append(f"{label}: expected ValueError, got {got.get('raised')}")
-            continue
-        want = _ref_full_grads(ns, case)
-        ok_ret, why = _grads_match(got.get("returned"), want)
-        ok_dot, why_dot = _grads_match(got.get("dot_grad"), want)
-        want_sizes = sizes_of(case) * 2
-        ok_sizes = got.get("sizes") == want_sizes
-        # the micro-batch loop is the exercise: right gradients from one big batch earn little
-        part = (0.6 * ok_ret + 0.4 * ok_dot) if ok_sizes else 0.2 * ok_ret
-        good_full += part == 1
-        score += part
-        if part < 1:
-            msgs.append(f"{label}: " + "; ".join(
-                m for m in [why if not ok_ret else "", ("(.grad) " + why_dot) if not ok_dot else "",
-                            f"model saw micro-batch sizes {got.get('sizes')} over two calls, expected {want_sizes}"
-                            if not ok_sizes else ""] if m))
-    if good_full:        # raising ValueError only counts for a function that also computes something right
-        score += bad_ok
-    elif bad_ok:
-        msgs.append("ValueError cases not counted: no valid case was fully correct")
-    frac = score / len(inputs)
-    return frac, "all cases correct" if not msgs else " | ".join(msgs[:3])
-
-
-def check_accumulate(inputs, result):
-    return _check_accum(inputs, result, lambda c: [c["n"] // c["accum"]] * c["accum"])
-
-
-# ---------------------------------------------------------------- accumulate_grads_weighted
-def _weighted_inputs(rng):
-    cases = []
-    for _ in range(4):
-        mbs = rng.randint(2, 6)
-        n = mbs * rng.randint(1, 4) + rng.randint(1, mbs - 1)      # never a multiple: last chunk smaller
-        cases.append(dict(seed=rng.randrange(10**6), d_in=rng.randint(3, 10), d_hidden=rng.randint(4, 16),
-                          n_classes=rng.randint(2, 6), n=n, mbs=mbs, bad=False))
-    cases.append(dict(seed=rng.randrange(10**6), d_in=4, d_hidden=6, n_classes=3, n=12, mbs=4, bad=False))
-    cases.append(dict(seed=rng.randrange(10**6), d_in=4, d_hidden=6, n_classes=3, n=9, mbs=0, bad=True))
-    return cases
-
 
 WEIGHTED_PROBE = ACCUM_PROBE.replace("accumulate_grads(", "accumulate_grads_weighted(").replace(
     '_case["accum"]', '_case["mbs"]')
 
 
-def check_weighted(inputs, result):
-    def sizes(c):
-        full, rest = divmod(c["n"], c["mbs"])
-        return [c["mbs"]] * full + ([rest] if rest else [])
-    return _check_accum(inputs, result, sizes)
+def _sizes(case) -> list[int]:
+    if "accum" in case:
+        return [case["n"] // case["accum"]] * case["accum"]
+    full, rest = divmod(case["n"], case["mbs"])
+    return [case["mbs"]] * full + ([rest] if rest else [])
+
+
+def accum_expect(case):
+    if case["bad"]:
+        return {"raised": "ValueError"}
+    import torch
+
+    ns = _ns()
+    model = ns["_lab04_mlp"](case)
+    x, y = ns["_lab04_data"](case)
+    torch.nn.CrossEntropyLoss()(model(x), y).backward()
+    return {"grads": ns["_lab04_grads"](model), "sizes": _sizes(case) * 2}
+
+
+def accum_compare(got, want):
+    if not isinstance(got, dict):
+        return False, "没有结果"
+    if "raised" in want:
+        return got.get("raised") == "ValueError", f"应抛出 ValueError，得到 {got.get('raised')}"
+    wrong = []
+    if not _grads_match(got.get("returned"), want["grads"]):
+        wrong.append("返回的 {name: grad} 与整批梯度不一致" + TOL)
+    if not _grads_match(got.get("dot_grad"), want["grads"]):
+        wrong.append("参数的 .grad 与整批梯度不一致（第二次调用要先清零）")
+    if got.get("sizes") != want["sizes"]:
+        wrong.append(f"两次调用中模型看到的 micro-batch 大小应为 {want['sizes']}，得到 {got.get('sizes')}")
+    return not wrong, "；".join(wrong)
+
+
+def _show_mlp(case):
+    k = f"accum={case['accum']}" if "accum" in case else f"micro_batch_size={case['mbs']}"
+    return f"MLP({case['d_in']}→{case['d_hidden']}→{case['n_classes']})，N={case['n']}，{k}"
+
+
+def _show_result(v):
+    if isinstance(v, dict) and "sizes" in v:
+        return f"micro-batch 大小 {v['sizes']}（梯度见上面的说明）"
+    return repr(v)[:300]
+
+
+ACCUM_TYPES = [
+    CaseType("divisible", "N 能被 accum 整除：梯度与整批一致", 3, _accum_type("ok"),
+             fix="先 model.zero_grad()；把 (x, y) 切成 accum 块，每块 loss / accum 再 backward"),
+    CaseType("bad", "N 不能被 accum 整除：ValueError", 1, _accum_type("bad"),
+             fix="N % accum != 0 时 raise ValueError（在任何计算之前）"),
+]
+WEIGHTED_TYPES = [
+    CaseType("uneven", "最后一块更小：按 n_j / N 加权", 2, _weighted_type("uneven"),
+             fix="每块的平均 loss 乘以 n_j / N 再 backward，最后一块更小时权重也更小"),
+    CaseType("even", "N 是 micro_batch_size 的整数倍", 1, _weighted_type("even"),
+             fix="整除时每块权重都是 micro_batch_size / N"),
+    CaseType("bad", "micro_batch_size < 1：ValueError", 1, _weighted_type("bad"),
+             fix="micro_batch_size < 1 时 raise ValueError"),
+]
 
 
 # ---------------------------------------------------------------- saved_activation_bytes
-KINDS = ["linear_nograd_input", "linear_grad_input", "linear_no_exclude", "mlp_tanh", "no_grad", "shared_view"]
+KINDS = {"linear_nograd_input": "Linear，输入不需要梯度", "linear_grad_input": "Linear，输入需要梯度",
+         "linear_no_exclude": "Linear，exclude 为空（参数也计入）", "mlp_tanh": "Linear-Tanh-Linear",
+         "no_grad": "torch.no_grad() 下（什么都不保存）", "shared_view": "同一存储的两个视图（只计一次）"}
+KIND_FIX = {
+    "linear_nograd_input": "用 torch.autograd.graph.saved_tensors_hooks 记录 pack 收到的张量；按存储去重",
+    "linear_grad_input": "输入需要梯度时 autograd 也保存权重：exclude 里的存储不计",
+    "linear_no_exclude": "exclude 为空时参数的存储也要计入",
+    "mlp_tanh": "每个被保存的存储都计一次：Linear 的输入、tanh 的输出……",
+    "no_grad": "no_grad 下 pack 不会被调用，结果应为 0",
+    "shared_view": "同一存储（t.untyped_storage().data_ptr() 相同）只计一次，字节数用 untyped_storage().nbytes()",
+}
 
 
-def _saved_inputs(rng):
-    return [dict(kind=k, seed=rng.randrange(10**6), batch=rng.randint(2, 9), d_in=rng.randint(3, 12),
-                 d_out=rng.randint(3, 12)) for k in KINDS]
+def _saved_type(kind):
+    return lambda rng: [dict(kind=kind, seed=rng.randrange(10**6), batch=rng.randint(2, 9),
+                             d_in=rng.randint(3, 12), d_out=rng.randint(3, 12)) for _ in range(2)]
 
 
 SAVED_PROBE = BUILD_SRC + r'''
-RESULT = []
-for _case in INPUTS:
+def CASE(_case):
     _fn, _excl = _lab04_saved_cases(_case)
-    RESULT.append(int(saved_activation_bytes(_fn, exclude=_excl)))
+    return saved_activation_bytes(_fn, exclude=_excl)
 '''
 
 
-def check_saved(inputs, result):
-    if not isinstance(result, list) or len(result) != len(inputs):
-        return 0.0, f"expected {len(inputs)} integers, got {type(result).__name__}"
-    ns = _ns()
-    bad = []
-    for case, got in zip(inputs, result):
-        fn, excl = ns["_lab04_saved_cases"](case)
-        want = ns["_lab04_saved"](fn, excl)
-        if got != want:
-            bad.append(f"{case['kind']} (B={case['batch']}, d_in={case['d_in']}, d_out={case['d_out']}): "
-                       f"got {got}, expected {want} bytes")
-    return 1 - len(bad) / len(inputs), "all cases correct" if not bad else "; ".join(bad[:2])
+def saved_expect(case):
+    fn, excl = _ns()["_lab04_saved_cases"](case)
+    return _ns()["_lab04_saved"](fn, excl)
+
+
+def _int_equal(got, want):
+    return isinstance(got, int) and not isinstance(got, bool) and got == want
+
+
+SAVED_TYPES = [CaseType(k, label, 1, _saved_type(k), fix=KIND_FIX[k]) for k, label in KINDS.items()]
 
 
 # ---------------------------------------------------------------- run_blocks
-def _blocks_inputs(rng):
-    return [dict(seed=rng.randrange(10**6), n_blocks=rng.randint(2, 5), d=rng.choice([4, 6, 8, 12]),
-                 batch=rng.randint(2, 6), x_requires_grad=flag) for flag in (True, False)]
+def _blocks_type(ck, x_grad):
+    return lambda rng: [dict(seed=rng.randrange(10**6), n_blocks=rng.randint(2, 5), d=rng.choice([4, 6, 8, 12]),
+                             batch=rng.randint(2, 6), x_requires_grad=x_grad, ck=ck) for _ in range(2)]
 
 
 BLOCKS_PROBE = BUILD_SRC + r'''
-RESULT = []
-for _case in INPUTS:
-    _entry = {}
-    for _ck in (False, True):
-        _blocks = _lab04_blocks(_case)
-        _count = [0]
-        for _b in _blocks:
-            _b.register_forward_pre_hook(lambda *_a: _count.__setitem__(0, _count[0] + 1))
-        _x = _lab04_x(_case).requires_grad_(_case["x_requires_grad"])
-        _params = list(_blocks.parameters())
-        _out_box = []
-        _saved = _lab04_saved(lambda: _out_box.append(run_blocks(_blocks, _x, _ck)), exclude=_params)
-        _out = _out_box[0]
-        if _out.requires_grad:
-            _out.pow(2).mean().backward()
-        _entry[str(_ck)] = {"out": _out.detach().flatten().tolist(), "saved": _saved, "forwards": _count[0],
-                            "x_grad": _x.grad.flatten().tolist() if _x.grad is not None else None,
-                            "grads": _lab04_grads(_blocks)}
-    RESULT.append(_entry)
+def CASE(_case):
+    _blocks = _lab04_blocks(_case)
+    _count = [0]
+    for _b in _blocks:
+        _b.register_forward_pre_hook(lambda *_a: _count.__setitem__(0, _count[0] + 1))
+    _x = _lab04_x(_case).requires_grad_(_case["x_requires_grad"])
+    _params = list(_blocks.parameters())
+    _out_box = []
+    _saved = _lab04_saved(lambda: _out_box.append(run_blocks(_blocks, _x, _case["ck"])), exclude=_params)
+    _out = _out_box[0]
+    if _out.requires_grad:
+        _out.pow(2).mean().backward()
+    return {"out": _out.detach().flatten().tolist(), "saved": _saved, "forwards": _count[0],
+            "x_grad": _x.grad.flatten().tolist() if _x.grad is not None else None,
+            "grads": _lab04_grads(_blocks)}
 '''
 
 
-def check_blocks(inputs, result):
-    if not isinstance(result, list) or len(result) != len(inputs):
-        return 0.0, f"expected {len(inputs)} results, got {type(result).__name__}"
+def blocks_expect(case):
     ns = _ns()
-    score, msgs = 0.0, []
-    for case, got in zip(inputs, result):
-        blocks = ns["_lab04_blocks"](case)
-        x = ns["_lab04_x"](case).requires_grad_(case["x_requires_grad"])
-        params = list(blocks.parameters())
-        box = []
-        plain_saved = ns["_lab04_saved"](lambda: box.append(_plain(blocks, x)), params)
-        out = box[0]
-        out.pow(2).mean().backward()
-        want_out = out.detach().flatten().tolist()
-        want_grads = ns["_lab04_grads"](blocks)
-        want_xg = x.grad.flatten().tolist() if x.grad is not None else None
-        L, B, d = case["n_blocks"], case["batch"], case["d"]
-        label = f"{L} blocks, d={d}, B={B}, x.requires_grad={case['x_requires_grad']}"
-        if not isinstance(got, dict):
-            msgs.append(f"{label}: no result")
-            continue
-        for ck, want_saved, want_fw in (("False", plain_saved, L), ("True", L * B * d * 4, 2 * L)):
-            g = got.get(ck)
-            if not isinstance(g, dict):
-                msgs.append(f"{label}, checkpointing={ck}: no result")
-                continue
-            checks = {
-                "output": _close(g.get("out"), want_out, 1e-5, 1e-6),
-                "parameter gradients": _grads_match(g.get("grads"), want_grads)[0],
-                "input gradient": (g.get("x_grad") is None and want_xg is None) or
-                                  (want_xg is not None and _close(g.get("x_grad"), want_xg, 1e-5, 1e-6)),
-                f"saved bytes (expected {want_saved})": g.get("saved") == want_saved,
-                f"block forwards (expected {want_fw})": g.get("forwards") == want_fw,
-            }
-            v = list(checks.values())
-            if ck == "False":      # plain run: a quarter of the case
-                score += 0.25 * all(v)
-            else:                  # checkpointed run: same numbers (1/4), and really checkpointed (3/4)
-                score += 0.75 * (0.25 * all(v[:3]) + 0.75 * (v[3] and v[4]))
-            wrong = [k for k, ok in checks.items() if not ok]
-            if wrong:
-                msgs.append(f"{label}, checkpointing={ck}: wrong " + ", ".join(wrong)
-                            + (f" (got saved={g.get('saved')}, forwards={g.get('forwards')})" if ck == "True" else ""))
-    return score / len(inputs), "all cases correct" if not msgs else " | ".join(msgs[:3])
+    blocks = ns["_lab04_blocks"](case)
+    x = ns["_lab04_x"](case).requires_grad_(case["x_requires_grad"])
+    box = []
+    plain_saved = ns["_lab04_saved"](lambda: box.append(_plain(blocks, x)), list(blocks.parameters()))
+    box[0].pow(2).mean().backward()
+    L, B, d = case["n_blocks"], case["batch"], case["d"]
+    return {"out": box[0].detach().flatten().tolist(), "grads": ns["_lab04_grads"](blocks),
+            "x_grad": x.grad.flatten().tolist() if x.grad is not None else None,
+            "saved": L * B * d * 4 if case["ck"] else plain_saved,
+            "forwards": 2 * L if case["ck"] else L}
+
+
+def blocks_compare(got, want):
+    if not isinstance(got, dict):
+        return False, "没有结果"
+    xg, wxg = got.get("x_grad"), want["x_grad"]
+    checks = {
+        "输出": _close(got.get("out"), want["out"]),
+        "参数梯度": _grads_match(got.get("grads"), want["grads"]),
+        "输入的梯度": (xg is None and wxg is None) or (wxg is not None and _close(xg, wxg)),
+        f"保存给反向的字节数（应为 {want['saved']}，得到 {got.get('saved')}）":
+            _int_equal(got.get("saved"), want["saved"]),
+        f"block 前向次数（应为 {want['forwards']}，得到 {got.get('forwards')}）":
+            got.get("forwards") == want["forwards"],
+    }
+    wrong = [k for k, ok in checks.items() if not ok]
+    return not wrong, ("不对的是：" + "、".join(wrong)) if wrong else ""
+
+
+def _show_blocks(c):
+    return (f"{c['n_blocks']} 个 block，d={c['d']}，batch={c['batch']}，x.requires_grad={c['x_requires_grad']}，"
+            f"checkpointing={c['ck']}")
+
+
+def _show_blocks_value(v):
+    return f"saved={v.get('saved')}, forwards={v.get('forwards')}" if isinstance(v, dict) else repr(v)[:200]
 
 
 def _plain(blocks, x):
@@ -352,19 +354,31 @@ def _plain(blocks, x):
     return h
 
 
+BLOCKS_TYPES = [
+    CaseType("plain", "不用检查点", 1, _blocks_type(False, True),
+             fix="checkpointing=False 时依次 h = block(h)"),
+    CaseType("checkpointed", "检查点：同样的输出与梯度，只保存每个 block 的输入、每个 block 重算一次", 3,
+             _blocks_type(True, True),
+             fix="h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)"),
+    CaseType("input_no_grad", "检查点，输入不需要梯度：参数仍有梯度", 1, _blocks_type(True, False),
+             fix="use_reentrant=False 时输入不需要梯度参数也有梯度（reentrant 版本会丢掉它们）"),
+]
+
+
 QUESTIONS = [
-    Question("accumulate_grads", points=3, make_inputs=_accum_inputs, probe=ACCUM_PROBE,
-             check=check_accumulate,
+    Question("accumulate_grads", points=3, cases=ACCUM_TYPES, expect=accum_expect, compare=accum_compare,
+             probe=ACCUM_PROBE, show_input=_show_mlp, show_value=_show_result,
              description="accumulate_grads：loss/accum 的累积循环，梯度与整批一致（rtol=1e-5, atol=1e-6），"
                          "先清零、按 micro-batch 前向、不整除时 ValueError"),
-    Question("accumulate_grads_weighted", points=2, make_inputs=_weighted_inputs, probe=WEIGHTED_PROBE,
-             check=check_weighted,
+    Question("accumulate_grads_weighted", points=2, cases=WEIGHTED_TYPES, expect=accum_expect,
+             compare=accum_compare, probe=WEIGHTED_PROBE, show_input=_show_mlp, show_value=_show_result,
              description="accumulate_grads_weighted：最后一块更小时按 n_j/N 加权，梯度与整批一致；"
                          "micro_batch_size<1 时 ValueError"),
-    Question("saved_activation_bytes", points=2, make_inputs=_saved_inputs, probe=SAVED_PROBE,
-             check=check_saved,
+    Question("saved_activation_bytes", points=2, cases=SAVED_TYPES, expect=saved_expect, compare=_int_equal,
+             probe=SAVED_PROBE,
              description="saved_activation_bytes：saved_tensors_hooks 计数，同一存储只计一次，排除 exclude 的存储"),
-    Question("run_blocks", points=3, make_inputs=_blocks_inputs, probe=BLOCKS_PROBE, check=check_blocks,
+    Question("run_blocks", points=3, cases=BLOCKS_TYPES, expect=blocks_expect, compare=blocks_compare,
+             probe=BLOCKS_PROBE, show_input=_show_blocks, show_value=_show_blocks_value,
              description="run_blocks：checkpoint(..., use_reentrant=False) 包装每个 block；输出与梯度不变，"
                          "只保存 block 输入，每个 block 重算一次（输入不需要梯度时参数仍有梯度）"),
 ]

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import math
 
-from coursekit.grading import Question
-from coursekit.grading_checks import close_floats, exec_source, quiet_warnings
-
+from coursekit.grading import CaseType, Question
+from coursekit.grading.checks import close_floats, exec_source, quiet_warnings
 
 _quiet = quiet_warnings
 
@@ -76,12 +75,27 @@ def _lab05_ids(case):
 '''
 
 
+_NS: dict = {}
+
+
 def _ns() -> dict:
-    return exec_source(BUILD_SRC)
+    """The builders, run once in this process (the same source the probe runs in the kernel)."""
+    if not _NS:
+        _NS.update(exec_source(BUILD_SRC))
+    return _NS
 
 
 def _close(got, want, rtol=RTOL, atol=ATOL) -> bool:
     return close_floats(got, want, rtol, atol)
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _verdict(checks: dict) -> tuple[bool, str]:
+    wrong = [k for k, ok in checks.items() if not ok]
+    return not wrong, ("不对的是：" + "、".join(wrong)) if wrong else ""
 
 
 def _peft_layer(ns, case):
@@ -108,101 +122,112 @@ def _peft_layer(ns, case):
     return model, layer, x, w
 
 
-def _layer_cases(rng, n=4):
-    cases = []
-    for _ in range(n):
-        d_in, d_out = rng.randint(3, 24), rng.randint(3, 24)
-        cases.append(dict(seed=rng.randrange(10**6), d_in=d_in, d_out=d_out, r=rng.randint(1, min(d_in, d_out)),
-                          alpha=rng.choice([1, 2, 4, 8, 16, 3.5]), bias=rng.random() < 0.7))
-    return cases
+def _layer_case(rng, **fixed):
+    d_in, d_out = rng.randint(3, 24), rng.randint(3, 24)
+    case = dict(seed=rng.randrange(10**6), d_in=d_in, d_out=d_out, r=rng.randint(1, min(d_in, d_out)),
+                alpha=rng.choice([1, 2, 4, 8, 16, 3.5]), bias=rng.random() < 0.7)
+    case.update(fixed)
+    return case
+
+
+def _layers(n=2, **fixed):
+    return lambda rng: [_layer_case(rng, **fixed) for _ in range(n)]
+
+
+def _show_layer(c):
+    return f"d_in={c['d_in']}, d_out={c['d_out']}, r={c['r']}, alpha={c['alpha']}, bias={c['bias']}"
+
+
+def _show_dict(v):
+    return repr(v)[:300]
 
 
 # ---------------------------------------------------------------- __init__
-def _init_inputs(rng):
-    cases = _layer_cases(rng)
-    cases.append(dict(seed=rng.randrange(10**6), d_in=256, d_out=64, r=16, alpha=32, bias=True))  # for the A statistics
-    d_in, d_out = rng.randint(3, 12), rng.randint(3, 12)
-    cases.append(dict(seed=1, d_in=d_in, d_out=d_out, r=0, alpha=4, bias=True, bad=True))
-    cases.append(dict(seed=2, d_in=d_in, d_out=d_out, r=min(d_in, d_out) + rng.randint(1, 3), alpha=4, bias=True,
-                      bad=True))
-    return cases
+def _init_type(kind):
+    def make(rng):
+        if kind == "stats":   # big enough to see Kaiming uniform's standard deviation
+            return [dict(seed=rng.randrange(10**6), d_in=256, d_out=64, r=16, alpha=32, bias=True)]
+        if kind == "bad":
+            d_in, d_out = rng.randint(3, 12), rng.randint(3, 12)
+            return [dict(seed=1, d_in=d_in, d_out=d_out, r=0, alpha=4, bias=True, bad=True),
+                    dict(seed=2, d_in=d_in, d_out=d_out, r=min(d_in, d_out) + rng.randint(1, 3), alpha=4,
+                         bias=True, bad=True)]
+        return [_layer_case(rng) for _ in range(3)]
+    return make
 
 
 INIT_PROBE = BUILD_SRC + r'''
-RESULT = []
-for _case in INPUTS:
+def CASE(_case):
     _base = _lab05_base(_case)
     if _case.get("bad"):
         try:
             LoRALinear(_base, _case["r"], _case["alpha"])
-            RESULT.append({"raised": None})
+            return {"raised": None}
         except Exception as _e:
-            RESULT.append({"raised": type(_e).__name__})
-        continue
+            return {"raised": type(_e).__name__}
     _layer = LoRALinear(_base, _case["r"], _case["alpha"])
     _A, _B, _x, _w = _lab05_adapters(_case)
     with _torch.no_grad():
         _diff = float((_layer(_x) - _base(_x)).abs().max())
-    RESULT.append({
+    return {
         "A_shape": list(_layer.lora_A.shape), "B_shape": list(_layer.lora_B.shape),
         "B_zero": bool(_torch.all(_layer.lora_B == 0)),
-        "A_absmax": float(_layer.lora_A.abs().max()), "A_std": float(_layer.lora_A.float().std()) if _layer.lora_A.numel() > 1 else 0.0,
+        "A_absmax": float(_layer.lora_A.abs().max()),
+        "A_std": float(_layer.lora_A.float().std()) if _layer.lora_A.numel() > 1 else 0.0,
         "scaling": float(_layer.scaling),
         "trainable": sorted(n for n, p in _layer.named_parameters() if p.requires_grad),
         "base_is_same": _layer.base is _base,
-        "out_diff": _diff})
+        "out_diff": _diff}
 '''
 
 
-def check_init(inputs, result):
-    if not isinstance(result, list) or len(result) != len(inputs):
-        return 0.0, f"expected {len(inputs)} results, got {type(result).__name__}"
-    score, msgs, bad_ok, good_full = 0.0, [], 0, 0
-    for case, got in zip(inputs, result):
-        label = f"d_in={case['d_in']}, d_out={case['d_out']}, r={case['r']}, alpha={case['alpha']}"
-        if not isinstance(got, dict):
-            msgs.append(f"{label}: no result")
-            continue
-        if case.get("bad"):
-            ok = got.get("raised") == "ValueError"
-            bad_ok += ok
-            if not ok:
-                msgs.append(f"{label}: expected ValueError, got {got.get('raised')}")
-            continue
-        k, d, r = case["d_in"], case["d_out"], case["r"]
-        bound = 1 / math.sqrt(k)
-        checks = {
-            "lora_A shape (r, d_in)": got.get("A_shape") == [r, k],
-            "lora_B shape (d_out, r)": got.get("B_shape") == [d, r],
-            "lora_B all zero": got.get("B_zero") is True,
-            f"|lora_A| <= 1/sqrt(d_in)={bound:.4f} and not zero": isinstance(got.get("A_absmax"), (int, float))
-            and 0 < got["A_absmax"] <= bound * (1 + 1e-6),
-            f"scaling = alpha / r = {case['alpha'] / r:g}": isinstance(got.get("scaling"), (int, float))
-            and abs(got["scaling"] - case["alpha"] / r) < 1e-9,
-            "only lora_A and lora_B trainable (base frozen)": got.get("trainable") == ["lora_A", "lora_B"],
-            "self.base is the given layer": got.get("base_is_same") is True,
-            "output equals base output at init": got.get("out_diff") == 0.0,
-        }
-        if r * k >= 1000:  # Kaiming uniform: std = bound / sqrt(3)
-            want_std = bound / math.sqrt(3)
-            checks[f"std(lora_A) ≈ {want_std:.4f} (Kaiming uniform)"] = isinstance(got.get("A_std"), (int, float)) \
-                and abs(got["A_std"] - want_std) < 0.15 * want_std
-        score += sum(checks.values()) / len(checks)
-        good_full += all(checks.values())
-        wrong = [k_ for k_, v in checks.items() if not v]
-        if wrong:
-            msgs.append(f"{label}: wrong " + ", ".join(wrong))
-    if good_full:        # raising ValueError only counts for a layer that is also built right
-        score += bad_ok
-    elif bad_ok:
-        msgs.append("ValueError cases not counted: no valid case was fully correct")
-    return score / len(inputs), "all cases correct" if not msgs else " | ".join(msgs[:3])
+def init_expect(case):
+    if case.get("bad"):
+        return {"raised": "ValueError"}
+    k, d, r = case["d_in"], case["d_out"], case["r"]
+    want = {"A_shape": [r, k], "B_shape": [d, r], "bound": 1 / math.sqrt(k), "scaling": case["alpha"] / r}
+    if r * k >= 1000:  # Kaiming uniform: std = bound / sqrt(3)
+        want["A_std"] = want["bound"] / math.sqrt(3)
+    return want
+
+
+def init_compare(got, want):
+    if not isinstance(got, dict):
+        return False, "没有结果"
+    if "raised" in want:
+        return got.get("raised") == "ValueError", f"应抛出 ValueError，得到 {got.get('raised')}"
+    bound = want["bound"]
+    checks = {
+        f"lora_A 的形状应为 (r, d_in)={tuple(want['A_shape'])}": got.get("A_shape") == want["A_shape"],
+        f"lora_B 的形状应为 (d_out, r)={tuple(want['B_shape'])}": got.get("B_shape") == want["B_shape"],
+        "lora_B 应全为 0": got.get("B_zero") is True,
+        f"|lora_A| ≤ 1/sqrt(d_in)={bound:.4f} 且不全为 0": _num(got.get("A_absmax"))
+        and 0 < got["A_absmax"] <= bound * (1 + 1e-6),
+        f"scaling 应为 alpha / r = {want['scaling']:g}": _num(got.get("scaling"))
+        and abs(got["scaling"] - want["scaling"]) < 1e-9,
+        "只有 lora_A、lora_B 可训练（base 冻结）": got.get("trainable") == ["lora_A", "lora_B"],
+        "self.base 应是传入的那一层": got.get("base_is_same") is True,
+        "初始化时输出应与 base 完全相同": got.get("out_diff") == 0.0,
+    }
+    if "A_std" in want:
+        checks[f"std(lora_A) ≈ {want['A_std']:.4f}（Kaiming 均匀）"] = _num(got.get("A_std")) \
+            and abs(got["A_std"] - want["A_std"]) < 0.15 * want["A_std"]
+    return _verdict(checks)
+
+
+INIT_TYPES = [
+    CaseType("layers", "随机形状的层", 3, _init_type("layers"),
+             fix="lora_A 形状 (r, d_in)，lora_B 形状 (d_out, r) 且为 0；scaling = alpha / r；base 的参数 requires_grad=False"),
+    CaseType("stats", "lora_A 的初始化分布（256 维输入）", 1, _init_type("stats"),
+             fix="nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))，与 nn.Linear 的默认初始化相同"),
+    CaseType("bad", "非法的 r（0 或大于 min(d_in, d_out)）：ValueError", 1, _init_type("bad"),
+             fix="r < 1 或 r > min(d_in, d_out) 时 raise ValueError"),
+]
 
 
 # ---------------------------------------------------------------- forward
 FORWARD_PROBE = BUILD_SRC + r'''
-RESULT = []
-for _case in INPUTS:
+def CASE(_case):
     _layer = LoRALinear(_lab05_base(_case), _case["r"], _case["alpha"])
     _A, _B, _x, _w = _lab05_adapters(_case)
     with _torch.no_grad():
@@ -210,42 +235,42 @@ for _case in INPUTS:
         _layer.lora_B.copy_(_B)
     _out = _layer(_x)
     (_out * _w).sum().backward()
-    RESULT.append({"out": _out.detach().flatten().tolist(),
-                   "gA": _layer.lora_A.grad.flatten().tolist(), "gB": _layer.lora_B.grad.flatten().tolist()})
+    return {"out": _out.detach().flatten().tolist(),
+            "gA": _layer.lora_A.grad.flatten().tolist(), "gB": _layer.lora_B.grad.flatten().tolist()}
 '''
 
 
 @_quiet
-def check_forward(inputs, result):
-    if not isinstance(result, list) or len(result) != len(inputs):
-        return 0.0, f"expected {len(inputs)} results, got {type(result).__name__}"
-    ns = _ns()
-    score, msgs = 0.0, []
-    for case, got in zip(inputs, result):
-        label = f"d_in={case['d_in']}, d_out={case['d_out']}, r={case['r']}, alpha={case['alpha']}, bias={case['bias']}"
-        model, layer, x, w = _peft_layer(ns, case)
-        out = model(x)
-        (out * w).sum().backward()
-        want = {"out": out.detach().flatten().tolist(),
-                "gA": layer.lora_A["default"].weight.grad.flatten().tolist(),
-                "gB": layer.lora_B["default"].weight.grad.flatten().tolist()}
-        if not isinstance(got, dict):
-            msgs.append(f"{label}: no result")
-            continue
-        checks = {"output": _close(got.get("out"), want["out"]),
-                  "grad of lora_A": _close(got.get("gA"), want["gA"]),
-                  "grad of lora_B": _close(got.get("gB"), want["gB"])}
-        score += (2 * checks["output"] + checks["grad of lora_A"] + checks["grad of lora_B"]) / 4
-        wrong = [k for k, v in checks.items() if not v]
-        if wrong:
-            msgs.append(f"{label}: differs from peft in " + ", ".join(wrong))
-    return score / len(inputs), "all cases match peft" if not msgs else " | ".join(msgs[:3])
+def forward_expect(case):
+    model, layer, x, w = _peft_layer(_ns(), case)
+    out = model(x)
+    (out * w).sum().backward()
+    return {"out": out.detach().flatten().tolist(),
+            "gA": layer.lora_A["default"].weight.grad.flatten().tolist(),
+            "gB": layer.lora_B["default"].weight.grad.flatten().tolist()}
+
+
+def forward_compare(got, want):
+    if not isinstance(got, dict):
+        return False, "没有结果"
+    return _verdict({"输出与 peft 不同": _close(got.get("out"), want["out"]),
+                     "lora_A 的梯度与 peft 不同": _close(got.get("gA"), want["gA"]),
+                     "lora_B 的梯度与 peft 不同": _close(got.get("gB"), want["gB"])})
+
+
+FORWARD_TYPES = [
+    CaseType("bias", "base 有偏置", 1, _layers(2, bias=True),
+             fix="输出 = base(x) + (x @ A.T @ B.T) * scaling（base 的偏置只加一次）"),
+    CaseType("no_bias", "base 无偏置", 1, _layers(2, bias=False),
+             fix="输出 = base(x) + (x @ A.T @ B.T) * scaling"),
+    CaseType("rank_one", "r = 1、非整数 alpha", 1, _layers(2, r=1, alpha=3.5),
+             fix="scaling = alpha / r 是浮点数，不要用整数除法"),
+]
 
 
 # ---------------------------------------------------------------- merge
 MERGE_PROBE = BUILD_SRC + r'''
-RESULT = []
-for _case in INPUTS:
+def CASE(_case):
     _base = _lab05_base(_case)
     _w0 = _base.weight.detach().clone()
     _layer = LoRALinear(_base, _case["r"], _case["alpha"])
@@ -254,80 +279,90 @@ for _case in INPUTS:
         _layer.lora_A.copy_(_A)
         _layer.lora_B.copy_(_B)
     _m = _layer.merge()
-    RESULT.append({"is_linear": isinstance(_m, _nn.Linear),
-                   "weight": _m.weight.detach().flatten().tolist(),
-                   "bias": _m.bias.detach().flatten().tolist() if getattr(_m, "bias", None) is not None else None,
-                   "base_untouched": bool(_torch.equal(_layer.base.weight, _w0))})
+    return {"is_linear": isinstance(_m, _nn.Linear),
+            "weight": _m.weight.detach().flatten().tolist(),
+            "bias": _m.bias.detach().flatten().tolist() if getattr(_m, "bias", None) is not None else None,
+            "base_untouched": bool(_torch.equal(_layer.base.weight, _w0))}
 '''
 
 
 @_quiet
-def check_merge(inputs, result):
-    if not isinstance(result, list) or len(result) != len(inputs):
-        return 0.0, f"expected {len(inputs)} results, got {type(result).__name__}"
-    ns = _ns()
-    score, msgs = 0.0, []
-    for case, got in zip(inputs, result):
-        label = f"d_in={case['d_in']}, d_out={case['d_out']}, r={case['r']}, alpha={case['alpha']}, bias={case['bias']}"
-        model, layer, x, w = _peft_layer(ns, case)
-        merged = model.merge_and_unload().proj
-        want_w = merged.weight.detach().flatten().tolist()
-        want_b = merged.bias.detach().flatten().tolist() if merged.bias is not None else None
-        if not isinstance(got, dict):
-            msgs.append(f"{label}: no result")
-            continue
-        checks = {"returns an nn.Linear": got.get("is_linear") is True,
-                  "merged weight": _close(got.get("weight"), want_w),
-                  "bias": (want_b is None and got.get("bias") is None) or (want_b is not None and _close(got.get("bias"), want_b)),
-                  "self.base left unchanged": got.get("base_untouched") is True}
-        score += (checks["returns an nn.Linear"] + 3 * checks["merged weight"] + checks["bias"]
-                  + checks["self.base left unchanged"]) / 6
-        wrong = [k for k, v in checks.items() if not v]
-        if wrong:
-            msgs.append(f"{label}: wrong " + ", ".join(wrong))
-    return score / len(inputs), "all cases match peft merge_and_unload()" if not msgs else " | ".join(msgs[:3])
+def merge_expect(case):
+    model, layer, x, w = _peft_layer(_ns(), case)
+    merged = model.merge_and_unload().proj
+    return {"weight": merged.weight.detach().flatten().tolist(),
+            "bias": merged.bias.detach().flatten().tolist() if merged.bias is not None else None}
+
+
+def merge_compare(got, want):
+    if not isinstance(got, dict):
+        return False, "没有结果"
+    wb, gb = want["bias"], got.get("bias")
+    return _verdict({"应返回一个 nn.Linear": got.get("is_linear") is True,
+                     "合并后的权重与 peft merge_and_unload() 不同": _close(got.get("weight"), want["weight"]),
+                     "偏置": (wb is None and gb is None) or (wb is not None and _close(gb, wb)),
+                     "self.base 不能被修改": got.get("base_untouched") is True})
+
+
+MERGE_TYPES = [
+    CaseType("bias", "base 有偏置", 1, _layers(2, bias=True),
+             fix="新层的权重 = W + scaling · B @ A，偏置照抄；不要原地改 self.base"),
+    CaseType("no_bias", "base 无偏置", 1, _layers(2, bias=False),
+             fix="base 没有偏置时新层也没有偏置（bias=False）"),
+]
 
 
 # ---------------------------------------------------------------- inject_lora
-TARGET_SETS = [["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"], ["o_proj", "down_proj"],
-               ["gate_proj", "up_proj", "down_proj", "q_proj"]]
+TARGET_SETS = {"attention": [["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"]],
+               "mlp": [["o_proj", "down_proj"], ["gate_proj", "up_proj", "down_proj", "q_proj"]]}
 
 
-def _inject_inputs(rng):
-    heads = rng.choice([2, 4])
-    return dict(seed=rng.randrange(10**6), hidden=heads * rng.choice([8, 12]), heads=heads,
-                inter=rng.choice([40, 56, 72]), layers=rng.randint(1, 2), vocab=rng.choice([48, 64, 96]),
-                targets=rng.choice(TARGET_SETS), r=rng.choice([2, 4, 8]), alpha=rng.choice([4, 8, 16]))
+def _inject_type(kind):
+    def make(rng):
+        heads = rng.choice([2, 4])
+        case = dict(seed=rng.randrange(10**6), hidden=heads * rng.choice([8, 12]), heads=heads,
+                    inter=rng.choice([40, 56, 72]), layers=rng.randint(1, 2), vocab=rng.choice([48, 64, 96]),
+                    targets=rng.choice(TARGET_SETS.get(kind, [["q_proj"]])), r=rng.choice([2, 4, 8]),
+                    alpha=rng.choice([4, 8, 16]))
+        if kind == "bad":   # a name that exists nowhere, and a typo of a real one
+            return [dict(case, targets=t, layers=1, bad=True) for t in (["not_a_module"], ["q_projj", "v_prj"])]
+        return [case]
+    return make
 
 
 INJECT_PROBE = BUILD_SRC + r'''
 from trainmem.models import build_model as _build_model
-_case = INPUTS
-_model = _build_model(_lab05_llama_cfg(_case), seed=_case["seed"])
-_names = list(inject_lora(_model, _case["targets"], _case["r"], _case["alpha"]))
-for _n in _names:
-    _mod = _model.get_submodule(_n)
-    _lab05_fill_adapter(_n, _mod.lora_A, _mod.lora_B, _case["seed"])
-_ids = _lab05_ids(_case)
-_out = _model(input_ids=_ids, labels=_ids)
-_out.loss.backward()
-try:
-    inject_lora(_build_model(_lab05_llama_cfg(_case), seed=0), ["not_a_module"], 2, 4)
-    _raised = None
-except Exception as _e:
-    _raised = type(_e).__name__
-RESULT = {"names": _names,
-          "trainable": int(sum(p.numel() for p in _model.parameters() if p.requires_grad)),
-          "logits": _out.logits.detach().flatten().tolist(),
-          "grads": {_n: [_model.get_submodule(_n).lora_A.grad.flatten().tolist(),
-                         _model.get_submodule(_n).lora_B.grad.flatten().tolist()] for _n in _names},
-          "raised": _raised}
+
+
+def CASE(_case):
+    _model = _build_model(_lab05_llama_cfg(_case), seed=_case["seed"])
+    if _case.get("bad"):
+        try:
+            inject_lora(_model, _case["targets"], _case["r"], _case["alpha"])
+            return {"raised": None}
+        except Exception as _e:
+            return {"raised": type(_e).__name__}
+    _names = list(inject_lora(_model, _case["targets"], _case["r"], _case["alpha"]))
+    for _n in _names:
+        _mod = _model.get_submodule(_n)
+        _lab05_fill_adapter(_n, _mod.lora_A, _mod.lora_B, _case["seed"])
+    _ids = _lab05_ids(_case)
+    _out = _model(input_ids=_ids, labels=_ids)
+    _out.loss.backward()
+    return {"names": _names,
+            "trainable": int(sum(p.numel() for p in _model.parameters() if p.requires_grad)),
+            "logits": _out.logits.detach().flatten().tolist(),
+            "grads": {_n: [_model.get_submodule(_n).lora_A.grad.flatten().tolist(),
+                           _model.get_submodule(_n).lora_B.grad.flatten().tolist()] for _n in _names}}
 '''
 
 
 @_quiet
-def check_inject(case, got):
+def inject_expect(case):
+    if case.get("bad"):
+        return {"raised": "ValueError"}
     from peft import LoraConfig, get_peft_model
+
     from trainmem.models import build_model
 
     ns = _ns()
@@ -341,37 +376,61 @@ def check_inject(case, got):
     ids = ns["_lab05_ids"](case)
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"names": names, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "logits": out.logits.detach().flatten().tolist(),
+            "grads": {n: [inner.get_submodule(n).lora_A["default"].weight.grad.flatten().tolist(),
+                          inner.get_submodule(n).lora_B["default"].weight.grad.flatten().tolist()] for n in names}}
+
+
+def inject_compare(got, want):
     if not isinstance(got, dict):
-        return 0.0, f"expected a dict, got {type(got).__name__}"
+        return False, "没有结果"
+    if "raised" in want:
+        return got.get("raised") == "ValueError", f"目标一个都匹配不到时应抛出 ValueError，得到 {got.get('raised')}"
     grads = got.get("grads") if isinstance(got.get("grads"), dict) else {}
-    grads_ok = set(grads) == set(names) and all(
-        isinstance(grads[n], list) and len(grads[n]) == 2
-        and _close(grads[n][0], inner.get_submodule(n).lora_A["default"].weight.grad.flatten().tolist(), 1e-4, 1e-6)
-        and _close(grads[n][1], inner.get_submodule(n).lora_B["default"].weight.grad.flatten().tolist(), 1e-4, 1e-6)
-        for n in names)
-    checks = {
-        f"replaced modules ({len(names)} expected)": got.get("names") == names,
-        f"trainable parameters (peft: {trainable})": got.get("trainable") == trainable,
-        "logits": _close(got.get("logits"), out.logits.detach().flatten().tolist(), 1e-4, 1e-5),
-        "LoRA gradients": grads_ok,
-        "ValueError for a target that matches nothing": got.get("raised") == "ValueError",
-    }
-    weights = {0: 1, 1: 1, 2: 2, 3: 1, 4: 1}
-    frac = sum(weights[i] * v for i, v in enumerate(checks.values())) / sum(weights.values())
-    wrong = [k for k, v in checks.items() if not v]
-    label = (f"Llama hidden={case['hidden']}, layers={case['layers']}, targets={case['targets']}, "
-             f"r={case['r']}, alpha={case['alpha']}")
-    return frac, (f"{label}: matches peft" if not wrong else f"{label}: wrong " + ", ".join(wrong))
+    grads_ok = set(grads) == set(want["grads"]) and all(
+        isinstance(grads[n], list) and len(grads[n]) == 2 and _close(grads[n][0], w[0], 1e-4, 1e-6)
+        and _close(grads[n][1], w[1], 1e-4, 1e-6) for n, w in want["grads"].items())
+    return _verdict({f"替换的模块（应为 {len(want['names'])} 个，与 peft 同序）": got.get("names") == want["names"],
+                     f"可训练参数量（peft：{want['trainable']}）": got.get("trainable") == want["trainable"],
+                     "logits": _close(got.get("logits"), want["logits"], 1e-4, 1e-5),
+                     "LoRA 的梯度": grads_ok})
+
+
+def _show_llama(c):
+    return (f"Llama hidden={c['hidden']}, layers={c['layers']}, targets={c['targets']}, "
+            f"r={c['r']}, alpha={c['alpha']}")
+
+
+def _show_inject_value(v):
+    if isinstance(v, dict) and "names" in v:
+        return f"names={v['names']}, trainable={v.get('trainable')}"
+    return repr(v)[:300]
+
+
+INJECT_TYPES = [
+    CaseType("attention", "注意力投影（q/k/v/o_proj）", 1, _inject_type("attention"),
+             fix="遍历 model.named_modules()，名字的最后一段在 targets 里的 nn.Linear 换成 LoRALinear；"
+                 "先冻结整个模型"),
+    CaseType("mlp", "含 MLP 投影（gate/up/down_proj）", 1, _inject_type("mlp"),
+             fix="按名字的最后一段匹配（down_proj 也在 MLP 里）；返回替换过的完整模块名"),
+    CaseType("bad", "目标匹配不到任何模块：ValueError", 1, _inject_type("bad"),
+             fix="一个模块都没替换时 raise ValueError，说明哪些目标不存在"),
+]
 
 
 QUESTIONS = [
-    Question("lora_init", points=2, make_inputs=_init_inputs, probe=INIT_PROBE, check=check_init,
+    Question("lora_init", points=2, cases=INIT_TYPES, expect=init_expect, compare=init_compare,
+             probe=INIT_PROBE, show_input=_show_layer, show_value=_show_dict,
              description="LoRALinear.__init__：形状、B=0、A 为 Kaiming 均匀、scaling=alpha/r、冻结 base、非法 r 报 ValueError"),
-    Question("lora_forward", points=3, make_inputs=_layer_cases, probe=FORWARD_PROBE, check=check_forward,
+    Question("lora_forward", points=3, cases=FORWARD_TYPES, expect=forward_expect, compare=forward_compare,
+             probe=FORWARD_PROBE, show_input=_show_layer, show_value=lambda v: "（数值见上面的说明）",
              description="LoRALinear.forward：输出与 A、B 的梯度与 peft 的 lora.Linear 一致"),
-    Question("lora_merge", points=2, make_inputs=_layer_cases, probe=MERGE_PROBE, check=check_merge,
+    Question("lora_merge", points=2, cases=MERGE_TYPES, expect=merge_expect, compare=merge_compare,
+             probe=MERGE_PROBE, show_input=_show_layer, show_value=lambda v: "（数值见上面的说明）",
              description="LoRALinear.merge：新的 nn.Linear，权重与 peft merge_and_unload() 一致，不改 base"),
-    Question("inject_lora", points=3, make_inputs=_inject_inputs, probe=INJECT_PROBE, check=check_inject,
-             description="inject_lora：在小 Llama 上替换目标层，可训练参数量、logits 与梯度与 peft 一致"),
+    Question("inject_lora", points=3, cases=INJECT_TYPES, expect=inject_expect, compare=inject_compare,
+             probe=INJECT_PROBE, show_input=_show_llama, show_value=_show_inject_value,
+             description="inject_lora：在小 Llama 上替换目标层，可训练参数量、logits 与梯度与 peft 一致；"
+                         "目标不存在时 ValueError"),
 ]

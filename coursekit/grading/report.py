@@ -1,0 +1,154 @@
+"""What the grader writes: ``grades.csv`` and one Chinese feedback page per student (Jinja2)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import shutil
+from pathlib import Path
+
+from .api import STUB_LIMIT, LabTests
+from .cache import GRADER_VERSION
+
+STATUS_TEXT = {
+    "ok": "notebook 已运行完，隐藏测试已运行",
+    "timeout": "触到了时间上限；还能评的题照常评分",
+    "kernel_died": "kernel 退出或崩溃（exit、段错误或内存上限）；尚未测试的题记 0 分",
+    "invalid": "不是可读的 notebook",
+    "grader_error": "评分器自身对这份提交出错——请告诉老师",
+}
+
+
+def total(rec: dict) -> float:
+    return round(sum(rec["scores"].values()), 2)
+
+
+def _env():
+    import jinja2
+
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(Path(__file__).resolve().parent / "templates"),
+        autoescape=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        undefined=jinja2.StrictUndefined,
+    )
+
+
+def feedback_html(
+    rec: dict, tests: LabTests, submissions_root: Path | None = None
+) -> str:
+    """One self-contained HTML page: per question points, per case type the first failing
+    input with what was expected and what to fix; cell errors; status; seed; graded file."""
+    graded = rec.get("file") or ""
+    if graded and submissions_root is not None:
+        try:
+            graded = str(Path(graded).relative_to(submissions_root))
+        except ValueError:
+            pass
+    questions = []
+    for q in tests.questions:
+        d = rec.get("details", {}).get(q.name) or {"summary": "未评分", "types": []}
+        questions.append(
+            {
+                "name": q.name,
+                "description": q.description,
+                "max": q.points,
+                "points": rec["scores"].get(q.name, 0.0),
+                "detail": d,
+            }
+        )
+    return (
+        _env()
+        .get_template("feedback.html")
+        .render(
+            lab=tests.lab,
+            rec=rec,
+            total=total(rec),
+            max_points=tests.max_points,
+            status_text=STATUS_TEXT.get(rec["status"], rec["status"]),
+            questions=questions,
+            graded=graded,
+            stub_limit=STUB_LIMIT,
+            version=GRADER_VERSION,
+        )
+    )
+
+
+def grades_csv(records: list[dict], tests: LabTests) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(
+        [
+            "student",
+            *[q.name for q in tests.questions],
+            "total",
+            "status",
+            "seed",
+            "file",
+        ]
+    )
+    for rec in records:
+        w.writerow(
+            [
+                rec["student"],
+                *[f"{rec['scores'].get(q.name, 0.0):g}" for q in tests.questions],
+                f"{total(rec):g}",
+                rec["status"],
+                rec.get("seed", ""),
+                Path(rec["file"]).name if rec.get("file") else "",
+            ]
+        )
+    w.writerow(
+        [
+            "MAX",
+            *[f"{q.points:g}" for q in tests.questions],
+            f"{tests.max_points:g}",
+            "",
+            "",
+            "",
+        ]
+    )
+    return buf.getvalue()
+
+
+def atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if (
+        path.is_dir() and not path.is_symlink()
+    ):  # a submission put a folder where a file goes
+        shutil.rmtree(path, ignore_errors=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_outputs(
+    out: Path,
+    ordered: list[dict],
+    tests: LabTests,
+    cache_text: str,
+    cache_name: str,
+    submissions_root: Path,
+) -> None:
+    """Rewrite everything in ``out`` from memory; remove whatever else a submission left there."""
+    atomic_write(out / cache_name, cache_text)
+    atomic_write(out / "grades.csv", grades_csv(ordered, tests))
+    fb = out / "feedback"
+    fb.mkdir(exist_ok=True)
+    wanted = {f"{rec['student']}.html" for rec in ordered}
+    for p in fb.iterdir():
+        if p.name not in wanted:
+            p.unlink() if not p.is_dir() or p.is_symlink() else shutil.rmtree(
+                p, ignore_errors=True
+            )
+    for rec in ordered:
+        atomic_write(
+            fb / f"{rec['student']}.html", feedback_html(rec, tests, submissions_root)
+        )
+    for (
+        p
+    ) in out.iterdir():  # stray files a submission may have dropped next to grades.csv
+        if p.name not in ("grades.csv", "feedback", cache_name) and p.is_file():
+            p.unlink()

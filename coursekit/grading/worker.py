@@ -1,0 +1,397 @@
+"""Grade ONE submission in this process: run its code cells, then the hidden-test probes, in a kernel.
+
+Started by :mod:`coursekit.grading.runner` as ``python -m coursekit.grading.worker`` in its own
+session (process group). It reads a JSON spec on stdin and writes one JSON result on the stdout it
+was given; before starting the kernel it caps its own address space / file sizes (the kernel
+inherits the caps), points fds 1 and 2 at /dev/null (so the kernel cannot write to the grader's
+pipe through them), and at the end kills the kernel's process tree. It never scores anything:
+probe results are plain data that the parent checks against the reference in its own process.
+
+Spec keys: notebook (path), workdir, cell_timeout, notebook_timeout (s), memory_mb, max_output
+(bytes kept per student cell), env (dict), labels (a name per code cell, for messages), probes: [{name, source, per_case, inputs_json, timeout}].
+Result keys: status (ok|timeout|kernel_died|grader_error), message, cells: [{index, error,
+timeout}] (index: 1-based among code cells), probes: {name: {ok, value | error, timeout}}, seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import secrets
+import signal
+import sys
+import time
+
+# The probe cell: runs the hidden test's source in a copy of the student's namespace and prints
+# its result as JSON between two nonces. A per-case probe defines CASE(x); every input is tried on
+# its own, so one exception or one non-JSON value fails that case only.
+PROBE_TEMPLATE = """\
+def _grader_probe_{fid}():
+    import json as _j, sys as _s, traceback as _tb
+    _ns = dict(globals())
+    _ns["INPUTS"] = _j.loads({inputs!r})
+    try:
+        exec(compile({source!r}, "<hidden test {name}>", "exec"), _ns)
+        if {per_case!r}:
+            _res = []
+            for _x in _ns["INPUTS"]:
+                try:
+                    _v = _ns["CASE"](_x)
+                except Exception as _e:
+                    _res.append({{"e": (type(_e).__name__ + ": " + str(_e))[:300]}})
+                    continue
+                try:
+                    _j.dumps(_v)
+                    _res.append({{"v": _v}})
+                except Exception:
+                    _res.append({{"t": (type(_v).__name__ + ": " + repr(_v))[:200]}})
+            _ns["RESULT"] = _res
+        if "RESULT" not in _ns:
+            raise RuntimeError("hidden test did not set RESULT")
+        _out = {{"ok": True, "value": _ns["RESULT"]}}
+        _text = _j.dumps(_out)
+    except Exception as _e:
+        _msg = "".join(_tb.format_exception(type(_e), _e, _e.__traceback__.tb_next, limit=-4))
+        _text = _j.dumps({{"ok": False, "error": _msg[-3000:]}})
+    _s.stdout.write("\\n{nonce}" + _text + "{nonce}\\n")
+    _s.stdout.flush()
+_grader_probe_{fid}()
+"""
+
+PROBE_OUTPUT_CAP = 20_000_000  # characters kept from a probe cell (its result is JSON)
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+STATUS_ORDER = ["ok", "timeout", "kernel_died"]
+
+
+def kill_tree(pid: int | None) -> None:
+    """SIGKILL a process, its process group and every descendant still alive."""
+    if not pid:
+        return
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.Error:
+        procs = []
+    try:
+        pgid = os.getpgid(pid)
+        if pgid != os.getpgrp():  # never our own group
+            os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=3)
+
+
+def _limits(memory_mb: int) -> None:
+    cap = int(memory_mb) * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    fsize = 512 * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _error_text(cell) -> str | None:
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "error":
+            tb = "\n".join(out.get("traceback", [])[-6:])
+            return (
+                ANSI.sub("", tb)[-3000:] or f"{out.get('ename')}: {out.get('evalue')}"
+            )
+    return None
+
+
+def _read_probe(cell, nonce: str, err: str | None) -> dict:
+    """The probe's JSON record from its stdout (between the nonces), or why there is none."""
+    text = "".join(
+        o.get("text", "")
+        for o in cell.outputs
+        if o.get("output_type") == "stream" and o.get("name") == "stdout"
+    )
+    found = re.findall(re.escape(nonce) + r"(.*?)" + re.escape(nonce), text, re.S)
+    if not found:
+        return {"ok": False, "timeout": False, "error": err or "隐藏测试没有打印结果"}
+    try:
+        data = json.loads(found[-1])
+        ok = bool(data.get("ok")) if isinstance(data, dict) else False
+        return {
+            "ok": ok,
+            "timeout": False,
+            "value": data.get("value") if ok else None,
+            "error": None if ok else str(data.get("error"))[-3000:],
+        }
+    except Exception as e:
+        return {"ok": False, "timeout": False, "error": f"结果无法读取：{e}"}
+
+
+class Session:
+    """One kernel running one submission: student cells first, then one probe per question."""
+
+    def __init__(self, spec: dict):
+        import nbformat
+
+        self.spec = spec
+        self.t_start = time.monotonic()
+        self.deadline = self.t_start + float(spec["notebook_timeout"])
+        self.result = {
+            "status": "ok",
+            "message": "",
+            "cells": [],
+            "probes": {},
+            "seconds": 0.0,
+        }
+        with open(spec["notebook"], encoding="utf-8") as f:
+            sub = nbformat.read(f, as_version=4)
+        code = [c for c in sub.cells if c.get("cell_type") == "code"]
+        self.nb = nbformat.v4.new_notebook()
+        self.nb.cells = [
+            nbformat.v4.new_code_cell(str(c.get("source", ""))) for c in code
+        ]
+        self.n_student = len(self.nb.cells)
+        self.client = self._client()
+        self.kernel_pid: int | None = None
+
+    def _client(self):
+        from nbclient import NotebookClient
+
+        n_student, cap = self.n_student, int(self.spec.get("max_output", 200_000))
+
+        class CappedClient(NotebookClient):
+            """Keeps at most ``cap`` characters of output per student cell."""
+
+            _sizes: dict = {}
+
+            def output(self, outs, msg, display_id, cell_index):
+                content = msg.get("content", {})
+                size = len(str(content.get("text", ""))) + sum(
+                    len(str(v)) for v in content.get("data", {}).values()
+                )
+                used = self._sizes.get(cell_index, 0)
+                limit = cap if cell_index < n_student else PROBE_OUTPUT_CAP
+                self._sizes[cell_index] = used + size
+                if msg["msg_type"] != "error" and used + size > limit:
+                    return None
+                return super().output(outs, msg, display_id, cell_index)
+
+        timeout_error = {
+            "ename": "CellTimeoutError",
+            "evalue": "cell time limit exceeded",
+            "traceback": ["CellTimeoutError: cell time limit exceeded"],
+        }
+        # output of a cell can trail its execute_reply on a loaded machine; waiting ends at the
+        # kernel's idle message, so a generous iopub bound costs nothing normally
+        return CappedClient(
+            self.nb,
+            timeout=int(self.spec["cell_timeout"]),
+            kernel_name="python3",
+            allow_errors=True,
+            interrupt_on_timeout=True,
+            error_on_timeout=timeout_error,
+            iopub_timeout=20,
+            shutdown_kernel="immediate",
+            resources={"metadata": {"path": self.spec["workdir"]}},
+        )
+
+    def note(self, status: str, message: str) -> None:
+        if STATUS_ORDER.index(status) > STATUS_ORDER.index(self.result["status"]):
+            self.result["status"] = status
+        if message and message not in self.result["message"]:
+            self.result["message"] = (self.result["message"] + " " + message).strip()
+
+    def _execute(
+        self, idx: int, limit: float, what: str
+    ) -> tuple[str, str | None, bool]:
+        """Run cell ``idx``; returns (outcome, error text, timed out); outcome is "ran" or "dead"."""
+        from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
+        cell = self.nb.cells[idx]
+        self.client.timeout = max(1, int(min(limit, self.deadline - time.monotonic())))
+        t0 = time.monotonic()
+        try:
+            self.client.execute_cell(cell, idx)
+        except DeadKernelError:
+            self.note("kernel_died", f"运行{what}时 kernel 死了")
+            return "dead", None, False
+        except CellTimeoutError:
+            pass
+        except (
+            Exception
+        ) as e:  # e.g. the submission broke the kernel's own json/zmq messages
+            self.note(
+                "kernel_died",
+                "kernel 不再按 Jupyter 协议应答"
+                f"（{type(e).__name__}: {str(e)[:200]}）；notebook 是否改动了 json 或 builtins？",
+            )
+            return "dead", None, False
+        err = _error_text(cell)
+        timed_out = bool(err and "CellTimeoutError" in err) or (
+            time.monotonic() - t0 >= self.client.timeout
+        )
+        if timed_out:
+            self.note("timeout", "")
+        return "ran", err, timed_out
+
+    def kernel_stuck(self, idx: int) -> bool:
+        """After a time limit: a trivial cell must answer quickly, else the kernel is killed."""
+        import nbformat
+
+        self.client.timeout = 5
+        t1 = time.monotonic()
+        try:
+            self.client.execute_cell(nbformat.v4.new_code_cell("pass"), idx)
+            stuck = time.monotonic() - t1 >= 4.5
+        except Exception:
+            stuck = True
+        if stuck:
+            self.note("timeout", "时间到后 kernel 不响应中断，已被终止")
+            kill_tree(self.kernel_pid)
+        return stuck
+
+    def out_of_time(self) -> bool:
+        if self.deadline - time.monotonic() > 1:
+            return False
+        self.note(
+            "timeout",
+            f"整份 notebook 超过时间上限（{self.spec['notebook_timeout']} 秒）",
+        )
+        return True
+
+    def student_cell(self, idx: int) -> str:
+        """Run one student cell; returns "ok", "stop" (kernel gone or stuck) or "skip"."""
+        if self.out_of_time():
+            return "skip"
+        labels = self.spec.get("labels") or []
+        what = labels[idx] if idx < len(labels) else f"第 {idx + 1} 个代码单元"
+        outcome, err, timed_out = self._execute(
+            idx, float(self.spec["cell_timeout"]), what
+        )
+        if outcome == "dead":
+            return "stop"
+        self.result["cells"].append(
+            {"index": idx + 1, "error": err, "timeout": timed_out}
+        )
+        return "stop" if timed_out and self.kernel_stuck(idx) else "ok"
+
+    def probe(self, k: int, nonce: str) -> str:
+        """Run the k-th probe; records its result; returns "ok" or "stop"."""
+        p, idx = self.spec["probes"][k], self.n_student + k
+        name = p["name"]
+        if self.out_of_time():
+            self.result["probes"][name] = {
+                "ok": False,
+                "timeout": True,
+                "error": "未运行：整份 notebook 超时",
+            }
+            return "ok"
+        outcome, err, timed_out = self._execute(
+            idx, float(p["timeout"]), f"隐藏测试 {name} "
+        )
+        if outcome == "dead":
+            self.result["probes"][name] = {
+                "ok": False,
+                "timeout": False,
+                "error": "kernel 死了",
+            }
+            return "stop"
+        if timed_out:
+            self.result["probes"][name] = {
+                "ok": False,
+                "timeout": True,
+                "error": f"超过时间上限（{self.client.timeout} 秒）",
+            }
+            return "stop" if self.kernel_stuck(idx) else "ok"
+        self.result["probes"][name] = _read_probe(self.nb.cells[idx], nonce, err)
+        return "ok"
+
+    def run(self) -> dict:
+        import nbformat
+        from nbclient.exceptions import DeadKernelError
+
+        nonces = ["@@" + secrets.token_hex(16) + "@@" for _ in self.spec["probes"]]
+        for p, nonce in zip(self.spec["probes"], nonces):
+            src = PROBE_TEMPLATE.format(
+                fid=secrets.token_hex(8),
+                nonce=nonce,
+                name=p["name"],
+                inputs=p["inputs_json"],
+                source=p["source"],
+                per_case=bool(p.get("per_case")),
+            )
+            self.nb.cells.append(nbformat.v4.new_code_cell(src))
+        try:
+            with self.client.setup_kernel():
+                self.kernel_pid = getattr(self.client.km.provisioner, "pid", None)
+                steps = [
+                    lambda i=i: self.student_cell(i) for i in range(self.n_student)
+                ]
+                steps += [
+                    lambda k=k: self.probe(k, nonces[k]) for k in range(len(nonces))
+                ]
+                for step in steps:
+                    if step() == "stop":
+                        break
+        except DeadKernelError:
+            self.note("kernel_died", "kernel 死了")
+        except Exception as e:  # kernel start-up or shutdown broken by the submission
+            self.note("kernel_died", f"kernel 出错：{type(e).__name__}: {str(e)[:200]}")
+        finally:
+            kill_tree(self.kernel_pid)
+        why = self.result["message"] or "kernel 死了"
+        for p in self.spec["probes"]:
+            self.result["probes"].setdefault(
+                p["name"], {"ok": False, "timeout": False, "error": "未运行：" + why}
+            )
+        self.result["seconds"] = round(time.monotonic() - self.t_start, 2)
+        return self.result
+
+
+def run(spec: dict) -> dict:
+    return Session(spec).run()
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the grader dies (Ctrl-C, kill), so no worker outlives the run."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
+def main() -> int:
+    _die_with_parent()
+    spec = json.loads(sys.stdin.read())
+    out_fd = os.dup(1)  # private copy (not inherited: os.dup makes non-inheritable fds)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.environ.update({k: str(v) for k, v in spec.get("env", {}).items()})
+    _limits(int(spec["memory_mb"]))
+    try:
+        result = run(spec)
+    except BaseException as e:  # report instead of dying silently
+        import traceback
+
+        result = {
+            "status": "grader_error",
+            "message": "".join(traceback.format_exception(e))[-3000:],
+            "cells": [],
+            "probes": {},
+            "seconds": 0.0,
+        }
+    data = (json.dumps(result, default=repr) + "\n").encode()
+    with os.fdopen(out_fd, "wb") as f:
+        f.write(data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""`python -m coursekit tidy`: plumbing moves off the page, the code that runs does not change."""
+from __future__ import annotations
+
+import ast
+import copy
+import re
+import shutil
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from coursekit.tidy import REMOVE, tidy_notebook, tidy_paths, visible_source
+from tests.notebooks import ROOT
+
+
+def glue_out(name, text):
+    return nbformat.v4.new_output(
+        "display_data", data={"application/papermill.record/text/plain": text},
+        metadata={"scrapbook": {"name": name, "mime_prefix": "application/papermill.record/"}})
+
+
+def stream(text):
+    return nbformat.v4.new_output("stream", name="stdout", text=text)
+
+
+def nb_of(*cells):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = list(cells)
+    return nb
+
+
+def code(src, outputs=(), tags=None):
+    c = nbformat.v4.new_code_cell(src)
+    c.outputs = list(outputs)
+    if tags:
+        c.metadata["tags"] = list(tags)
+    return c
+
+
+def test_trailing_glue_moves_with_its_outputs():
+    nb = nb_of(code('x = 2\nprint(x)\nglue("a", x)\nglue("b", x * 2, fmt=".1f")',
+                    [stream("2\n"), glue_out("a", "2"), glue_out("b", "4.0")]))
+    report = tidy_notebook(nb)
+    assert [c.source for c in nb.cells] == ["x = 2\nprint(x)", 'glue("a", x)\nglue("b", x * 2, fmt=".1f")']
+    main, moved = nb.cells
+    assert main.outputs == [stream("2\n")]
+    assert [o.metadata["scrapbook"]["name"] for o in moved.outputs] == ["a", "b"]
+    assert moved.metadata["tags"] == [REMOVE]
+    assert "tags" not in main.metadata
+    assert len(report.changes) == 1
+
+
+def test_expression_left_last_is_not_displayed():
+    """Before the move `md_table(rows)` was not the last line, so Jupyter did not display it."""
+    nb = nb_of(code('rows = [1]\nmd_table(rows)  # a table\nglue("n", len(rows))'))
+    tidy_notebook(nb)
+    assert nb.cells[0].source == "rows = [1]\nmd_table(rows);  # a table"
+
+
+def test_leading_glue_moves_before_and_comments_stay():
+    nb = nb_of(code('# the table\nglue("a", 1)\nglue("b", 2)\nrows = f()\nrows',
+                    [glue_out("a", "1"), glue_out("b", "2"), stream("x")]))
+    tidy_notebook(nb)
+    assert [c.source for c in nb.cells] == ['glue("a", 1)\nglue("b", 2)', "# the table\nrows = f()\nrows"]
+    assert nb.cells[0].metadata["tags"] == [REMOVE] and len(nb.cells[0].outputs) == 2
+    assert nb.cells[1].outputs == [stream("x")]
+
+
+def test_glue_only_cell_is_tagged_not_split():
+    nb = nb_of(code('glue("a", 1); glue("b", 2)\nfor k in d:\n    pass'),
+               code('glue("a", 1); glue("b", 2)'))
+    tidy_notebook(nb)
+    assert [c.source for c in nb.cells] == ['glue("a", 1); glue("b", 2)', "for k in d:\n    pass",
+                                            'glue("a", 1); glue("b", 2)']
+    assert nb.cells[0].metadata["tags"] == [REMOVE] and nb.cells[2].metadata["tags"] == [REMOVE]
+    assert "tags" not in nb.cells[1].metadata  # a loop is not a glue call: it stays in view
+
+
+def test_glue_in_the_middle_is_left_and_reported():
+    nb = nb_of(code('a = 1\nglue("a", a)\nb = 2'))
+    before = copy.deepcopy(nb)
+    report = tidy_notebook(nb)
+    assert nb == before and not report.changes and report.left
+
+
+def test_displayed_glue_and_gpu_cells_are_not_touched():
+    nb = nb_of(code('x = 1\nglue("fig", x, display=True)'),
+               code('# type\n@gpu_cell\ndef f(device, small):\n    pass\nglue("g", 1)', tags=["gpu"]))
+    before = copy.deepcopy(nb)
+    tidy_notebook(nb)
+    assert nb == before
+
+
+def test_computed_keys_next_to_other_glue_are_left():
+    nb = nb_of(code('glue(f"k_{i}", 1)\nx = 1\nglue("a", x)\nglue("b", x)'))
+    before = copy.deepcopy(nb)
+    report = tidy_notebook(nb)
+    assert nb == before and "computed key" in report.left[0]
+
+
+def test_nbval_comment_becomes_a_tag_and_setup_is_collapsed():
+    nb = nb_of(code("from coursekit import setup\nsetup()", tags=["setup", "nbval-ignore-output"]),
+               code("# nbval-ignore-output：耗时随机器变化\nt = time()"))
+    tidy_notebook(nb)
+    assert nb.cells[0].metadata["tags"] == ["setup", "nbval-ignore-output", "hide-cell"]
+    assert nb.cells[0].metadata["mystnb"]["code_prompt_show"].startswith("显示准备代码")
+    assert nb.cells[1].source == "t = time()"
+    assert nb.cells[1].metadata["tags"] == ["nbval-ignore-output"]
+    assert nb.cells[1].metadata["nbval_ignore_reason"] == "耗时随机器变化"
+
+
+def _program(nb) -> str:
+    """The code the notebook runs, as an AST dump (comments and a trailing `;` do not count)."""
+    srcs = []
+    for c in nb.cells:
+        if c.cell_type == "code":
+            srcs.append(re.sub(r"^\s*[%!].*$", "pass", c.source, flags=re.M))
+    return ast.dump(ast.parse("\n".join(srcs)))
+
+
+def _glue_outputs(nb):
+    return sorted(o.metadata["scrapbook"]["name"] for c in nb.cells if c.cell_type == "code"
+                  for o in c.get("outputs", []) if "scrapbook" in o.get("metadata", {}))
+
+
+NOTEBOOKS = sorted((ROOT / "book").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_real_notebooks_run_the_same_code_after_tidy(path):
+    """On every notebook of the course (in memory): same statements in the same order, every
+    glued output kept, glue calls no longer shown, and a second run changes nothing."""
+    nb = nbformat.read(path, as_version=4)
+    program, glued = _program(nb), _glue_outputs(nb)
+    tidy_notebook(nb, path)
+    assert _program(nb) == program
+    assert _glue_outputs(nb) == glued
+    for c in nb.cells:  # each glued output sits in the cell whose code makes it
+        for o in c.get("outputs", []):
+            name = o.get("metadata", {}).get("scrapbook", {}).get("name")
+            if name and re.search(r"glue\(\s*f?['\"]", c.source):
+                assert "glue(" in c.source, f"{name} output moved away from its glue call"
+    again = copy.deepcopy(nb)
+    assert not tidy_notebook(again, path).changes and again == nb
+    nbformat.validate(nb)
+
+
+def test_visible_source_hides_only_plumbing():
+    src = ('# nbval-ignore-output: timing\nx = 1\nglue("a", x); glue("b", 2)\n'
+           'for k, v in d.items():\n    glue(k, v)\n'
+           'for n in runs:\n    print(n)\n    glue(f"x_{n}", n)\n'
+           'if x:\n    glue("c", 3)\nelse:\n    foo()\n'
+           'y = 2; glue("d", y)\nglue("e",\n     5)\npaper')
+    assert visible_source(src) == ('x = 1\nfor n in runs:\n    print(n)\n'
+                                   'if x:\n    glue("c", 3)\nelse:\n    foo()\n'
+                                   'y = 2; glue("d", y)\npaper')
+    assert visible_source("%time f()\nglue('a', 1)") == "%time f()\nglue('a', 1)"  # not Python
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "coursekit", "tidy", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_check_then_tidy_then_clean(tmp_path):
+    shutil.copy(ROOT / "book" / "02_mixed_precision.ipynb", tmp_path / "ch.ipynb")
+    first = _cli("--check", "ch.ipynb", cwd=tmp_path)
+    assert first.returncode == 1 and "would change 1 of 1" in first.stdout
+    assert _cli("ch.ipynb", cwd=tmp_path).returncode == 0
+    again = _cli("--check", "ch.ipynb", cwd=tmp_path)
+    assert again.returncode == 0 and "would change 0 of 1" in again.stdout
+    bad = _cli("nothere.ipynb", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
+    assert "nothere.ipynb" in bad.stderr
+
+
+def test_moved_glue_of_an_uncompared_cell_stays_uncompared():
+    """A timing cell's glued value varies by machine: nbval must not start comparing it."""
+    nb = nb_of(code("# nbval-ignore-output: wall-clock time\nt = run()\nprint(t)\nglue('t', t)",
+                    [stream("1.2\n"), glue_out("t", "1.2")]))
+    tidy_notebook(nb)
+    main, moved = nb.cells
+    assert moved.metadata["tags"] == [REMOVE, "nbval-ignore-output"]
+    assert moved.metadata["nbval_ignore_reason"] == "wall-clock time"
+    assert main.metadata["tags"] == ["nbval-ignore-output"]
