@@ -1,4 +1,4 @@
-"""Speed of the maintainer's loop (issue 8): a printed table, not a timed test.
+"""Speed of the maintainer's loop: a printed table, not a timed test.
 
     .venv/bin/python benchmarks/dev_loop.py [--skip-setup] [--skip-test] [--out benchmarks/results/dev_loop.md]
 

@@ -1,4 +1,4 @@
-"""Colab support for labs: the Open-in-Colab badge and the setup cell (DESIGN.md §1, §7).
+"""Colab support for labs: the Open-in-Colab badge and the setup cell.
 
 The repository URL and branch are read from ``_config.yml`` (``repository.url`` / ``repository.branch``)
 — the one place they are set. Nothing here runs on Colab itself: the setup cell is plain source

@@ -1,4 +1,4 @@
-"""The GPU flag (DESIGN.md §4), device choice, and the decisions GPU cells make by capability.
+"""The GPU flag, device choice, and the decisions GPU cells make by capability.
 
 One environment variable, ``COURSE_GPU``, decides what a GPU cell does:
 

@@ -1,4 +1,4 @@
-"""COURSE_GPU flag and device choice (DESIGN.md §4); CUDA presence is faked."""
+"""COURSE_GPU flag and device choice; CUDA presence is faked."""
 import subprocess
 import sys
 

@@ -1,4 +1,4 @@
-"""GPU cells (DESIGN.md §4–5): visibly labelled, and run once with COURSE_GPU=cpu.
+"""GPU cells: visibly labelled, and run once with COURSE_GPU=cpu.
 
 The stored outputs (checked by nbval) come from COURSE_GPU=auto on a machine without CUDA, where a
 GPU cell prints one skip line. Here every notebook's ``setup`` cell plus its ``gpu`` cells run in a

@@ -31,7 +31,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          max_position_embeddings=32768, tie_word_embeddings=True),
     "gpt2": dict(arch="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024),
-    # A 2-layer, 64-wide Llama for tests and CPU demos (STYLE.md).
+    # A 2-layer, 64-wide Llama for tests and CPU demos.
     "tiny": dict(arch="llama", vocab_size=256, hidden_size=64, intermediate_size=172,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                  max_position_embeddings=256, tie_word_embeddings=False),
