@@ -199,3 +199,13 @@ def test_describe_value_rows():
     assert lines[0] == "x = 70000.0" and len(lines) == 2 + len(F.format_names())
     fp16 = next(line for line in lines if line.startswith("fp16"))
     assert "0 11111 0000000000" in fp16 and "inf" in fp16 and "65504" in fp16
+
+
+def test_describe_rows_are_the_text_table():
+    rows = F.describe_rows(0.1, ["fp16", "bf16"])
+    assert [r["format"] for r in rows] == ["fp16", "bf16"]
+    assert rows[0]["bits"] == "0 01011 1001100110" and rows[0]["rel.err"] == "2.44e-04"
+    assert rows[1]["next below"] == "0.099609375"
+    text = F.describe_value(0.1, ["fp16", "bf16"]).splitlines()
+    for row, line in zip(rows, text[2:]):
+        assert line.split() == " ".join(row.values()).split()

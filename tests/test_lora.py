@@ -213,3 +213,43 @@ def test_two_injections_different_ranks():
     expected = lora_param_count_for_config(cfg, ATT, 8) + lora_param_count_for_config(cfg, MLP, 32)
     assert count_parameters(model)[0] == expected
     assert sorted({m.r for m in lora_layers(model)}) == [8, 32]
+
+
+def test_rank_sweep_exact_on_known_spectrum():
+    """diag(3, 2, 1) padded into a 3×5 matrix, rotated: errors are sqrt of the tail energy."""
+    from trainmem.lora import rank_sweep
+    g = torch.Generator().manual_seed(0)
+    q1, _ = torch.linalg.qr(torch.randn(3, 3, generator=g, dtype=torch.float64))
+    q2, _ = torch.linalg.qr(torch.randn(5, 5, generator=g, dtype=torch.float64))
+    sigma = torch.zeros(3, 5, dtype=torch.float64)
+    sigma[range(3), range(3)] = torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64)
+    m = q1 @ sigma @ q2
+    rows = rank_sweep(m, [1, 2, 3])
+    assert [r["lora_params"] for r in rows] == [8, 16, 24]
+    assert all(r["full_params"] == 15 for r in rows)
+    assert rows[0]["rel_error"] == pytest.approx((5 / 14) ** 0.5, rel=1e-9)
+    assert rows[1]["rel_error"] == pytest.approx((1 / 14) ** 0.5, rel=1e-9)
+    assert rows[2]["rel_error"] == pytest.approx(0.0, abs=1e-7)
+    assert rows[0]["energy"] == pytest.approx(9 / 14, rel=1e-9)
+
+
+def test_rank_sweep_matches_explicit_truncation():
+    from trainmem.lora import rank_sweep
+    m = torch.randn(12, 20, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    u, s, vh = torch.linalg.svd(m, full_matrices=False)
+    for row in rank_sweep(m, [1, 5, 11]):
+        r = row["r"]
+        approx = u[:, :r] @ torch.diag(s[:r]) @ vh[:r]
+        assert row["rel_error"] == pytest.approx(((m - approx).norm() / m.norm()).item(), rel=1e-9)
+
+
+@pytest.mark.parametrize("m,ranks,msg", [
+    (torch.ones(4, 4), [0], "rank must be an integer in 1..min"),
+    (torch.ones(4, 4), [5], "rank must be an integer in 1..min"),
+    (torch.zeros(4, 4), [1], "all zeros"),
+    (torch.ones(4), [1], "2-D matrix"),
+])
+def test_rank_sweep_bad_input(m, ranks, msg):
+    from trainmem.lora import rank_sweep
+    with pytest.raises(ValueError, match=msg):
+        rank_sweep(m, ranks)

@@ -418,15 +418,16 @@ def _g(v: float) -> str:
     return f"{v:.10g}"
 
 
-def describe_value(x: float, formats: Iterable[str] = ("fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")) -> str:
-    """A table: how ``x`` is stored in each format.
+def describe_rows(x: float, formats: Iterable[str] = ("fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+                  ) -> list[dict[str, str]]:
+    """How ``x`` is stored in each format, one dict of display strings per format.
 
-    Columns: the bit fields of the stored (rounded) value, the stored value, the nearest
-    representable values strictly below and above ``x``, the spacing (ulp) at ``x`` and the
-    relative rounding error.
+    Keys: ``format``, ``bits`` (sign exponent mantissa of the stored, rounded value), ``stored``,
+    ``next below`` / ``next above`` (nearest representable values strictly below and above
+    ``x``), ``ulp`` (the spacing at ``x``) and ``rel.err`` (relative rounding error).
     """
     x = float(x)
-    rows = [("format", "sign exponent mantissa", "stored", "next below", "next above", "ulp", "rel.err")]
+    rows = []
     for name in formats:
         f = get_format(name)
         d = decompose(x, f)
@@ -435,7 +436,22 @@ def describe_value(x: float, formats: Iterable[str] = ("fp32", "tf32", "bf16", "
             err = f"{abs(d.value - x) / abs(x):.2e}"
         else:
             err = "0" if d.value == x else "-"
-        rows.append((f.name, d.bit_string(), _g(d.value), _g(lo), _g(hi), _g(ulp(x, f)), err))
+        rows.append({"format": f.name, "bits": d.bit_string(), "stored": _g(d.value),
+                     "next below": _g(lo), "next above": _g(hi), "ulp": _g(ulp(x, f)),
+                     "rel.err": err})
+    return rows
+
+
+def describe_value(x: float, formats: Iterable[str] = ("fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")) -> str:
+    """A table: how ``x`` is stored in each format (plain text; :func:`describe_rows` as dicts).
+
+    Columns: the bit fields of the stored (rounded) value, the stored value, the nearest
+    representable values strictly below and above ``x``, the spacing (ulp) at ``x`` and the
+    relative rounding error.
+    """
+    x = float(x)
+    rows = [("format", "sign exponent mantissa", "stored", "next below", "next above", "ulp", "rel.err")]
+    rows += [tuple(r.values()) for r in describe_rows(x, formats)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return f"x = {x!r}\n" + "\n".join(lines)

@@ -214,3 +214,31 @@ def unmerge_lora(model: nn.Module) -> int:
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Only the adapter tensors (``…lora_A.weight``, ``…lora_B.weight``): what needs saving."""
     return {k: v for k, v in model.state_dict().items() if ".lora_A." in k or ".lora_B." in k}
+
+
+def rank_sweep(delta: torch.Tensor, ranks: Iterable[int]) -> list[dict]:
+    """How well a rank-``r`` LoRA *could* represent a weight change ``delta`` (``d × k``).
+
+    For each ``r`` the best rank-``r`` approximation is the truncated SVD (Eckart–Young), so
+    ``rel_error = ‖ΔW − ΔW_r‖_F / ‖ΔW‖_F = sqrt(Σ_{i>r} σ_i² / Σ_i σ_i²)`` is the smallest error any
+    ``B A`` of rank ``r`` reaches. Rows: ``{"r", "lora_params" (r·(d+k)), "full_params" (d·k),
+    "rel_error", "energy" (1 − rel_error²)}``. ``r`` must be an integer in ``1..min(d, k)``.
+    """
+    if delta.ndim != 2:
+        raise ValueError(f"delta must be a 2-D matrix, got shape {tuple(delta.shape)}")
+    d, k = delta.shape
+    s2 = torch.linalg.svdvals(delta.detach().double()) ** 2
+    total = s2.sum().item()
+    if total == 0:
+        raise ValueError("delta is all zeros: its relative error is undefined")
+    tail = s2.flip(0).cumsum(0).flip(0)          # tail[i] = Σ_{j ≥ i} σ_j²
+    rows = []
+    for r in ranks:
+        if int(r) != r or not 1 <= r <= min(d, k):
+            raise ValueError(f"rank must be an integer in 1..min(d, k)={min(d, k)}, got {r!r}")
+        r = int(r)
+        rest = tail[r].item() if r < len(s2) else 0.0
+        err = math.sqrt(max(rest, 0.0) / total)
+        rows.append({"r": r, "lora_params": lora_param_count(k, d, r), "full_params": d * k,
+                     "rel_error": err, "energy": 1 - err ** 2})
+    return rows
