@@ -130,7 +130,7 @@ SETUP_TAG = "colab-setup"
 
 
 def read_notebook(name: str) -> dict:
-    """The JSON of the notebook ``name`` (e.g. ``"09_summary.ipynb"``) from inside that notebook.
+    """The JSON of the notebook ``name`` (e.g. ``"10_summary.ipynb"``) from inside that notebook.
 
     On Colab the notebook is not a file on the runtime's disk: it is asked from the front end
     (``google.colab._message``). Elsewhere it is looked up in the kernel's working directory, then

@@ -357,8 +357,8 @@ def test_chapter1_format_explorer_is_live(site):
         page.context.close()
 
 
-@pytest.mark.parametrize("chapter", ["06_lora_in_practice", "07_memory_optimization_practice",
-                                     "08_beyond_one_gpu"])
+@pytest.mark.parametrize("chapter", ["06_lora_in_practice", "08_attention_inference_troubleshooting",
+                                     "09_beyond_one_gpu"])
 def test_chapters_link_to_the_calculator(site, chapter):
     nb = nbformat.read(ROOT / "book" / f"{chapter}.ipynb", as_version=4)
     assert any("calculator.md" in c.source for c in nb.cells if c.cell_type == "markdown")

@@ -69,7 +69,7 @@ def test_setup_cell_on_old_colab_upgrades_with_torch_pinned(monkeypatch, capsys)
 
 def test_read_notebook_works_from_any_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    nb = read_notebook("09_summary.ipynb")
+    nb = read_notebook("10_summary.ipynb")
     assert nb["cells"] and nb["metadata"]["kernelspec"]["name"] == "python3"
     with pytest.raises(FileNotFoundError, match="'99_missing.ipynb' not found"):
         read_notebook("99_missing.ipynb")
@@ -82,7 +82,7 @@ def test_read_notebook_on_colab_asks_the_front_end(monkeypatch):
     pkg._message = msg
     monkeypatch.setitem(sys.modules, "google.colab", pkg)
     monkeypatch.setitem(sys.modules, "google.colab._message", msg)
-    assert read_notebook("09_summary.ipynb") == {"cells": ["get_ipynb"]}
+    assert read_notebook("10_summary.ipynb") == {"cells": ["get_ipynb"]}
 
 
 RELATIVE_READ = re.compile(r"""(open|Path|read_text|json\.load)\(\s*[fr]?["'](?!/)[^"']*\.(ipynb|json|csv|txt|md|yml|npz|pt)["']""")

@@ -23,7 +23,7 @@ from tests.notebooks import ROOT, all_notebooks
 FLOOR_RUN = os.environ.get("COURSE_FLOOR_RUN") == "1"
 # Slowest first, so the two xdist workers finish together (measured: `make floor --durations`).
 SLOW_FIRST = ("06_lora_in_practice", "05_lora_principles", "lab06_capstone_lora_finetune",
-              "07_memory_optimization_practice", "03_training_memory")
+              "07_quantization", "08_attention_inference_troubleshooting", "03_training_memory")
 
 
 def _heaviest_first():

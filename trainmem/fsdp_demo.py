@@ -1,4 +1,4 @@
-"""A runnable FSDP2 (``fully_shard``) demo on the CPU: 2 processes, gloo, a tiny Llama (chapter 08).
+"""A runnable FSDP2 (``fully_shard``) demo on the CPU: 2 processes, gloo, a tiny Llama (chapter 09).
 
 :func:`run` spawns ``world_size`` processes with ``torch.multiprocessing`` (``spawn``), which
 rendezvous on 127.0.0.1 at a free port with the **gloo** backend (NCCL is GPU-only). Every rank:

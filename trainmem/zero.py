@@ -1,4 +1,4 @@
-"""Per-GPU memory and communication of data parallel, ZeRO-1/2/3 and FSDP (chapter 08).
+"""Per-GPU memory and communication of data parallel, ZeRO-1/2/3 and FSDP (chapter 09).
 
 The model-state formulas are those of the ZeRO paper (Rajbhandari et al., 2020, §3 and §5):
 with Ψ parameters, mixed-precision Adam keeps
