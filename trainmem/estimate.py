@@ -94,6 +94,11 @@ METHODS = ("full", "lora", "qlora")
 PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16")
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd", "sgd-momentum")
 ATTN_IMPLS = ("sdpa", "eager", "flash")
+#: torch.optim implementations of AdamW / SGD; they differ only in the scratch memory of the step.
+#: ``foreach`` (the default here) is what ``torch.optim.AdamW(params)`` picks on CUDA; ``fused``
+#: is what Hugging Face Trainer runs by default (``optim="adamw_torch_fused"``, transformers 5);
+#: ``for-loop`` is ``foreach=False`` (also what the plain constructor picks on CPU).
+OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 LORA_DTYPES = (None, "fp32", "bf16", "fp16")
 GiB = 1024 ** 3
 GB = 1000 ** 3
@@ -213,7 +218,8 @@ def _positive_int(name: str, value):
 
 
 def check_options(shape_or_cfg, *, method, precision, optimizer, batch, seq, lora_rank,
-                  lora_targets, attn, grad_accum, zero, gpus, lora_dtype=None):
+                  lora_targets, attn, grad_accum, zero, gpus, lora_dtype=None,
+                  optimizer_impl="foreach"):
     """Validate the estimator/measurement options; ``ValueError`` names the argument and the
     allowed values."""
     shape = shape_or_cfg if isinstance(shape_or_cfg, Shape) else _from_hf(shape_or_cfg)
@@ -222,6 +228,7 @@ def check_options(shape_or_cfg, *, method, precision, optimizer, batch, seq, lor
     _choice("optimizer", optimizer, OPTIMIZERS)
     _choice("attn", attn, ATTN_IMPLS)
     _choice("lora_dtype", lora_dtype, LORA_DTYPES)
+    _choice("optimizer_impl", optimizer_impl, OPTIMIZER_IMPLS)
     _positive_int("batch", batch)
     _positive_int("seq", seq)
     _positive_int("grad_accum", grad_accum)
@@ -425,7 +432,8 @@ def estimate(model: Any = "llama-7b", method: str = "full", precision: str = "bf
              optimizer: str = "adamw", batch: int = 1, seq: int = 512, lora_rank: int = 8,
              lora_alpha: int = 16, lora_targets=("q_proj", "v_proj"), lora_dtype: str | None = None,
              qlora_double_quant: bool = True, checkpointing: bool = False, attn: str = "sdpa",
-             zero: int = 0, gpus: int = 1, grad_accum: int = 1) -> MemoryEstimate:
+             zero: int = 0, gpus: int = 1, grad_accum: int = 1,
+             optimizer_impl: str = "foreach") -> MemoryEstimate:
     """Estimate the peak memory (bytes, per GPU) of one training step; see the module docstring.
 
     Raises ``ValueError`` naming the argument and the allowed values for bad input.
@@ -434,13 +442,14 @@ def estimate(model: Any = "llama-7b", method: str = "full", precision: str = "bf
     targets = _targets(lora_targets)
     check_options(s, method=method, precision=precision, optimizer=optimizer, batch=batch, seq=seq,
                   lora_rank=lora_rank, lora_targets=targets, attn=attn, grad_accum=grad_accum,
-                  zero=zero, gpus=gpus, lora_dtype=lora_dtype)
+                  zero=zero, gpus=gpus, lora_dtype=lora_dtype, optimizer_impl=optimizer_impl)
     if attn == "flash":
         attn = "sdpa"
     opts = dict(model=s.name, method=method, precision=precision, optimizer=optimizer, batch=batch,
                 seq=seq, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=list(targets),
                 lora_dtype=lora_dtype, qlora_double_quant=qlora_double_quant,
-                checkpointing=checkpointing, attn=attn, zero=zero, gpus=gpus, grad_accum=grad_accum)
+                checkpointing=checkpointing, attn=attn, zero=zero, gpus=gpus, grad_accum=grad_accum,
+                optimizer_impl=optimizer_impl)
     kw = dict(method=method, precision=precision, optimizer=optimizer, batch=batch, seq=seq,
               lora_rank=lora_rank, lora_targets=targets, lora_dtype=lora_dtype,
               checkpointing=checkpointing, attn=attn, grad_accum=grad_accum, zero=zero, gpus=gpus)
@@ -451,7 +460,8 @@ def estimate(model: Any = "llama-7b", method: str = "full", precision: str = "bf
         nt = r["n_trainable"]
     else:
         from .simulate import simulate_step
-        r = simulate_step(s, qlora_double_quant=qlora_double_quant, **kw)
+        r = simulate_step(s, qlora_double_quant=qlora_double_quant, optimizer_impl=optimizer_impl,
+                          **kw)
         exact = True
         nt = n if method == "full" else lora_trainable_params(s, lora_rank, targets)
     phase_peaks = r["phase_peaks"]

@@ -38,8 +38,10 @@ Devices:
   ``max_memory_reserved`` and the device's used memory (``torch.cuda.mem_get_info``), whose gap to
   ``reserved`` is the CUDA context plus other processes.
 
-The optimizer runs with ``foreach=True`` (PyTorch's default on CUDA) on every device so that its
-scratch memory is the same as on a GPU.  ``adamw8bit`` and ``qlora`` need ``bitsandbytes`` and a
+The optimizer's implementation is chosen explicitly (``optimizer_impl``: ``"foreach"`` by default,
+which is what a plain ``torch.optim.AdamW(params)`` runs on CUDA; ``"fused"``, which Hugging Face
+Trainer's default ``optim="adamw_torch_fused"`` runs; ``"for-loop"``) and is the same on every
+device, so the scratch memory of the step is the one a GPU run has.  ``adamw8bit`` and ``qlora`` need ``bitsandbytes`` and a
 CUDA device and are estimated only.
 """
 from __future__ import annotations
@@ -111,7 +113,8 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def build_training_setup(cfg, *, method="full", precision="fp32", optimizer="adamw", lora_rank=8,
                          lora_alpha=16, lora_targets=("q_proj", "v_proj"), lora_dtype=None,
-                         checkpointing=False, attn="sdpa", device="cpu", lr=1e-4):
+                         checkpointing=False, attn="sdpa", device="cpu", lr=1e-4,
+                         optimizer_impl="foreach"):
     """Model (train mode) and optimizer exactly as :func:`measure` runs them."""
     model = build_model(cfg, device=device, attn_implementation=attn)
     if precision == "bf16":
@@ -129,7 +132,7 @@ def build_training_setup(cfg, *, method="full", precision="fp32", optimizer="ada
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    return model, make_optimizer(model, optimizer, lr)
+    return model, make_optimizer(model, optimizer, lr, optimizer_impl)
 
 
 @contextlib.contextmanager
@@ -179,15 +182,25 @@ def _to_fake(model, mode):
                 mod._buffers[name] = fake_of(b)
 
 
-def make_optimizer(model, optimizer: str, lr: float = 1e-4):
-    """The optimizer :func:`measure` uses (``foreach=True``, as on CUDA), over trainable params."""
+def _impl_flags(optimizer_impl: str) -> dict:
+    """torch.optim keyword arguments that select one implementation explicitly."""
+    if optimizer_impl == "fused":
+        return {"fused": True}
+    return {"foreach": optimizer_impl == "foreach"}
+
+
+def make_optimizer(model, optimizer: str, lr: float = 1e-4, optimizer_impl: str = "foreach"):
+    """The optimizer :func:`measure` uses, over the trainable parameters, with the implementation
+    chosen explicitly (``foreach``, ``fused`` or ``for-loop``: the same on every device, so the
+    CPU measurement holds the scratch memory a GPU run holds)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    flags = _impl_flags(optimizer_impl)
     if optimizer == "adamw":
-        opt = torch.optim.AdamW(params, lr=lr, foreach=True)
+        opt = torch.optim.AdamW(params, lr=lr, **flags)
     elif optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=lr, momentum=0.0, foreach=True)
+        opt = torch.optim.SGD(params, lr=lr, momentum=0.0, **flags)
     elif optimizer == "sgd-momentum":
-        opt = torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
+        opt = torch.optim.SGD(params, lr=lr, momentum=0.9, **flags)
     else:
         raise ValueError(f"optimizer {optimizer!r} cannot be measured here (needs bitsandbytes on CUDA); "
                          "allowed for measure: adamw, sgd, sgd-momentum")
@@ -195,7 +208,8 @@ def make_optimizer(model, optimizer: str, lr: float = 1e-4):
 
 
 def _one_run(cfg, *, device, method, precision, optimizer, batch, seq, grad_accum, lora_rank,
-             lora_alpha, lora_targets, lora_dtype, checkpointing, attn, seed=0):
+             lora_alpha, lora_targets, lora_dtype, checkpointing, attn, seed=0,
+             optimizer_impl="foreach"):
     """Run two steps, track the second one. Returns a dict of raw numbers."""
     fake = device == "fake"
     real_device = "cuda" if device == "cuda" else "cpu"
@@ -214,12 +228,13 @@ def _one_run(cfg, *, device, method, precision, optimizer, batch, seq, grad_accu
     with outer, _real_mask_decisions(fake):
         if fake:
             _to_fake(model, outer)
-            opt = make_optimizer(model, optimizer)
+            opt = make_optimizer(model, optimizer, optimizer_impl=optimizer_impl)
         else:
             model, opt = build_training_setup(
                 cfg, method=method, precision=precision, optimizer=optimizer, lora_rank=lora_rank,
                 lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dtype=lora_dtype,
-                checkpointing=checkpointing, attn=attn, device=real_device)
+                checkpointing=checkpointing, attn=attn, device=real_device,
+                optimizer_impl=optimizer_impl)
         vocab = cfg.vocab_size
         g = torch.Generator(device="cpu").manual_seed(seed)
         if fake:
@@ -348,12 +363,15 @@ def measure(model: Any = "tiny", *, method: str = "full", precision: str = "fp32
             optimizer: str = "adamw", batch: int = 1, seq: int = 512, lora_rank: int = 8,
             lora_alpha: int = 16, lora_targets=("q_proj", "v_proj"), lora_dtype: str | None = None,
             checkpointing: bool = False, attn: str = "sdpa", grad_accum: int = 1,
-            device: str = "cpu", extrapolate: bool | None = None, seed: int = 0) -> Measurement:
+            device: str = "cpu", extrapolate: bool | None = None, seed: int = 0,
+            optimizer_impl: str = "foreach") -> Measurement:
     """Measure one training step of ``model`` (preset name, config .json path, or HF config).
 
     Returns a :class:`Measurement` (bytes). See the module docstring for the categories and the
     devices (``"cpu"``, ``"fake"``, ``"cuda"``). ``extrapolate`` (fake device only) measures 2 and
     3 layers and extends linearly; ``None`` means "when the model has more than 3 layers".
+    ``optimizer_impl`` (``"foreach"``, ``"fused"``, ``"for-loop"``) selects torch's AdamW/SGD
+    implementation explicitly (see :data:`trainmem.estimate.OPTIMIZER_IMPLS`).
     """
     if device not in ("cpu", "fake", "cuda"):
         raise ValueError(f"device must be one of cpu, fake, cuda, got {device!r}")
@@ -362,14 +380,15 @@ def measure(model: Any = "tiny", *, method: str = "full", precision: str = "fp32
     cfg = resolve_config(model)
     check_options(cfg, method=method, precision=precision, optimizer=optimizer, batch=batch,
                   seq=seq, lora_rank=lora_rank, lora_targets=lora_targets, attn=attn,
-                  grad_accum=grad_accum, zero=0, gpus=1, lora_dtype=lora_dtype)
+                  grad_accum=grad_accum, zero=0, gpus=1, lora_dtype=lora_dtype,
+                  optimizer_impl=optimizer_impl)
     if method == "qlora":
         raise ValueError("method 'qlora' cannot be measured here (needs bitsandbytes on CUDA); "
                          "allowed for measure: full, lora")
     kw = dict(method=method, precision=precision, optimizer=optimizer, batch=batch, seq=seq,
               grad_accum=grad_accum, lora_rank=lora_rank, lora_alpha=lora_alpha,
               lora_targets=tuple(lora_targets), lora_dtype=lora_dtype, checkpointing=checkpointing,
-              attn=attn, seed=seed)
+              attn=attn, seed=seed, optimizer_impl=optimizer_impl)
     options = dict(kw, device=device)
     options["lora_targets"] = list(kw["lora_targets"])
     options["model"] = getattr(cfg, "name_or_path", None) or "config"

@@ -491,16 +491,14 @@ def bmm(sim: Sim, a: T, b: T, out_shape) -> T:
 
 
 def softmax_fp32(sim: Sim, x: T) -> T:
-    """``softmax(x, dim=-1, dtype=float32)``: saves its output."""
+    """``softmax(x, dim=-1, dtype=float32)``: ATen converts a 16-bit input first (``x.to(float32)``,
+    its own autograd node and a transient copy), then ``_softmax`` saves its output.  Two nodes, so
+    in backward the fp32 gradient of the scores is converted to 16 bit only after ``_softmax``'s
+    saved output and incoming gradient are released."""
+    x = cast(sim, x, "fp32")
     out = new(sim, x.shape, "fp32", phys="bhsd")
-    shape, dt = x.shape, x.dt
-
-    def bwd(node, g):
-        r = new(sim, shape, "fp32")
-        if dt != "fp32":
-            r = new(sim, shape, dt)
-        return [r]
-    record(sim, out, [x], [], bwd, save_out=True)
+    shape = x.shape
+    record(sim, out, [x], [], lambda node, g: [new(sim, shape, "fp32")], save_out=True)
     return out
 
 
@@ -775,14 +773,18 @@ def nll_loss(sim: Sim, logp: T, target: T) -> T:
 
 
 def build_params(sim: Sim, shape, *, method: str, precision: str, lora_rank: int, lora_targets,
-                 lora_dtype: str | None, tie_lora=None, param_dtype: str | None = None) -> dict:
+                 lora_dtype: str | None, tie_lora=None, param_dtype: str | None = None,
+                 base_dtype: str | None = None) -> dict:
     """Parameters (and buffers) as the measured model holds them.
 
     ``param_dtype`` (``"bf16"``/``"fp16"``) overrides the dtype of every parameter, buffer and
     LoRA adapter: the ZeRO/DeepSpeed mixed-precision layout, where the module itself is cast to the
     low precision (``model.bfloat16()``) and the fp32 master copy lives in the optimizer (added by
-    :func:`simulate_step`, category ``master_weights``); all parameters are then ``weights``."""
-    pdt = param_dtype or ("bf16" if precision == "bf16" else "fp32")
+    :func:`simulate_step`, category ``master_weights``); all parameters are then ``weights``.
+    ``base_dtype`` overrides the dtype of the (frozen) base model only, not of the adapters: QLoRA's
+    16-bit embeddings, norms and ``lm_head`` (the decoder Linear weights are then quantized by
+    :func:`simulate_step`)."""
+    pdt = param_dtype or base_dtype or ("bf16" if precision == "bf16" else "fp32")
     amp = precision in ("fp16-amp", "bf16-amp") and param_dtype is None
     full = method == "full"
 
@@ -793,13 +795,13 @@ def build_params(sim: Sim, shape, *, method: str, precision: str, lora_rank: int
     h, i = shape.hidden, shape.intermediate
     M = {"embed": P((shape.vocab, h), full)}
     # rotary buffers: inv_freq and original_inv_freq (head_dim/2 floats each)
-    M["_buffers"] = [new(sim, (shape.head_dim // 2,), pdt, cat="weights") for _ in range(2)]
+    buf_dt = param_dtype or ("bf16" if precision == "bf16" else "fp32")
+    M["_buffers"] = [new(sim, (shape.head_dim // 2,), buf_dt, cat="weights") for _ in range(2)]
     ldt = param_dtype or lora_dtype or "fp32"      # peft upcasts adapters to fp32 by default
     layers = []
     lin_shapes = shape.linear_shapes()
     for _ in range(shape.layers):
-        L = {}
-        L["input_layernorm"] = P((h,), full)
+        L = {}      # in torch's parameter order: self_attn, mlp, the two norms
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             d_in, d_out = lin_shapes[name]
             lin = {"w": P((d_out, d_in), full)}
@@ -811,7 +813,6 @@ def build_params(sim: Sim, shape, *, method: str, precision: str, lora_rank: int
                 lin["B"] = param(sim, (d_out, lora_rank), ldt, True,
                                  "master_weights" if (amp and ldt == "fp32") else "weights")
             L[name] = lin
-        L["post_attention_layernorm"] = P((h,), full)
         for name in ("gate_proj", "up_proj", "down_proj"):
             d_in, d_out = lin_shapes[name]
             lin = {"w": P((d_out, d_in), full)}
@@ -823,6 +824,8 @@ def build_params(sim: Sim, shape, *, method: str, precision: str, lora_rank: int
                 lin["B"] = param(sim, (d_out, lora_rank), ldt, True,
                                  "master_weights" if (amp and ldt == "fp32") else "weights")
             L[name] = lin
+        L["input_layernorm"] = P((h,), full)
+        L["post_attention_layernorm"] = P((h,), full)
         layers.append(L)
     M["layers"] = layers
     M["norm"] = P((h,), full)
@@ -857,10 +860,36 @@ def shrink(sim: Sim, buf: Buf, factor: float):
     buf.n = new_n
 
 
+def adamw_step_scratch(sim: Sim, sizes: list[int], impl: str) -> None:
+    """The scratch tensors torch's AdamW allocates in ``step()`` (``sizes``: bytes of each
+    parameter's ``exp_avg_sq``, in the optimizer's parameter order).
+
+    * ``foreach`` (``_multi_tensor_adam``): ``torch.tensor(1.0)`` for the step count, then
+      ``_foreach_sqrt(exp_avg_sq)``: one copy of every state at once.
+    * ``for-loop`` (``_single_tensor_adam``): per parameter ``denom = (exp_avg_sq.sqrt() / bc)
+      .add_(eps)`` — the ``sqrt`` and the quotient coexist, and the previous parameter's ``denom``
+      is released only when the name is rebound, after the new one exists.
+    * ``fused`` (``_fused_adamw_``): updates in place, no scratch.
+    """
+    if impl == "foreach":
+        step_one = new(sim, (), "fp32")
+        tmp = [sim.alloc(n) for n in sizes]
+        del tmp, step_one
+    elif impl == "for-loop":
+        denom = None
+        for n in sizes:
+            root = sim.alloc(n)
+            quotient = sim.alloc(n)
+            del root
+            denom = quotient
+            del quotient
+        del denom
+
+
 def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", batch=1, seq=512,
                   lora_rank=8, lora_targets=("q_proj", "v_proj"), lora_dtype=None,
                   checkpointing=False, attn="sdpa", grad_accum=1, zero=0, gpus=1,
-                  qlora_double_quant=True) -> dict:
+                  qlora_double_quant=True, optimizer_impl="foreach") -> dict:
     """Replay step 2 of training (states exist, grads start as None) and return bytes:
     ``peak``, ``breakdown`` (categories at the peak), ``activations`` (forward-allocated bytes alive
     at the end of the forward pass), ``model_states`` (weights + gradients + optimizer states +
@@ -873,8 +902,14 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
     # module is cast to the 16-bit dtype (weights, grads 2 B/param; no autocast), the optimizer
     # holds fp32 master weights and fp32 states for its shard only.
     zero_mp = {"fp16-amp": "fp16", "bf16-amp": "bf16"}.get(precision) if zero >= 1 else None
+    # QLoRA (bitsandbytes ``load_in_4bit`` with a 16-bit ``torch_dtype``): only the Linear layers
+    # inside the decoder blocks are NF4; embeddings, norms and lm_head stay in the 16-bit dtype.
+    base16 = None
+    if method == "qlora" and not zero_mp:
+        base16 = "fp16" if precision == "fp16-amp" else "bf16"
     M = build_params(sim, shape, method=method, precision=precision, lora_rank=lora_rank,
-                     lora_targets=tuple(lora_targets), lora_dtype=lora_dtype, param_dtype=zero_mp)
+                     lora_targets=tuple(lora_targets), lora_dtype=lora_dtype, param_dtype=zero_mp,
+                     base_dtype=base16)
     params = trainable_params(M)
     if method == "qlora":
         # NF4: 4 bits per weight + one fp32 absmax per 64 weights, or (double quantization) an
@@ -956,11 +991,9 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
     sim.set_phase("optimizer")
     sim.mark("optimizer_start")
     if optimizer == "adamw":
-        step_one = new(sim, (), "fp32")
-        # _foreach_sqrt(exp_avg_sq): one copy of the (local shard of the) trainable parameters
         part = shard if zero >= 1 else 1.0
-        tmp = [sim.alloc(int(math.ceil(p.numel * ITEMSIZE[sdt or p.dt] * part))) for p in params]
-        del tmp, step_one
+        sizes = [int(math.ceil(p.numel * ITEMSIZE[sdt or p.dt] * part)) for p in params]
+        adamw_step_scratch(sim, sizes, optimizer_impl)
     del masters
     sim.set_phase("idle")
     at_step = sim.marks["optimizer_start"]
