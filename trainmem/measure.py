@@ -434,6 +434,33 @@ def measure(model: Any = "tiny", *, method: str = "full", precision: str = "fp32
                        (2, 3), None, options)
 
 
+@contextlib.contextmanager
+def _acyclic_module_hooks():
+    """Keep MemTracker's module tracker from keeping the autograd graph alive (see
+    :func:`measure_memtracker`).
+
+    ``ModTracker`` calls ``register_multi_grad_hook(tensors, fn)`` (mode ``"all"``) on the tensors
+    that enter each module. That hook's closure holds the ``grad_fn`` (or, for a leaf, the
+    ``AccumulateGrad`` node) of every tensor, and the hook is stored on those same nodes: a cycle
+    through C++ that Python's collector cannot free. The graph's nodes outlive the step, and with
+    them any leaf that is not a parameter — the embedding output that gradient checkpointing
+    marks ``requires_grad_()`` under LoRA — and its ``.grad``. Mode ``"any"`` holds no node, so
+    the hooks are registered in that mode; they only tell MemTracker which module backward is in
+    (its per-module labels), not how many bytes are alive."""
+    from torch.distributed._tools import mod_tracker
+
+    orig = mod_tracker.register_multi_grad_hook
+
+    def hook_any(tensors, fn, mode="all"):
+        return orig(tensors, fn, mode="any")
+
+    mod_tracker.register_multi_grad_hook = hook_any
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = orig
+
+
 class _NoHook:
     """A hook handle with nothing to remove (see :func:`measure_memtracker`)."""
 
@@ -455,13 +482,13 @@ def measure_memtracker(model: Any = "tiny", *, method: str = "full", precision: 
     batch are registered with ``track_external``). Returns its peak total (bytes): the second
     measurement of ``benchmarks/memory_accuracy.py``.
 
-    MemTracker's module hooks (``ModTracker``) hold references of their own: a leaf that requires
-    grad and enters a module — the embedding output that ``gradient_checkpointing_enable()`` marks
-    with ``requires_grad_()`` when the embedding is frozen — is kept alive with its ``.grad`` by a
-    reference cycle through the hook (leaf -> hook -> AccumulateGrad node -> leaf) until Python's
-    cycle collector runs. A plain training loop frees both after backward. ``gc.collect()`` runs
-    between the steps here, so only the step being measured carries that artefact; see the
-    benchmark's results for when it shows.
+    Two adjustments make MemTracker measure the same program as a plain training loop, not the
+    loop with MemTracker attached: its module tracker's multi-grad hooks (mode ``"all"``) form a
+    reference cycle through the autograd graph that ``gc`` cannot free, which keeps the frozen
+    embedding's output — a leaf that requires grad under LoRA + gradient checkpointing — and its
+    ``.grad`` alive after backward, once per forward; they are registered in mode ``"any"``
+    (:func:`_acyclic_module_hooks`). And MemTracker hooks every parameter it meets, which torch
+    refuses for frozen ones; those are marked as hooked already.
     """
     import gc
 
@@ -512,7 +539,7 @@ def measure_memtracker(model: Any = "tiny", *, method: str = "full", precision: 
         if not p.requires_grad:
             tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
     tracker.track_external(net, opt, x, y)
-    with tracker:
+    with tracker, _acyclic_module_hooks():
         step(tracker)
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     del tracker, net, opt

@@ -47,11 +47,13 @@ class Sim:
         self.ckpt = None               # the active _CkptGroup while recording a checkpointed region
         self.marks: dict[str, dict] = {}
         self.live = None               # a WeakSet of live buffers when debugging
+        self.last_alloc = None         # (buffer, peak, peak_by, phase peak) before the last alloc
 
     def alloc(self, nbytes: int, cat: str | None = None) -> "Buf":
         if cat is None:
             cat = "activations" if self.phase == "forward" else "temporaries"
         b = Buf(self, int(nbytes), cat)
+        self.last_alloc = (b, self.peak, self.peak_by, self.phase_peaks.get(self.phase))
         self.cur += b.n
         self.by[cat] += b.n
         if self.cur > self.phase_peaks.get(self.phase, -1):
@@ -60,6 +62,21 @@ class Sim:
             self.peak = self.cur
             self.peak_by = dict(self.by)
         return b
+
+    def unalloc_last(self, b: "Buf") -> None:
+        """Take back the allocation of ``b`` (the most recent one) as if it never happened: the
+        recompute of a checkpointed region stops before the kernel of its last node runs."""
+        if self.last_alloc is None or self.last_alloc[0] is not b:
+            return
+        _, self.peak, self.peak_by, phase_peak = self.last_alloc
+        if phase_peak is None:
+            self.phase_peaks.pop(self.phase, None)
+        else:
+            self.phase_peaks[self.phase] = phase_peak
+        self.cur -= b.n
+        self.by[b.cat] -= b.n
+        b.n = 0
+        self.last_alloc = None
 
     def _free(self, b: "Buf"):
         self.cur -= b.n
@@ -79,7 +96,7 @@ class Sim:
 
 
 class Buf:
-    __slots__ = ("sim", "n", "cat", "info", "__weakref__")
+    __slots__ = ("sim", "n", "cat", "info", "k", "__weakref__")
 
     def __init__(self, sim, n, cat):
         self.sim, self.n, self.cat = sim, n, cat
@@ -130,10 +147,11 @@ def view(t: T, shape, phys=None) -> T:
 
 
 class Node:
-    __slots__ = ("seq", "edges", "saved", "bwd", "group", "__weakref__")
+    __slots__ = ("seq", "edges", "saved", "bwd", "group", "saves", "__weakref__")
 
-    def __init__(self, seq, edges, saved, bwd, group=None):
+    def __init__(self, seq, edges, saved, bwd, group=None, saves=False):
         self.seq, self.edges, self.saved, self.bwd, self.group = seq, edges, saved, bwd, group
+        self.saves = saves      # autograd saved tensors for it (under checkpointing: placeholders)
 
     def __lt__(self, other):
         return self.seq > other.seq
@@ -170,13 +188,14 @@ def record(sim: Sim, out: T, inputs: list, saved: list, bwd, save_out: bool = Fa
     if not sim.save:
         saved, save_out = [], False
     bufs = [t.buf for t in saved] + ([out.buf] if save_out else [])
-    node = Node(next(sim.seq), [i.edge() if i is not None else None for i in inputs], bufs, bwd, group)
+    node = Node(next(sim.seq), [i.edge() if i is not None else None for i in inputs], bufs, bwd, group,
+                saves=saving)
     out.rg = True
     out.fn = node
     if group is not None and group.recording:
         group.nodes.append(node)
     if group is not None and group.replaying is not None:
-        group.replay_node(node, node.saved)
+        group.replay_node(sim, node, out, save_out)
 
 
 class _StopRecompute(Exception):
@@ -194,12 +213,18 @@ class _CkptGroup:
         self.done = False
         self.executed = 0
 
-    def replay_node(self, node, saved):
+    def replay_node(self, sim, node, out, save_out):
+        """Hand the recomputed saved tensors to the original node; stop after the last one.
+
+        Autograd packs saved *inputs* before the kernel runs and saved outputs after it, so when
+        the last node saves only inputs the recompute stops before its output is allocated."""
         i = self.replaying
         self.replaying += 1
         if i < len(self.nodes):
-            self.nodes[i].saved = saved
+            self.nodes[i].saved = node.saved
         if self.replaying >= self.last_saving:
+            if not save_out:
+                sim.unalloc_last(out.buf)
             raise _StopRecompute
 
     def recompute(self, sim):
@@ -466,13 +491,45 @@ def clone_contig(sim: Sim, x: T) -> T:
     return out
 
 
+def _batch_dims_merge(x: T) -> bool:
+    """Whether ``matmul`` can view the 4-D operand ``x`` as ``(b * heads, m, n)`` (no copy).
+
+    Layouts (``x.phys``): ``"bhsd"`` contiguous and ``"t"`` (its last two dims transposed) always
+    merge; ``"bshd"`` (heads interleaved in the projection's rows) only when the batch or the head
+    count is 1; ``"x"`` (a single key/value head expanded over the query heads, stride 0) only
+    when the batch is 1."""
+    b, heads = x.shape[0], x.shape[1]
+    if x.phys in ("bhsd", "t"):
+        return True
+    if x.phys == "x":
+        return b == 1
+    return b == 1 or heads == 1
+
+
+def repeat_kv(sim: Sim, x: T, heads: int) -> T:
+    """transformers' ``repeat_kv``: ``x[:, :, None].expand(b, kv, n_rep, s, d).reshape(b, heads, s,
+    d)``. With one key/value head the reshape is a view (stride 0 over the heads, layout
+    ``"x"``); otherwise it copies. Backward sums the expanded gradient back to ``(b, kv, s, d)``."""
+    b, kv, s, d = x.shape
+    if kv == heads:
+        return x
+    if kv == 1:
+        out = T(x.buf, (b, heads, s, d), x.dt, phys="x")
+    else:
+        out = new(sim, (b, heads, s, d), x.dt, phys="bhsd")
+    shape, dt = x.shape, x.dt
+    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dt)])
+    return out
+
+
 def bmm(sim: Sim, a: T, b: T, out_shape) -> T:
-    """A 4-D ``matmul`` (through ``bmm``): copies a non-contiguous operand first; saves both."""
+    """A 4-D ``matmul`` (through ``bmm``): copies an operand whose batch and head dims cannot be
+    merged by a view first (see :func:`_batch_dims_merge`); saves both."""
     a = _ac(sim, a)
     b = _ac(sim, b)
-    if a.phys != "bhsd":
+    if not _batch_dims_merge(a):
         a = clone_contig(sim, a)
-    if b.phys != "bhsd":
+    if not _batch_dims_merge(b):
         b = clone_contig(sim, b)
     out = new(sim, out_shape, a.dt, phys="bhsd")
     saved = []
@@ -580,7 +637,9 @@ def backward(sim: Sim, loss: T):
                 # else: in-place add into the existing .grad; g is freed below
             del g
             continue
-        if node.group is not None and not node.group.done:
+        # non-reentrant checkpointing recomputes when a saved tensor is first unpacked: at the
+        # first node of the region that saved something (nodes that save nothing run before)
+        if node.group is not None and not node.group.done and node.saves:
             node.group.recompute(sim)
         grads = node.bwd(node, g)
         del g
@@ -655,10 +714,9 @@ def attention(sim: Sim, x: T, L: dict, cos: T, sin: T, cfg: dict, mask: T | None
     ke = add(sim, mul(sim, k, cos), mul(sim, rotate_half(sim, k), sin))
     del q, k
     if cfg["attn"] == "eager":
-        if kv != a:
-            ke = clone_contig(sim, view(ke, (b, a, s, d), ke.phys))
-            v = clone_contig(sim, view(v, (b, a, s, d), v.phys))
-        kt = view(ke, (b, a, d, s), "bshd" if ke.phys == "bshd" else "t")
+        ke = repeat_kv(sim, ke, a)
+        v = repeat_kv(sim, v, a)
+        kt = view(ke, (b, a, d, s), {"bhsd": "t"}.get(ke.phys, ke.phys))
         w = bmm(sim, qe, kt, (b, a, s, s))
         del qe, ke, kt
         w = mul_scalar(sim, w)
@@ -684,10 +742,14 @@ def _q_dtype(sim, x, L):
 
 
 def mlp(sim: Sim, x: T, L: dict) -> T:
+    # down_proj(act_fn(gate_proj(x)) * up_proj(x)): Python evaluates the left operand first, so
+    # silu's output exists while up_proj runs
     g = lora_linear(sim, x, L["gate_proj"])
+    a = silu(sim, g)
+    del g
     u = lora_linear(sim, x, L["up_proj"])
-    h = mul(sim, silu(sim, g), u)
-    del g, u
+    h = mul(sim, a, u)
+    del a, u
     return lora_linear(sim, h, L["down_proj"])
 
 
