@@ -298,6 +298,7 @@ def _one_run(cfg, *, device, method, precision, optimizer, batch, seq, grad_accu
             torch.cuda.synchronize()
         with tracker:
             step(track=False)
+            _until_states_exist(step, opt, track=False)
             if device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -461,6 +462,24 @@ def _acyclic_module_hooks():
         mod_tracker.register_multi_grad_hook = orig
 
 
+def _until_states_exist(step, opt, **kw) -> None:
+    """Repeat warm-up steps until the optimizer holds its states: under ``fp16-amp`` the
+    GradScaler skips ``optimizer.step()`` while its scale overflows fp16 (the first steps of every
+    run), and the step to measure is one of the steady state that follows."""
+    for _ in range(32):
+        if opt.state or not opt.param_groups[0]["params"] or not _has_states(opt):
+            return
+        step(**kw)
+    raise RuntimeError("the optimizer never stepped in 32 warm-up steps (gradients overflow?)")
+
+
+def _has_states(opt) -> bool:
+    """Whether this optimizer keeps per-parameter states at all (plain SGD does not)."""
+    if isinstance(opt, torch.optim.SGD):
+        return any(g.get("momentum", 0) for g in opt.param_groups)
+    return True
+
+
 class _NoHook:
     """A hook handle with nothing to remove (see :func:`measure_memtracker`)."""
 
@@ -531,6 +550,7 @@ def measure_memtracker(model: Any = "tiny", *, method: str = "full", precision: 
         opt.zero_grad(set_to_none=True)
 
     step()
+    _until_states_exist(step, opt)
     gc.collect()
     tracker = MemTracker()
     # MemTracker installs a gradient hook on every parameter it meets, which torch refuses for a

@@ -29,6 +29,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          max_position_embeddings=32768, tie_word_embeddings=True),
+    # Mistral-7B-v0.3: GQA with 8 key/value heads, no sliding window
+    "mistral-7b": dict(arch="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=32768, sliding_window=None,
+                       tie_word_embeddings=False),
+    # Qwen2-7B and Qwen2-1.5B: GQA (4 and 2 key/value heads), q/k/v biases
+    "qwen2-7b": dict(arch="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                     max_position_embeddings=32768, tie_word_embeddings=False),
+    "qwen2-1.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                       num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                       max_position_embeddings=32768, tie_word_embeddings=True),
     "gpt2": dict(arch="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024),
     # A 2-layer, 64-wide Llama for tests and CPU demos (STYLE.md).
     "tiny": dict(arch="llama", vocab_size=256, hidden_size=64, intermediate_size=172,
@@ -55,6 +67,8 @@ def get_config(name: str, **overrides: Any):
         from transformers import LlamaConfig as C
     elif arch == "qwen2":
         from transformers import Qwen2Config as C
+    elif arch == "mistral":
+        from transformers import MistralConfig as C
     elif arch == "gpt2":
         from transformers import GPT2Config as C
     else:  # pragma: no cover
