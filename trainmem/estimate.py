@@ -506,6 +506,10 @@ HF_OPTIMS = {"adamw_torch_fused": ("adamw", "fused"), "adamw_torch": ("adamw", "
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+_HF_NAMES = {"lora_rank": "peft_config r", "lora_targets:": "peft_config target_modules:",
+             "batch": "per_device_train_batch_size", "grad_accum": "gradient_accumulation_steps"}
+
+
 def _field(obj, name: str, default=None):
     """``obj.name`` or ``obj[name]`` (objects and the dicts of their JSON files alike)."""
     if obj is None:
@@ -619,6 +623,12 @@ def estimate_from_hf(model: Any, training_args: Any = None, peft_config: Any = N
     opts = hf_options(model, training_args, peft_config, seq=seq,
                       quantization_config=quantization_config)
     opts.update(overrides)
-    est = estimate(model, **opts)
+    try:
+        est = estimate(model, **opts)
+    except ValueError as e:      # name the Hugging Face field the bad value came from
+        name, _, rest = str(e).partition(" ")
+        if name in _HF_NAMES and name not in overrides:
+            raise ValueError(f"{_HF_NAMES[name]} {rest}") from None
+        raise
     est.options["source"] = "hf"
     return est
