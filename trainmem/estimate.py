@@ -14,16 +14,25 @@ Public API (stable; chapters and labs call it)::
     est.to_json(); est.to_dict(); print(est.table())      # table in GiB (2**30) and GB (10**9)
 
 ``estimate(model, method, precision, optimizer, batch, seq, lora_rank, lora_alpha, lora_targets,
-lora_dtype, qlora_double_quant, checkpointing, attn, zero, gpus, grad_accum)``:
+lora_dtype, qlora_double_quant, checkpointing, attn, zero, gpus, grad_accum, optimizer_impl)``:
 
 * ``model``: a preset name (``trainmem.models.PRESETS``: llama-7b, llama2-13b, qwen2.5-0.5b, gpt2,
   tiny, ...), a path to an HF ``config.json``, or a ``transformers`` config.
-* ``method``: ``"full"`` | ``"lora"`` | ``"qlora"`` (base Linear weights in 4-bit NF4).
+* ``method``: ``"full"`` | ``"lora"`` | ``"qlora"`` (bitsandbytes ``load_in_4bit``: the Linear
+  weights inside the decoder blocks in 4-bit NF4 — 0.5 B/weight + quantization constants — and
+  the embeddings, norms and ``lm_head`` in 16 bit, fp16 under ``fp16-amp`` and bf16 otherwise).
 * ``precision``: ``"fp32"`` | ``"fp16-amp"`` | ``"bf16-amp"`` (``torch.autocast`` over fp32
   parameters; fp16 adds loss scaling) | ``"bf16"`` (pure bf16: parameters, gradients and AdamW states
   in bf16, no master copy).
-* ``optimizer``: ``"adamw"`` (torch, ``foreach``) | ``"adamw8bit"`` (bitsandbytes) | ``"sgd"`` |
+* ``optimizer``: ``"adamw"`` (torch) | ``"adamw8bit"`` (bitsandbytes) | ``"sgd"`` |
   ``"sgd-momentum"``.
+* ``optimizer_impl``: torch's implementation, which decides the scratch memory of the step
+  (:data:`OPTIMIZER_IMPLS`): ``"foreach"`` (default here; what ``torch.optim.AdamW(params)`` picks
+  on CUDA) allocates ``sqrt(exp_avg_sq)`` for every parameter at once, one more copy of the
+  states (4 B/param under AMP); ``"fused"`` (Hugging Face Trainer's default, ``optim=
+  "adamw_torch_fused"`` in transformers 5) updates in place, no scratch; ``"for-loop"``
+  (``foreach=False``; the plain constructor's choice on CPU) needs two copies of one parameter
+  at a time (plus the previous parameter's ``denom``). SGD and 8-bit AdamW: no scratch.
 * ``batch``, ``seq``: micro-batch size and sequence length (tokens); ``grad_accum`` micro-batches
   per optimizer step (gradients then stay allocated during the next forward).
 * ``lora_rank`` (r), ``lora_alpha``, ``lora_targets`` (module names), ``lora_dtype`` (``None`` =
@@ -57,15 +66,20 @@ config.  Activations and temporaries come from :mod:`trainmem.simulate`, a symbo
 step: the Llama forward written op by op as ``transformers`` runs it, each op saving for backward
 what PyTorch's autograd saves, backward in autograd's order, then the optimizer's scratch memory.
 It agrees with the tensor-level measurement of :mod:`trainmem.measure` (real CPU tensors, and fake
-tensors for 7B shapes) to a few bytes in most configurations; the largest gap on the grid of
-``benchmarks/results/memory_accuracy.md`` is about -1 % (tiny model, LoRA on every Linear + bf16
-autocast + checkpointing: one 16 KiB temporary of the layer-0 recompute is not modelled).  The
-``forward`` phase peak under checkpointing is modelled less exactly (it is not the step's peak in
-those runs).  On a GPU, ``max_memory_allocated`` adds the caching allocator's
+tensors for 7B shapes) and with torch's own ``MemTracker`` to a few bytes in most configurations;
+``benchmarks/results/memory_accuracy.md`` lists a fixed grid and a random grid of tiny Llama,
+Qwen2 and Mistral configurations (GQA, tied embeddings, odd widths, every option) with the worst
+rows.  The ``forward`` phase peak under checkpointing is modelled less exactly (it is rarely the
+step's peak).  On a GPU, ``max_memory_allocated`` adds the caching allocator's
 512-byte rounding and kernel workspaces; ``max_memory_reserved`` adds fragmentation and the device
 total adds the CUDA context (several hundred MiB) — none of these is in the estimate.
 Llama-family configs (llama, mistral, qwen2) are replayed; ``gpt2`` uses the closed-form
 activation estimate of Korthikanti et al. (2022) and is marked ``exact=False``.
+
+From what a Hugging Face Trainer user has — a model config, ``TrainingArguments`` and a peft
+``LoraConfig`` — :func:`estimate_from_hf` (CLI: ``python -m trainmem hf``) derives these options
+(``optim`` → optimizer and implementation, ``bf16``/``fp16`` → precision, checkpointing, batch,
+accumulation, ``max_length``, LoRA rank and targets, 4-bit quantization → QLoRA).
 
 Bytes per parameter — the two conventions behind "16" and "18" (see :func:`bytes_per_param`):
 

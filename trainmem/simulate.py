@@ -13,8 +13,8 @@ times).  Backward walks the recorded graph in reverse creation order like the au
 allocating each gradient, accumulating gradients of tensors used twice, and freeing the saved
 tensors of each node after it ran.  Non-reentrant activation checkpointing keeps only each
 layer's inputs and recomputes the layer's forward when its backward starts (with PyTorch's early
-stop once the last saved tensor is recomputed).  The optimizer step allocates what the foreach
-implementations allocate (AdamW: one copy of the trainable parameters for ``sqrt(v)``).
+stop once the last saved tensor is recomputed).  The optimizer step allocates what the chosen
+torch implementation allocates (:func:`adamw_step_scratch`: foreach, fused, for-loop).
 
 The running total of live bytes, split into the six categories of the estimator, gives the peak.
 Python's reference counting frees a buffer exactly when the last :class:`T` (or saved slot) that
