@@ -331,42 +331,57 @@ RECONCILE = """\
 ## The two measurements, reconciled
 
 Both measurements are `TorchDispatchMode`s that add up `untyped_storage().nbytes()` of every live
-storage and take the running maximum — the quantity the CUDA caching allocator reports as
-`torch.cuda.max_memory_allocated()` (the sum of live blocks; on a GPU each block is additionally
-rounded up to 512 bytes, which MemTracker applies to CUDA tensors and neither applies on CPU). They
-were written independently (`trainmem.tracker.MemoryTracker`, torch's
-`torch.distributed._tools.mem_tracker.MemTracker`); where they differ, one of them is measuring a
-different program, and the question is which program the allocator of a plain training loop sees.
+storage and keep the running maximum: the quantity the CUDA caching allocator reports as
+`torch.cuda.max_memory_allocated()` (the sum of the live blocks; on a GPU each block is also
+rounded up to a multiple of 512 bytes, which MemTracker applies to CUDA tensors only and neither
+applies on CPU). They were written independently (`trainmem.tracker.MemoryTracker`; torch's
+`torch.distributed._tools.mem_tracker.MemTracker`). Where they differed, one of them was measuring
+a different program from the plain training loop whose `max_memory_allocated` the estimate
+predicts; that side was fixed.
 
-1. **LoRA + activation checkpointing, MemTracker higher by 2·b·s·h·4 bytes** (the difference
-   reported before: h=192, i=512, 3 layers, 4 heads, tied, vocab 500, bf16-amp, SDPA, 2 × 128, LoRA
-   r=8 on q,v, checkpointing — MemTracker 10,227,192 B with both steps tracked, `trainmem.measure`
-   9,833,976 B; the difference, 393,216 B, is exactly 2 × 2·128·192·4). Cause: with a frozen
-   embedding, `gradient_checkpointing_enable()` makes the embedding output a leaf that requires
-   grad (`enable_input_require_grads`). MemTracker's `ModTracker` registers a multi-grad hook on
-   every module input that requires grad; the hook's closure holds that leaf's `AccumulateGrad`
-   node, the node holds the leaf, the leaf holds the hook. The cycle passes through C++ objects, so
-   Python's cycle collector never frees it: the leaf and its `.grad` (both fp32 here) **leak once per
-   tracked step** (`gc.collect()` does not release them). A plain loop frees both at the end of
-   backward, so `max_memory_allocated` of the real loop is `trainmem.measure`'s number;
-   MemTracker's is the memory of the loop *with MemTracker attached*. Fix, on the MemTracker side:
-   the benchmark runs step 1 untracked and attaches a fresh `MemTracker` to step 2 only
-   (`measure_memtracker`), so no leaked tensor of an earlier step is alive; the leak of step 2
-   itself appears after the last layer's backward and would only show if the step's peak were in
-   the optimizer phase (it is not in any LoRA + checkpointing row here). MemTracker also refuses
-   to hook a frozen parameter (`register_hook` raises); `measure_memtracker` marks frozen
-   parameters as already hooked.
-2. **Nothing else differed by more than 0.5 %** on the grids below: the remaining differences are
-   listed in the "MemTracker vs measure" column (bytes of small scalars: e.g. GradScaler's
-   `found_inf`/`inv_scale` tensors and AdamW's `step` increment scalar are created the same way
-   for both and agree).
+1. **LoRA + activation checkpointing: MemTracker was higher by 2·b·s·h·4 bytes per earlier forward.**
+   Reported case: h=192, i=512, 3 layers, 4 heads, tied, vocab 500, bf16-amp, SDPA, 2 × 128, LoRA
+   r=8 on q,v, checkpointing — MemTracker over two tracked steps 10,227,192 B, `trainmem.measure`
+   9,833,976 B; the difference, 393,216 B, is exactly 2 × (2·128·192·4). With a frozen embedding,
+   `gradient_checkpointing_enable()` makes the embedding output a leaf that requires grad
+   (`enable_input_require_grads`). MemTracker's `ModTracker` calls
+   `register_multi_grad_hook(inputs, fn)` (mode "all") on every module's inputs; that hook's
+   closure holds the `grad_fn`/`AccumulateGrad` node of each input and is itself stored on those
+   nodes — a reference cycle through C++ objects that `gc.collect()` cannot free. The nodes, the
+   leaf and its `.grad` (fp32 here) therefore outlive every forward under MemTracker: a leak of
+   2·b·s·h·4 bytes per micro-batch, visible in the next micro-batch or step. A plain loop frees
+   both at the end of backward, so the allocator of the real loop sees `trainmem.measure`'s
+   number: **MemTracker was the wrong side.** Fix (`trainmem.measure.measure_memtracker`): the
+   module hooks are registered in mode "any", which holds no node (they only tell MemTracker which
+   module backward is in, not how many bytes are live), and a fresh tracker watches step 2 only.
+   MemTracker also refuses to hook frozen parameters (`register_hook` raises); those are marked as
+   hooked already. After the fix the two agree within a few bytes on every row.
+2. **fp16-amp: both measurements lacked the optimizer states at the peak.** GradScaler's initial
+   scale (2^16) overflows fp16 gradients of these tiny models, so it skipped `optimizer.step()` in
+   the warm-up step and the states were created only inside the measured step. That is a
+   measurement of the first steps of a run, not of the steady state the estimate describes; both
+   measurements now repeat warm-up steps until the optimizer holds its states.
+3. **What remains** (the "MemTracker vs measure" column): −8 bytes under fp16-amp — GradScaler's
+   `_scale` and `_growth_tracker` (4 bytes each) are created in step 1, which MemTracker does not
+   watch, and are not among the objects given to `track_external` — and 0 bytes elsewhere.
 
-The estimator was wrong in one place the random grid exposed and is fixed: `softmax(x,
-dtype=float32)` of 16-bit scores (eager attention) is two autograd nodes in ATen — `x.to(float32)`
-then `_softmax` — so in backward the fp32 score gradient is converted back to 16 bit only after
-`_softmax`'s saved output and incoming gradient were released; the replay had them in one node and
-kept one extra 16-bit `b·heads·s·s` tensor alive (pure bf16, eager, checkpointing, 4 × 256 on
-h=256, 8 heads: +7.1 % before, −0.000 % now — row 9 of the fixed grid).
+Where the estimate itself was wrong, the random grid showed it and the replay was corrected (each
+is now a unit test in `tests/test_estimate.py`):
+
+- `softmax(x, dtype=float32)` of 16-bit scores (eager attention) is two autograd nodes in ATen
+  (`x.to(float32)`, then `_softmax`), so the fp32 score gradient is converted back to 16 bit only
+  after `_softmax`'s saved output and incoming gradient are released: pure bf16, eager,
+  checkpointing, 4 × 256, h=256, 8 heads — +7.1 % before, 4 bytes now (fixed-grid row 9).
+- GQA with one key/value head: `repeat_kv` is then a view (stride 0), and `matmul` copies an
+  operand only when its batch and head dimensions cannot be merged by a view (batch > 1 for such
+  a view, or the projection's interleaved layout with batch > 1); the backward of `repeat_kv` sums
+  the expanded gradient back to the key/value heads (LoRA on k,v,o,… with 6/1 heads: +4.3 %
+  before).
+- `down_proj(act_fn(gate_proj(x)) * up_proj(x))`: silu's output exists while `up_proj` runs.
+- Non-reentrant checkpointing recomputes a layer when a saved tensor is first unpacked (its
+  backward nodes that saved nothing run before), and the recompute stops *before* the kernel of
+  its last node when that node saved only inputs (autograd packs saved inputs before the kernel
+  runs): LoRA on q,v,gate,up,down, pure bf16, checkpointing — −2.4 % before.
 """
 
 
