@@ -46,7 +46,8 @@ class Sim:
         self.grad_enabled = True
         self.ckpt = None               # the active _CkptGroup while recording a checkpointed region
         self.marks: dict[str, dict] = {}
-        self.live = None               # a WeakSet of live buffers when debugging
+        self.grad_scale = 1.0          # ZeRO >= 2: the fraction of each gradient kept locally
+        self.param_cast_scale = 1.0    # ZeRO-3: the fraction of each weight cast by autocast
         self.last_alloc = None         # (buffer, peak, peak_by, phase peak) before the last alloc
 
     def alloc(self, nbytes: int, cat: str | None = None) -> "Buf":
@@ -96,13 +97,11 @@ class Sim:
 
 
 class Buf:
-    __slots__ = ("sim", "n", "cat", "info", "k", "__weakref__")
+    __slots__ = ("sim", "n", "cat", "info", "__weakref__")
 
     def __init__(self, sim, n, cat):
         self.sim, self.n, self.cat = sim, n, cat
         self.info = None
-        if sim.live is not None:
-            sim.live.add(self)
 
     def __del__(self):
         self.sim._free(self)
@@ -297,7 +296,7 @@ def cast(sim: Sim, x: T, dt: str, cached_param=None) -> T:
         return x
     cat = "weights" if cached_param is not None else None
     out = new(sim, x.shape, dt, cat=cat, phys=x.phys)
-    if cached_param is not None and getattr(sim, "param_cast_scale", 1.0) != 1.0:
+    if cached_param is not None and sim.param_cast_scale != 1.0:
         shrink(sim, out.buf, sim.param_cast_scale)   # ZeRO-3: only the local shard is cast
     src_dt, shape = x.dt, x.shape
 
@@ -631,7 +630,7 @@ def backward(sim: Sim, loss: T):
                 if node.grad is None:
                     if g.buf.cat != "gradients":
                         sim.recat(g.buf, "gradients")
-                        if getattr(sim, "grad_scale", 1.0) != 1.0:
+                        if sim.grad_scale != 1.0:
                             shrink(sim, g.buf, sim.grad_scale)
                     node.grad = g
                 # else: in-place add into the existing .grad; g is freed below
@@ -656,13 +655,9 @@ def backward(sim: Sim, loss: T):
                 continue
             k = id(e)
             if k in buffers:
-                old = buffers[k]
-                if old.buf is gr.buf:
-                    acc = T(sim.alloc(old.nbytes), old.shape, old.dt)
-                else:
-                    acc = T(sim.alloc(old.nbytes), old.shape, old.dt)
-                buffers[k] = acc
-                del old, acc
+                old = buffers[k]      # a second gradient for the same node: old + new, a new tensor
+                buffers[k] = T(sim.alloc(old.nbytes), old.shape, old.dt)
+                del old
             else:
                 buffers[k] = gr
             deps[k] -= 1
@@ -835,7 +830,7 @@ def nll_loss(sim: Sim, logp: T, target: T) -> T:
 
 
 def build_params(sim: Sim, shape, *, method: str, precision: str, lora_rank: int, lora_targets,
-                 lora_dtype: str | None, tie_lora=None, param_dtype: str | None = None,
+                 lora_dtype: str | None, param_dtype: str | None = None,
                  base_dtype: str | None = None) -> dict:
     """Parameters (and buffers) as the measured model holds them.
 
@@ -985,6 +980,7 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
                     lin["q"] = True
     shard = 1.0 / gpus
     masters = []
+    gathered_layer = None
     if zero_mp:
         masters = [new(sim, p.shape, "fp32", cat="master_weights") for p in params]
         for m in masters:
@@ -1002,7 +998,7 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
         layer_bytes = sum(w.nbytes for lin in M["layers"][0].values() if isinstance(lin, dict)
                           for w in lin.values() if isinstance(w, T))
         layer_bytes += sum(t.nbytes for t in M["layers"][0].values() if isinstance(t, T))
-        gathered = sim.alloc(layer_bytes, "weights")
+        gathered_layer = sim.alloc(layer_bytes, "weights")     # held until the step ends
         sim.param_cast_scale = shard
     sim.grad_scale = shard if zero >= 2 else 1.0
     # optimizer states (created in step 1; fp32, like the master weights, under zero_mp)
@@ -1056,7 +1052,7 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
         part = shard if zero >= 1 else 1.0
         sizes = [int(math.ceil(p.numel * ITEMSIZE[sdt or p.dt] * part)) for p in params]
         adamw_step_scratch(sim, sizes, optimizer_impl)
-    del masters
+    del masters, gathered_layer
     sim.set_phase("idle")
     at_step = sim.marks["optimizer_start"]
     model_states = sum(at_step[k] for k in ("weights", "gradients", "optimizer_states", "master_weights"))
