@@ -48,6 +48,7 @@ class Sim:
         self.marks: dict[str, dict] = {}
         self.grad_scale = 1.0          # ZeRO >= 2: the fraction of each gradient kept locally
         self.param_cast_scale = 1.0    # ZeRO-3: the fraction of each weight cast by autocast
+        self.autocast_cache: list = []  # autocast's casts of trainable leaves, kept to its exit
         self.last_alloc = None         # (buffer, peak, peak_by, phase peak) before the last alloc
 
     def alloc(self, nbytes: int, cat: str | None = None) -> "Buf":
@@ -234,8 +235,8 @@ class _CkptGroup:
         sim.ckpt = self
         self.recording = False
         self.replaying = 0
-        prev_ac = sim.autocast
-        sim.autocast = self.autocast
+        prev_ac, prev_cache = sim.autocast, sim.autocast_cache
+        sim.autocast, sim.autocast_cache = self.autocast, []
         try:
             ins = [view(t, t.shape, t.phys) if t is not None else None for t in self.inputs]
             for t in ins:       # same requires_grad as in the forward, so the node order matches
@@ -247,7 +248,7 @@ class _CkptGroup:
                 pass
         finally:
             sim.ckpt = prev
-            sim.autocast = prev_ac
+            sim.autocast, sim.autocast_cache = prev_ac, prev_cache   # the recompute's autocast exits
             self.replaying = None
             # the checkpoint keeps its inputs until the layer's backward is over (see backward())
 
@@ -298,6 +299,11 @@ def cast(sim: Sim, x: T, dt: str, cached_param=None) -> T:
     out = new(sim, x.shape, dt, cat=cat, phys=x.phys)
     if cached_param is not None and sim.param_cast_scale != 1.0:
         shrink(sim, out.buf, sim.param_cast_scale)   # ZeRO-3: only the local shard is cast
+    if cached_param is not None and x.rg and x.fn is None:
+        # autocast caches the cast of a leaf that requires grad until the autocast region exits,
+        # whether or not autograd saves it (e.g. LoRA's A when its input needs no grad, or every
+        # weight during a checkpointed forward)
+        sim.autocast_cache.append(out)
     src_dt, shape = x.dt, x.shape
 
     def bwd(node, g):
@@ -1037,6 +1043,7 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
         sim.autocast = amp
         loss = llama_loss(sim, M, ids, labels, cfg)
         sim.autocast = None
+        sim.autocast_cache = []         # leaving torch.autocast clears its cache
         if grad_accum > 1:
             loss = mul_scalar(sim, loss)
         if precision == "fp16-amp":
