@@ -314,3 +314,19 @@ def test_estimate_from_hf_bad_input(args, needle):
     with pytest.raises(ValueError) as e:
         estimate_from_hf("tiny", args)
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("call,option", [
+    (lambda: estimate("tiny", method="lora", lora_rank=0), "lora_rank"),
+    (lambda: estimate("nope"), "model"),
+    (lambda: estimate("tiny", optimizer_impl="fast"), "optimizer_impl"),
+    (lambda: __import__("trainmem.estimate").estimate.estimate_from_hf(
+        "tiny", {"optim": "adafactor"}, seq=8), "training_args"),
+    (lambda: __import__("trainmem.estimate").estimate.estimate_from_hf(
+        "tiny", None, {"r": 0}, seq=8), "peft_config"),
+])
+def test_errors_carry_the_option(call, option):
+    from trainmem.estimate import OptionError
+    with pytest.raises(OptionError) as e:
+        call()
+    assert e.value.option == option and isinstance(e.value, ValueError)

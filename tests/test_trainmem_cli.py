@@ -103,7 +103,7 @@ def test_hf_subcommand(tmp_path, capsys):
     (lambda d: ["--training-args", str(_write(d / "a.json", '{"optim": "adafactor"}')),
                 "--seq", "8"], "optim must be one of"),
     (lambda d: ["--peft-config", str(_write(d / "p.json", '{"r": 0}')), "--seq", "8"],
-     "peft_config r must be ≥ 1"),
+     "--peft-config r must be ≥ 1"),
     (lambda d: [], "--seq must be given"),
 ])
 def test_hf_bad_input_one_line(setup, needle, tmp_path, capsys):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
 from .estimate import ATTN_IMPLS, METHODS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
@@ -40,14 +39,6 @@ examples:
   python -m trainmem estimate --model mistral-7b --optimizer-impl fused --checkpointing
   python -m trainmem hf --model config.json --training-args args.json --peft-config adapter_config.json --seq 1024
 """
-
-_FLAG = {"lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha", "lora_targets": "--lora-targets",
-         "lora_dtype": "--lora-dtype", "grad_accum": "--grad-accum", "batch": "--batch",
-         "seq": "--seq", "gpus": "--gpus", "zero": "--zero", "method": "--method",
-         "precision": "--precision", "optimizer": "--optimizer", "attn": "--attn",
-         "device": "--device", "model": "--model", "optimizer ": "--optimizer ",
-         "optimizer_impl": "--optimizer-impl"}
-
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
@@ -194,14 +185,14 @@ def _run_hf(args):
                             _read_json("--peft-config", args.peft_config), seq=args.seq)
 
 
-def _one_line(msg: str) -> str:
-    msg = " ".join(str(msg).split())
-    m = re.match(r"^([a-z_]+)(\b.*)$", msg)
-    if m and m.group(1) in _FLAG:
-        return _FLAG[m.group(1)] + m.group(2)
-    if msg.startswith("model config file"):
-        return "--model: " + msg
-    return msg
+def _one_line(err: ValueError) -> str:
+    """The error as one line; an :class:`~trainmem.estimate.OptionError` names its flag."""
+    msg = " ".join(str(err).split())
+    option = getattr(err, "option", None)
+    if option is None:
+        return msg
+    flag = "--" + option.replace("_", "-")
+    return flag + msg[len(option):] if msg.startswith(option) else f"{flag}: {msg}"
 
 
 def main(argv=None) -> int:

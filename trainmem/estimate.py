@@ -118,6 +118,16 @@ GiB = 1024 ** 3
 GB = 1000 ** 3
 
 
+class OptionError(ValueError):
+    """Bad input to the estimator or the measurement; ``option`` names the argument it came from
+    (``"lora_rank"``, ``"model"``, ``"training_args"``, ...), so a front end can name its own flag
+    without parsing the message."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(message)
+        self.option = option
+
+
 # --------------------------------------------------------------------------------------------
 # Model shape
 # --------------------------------------------------------------------------------------------
@@ -193,8 +203,9 @@ def resolve_config(model: Any):
     if hasattr(model, "vocab_size") and (hasattr(model, "to_dict") or hasattr(model, "model_type")):
         return model            # a transformers config, or any object with its fields
     if isinstance(model, Shape):
-        raise ValueError("pass a preset name, a config .json path or a transformers config as model")
-    raise ValueError(f"model must be a preset name ({', '.join(models.preset_names())}), a config .json "
+        raise OptionError("model", "model: pass a preset name, a config .json path or a "
+                          "transformers config")
+    raise OptionError("model", f"model must be a preset name ({', '.join(models.preset_names())}), a config .json "
                      f"path or a transformers config, got {type(model).__name__}")
 
 
@@ -223,12 +234,12 @@ def model_shape(model: Any) -> Shape:
 def _choice(name: str, value, allowed):
     if value not in allowed:
         shown = ", ".join("None" if a is None else str(a) for a in allowed)
-        raise ValueError(f"{name} must be one of {shown}, got {value!r}")
+        raise OptionError(name, f"{name} must be one of {shown}, got {value!r}")
 
 
 def _positive_int(name: str, value):
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be an integer ≥ 1, got {value!r}")
+        raise OptionError(name, f"{name} must be an integer ≥ 1, got {value!r}")
 
 
 def check_options(shape_or_cfg, *, method, precision, optimizer, batch, seq, lora_rank,
@@ -252,13 +263,13 @@ def check_options(shape_or_cfg, *, method, precision, optimizer, batch, seq, lor
         shapes = shape.linear_shapes()
         targets = list(lora_targets) if not isinstance(lora_targets, str) else [lora_targets]
         if not targets:
-            raise ValueError(f"lora_targets must name at least one of {', '.join(shapes)}")
+            raise OptionError("lora_targets", f"lora_targets must name at least one of {', '.join(shapes)}")
         for t in targets:
             if t not in shapes:
-                raise ValueError(f"lora_targets: unknown target module {t!r}; allowed: {', '.join(shapes)}")
+                raise OptionError("lora_targets", f"lora_targets: unknown target module {t!r}; allowed: {', '.join(shapes)}")
         width = min(min(shapes[t]) for t in targets)
         if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or not 1 <= lora_rank <= width:
-            raise ValueError(f"lora_rank must be ≥ 1 and ≤ min(d_in, d_out)={width}, got {lora_rank!r}")
+            raise OptionError("lora_rank", f"lora_rank must be ≥ 1 and ≤ min(d_in, d_out)={width}, got {lora_rank!r}")
     return shape
 
 
@@ -520,8 +531,9 @@ HF_OPTIMS = {"adamw_torch_fused": ("adamw", "fused"), "adamw_torch": ("adamw", "
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-_HF_NAMES = {"lora_rank": "peft_config r", "lora_targets:": "peft_config target_modules:",
-             "batch": "per_device_train_batch_size", "grad_accum": "gradient_accumulation_steps"}
+_HF_NAMES = {"lora_rank": ("peft_config", "r"), "lora_targets": ("peft_config", "target_modules"),
+             "batch": ("training_args", "per_device_train_batch_size"),
+             "grad_accum": ("training_args", "gradient_accumulation_steps")}
 
 
 def _field(obj, name: str, default=None):
@@ -561,11 +573,11 @@ def hf_options(model: Any, training_args: Any = None, peft_config: Any = None, *
     optim = _field(training_args, "optim", "adamw_torch_fused")
     optim = str(getattr(optim, "value", optim))          # OptimizerNames -> its string
     if optim not in HF_OPTIMS:
-        raise ValueError(f"optim must be one of {', '.join(HF_OPTIMS)}, got {optim!r}")
+        raise OptionError("training_args", f"optim must be one of {', '.join(HF_OPTIMS)}, got {optim!r}")
     optimizer, impl = HF_OPTIMS[optim]
     bf16, fp16 = bool(_field(training_args, "bf16", False)), bool(_field(training_args, "fp16", False))
     if bf16 and fp16:
-        raise ValueError("bf16 and fp16 cannot both be set in the training arguments")
+        raise OptionError("training_args", "bf16 and fp16 cannot both be set in the training arguments")
     precision = "bf16-amp" if bf16 else ("fp16-amp" if fp16 else "fp32")
     # transformers 5 renames gradient_checkpointing to activation_checkpointing (keeps both)
     ckpt = bool(_field(training_args, "activation_checkpointing", False)
@@ -573,7 +585,7 @@ def hf_options(model: Any, training_args: Any = None, peft_config: Any = None, *
     ck_kwargs = (_field(training_args, "activation_checkpointing_kwargs", None)
                  or _field(training_args, "gradient_checkpointing_kwargs", None) or {})
     if ckpt and ck_kwargs.get("use_reentrant", False):
-        raise ValueError("gradient_checkpointing_kwargs: use_reentrant=True is not modelled; "
+        raise OptionError("training_args", "gradient_checkpointing_kwargs: use_reentrant=True is not modelled; "
                          "allowed: use_reentrant=False (the default of transformers 5)")
     batch = _field(training_args, "per_device_train_batch_size", 8)
     accum = _field(training_args, "gradient_accumulation_steps", 1)
@@ -581,7 +593,7 @@ def hf_options(model: Any, training_args: Any = None, peft_config: Any = None, *
     if length is None:
         length = _field(training_args, "max_length", None) or _field(training_args, "max_seq_length", None)
     if length is None:
-        raise ValueError("seq must be given (tokens per sequence): the training arguments set no "
+        raise OptionError("seq", "seq must be given (tokens per sequence): the training arguments set no "
                          "max_length")
     opts: dict[str, Any] = dict(method="full", precision=precision, optimizer=optimizer,
                                 optimizer_impl=impl, batch=batch, seq=length, grad_accum=accum,
@@ -597,9 +609,9 @@ def hf_options(model: Any, training_args: Any = None, peft_config: Any = None, *
     if peft_config is not None:
         ptype = str(_field(peft_config, "peft_type", "LORA")).split(".")[-1].upper()
         if ptype != "LORA":
-            raise ValueError(f"peft_config: peft_type must be LORA, got {ptype!r}")
+            raise OptionError("peft_config", f"peft_config: peft_type must be LORA, got {ptype!r}")
         if _field(peft_config, "use_dora", False):
-            raise ValueError("peft_config: use_dora=True is not modelled; allowed: use_dora=False")
+            raise OptionError("peft_config", "peft_config: use_dora=True is not modelled; allowed: use_dora=False")
         targets = _field(peft_config, "target_modules", None)
         if targets is None:
             targets = ("q_proj", "v_proj")          # peft's default for Llama-family models
@@ -611,7 +623,7 @@ def hf_options(model: Any, training_args: Any = None, peft_config: Any = None, *
         if four_bit:
             opts["qlora_double_quant"] = bool(_field(quant, "bnb_4bit_use_double_quant", False))
     elif four_bit:
-        raise ValueError("a 4-bit quantized model needs a peft_config (QLoRA): full fine-tuning "
+        raise OptionError("peft_config", "a 4-bit quantized model needs a peft_config (QLoRA): full fine-tuning "
                          "of 4-bit weights is not possible")
     return opts
 
@@ -639,10 +651,11 @@ def estimate_from_hf(model: Any, training_args: Any = None, peft_config: Any = N
     opts.update(overrides)
     try:
         est = estimate(model, **opts)
-    except ValueError as e:      # name the Hugging Face field the bad value came from
-        name, _, rest = str(e).partition(" ")
-        if name in _HF_NAMES and name not in overrides:
-            raise ValueError(f"{_HF_NAMES[name]} {rest}") from None
+    except OptionError as e:     # name the Hugging Face field the bad value came from
+        if e.option in _HF_NAMES and e.option not in overrides:
+            source, field_name = _HF_NAMES[e.option]
+            rest = str(e)[len(e.option):] if str(e).startswith(e.option) else f": {e}"
+            raise OptionError(source, f"{source} {field_name}{rest}") from None
         raise
     est.options["source"] = "hf"
     return est

@@ -53,8 +53,7 @@ from typing import Any
 
 import torch
 
-from .estimate import (CATEGORIES, METHODS, OPTIMIZERS, PRECISIONS, ATTN_IMPLS, resolve_config,
-                       check_options)
+from .estimate import CATEGORIES, OptionError, check_options, resolve_config
 from .models import build_model
 from .tracker import MemoryTracker
 
@@ -202,7 +201,7 @@ def make_optimizer(model, optimizer: str, lr: float = 1e-4, optimizer_impl: str 
     elif optimizer == "sgd-momentum":
         opt = torch.optim.SGD(params, lr=lr, momentum=0.9, **flags)
     else:
-        raise ValueError(f"optimizer {optimizer!r} cannot be measured here (needs bitsandbytes on CUDA); "
+        raise OptionError("optimizer", f"optimizer {optimizer!r} cannot be measured here (needs bitsandbytes on CUDA); "
                          "allowed for measure: adamw, sgd, sgd-momentum")
     return opt
 
@@ -375,16 +374,16 @@ def measure(model: Any = "tiny", *, method: str = "full", precision: str = "fp32
     implementation explicitly (see :data:`trainmem.estimate.OPTIMIZER_IMPLS`).
     """
     if device not in ("cpu", "fake", "cuda"):
-        raise ValueError(f"device must be one of cpu, fake, cuda, got {device!r}")
+        raise OptionError("device", f"device must be one of cpu, fake, cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False; allowed: cpu, fake")
+        raise OptionError("device", "device 'cuda' requested but torch.cuda.is_available() is False; allowed: cpu, fake")
     cfg = resolve_config(model)
     check_options(cfg, method=method, precision=precision, optimizer=optimizer, batch=batch,
                   seq=seq, lora_rank=lora_rank, lora_targets=lora_targets, attn=attn,
                   grad_accum=grad_accum, zero=0, gpus=1, lora_dtype=lora_dtype,
                   optimizer_impl=optimizer_impl)
     if method == "qlora":
-        raise ValueError("method 'qlora' cannot be measured here (needs bitsandbytes on CUDA); "
+        raise OptionError("method", "method 'qlora' cannot be measured here (needs bitsandbytes on CUDA); "
                          "allowed for measure: full, lora")
     kw = dict(method=method, precision=precision, optimizer=optimizer, batch=batch, seq=seq,
               grad_accum=grad_accum, lora_rank=lora_rank, lora_alpha=lora_alpha,

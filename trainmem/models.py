@@ -59,7 +59,9 @@ def get_config(name: str, **overrides: Any):
     Raises ``ValueError`` naming the allowed presets for an unknown name.
     """
     if name not in PRESETS:
-        raise ValueError(f"model must be one of {', '.join(preset_names())} or a config .json file, got {name!r}")
+        from .estimate import OptionError
+        raise OptionError("model", f"model must be one of {', '.join(preset_names())} or a config "
+                                   f".json file, got {name!r}")
     fields = dict(PRESETS[name])
     fields.update(overrides)
     arch = fields.pop("arch")
@@ -110,29 +112,34 @@ def load_config_file(path: str):
     line naming the file and what is wrong (missing, not JSON, not an object, unknown model_type,
     missing size fields).
     """
+    from .estimate import OptionError
+
+    def bad(message: str) -> OptionError:
+        return OptionError("model", message)
+
     import json
     import os
 
     if not os.path.isfile(path):
-        raise ValueError(f"model config file {path!r} does not exist; model must be a preset "
+        raise bad(f"model config file {path!r} does not exist; model must be a preset "
                          f"({', '.join(preset_names())}) or a config .json file")
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"model config file {path!r} is not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+        raise bad(f"model config file {path!r} is not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"model config file {path!r} must hold a JSON object, got {type(data).__name__}")
+        raise bad(f"model config file {path!r} must hold a JSON object, got {type(data).__name__}")
     mt = data.get("model_type")
     if mt not in _ARCHS:
-        raise ValueError(f"model config file {path!r}: model_type must be one of "
+        raise bad(f"model config file {path!r}: model_type must be one of "
                          f"{', '.join(sorted(_ARCHS))}, got {mt!r}")
     need = ("vocab_size", "n_embd", "n_layer", "n_head") if mt == "gpt2" else (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     for k in need:
         v = data.get(k)
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"model config file {path!r}: {k} must be a positive integer, got {v!r}")
+            raise bad(f"model config file {path!r}: {k} must be a positive integer, got {v!r}")
     if mt == "mistral":
         from transformers import MistralConfig as C
     elif mt == "qwen2":
@@ -145,6 +152,6 @@ def load_config_file(path: str):
     try:
         cfg = C(**fields)
     except Exception as e:  # transformers validation
-        raise ValueError(f"model config file {path!r} is not a valid {mt} config: {e}") from None
+        raise bad(f"model config file {path!r} is not a valid {mt} config: {e}") from None
     cfg.name_or_path = os.path.basename(path)
     return cfg
