@@ -161,3 +161,172 @@ def test_zero0_layout_unchanged_by_gpus():
     a = json.loads(a)
     a["options"].pop("gpus"), b["options"].pop("gpus")
     assert a == b
+
+
+# --------------------------------------------------------------------------------------------
+# AdamW implementations, GQA presets, QLoRA layout, the Hugging Face entry point
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["mistral-7b", "qwen2-7b", "qwen2-1.5b"])
+def test_gqa_presets_count_params_match_transformers(name):
+    from trainmem.estimate import model_shape
+    from trainmem.models import build_model, get_config
+    model = build_model(get_config(name), device="meta")
+    assert count_params(name) == sum(p.numel() for p in model.parameters())
+    s = model_shape(name)
+    assert s.kv_heads < s.heads          # grouped-query attention
+    assert model.model.layers[0].self_attn.k_proj.out_features == s.kv_dim
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused", "for-loop"])
+@pytest.mark.parametrize("precision", ["bf16-amp", "bf16"])
+def test_optimizer_impl_agrees_with_cpu_measurement(impl, precision):
+    from trainmem.measure import measure
+    kw = dict(method="full", precision=precision, batch=1, seq=8, optimizer_impl=impl)
+    est, meas = estimate("tiny", **kw), measure("tiny", device="cpu", **kw)
+    assert abs(est.total_bytes - meas.total_bytes) <= 16
+    assert est.peak_phase == meas.peak_phase
+    assert est.options["optimizer_impl"] == impl
+
+
+def test_optimizer_impl_scratch_by_hand_llama7b():
+    """The optimizer-phase peak minus the fused one (no scratch) is each implementation's scratch:
+    foreach = sqrt(exp_avg_sq) of every parameter at once (+ the 4-byte step increment);
+    for-loop = the largest ``denom_prev + sqrt + quotient`` over torch's parameter order, which
+    for llama-7b is the final norm's denom plus two copies of lm_head (fp32 states)."""
+    kw = dict(method="full", precision="bf16-amp", batch=1, seq=8)
+    peak = {impl: estimate("llama-7b", optimizer_impl=impl, **kw).phase_peaks["optimizer"]
+            for impl in ("fused", "foreach", "for-loop")}
+    n = count_params("llama-7b")
+    assert peak["foreach"] - peak["fused"] == 4 * n + 4
+    assert peak["for-loop"] - peak["fused"] == 4 * 4096 + 2 * (4 * 32000 * 4096)
+
+
+def test_trainer_default_is_fused_and_plain_adamw_on_cuda_is_foreach():
+    """The documented defaults, checked against the installed libraries' own code."""
+    import torch
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+    from transformers import TrainingArguments
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    from trainmem.estimate import HF_OPTIMS
+    args = TrainingArguments("unused", use_cpu=True, report_to=[])
+    assert HF_OPTIMS[str(args.optim.value)] == ("adamw", "fused")
+    # torch.optim.AdamW(params) (foreach=None, fused=None) asks _default_to_fused_or_foreach with
+    # use_fused=False: foreach on the foreach devices (CUDA among them), the for-loop elsewhere
+    assert "cuda" in _get_foreach_kernels_supported_devices()
+    cpu = torch.zeros(4)
+    assert _default_to_fused_or_foreach([cpu], differentiable=False) == (False, False)
+    assert HF_OPTIMS["adamw_torch"] == ("adamw", "foreach")
+
+
+def test_bf16_eager_checkpointing_row_matches_measurement():
+    """Pure bf16, eager, checkpointing, 4 x 256 on h=256: was +7.1 % (one extra 16-bit
+    b·heads·s·s tensor in softmax's backward)."""
+    from trainmem.measure import measure
+    from trainmem.models import get_config
+    cfg = get_config("tiny", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=8, vocab_size=1000)
+    kw = dict(method="full", precision="bf16", attn="eager", checkpointing=True, batch=4, seq=256)
+    est, meas = estimate(cfg, **kw), measure(cfg, **kw)
+    assert abs(est.total_bytes - meas.total_bytes) <= 16
+
+
+@pytest.mark.parametrize("kv,batch", [(1, 1), (1, 2), (2, 2)])
+def test_gqa_eager_lora_agrees_with_measurement(kv, batch):
+    """repeat_kv is a view for one key/value head (and matmul copies it only when batch > 1)."""
+    from trainmem.measure import measure
+    from trainmem.models import get_config
+    cfg = get_config("tiny", hidden_size=96, num_attention_heads=6, num_key_value_heads=kv)
+    kw = dict(method="lora", lora_rank=2, lora_targets=("k_proj", "v_proj", "down_proj"),
+              precision="fp32", attn="eager", batch=batch, seq=24)
+    est, meas = estimate(cfg, **kw), measure(cfg, **kw)
+    assert abs(est.total_bytes - meas.total_bytes) <= 16
+    assert abs(est.activation_bytes - meas.activation_bytes) <= 16
+
+
+def test_qlora_base_weights_by_hand_llama7b():
+    """bitsandbytes: only the decoder blocks' Linear weights are NF4 (4 bits + an 8-bit absmax per
+    64 weights + an fp32 constant per 256 blocks with double quantization); embeddings, norms and
+    lm_head stay 16-bit. llama-7b: 6,476,005,376 quantized + 262,410,240 16-bit parameters."""
+    linear = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    rest = 2 * 32000 * 4096 + (2 * 32 + 1) * 4096
+    assert linear + rest == count_params("llama-7b")
+    want = linear * 2113 // 4096 + 2 * rest          # 0.5 + 1/64 + 4/(64*256) = 2113/4096 B
+    assert want == 3_865_591_808                     # ≈ 3.87 GB
+    e = estimate("llama-7b", method="qlora", precision="bf16-amp", optimizer="sgd", batch=1, seq=8)
+    # model states at the step: base + 2 fp32 rotary buffers + LoRA fp32 params and fp32 grads
+    assert e.model_state_bytes - 2 * 4 * 64 - 8 * e.n_trainable == want
+    single = estimate("llama-7b", method="qlora", precision="bf16-amp", optimizer="sgd", batch=1,
+                      seq=8, qlora_double_quant=False)
+    assert single.model_state_bytes - e.model_state_bytes == linear * (4 / 64 - 1 / 64 - 4 / 16384)
+
+
+def test_estimate_modules_import_no_torch():
+    """The estimator runs in the browser (Pyodide): standard library only at import time."""
+    import subprocess
+    import sys
+    code = ("import sys, trainmem.estimate, trainmem.simulate, trainmem.models, trainmem.cli;"
+            "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_estimate_from_hf_maps_trainer_arguments():
+    from peft import LoraConfig
+    from transformers import TrainingArguments
+
+    from trainmem.estimate import estimate_from_hf, hf_options
+    from trainmem.models import get_config
+    cfg = get_config("qwen2-1.5b")
+    args = TrainingArguments("unused", use_cpu=True, report_to=[], bf16=True,
+                             gradient_checkpointing=True, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2)
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
+    opts = hf_options(cfg, args, lora, seq=512)
+    assert opts == dict(method="lora", precision="bf16-amp", optimizer="adamw",
+                        optimizer_impl="fused", batch=4, seq=512, grad_accum=2, checkpointing=True,
+                        lora_rank=16, lora_alpha=32,
+                        lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                      "up_proj", "down_proj"))
+    est = estimate_from_hf(cfg, args, lora, seq=512)
+    assert est.total_bytes == estimate(cfg, **opts).total_bytes
+    # the same from the JSON files a user has (TrainingArguments.to_dict(), adapter_config.json)
+    as_json = estimate_from_hf(cfg.to_dict(), json.loads(args.to_json_string()),
+                               json.loads(json.dumps(lora.to_dict(), default=list)), seq=512)
+    assert as_json.total_bytes == est.total_bytes
+    # QLoRA from the quantization config; full fine-tuning without a peft config
+    q = estimate_from_hf(cfg, args, lora, seq=512,
+                         quantization_config={"load_in_4bit": True,
+                                              "bnb_4bit_use_double_quant": True})
+    assert q.options["method"] == "qlora" and q.total_bytes < est.total_bytes
+    assert estimate_from_hf(cfg, args, None, seq=512).options["method"] == "full"
+
+
+@pytest.mark.parametrize("args,needle", [
+    ({"optim": "adafactor"}, "optim must be one of adamw_torch_fused"),
+    ({"bf16": True, "fp16": True}, "bf16 and fp16 cannot both be set"),
+    ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+     "use_reentrant=True is not modelled"),
+    ({}, "seq must be given"),
+])
+def test_estimate_from_hf_bad_input(args, needle):
+    from trainmem.estimate import estimate_from_hf
+    with pytest.raises(ValueError) as e:
+        estimate_from_hf("tiny", args)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("call,option", [
+    (lambda: estimate("tiny", method="lora", lora_rank=0), "lora_rank"),
+    (lambda: estimate("nope"), "model"),
+    (lambda: estimate("tiny", optimizer_impl="fast"), "optimizer_impl"),
+    (lambda: __import__("trainmem.estimate").estimate.estimate_from_hf(
+        "tiny", {"optim": "adafactor"}, seq=8), "training_args"),
+    (lambda: __import__("trainmem.estimate").estimate.estimate_from_hf(
+        "tiny", None, {"r": 0}, seq=8), "peft_config"),
+])
+def test_errors_carry_the_option(call, option):
+    from trainmem.estimate import OptionError
+    with pytest.raises(OptionError) as e:
+        call()
+    assert e.value.option == option and isinstance(e.value, ValueError)

@@ -43,3 +43,30 @@ def test_unmeasurable_options_are_rejected():
         measure("tiny", method="qlora")
     with pytest.raises(ValueError, match="device must be one of cpu, fake, cuda"):
         measure("tiny", device="tpu")
+
+
+@pytest.mark.parametrize("kw", [
+    # LoRA + checkpointing + accumulation: MemTracker's own module hooks used to keep the frozen
+    # embedding's output (a leaf that requires grad) and its .grad alive from micro-batch 1
+    dict(method="lora", precision="bf16-amp", checkpointing=True, grad_accum=2,
+         optimizer_impl="for-loop"),
+    # fp16-amp: the measured step is one where GradScaler really steps (optimizer states exist)
+    dict(method="full", precision="fp16-amp", optimizer_impl="fused"),
+])
+def test_memtracker_agrees_with_measure(kw):
+    from trainmem.estimate import estimate
+    from trainmem.measure import measure_memtracker
+    meas = measure("tiny", device="cpu", batch=2, seq=16, **kw)
+    mt = measure_memtracker("tiny", batch=2, seq=16, **kw)
+    assert abs(mt - meas.total_bytes) <= 16
+    est = estimate("tiny", batch=2, seq=16, **kw)
+    assert abs(est.total_bytes - meas.total_bytes) <= 0.001 * meas.total_bytes
+    assert meas.breakdown["optimizer_states"] == est.breakdown["optimizer_states"] > 0
+
+
+@pytest.mark.parametrize("impl", ["fused", "for-loop"])
+def test_fake_equals_real_per_optimizer_impl(impl):
+    kw = dict(method="full", precision="bf16-amp", batch=1, seq=8, optimizer_impl=impl)
+    real = measure("tiny", device="cpu", **kw)
+    fake = measure("tiny", device="fake", **kw)
+    assert fake.total_bytes == real.total_bytes and fake.breakdown == real.breakdown

@@ -40,6 +40,7 @@ def test_measure_fake_json(capsys):
     (["--model", "tiny", "--method", "lora", "--lora-targets", "q_proj,foo"], "unknown target module 'foo'"),
     (["--batch", "0"], "--batch"),
     (["--precision", "fp8"], "choose from"),
+    (["--optimizer-impl", "fast"], "--optimizer-impl: invalid choice: 'fast'"),
 ])
 def test_bad_input_one_line(args, needle, capsys):
     with pytest.raises(SystemExit) as e:
@@ -65,3 +66,52 @@ def test_module_entry_point_help():
                  "--lora-rank", "--lora-alpha", "--lora-targets", "--checkpointing", "--attn",
                  "--zero", "--gpus", "--json", "master_weights"):
         assert flag in out
+
+
+def test_estimate_optimizer_impl_json(capsys):
+    peaks = {}
+    for impl in ("foreach", "fused", "for-loop"):
+        assert main(["estimate", "--model", "llama-7b", "--optimizer-impl", impl, "--seq", "64",
+                     "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["options"]["optimizer_impl"] == impl
+        peaks[impl] = out["total_bytes"]
+    assert peaks["fused"] < peaks["for-loop"] < peaks["foreach"]
+
+
+def test_hf_subcommand(tmp_path, capsys):
+    args = tmp_path / "training_args.json"
+    args.write_text(json.dumps({"optim": "adamw_torch_fused", "bf16": True,
+                                "gradient_checkpointing": True, "per_device_train_batch_size": 2,
+                                "gradient_accumulation_steps": 4, "max_length": 256}))
+    peft = tmp_path / "adapter_config.json"
+    peft.write_text(json.dumps({"peft_type": "LORA", "r": 16, "lora_alpha": 32,
+                                "target_modules": ["q_proj", "v_proj"]}))
+    assert main(["hf", "--model", "mistral-7b", "--training-args", str(args), "--peft-config",
+                 str(peft), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    o = out["options"]
+    assert (o["method"], o["precision"], o["optimizer_impl"], o["batch"], o["seq"],
+            o["grad_accum"], o["checkpointing"], o["lora_rank"]) == \
+        ("lora", "bf16-amp", "fused", 2, 256, 4, True, 16)
+    assert out["total_bytes"] == sum(out["breakdown"].values())
+
+
+@pytest.mark.parametrize("setup,needle", [
+    (lambda d: ["--training-args", str(d / "missing.json")], "--training-args: file"),
+    (lambda d: ["--training-args", str(_write(d / "a.json", "{"))], "is not valid JSON"),
+    (lambda d: ["--training-args", str(_write(d / "a.json", '{"optim": "adafactor"}')),
+                "--seq", "8"], "optim must be one of"),
+    (lambda d: ["--peft-config", str(_write(d / "p.json", '{"r": 0}')), "--seq", "8"],
+     "--peft-config r must be ≥ 1"),
+    (lambda d: [], "--seq must be given"),
+])
+def test_hf_bad_input_one_line(setup, needle, tmp_path, capsys):
+    assert main(["hf", "--model", "tiny", *setup(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path

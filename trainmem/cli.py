@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
-from .estimate import ATTN_IMPLS, METHODS, OPTIMIZERS, PRECISIONS
+from .estimate import ATTN_IMPLS, METHODS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
+from .models import preset_names
 
 _EPILOG = """\
 terms (bytes at the peak of one training step; they sum to total_bytes):
@@ -36,14 +36,9 @@ examples:
   python -m trainmem estimate --model my_config.json --method full --checkpointing --zero 3 --gpus 8 --json
   python -m trainmem measure --model tiny --method lora --device cpu --batch 2 --seq 64
   python -m trainmem measure --model llama-7b --method lora --device fake --batch 1 --seq 512
+  python -m trainmem estimate --model mistral-7b --optimizer-impl fused --checkpointing
+  python -m trainmem hf --model config.json --training-args args.json --peft-config adapter_config.json --seq 1024
 """
-
-_FLAG = {"lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha", "lora_targets": "--lora-targets",
-         "lora_dtype": "--lora-dtype", "grad_accum": "--grad-accum", "batch": "--batch",
-         "seq": "--seq", "gpus": "--gpus", "zero": "--zero", "method": "--method",
-         "precision": "--precision", "optimizer": "--optimizer", "attn": "--attn",
-         "device": "--device", "model": "--model", "optimizer ": "--optimizer "}
-
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
@@ -73,9 +68,8 @@ def _rank(text):
 
 def _add_common(p: argparse.ArgumentParser):
     p.add_argument("--model", default="llama-7b",
-                   help="preset name (llama-7b, llama2-7b, llama2-13b, llama2-70b, qwen2.5-0.5b, gpt2, "
-                        "tiny) or path to an HF config.json (model_type llama, mistral, qwen2, gpt2); "
-                        "default llama-7b")
+                   help=f"preset name ({', '.join(preset_names())}) or path to an HF config.json "
+                        "(model_type llama, mistral, qwen2, gpt2); default llama-7b")
     p.add_argument("--method", default="full", choices=METHODS,
                    help="full fine-tuning, LoRA, or QLoRA (4-bit NF4 base weights); default full")
     p.add_argument("--precision", default="bf16-amp", choices=PRECISIONS,
@@ -84,6 +78,11 @@ def _add_common(p: argparse.ArgumentParser):
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
                    help="torch AdamW (foreach), bitsandbytes 8-bit AdamW, SGD, SGD with momentum; "
                         "default adamw")
+    p.add_argument("--optimizer-impl", default="foreach", choices=OPTIMIZER_IMPLS,
+                   help="torch's AdamW implementation, which sets the scratch memory of the step: "
+                        "foreach (what torch.optim.AdamW(params) picks on CUDA; the default here), "
+                        "fused (Hugging Face Trainer's default optim adamw_torch_fused), for-loop "
+                        "(foreach=False); default foreach")
     p.add_argument("--batch", type=_positive("batch"), default=1, help="micro-batch size (≥ 1); default 1")
     p.add_argument("--seq", type=_positive("seq"), default=512, help="sequence length in tokens (≥ 1); default 512")
     p.add_argument("--grad-accum", type=_positive("grad_accum"), default=1,
@@ -133,28 +132,87 @@ def build_parser() -> argparse.ArgumentParser:
     pm.add_argument("--no-extrapolate", action="store_true",
                     help="with --device fake: run every layer instead of extending 2- and 3-layer "
                          "runs linearly (slower; the result is the same)")
+    ph = sub.add_parser("hf", help="estimate from a model config, TrainingArguments and a LoraConfig",
+                        description="Estimate the peak memory of one Trainer step from what a "
+                                    "Hugging Face user has: the model's config.json, the "
+                                    "TrainingArguments (as JSON: optim, bf16/fp16, "
+                                    "gradient_checkpointing, per_device_train_batch_size, "
+                                    "gradient_accumulation_steps, max_length) and the peft "
+                                    "adapter_config.json (LoRA; a 4-bit quantization_config in "
+                                    "config.json makes it QLoRA).",
+                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
+    ph.add_argument("--model", default="llama-7b",
+                    help="preset name or path to the model's config.json; default llama-7b")
+    ph.add_argument("--training-args", metavar="FILE",
+                    help="TrainingArguments as JSON (TrainingArguments.to_json_string(), or any "
+                         "subset of its fields); default: Trainer's defaults")
+    ph.add_argument("--peft-config", metavar="FILE",
+                    help="peft adapter_config.json (LoRA); omit for full fine-tuning")
+    ph.add_argument("--seq", type=_positive("seq"), default=None,
+                    help="tokens per sequence; default: max_length of the training arguments")
+    ph.add_argument("--json", action="store_true",
+                    help="print one JSON object (total_bytes, breakdown, ...) instead of the table")
     return parser
 
 
-def _one_line(msg: str) -> str:
-    msg = " ".join(str(msg).split())
-    m = re.match(r"^([a-z_]+)(\b.*)$", msg)
-    if m and m.group(1) in _FLAG:
-        return _FLAG[m.group(1)] + m.group(2)
-    if msg.startswith("model config file"):
-        return "--model: " + msg
-    return msg
+def _read_json(flag: str, path: str | None):
+    """The dict in a JSON file named by a command-line flag (ValueError with one line)."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{flag}: file {path!r} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag}: {path!r} is not valid JSON ({getattr(e, 'msg', e)})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{flag}: {path!r} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _run_hf(args):
+    from .estimate import estimate_from_hf
+    model = args.model
+    if model.endswith(".json"):
+        from .models import load_config_file
+        raw = _read_json("--model", model)
+        quant = raw.get("quantization_config")
+        model = load_config_file(model)
+        if quant is not None:
+            model.quantization_config = quant
+    return estimate_from_hf(model, _read_json("--training-args", args.training_args),
+                            _read_json("--peft-config", args.peft_config), seq=args.seq)
+
+
+def _one_line(err: ValueError) -> str:
+    """The error as one line; an :class:`~trainmem.estimate.OptionError` names its flag."""
+    msg = " ".join(str(err).split())
+    option = getattr(err, "option", None)
+    if option is None:
+        return msg
+    flag = "--" + option.replace("_", "-")
+    return flag + msg[len(option):] if msg.startswith(option) else f"{flag}: {msg}"
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    prog = f"{parser.prog} {args.command}"
+    if args.command == "hf":
+        try:
+            res = _run_hf(args)
+        except ValueError as e:
+            sys.stderr.write(f"{prog}: error: {_one_line(e)}\n")
+            return 2
+        print(json.dumps(res.to_dict()) if args.json else res.table())
+        return 0
     targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
     common = dict(method=args.method, precision=args.precision, optimizer=args.optimizer,
                   batch=args.batch, seq=args.seq, lora_rank=args.lora_rank,
                   lora_alpha=args.lora_alpha, lora_targets=targets, lora_dtype=args.lora_dtype,
-                  checkpointing=args.checkpointing, attn=args.attn, grad_accum=args.grad_accum)
-    prog = f"{parser.prog} {args.command}"
+                  checkpointing=args.checkpointing, attn=args.attn, grad_accum=args.grad_accum,
+                  optimizer_impl=args.optimizer_impl)
     try:
         if args.command == "estimate":
             from .estimate import estimate

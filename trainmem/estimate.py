@@ -14,16 +14,25 @@ Public API (stable; chapters and labs call it)::
     est.to_json(); est.to_dict(); print(est.table())      # table in GiB (2**30) and GB (10**9)
 
 ``estimate(model, method, precision, optimizer, batch, seq, lora_rank, lora_alpha, lora_targets,
-lora_dtype, qlora_double_quant, checkpointing, attn, zero, gpus, grad_accum)``:
+lora_dtype, qlora_double_quant, checkpointing, attn, zero, gpus, grad_accum, optimizer_impl)``:
 
 * ``model``: a preset name (``trainmem.models.PRESETS``: llama-7b, llama2-13b, qwen2.5-0.5b, gpt2,
   tiny, ...), a path to an HF ``config.json``, or a ``transformers`` config.
-* ``method``: ``"full"`` | ``"lora"`` | ``"qlora"`` (base Linear weights in 4-bit NF4).
+* ``method``: ``"full"`` | ``"lora"`` | ``"qlora"`` (bitsandbytes ``load_in_4bit``: the Linear
+  weights inside the decoder blocks in 4-bit NF4 — 0.5 B/weight + quantization constants — and
+  the embeddings, norms and ``lm_head`` in 16 bit, fp16 under ``fp16-amp`` and bf16 otherwise).
 * ``precision``: ``"fp32"`` | ``"fp16-amp"`` | ``"bf16-amp"`` (``torch.autocast`` over fp32
   parameters; fp16 adds loss scaling) | ``"bf16"`` (pure bf16: parameters, gradients and AdamW states
   in bf16, no master copy).
-* ``optimizer``: ``"adamw"`` (torch, ``foreach``) | ``"adamw8bit"`` (bitsandbytes) | ``"sgd"`` |
+* ``optimizer``: ``"adamw"`` (torch) | ``"adamw8bit"`` (bitsandbytes) | ``"sgd"`` |
   ``"sgd-momentum"``.
+* ``optimizer_impl``: torch's implementation, which decides the scratch memory of the step
+  (:data:`OPTIMIZER_IMPLS`): ``"foreach"`` (default here; what ``torch.optim.AdamW(params)`` picks
+  on CUDA) allocates ``sqrt(exp_avg_sq)`` for every parameter at once, one more copy of the
+  states (4 B/param under AMP); ``"fused"`` (Hugging Face Trainer's default, ``optim=
+  "adamw_torch_fused"`` in transformers 5) updates in place, no scratch; ``"for-loop"``
+  (``foreach=False``; the plain constructor's choice on CPU) needs two copies of one parameter
+  at a time (plus the previous parameter's ``denom``). SGD and 8-bit AdamW: no scratch.
 * ``batch``, ``seq``: micro-batch size and sequence length (tokens); ``grad_accum`` micro-batches
   per optimizer step (gradients then stay allocated during the next forward).
 * ``lora_rank`` (r), ``lora_alpha``, ``lora_targets`` (module names), ``lora_dtype`` (``None`` =
@@ -57,15 +66,20 @@ config.  Activations and temporaries come from :mod:`trainmem.simulate`, a symbo
 step: the Llama forward written op by op as ``transformers`` runs it, each op saving for backward
 what PyTorch's autograd saves, backward in autograd's order, then the optimizer's scratch memory.
 It agrees with the tensor-level measurement of :mod:`trainmem.measure` (real CPU tensors, and fake
-tensors for 7B shapes) to a few bytes in most configurations; the largest gap on the grid of
-``benchmarks/results/memory_accuracy.md`` is about -1 % (tiny model, LoRA on every Linear + bf16
-autocast + checkpointing: one 16 KiB temporary of the layer-0 recompute is not modelled).  The
-``forward`` phase peak under checkpointing is modelled less exactly (it is not the step's peak in
-those runs).  On a GPU, ``max_memory_allocated`` adds the caching allocator's
+tensors for 7B shapes) and with torch's own ``MemTracker`` to a few bytes in most configurations;
+``benchmarks/results/memory_accuracy.md`` lists a fixed grid and a random grid of tiny Llama,
+Qwen2 and Mistral configurations (GQA, tied embeddings, odd widths, every option) with the worst
+rows.  The ``forward`` phase peak under checkpointing is modelled less exactly (it is rarely the
+step's peak).  On a GPU, ``max_memory_allocated`` adds the caching allocator's
 512-byte rounding and kernel workspaces; ``max_memory_reserved`` adds fragmentation and the device
 total adds the CUDA context (several hundred MiB) — none of these is in the estimate.
 Llama-family configs (llama, mistral, qwen2) are replayed; ``gpt2`` uses the closed-form
 activation estimate of Korthikanti et al. (2022) and is marked ``exact=False``.
+
+From what a Hugging Face Trainer user has — a model config, ``TrainingArguments`` and a peft
+``LoraConfig`` — :func:`estimate_from_hf` (CLI: ``python -m trainmem hf``) derives these options
+(``optim`` → optimizer and implementation, ``bf16``/``fp16`` → precision, checkpointing, batch,
+accumulation, ``max_length``, LoRA rank and targets, 4-bit quantization → QLoRA).
 
 Bytes per parameter — the two conventions behind "16" and "18" (see :func:`bytes_per_param`):
 
@@ -94,9 +108,24 @@ METHODS = ("full", "lora", "qlora")
 PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16")
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd", "sgd-momentum")
 ATTN_IMPLS = ("sdpa", "eager", "flash")
+#: torch.optim implementations of AdamW / SGD; they differ only in the scratch memory of the step.
+#: ``foreach`` (the default here) is what ``torch.optim.AdamW(params)`` picks on CUDA; ``fused``
+#: is what Hugging Face Trainer runs by default (``optim="adamw_torch_fused"``, transformers 5);
+#: ``for-loop`` is ``foreach=False`` (also what the plain constructor picks on CPU).
+OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 LORA_DTYPES = (None, "fp32", "bf16", "fp16")
 GiB = 1024 ** 3
 GB = 1000 ** 3
+
+
+class OptionError(ValueError):
+    """Bad input to the estimator or the measurement; ``option`` names the argument it came from
+    (``"lora_rank"``, ``"model"``, ``"training_args"``, ...), so a front end can name its own flag
+    without parsing the message."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(message)
+        self.option = option
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,11 +200,12 @@ def resolve_config(model: Any):
         if model.endswith(".json") or os.path.sep in model:
             return models.load_config_file(model)
         return models.get_config(model)
-    if hasattr(model, "to_dict") and hasattr(model, "vocab_size"):
-        return model
+    if hasattr(model, "vocab_size") and (hasattr(model, "to_dict") or hasattr(model, "model_type")):
+        return model            # a transformers config, or any object with its fields
     if isinstance(model, Shape):
-        raise ValueError("pass a preset name, a config .json path or a transformers config as model")
-    raise ValueError(f"model must be a preset name ({', '.join(models.preset_names())}), a config .json "
+        raise OptionError("model", "model: pass a preset name, a config .json path or a "
+                          "transformers config")
+    raise OptionError("model", f"model must be a preset name ({', '.join(models.preset_names())}), a config .json "
                      f"path or a transformers config, got {type(model).__name__}")
 
 
@@ -204,16 +234,17 @@ def model_shape(model: Any) -> Shape:
 def _choice(name: str, value, allowed):
     if value not in allowed:
         shown = ", ".join("None" if a is None else str(a) for a in allowed)
-        raise ValueError(f"{name} must be one of {shown}, got {value!r}")
+        raise OptionError(name, f"{name} must be one of {shown}, got {value!r}")
 
 
 def _positive_int(name: str, value):
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be an integer ≥ 1, got {value!r}")
+        raise OptionError(name, f"{name} must be an integer ≥ 1, got {value!r}")
 
 
 def check_options(shape_or_cfg, *, method, precision, optimizer, batch, seq, lora_rank,
-                  lora_targets, attn, grad_accum, zero, gpus, lora_dtype=None):
+                  lora_targets, attn, grad_accum, zero, gpus, lora_dtype=None,
+                  optimizer_impl="foreach"):
     """Validate the estimator/measurement options; ``ValueError`` names the argument and the
     allowed values."""
     shape = shape_or_cfg if isinstance(shape_or_cfg, Shape) else _from_hf(shape_or_cfg)
@@ -222,6 +253,7 @@ def check_options(shape_or_cfg, *, method, precision, optimizer, batch, seq, lor
     _choice("optimizer", optimizer, OPTIMIZERS)
     _choice("attn", attn, ATTN_IMPLS)
     _choice("lora_dtype", lora_dtype, LORA_DTYPES)
+    _choice("optimizer_impl", optimizer_impl, OPTIMIZER_IMPLS)
     _positive_int("batch", batch)
     _positive_int("seq", seq)
     _positive_int("grad_accum", grad_accum)
@@ -231,13 +263,13 @@ def check_options(shape_or_cfg, *, method, precision, optimizer, batch, seq, lor
         shapes = shape.linear_shapes()
         targets = list(lora_targets) if not isinstance(lora_targets, str) else [lora_targets]
         if not targets:
-            raise ValueError(f"lora_targets must name at least one of {', '.join(shapes)}")
+            raise OptionError("lora_targets", f"lora_targets must name at least one of {', '.join(shapes)}")
         for t in targets:
             if t not in shapes:
-                raise ValueError(f"lora_targets: unknown target module {t!r}; allowed: {', '.join(shapes)}")
+                raise OptionError("lora_targets", f"lora_targets: unknown target module {t!r}; allowed: {', '.join(shapes)}")
         width = min(min(shapes[t]) for t in targets)
         if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or not 1 <= lora_rank <= width:
-            raise ValueError(f"lora_rank must be ≥ 1 and ≤ min(d_in, d_out)={width}, got {lora_rank!r}")
+            raise OptionError("lora_rank", f"lora_rank must be ≥ 1 and ≤ min(d_in, d_out)={width}, got {lora_rank!r}")
     return shape
 
 
@@ -425,7 +457,8 @@ def estimate(model: Any = "llama-7b", method: str = "full", precision: str = "bf
              optimizer: str = "adamw", batch: int = 1, seq: int = 512, lora_rank: int = 8,
              lora_alpha: int = 16, lora_targets=("q_proj", "v_proj"), lora_dtype: str | None = None,
              qlora_double_quant: bool = True, checkpointing: bool = False, attn: str = "sdpa",
-             zero: int = 0, gpus: int = 1, grad_accum: int = 1) -> MemoryEstimate:
+             zero: int = 0, gpus: int = 1, grad_accum: int = 1,
+             optimizer_impl: str = "foreach") -> MemoryEstimate:
     """Estimate the peak memory (bytes, per GPU) of one training step; see the module docstring.
 
     Raises ``ValueError`` naming the argument and the allowed values for bad input.
@@ -434,13 +467,14 @@ def estimate(model: Any = "llama-7b", method: str = "full", precision: str = "bf
     targets = _targets(lora_targets)
     check_options(s, method=method, precision=precision, optimizer=optimizer, batch=batch, seq=seq,
                   lora_rank=lora_rank, lora_targets=targets, attn=attn, grad_accum=grad_accum,
-                  zero=zero, gpus=gpus, lora_dtype=lora_dtype)
+                  zero=zero, gpus=gpus, lora_dtype=lora_dtype, optimizer_impl=optimizer_impl)
     if attn == "flash":
         attn = "sdpa"
     opts = dict(model=s.name, method=method, precision=precision, optimizer=optimizer, batch=batch,
                 seq=seq, lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=list(targets),
                 lora_dtype=lora_dtype, qlora_double_quant=qlora_double_quant,
-                checkpointing=checkpointing, attn=attn, zero=zero, gpus=gpus, grad_accum=grad_accum)
+                checkpointing=checkpointing, attn=attn, zero=zero, gpus=gpus, grad_accum=grad_accum,
+                optimizer_impl=optimizer_impl)
     kw = dict(method=method, precision=precision, optimizer=optimizer, batch=batch, seq=seq,
               lora_rank=lora_rank, lora_targets=targets, lora_dtype=lora_dtype,
               checkpointing=checkpointing, attn=attn, grad_accum=grad_accum, zero=zero, gpus=gpus)
@@ -451,7 +485,8 @@ def estimate(model: Any = "llama-7b", method: str = "full", precision: str = "bf
         nt = r["n_trainable"]
     else:
         from .simulate import simulate_step
-        r = simulate_step(s, qlora_double_quant=qlora_double_quant, **kw)
+        r = simulate_step(s, qlora_double_quant=qlora_double_quant, optimizer_impl=optimizer_impl,
+                          **kw)
         exact = True
         nt = n if method == "full" else lora_trainable_params(s, lora_rank, targets)
     phase_peaks = r["phase_peaks"]
@@ -481,3 +516,146 @@ def activation_bytes_per_layer(model: Any = "llama-7b", batch: int = 1, seq: int
                                   batch=batch, seq=seq, lora_targets=_targets(lora_targets),
                                   checkpointing=checkpointing, attn=attn)["activations"])
     return vals[1] - vals[0]
+
+
+# --------------------------------------------------------------------------------------------
+# from what a Hugging Face Trainer user has
+# --------------------------------------------------------------------------------------------
+#: ``TrainingArguments.optim`` -> (optimizer, optimizer_impl). Trainer builds ``torch.optim.AdamW``
+#: with ``fused=True`` for ``adamw_torch_fused`` (the default of transformers 5 with torch >= 2.8)
+#: and with no implementation flag for ``adamw_torch``, which on CUDA is ``foreach``.
+HF_OPTIMS = {"adamw_torch_fused": ("adamw", "fused"), "adamw_torch": ("adamw", "foreach"),
+             "adamw_bnb_8bit": ("adamw8bit", "foreach"), "adamw_8bit": ("adamw8bit", "foreach"),
+             "paged_adamw_8bit": ("adamw8bit", "foreach"), "sgd": ("sgd", "foreach")}
+#: target_modules="all-linear": every Linear of the decoder blocks (peft leaves lm_head out)
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+_HF_NAMES = {"lora_rank": ("peft_config", "r"), "lora_targets": ("peft_config", "target_modules"),
+             "batch": ("training_args", "per_device_train_batch_size"),
+             "grad_accum": ("training_args", "gradient_accumulation_steps")}
+
+
+def _field(obj, name: str, default=None):
+    """``obj.name`` or ``obj[name]`` (objects and the dicts of their JSON files alike)."""
+    if obj is None:
+        return default
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def _as_config(model: Any):
+    """A config dict (``config.json`` contents) becomes an object :func:`model_shape` reads."""
+    if isinstance(model, dict):
+        from types import SimpleNamespace
+        return SimpleNamespace(**{"name_or_path": "config", **model})
+    return model
+
+
+def hf_options(model: Any, training_args: Any = None, peft_config: Any = None, *,
+               seq: int | None = None, quantization_config: Any = None) -> dict[str, Any]:
+    """The :func:`estimate` keyword arguments a Hugging Face ``Trainer`` run corresponds to.
+
+    ``training_args``: a ``transformers.TrainingArguments`` (or ``trl.SFTConfig``), or a dict of
+    its fields (its JSON); ``None`` means Trainer's defaults. Read: ``optim`` (see
+    :data:`HF_OPTIMS`), ``bf16``/``fp16`` (autocast over the fp32 weights: ``bf16-amp``/
+    ``fp16-amp``; neither: ``fp32``), ``gradient_checkpointing`` or ``activation_checkpointing``
+    (transformers 5's name; non-reentrant, its default), ``per_device_train_batch_size``, ``gradient_accumulation_steps`` and, for
+    ``SFTConfig``, ``max_length`` (``max_seq_length`` in older trl). ``peft_config``: a
+    ``peft.LoraConfig`` or its ``adapter_config.json`` dict (``r``, ``lora_alpha``,
+    ``target_modules``; ``"all-linear"`` allowed), ``None`` for full fine-tuning. A 4-bit
+    ``quantization_config`` (``BitsAndBytesConfig(load_in_4bit=True, ...)``, or the model config's
+    own) makes it QLoRA. ``seq``: tokens per sequence, when the arguments do not fix a length.
+
+    Raises ``ValueError`` naming the field and the allowed values.
+    """
+    optim = _field(training_args, "optim", "adamw_torch_fused")
+    optim = str(getattr(optim, "value", optim))          # OptimizerNames -> its string
+    if optim not in HF_OPTIMS:
+        raise OptionError("training_args", f"optim must be one of {', '.join(HF_OPTIMS)}, got {optim!r}")
+    optimizer, impl = HF_OPTIMS[optim]
+    bf16, fp16 = bool(_field(training_args, "bf16", False)), bool(_field(training_args, "fp16", False))
+    if bf16 and fp16:
+        raise OptionError("training_args", "bf16 and fp16 cannot both be set in the training arguments")
+    precision = "bf16-amp" if bf16 else ("fp16-amp" if fp16 else "fp32")
+    # transformers 5 renames gradient_checkpointing to activation_checkpointing (keeps both)
+    ckpt = bool(_field(training_args, "activation_checkpointing", False)
+                or _field(training_args, "gradient_checkpointing", False))
+    ck_kwargs = (_field(training_args, "activation_checkpointing_kwargs", None)
+                 or _field(training_args, "gradient_checkpointing_kwargs", None) or {})
+    if ckpt and ck_kwargs.get("use_reentrant", False):
+        raise OptionError("training_args", "gradient_checkpointing_kwargs: use_reentrant=True is not modelled; "
+                         "allowed: use_reentrant=False (the default of transformers 5)")
+    batch = _field(training_args, "per_device_train_batch_size", 8)
+    accum = _field(training_args, "gradient_accumulation_steps", 1)
+    length = seq
+    if length is None:
+        length = _field(training_args, "max_length", None) or _field(training_args, "max_seq_length", None)
+    if length is None:
+        raise OptionError("seq", "seq must be given (tokens per sequence): the training arguments set no "
+                         "max_length")
+    opts: dict[str, Any] = dict(method="full", precision=precision, optimizer=optimizer,
+                                optimizer_impl=impl, batch=batch, seq=length, grad_accum=accum,
+                                checkpointing=ckpt)
+    attn = _field(model, "_attn_implementation", None) or _field(model, "attn_implementation", None)
+    if attn in ATTN_IMPLS:
+        opts["attn"] = attn
+    elif attn in ("flash_attention_2", "flash_attention_3"):
+        opts["attn"] = "flash"
+    quant = quantization_config if quantization_config is not None else _field(
+        model, "quantization_config", None)
+    four_bit = bool(_field(quant, "load_in_4bit", False))
+    if peft_config is not None:
+        ptype = str(_field(peft_config, "peft_type", "LORA")).split(".")[-1].upper()
+        if ptype != "LORA":
+            raise OptionError("peft_config", f"peft_config: peft_type must be LORA, got {ptype!r}")
+        if _field(peft_config, "use_dora", False):
+            raise OptionError("peft_config", "peft_config: use_dora=True is not modelled; allowed: use_dora=False")
+        targets = _field(peft_config, "target_modules", None)
+        if targets is None:
+            targets = ("q_proj", "v_proj")          # peft's default for Llama-family models
+        elif isinstance(targets, str):
+            targets = ALL_LINEAR if targets == "all-linear" else (targets,)
+        opts.update(method="qlora" if four_bit else "lora", lora_rank=_field(peft_config, "r", 8),
+                    lora_alpha=_field(peft_config, "lora_alpha", 8),
+                    lora_targets=tuple(sorted(targets, key=lambda t: (ALL_LINEAR + (t,)).index(t))))
+        if four_bit:
+            opts["qlora_double_quant"] = bool(_field(quant, "bnb_4bit_use_double_quant", False))
+    elif four_bit:
+        raise OptionError("peft_config", "a 4-bit quantized model needs a peft_config (QLoRA): full fine-tuning "
+                         "of 4-bit weights is not possible")
+    return opts
+
+
+def estimate_from_hf(model: Any, training_args: Any = None, peft_config: Any = None, *,
+                     seq: int | None = None, quantization_config: Any = None,
+                     **overrides: Any) -> MemoryEstimate:
+    """:func:`estimate` from a model config, ``TrainingArguments`` and a ``LoraConfig``.
+
+    ``model``: a preset name, a ``config.json`` path or dict, or a ``transformers`` config. The
+    other arguments are those of :func:`hf_options`; ``overrides`` are passed to
+    :func:`estimate` last (e.g. ``precision="bf16"`` for a model loaded in bf16, ``zero``,
+    ``gpus``). Example::
+
+        from transformers import AutoConfig, TrainingArguments
+        from peft import LoraConfig
+        est = estimate_from_hf(AutoConfig.from_pretrained(path),
+                               TrainingArguments("out", bf16=True, gradient_checkpointing=True,
+                                                 per_device_train_batch_size=4),
+                               LoraConfig(r=16, target_modules="all-linear"), seq=1024)
+    """
+    model = _as_config(model)
+    opts = hf_options(model, training_args, peft_config, seq=seq,
+                      quantization_config=quantization_config)
+    opts.update(overrides)
+    try:
+        est = estimate(model, **opts)
+    except OptionError as e:     # name the Hugging Face field the bad value came from
+        if e.option in _HF_NAMES and e.option not in overrides:
+            source, field_name = _HF_NAMES[e.option]
+            rest = str(e)[len(e.option):] if str(e).startswith(e.option) else f": {e}"
+            raise OptionError(source, f"{source} {field_name}{rest}") from None
+        raise
+    est.options["source"] = "hf"
+    return est

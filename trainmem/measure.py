@@ -38,8 +38,10 @@ Devices:
   ``max_memory_reserved`` and the device's used memory (``torch.cuda.mem_get_info``), whose gap to
   ``reserved`` is the CUDA context plus other processes.
 
-The optimizer runs with ``foreach=True`` (PyTorch's default on CUDA) on every device so that its
-scratch memory is the same as on a GPU.  ``adamw8bit`` and ``qlora`` need ``bitsandbytes`` and a
+The optimizer's implementation is chosen explicitly (``optimizer_impl``: ``"foreach"`` by default,
+which is what a plain ``torch.optim.AdamW(params)`` runs on CUDA; ``"fused"``, which Hugging Face
+Trainer's default ``optim="adamw_torch_fused"`` runs; ``"for-loop"``) and is the same on every
+device, so the scratch memory of the step is the one a GPU run has.  ``adamw8bit`` and ``qlora`` need ``bitsandbytes`` and a
 CUDA device and are estimated only.
 """
 from __future__ import annotations
@@ -51,8 +53,7 @@ from typing import Any
 
 import torch
 
-from .estimate import (CATEGORIES, METHODS, OPTIMIZERS, PRECISIONS, ATTN_IMPLS, resolve_config,
-                       check_options)
+from .estimate import CATEGORIES, OptionError, check_options, resolve_config
 from .models import build_model
 from .tracker import MemoryTracker
 
@@ -111,7 +112,8 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def build_training_setup(cfg, *, method="full", precision="fp32", optimizer="adamw", lora_rank=8,
                          lora_alpha=16, lora_targets=("q_proj", "v_proj"), lora_dtype=None,
-                         checkpointing=False, attn="sdpa", device="cpu", lr=1e-4):
+                         checkpointing=False, attn="sdpa", device="cpu", lr=1e-4,
+                         optimizer_impl="foreach"):
     """Model (train mode) and optimizer exactly as :func:`measure` runs them."""
     model = build_model(cfg, device=device, attn_implementation=attn)
     if precision == "bf16":
@@ -129,7 +131,7 @@ def build_training_setup(cfg, *, method="full", precision="fp32", optimizer="ada
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    return model, make_optimizer(model, optimizer, lr)
+    return model, make_optimizer(model, optimizer, lr, optimizer_impl)
 
 
 @contextlib.contextmanager
@@ -179,23 +181,34 @@ def _to_fake(model, mode):
                 mod._buffers[name] = fake_of(b)
 
 
-def make_optimizer(model, optimizer: str, lr: float = 1e-4):
-    """The optimizer :func:`measure` uses (``foreach=True``, as on CUDA), over trainable params."""
+def _impl_flags(optimizer_impl: str) -> dict:
+    """torch.optim keyword arguments that select one implementation explicitly."""
+    if optimizer_impl == "fused":
+        return {"fused": True}
+    return {"foreach": optimizer_impl == "foreach"}
+
+
+def make_optimizer(model, optimizer: str, lr: float = 1e-4, optimizer_impl: str = "foreach"):
+    """The optimizer :func:`measure` uses, over the trainable parameters, with the implementation
+    chosen explicitly (``foreach``, ``fused`` or ``for-loop``: the same on every device, so the
+    CPU measurement holds the scratch memory a GPU run holds)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    flags = _impl_flags(optimizer_impl)
     if optimizer == "adamw":
-        opt = torch.optim.AdamW(params, lr=lr, foreach=True)
+        opt = torch.optim.AdamW(params, lr=lr, **flags)
     elif optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=lr, momentum=0.0, foreach=True)
+        opt = torch.optim.SGD(params, lr=lr, momentum=0.0, **flags)
     elif optimizer == "sgd-momentum":
-        opt = torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)
+        opt = torch.optim.SGD(params, lr=lr, momentum=0.9, **flags)
     else:
-        raise ValueError(f"optimizer {optimizer!r} cannot be measured here (needs bitsandbytes on CUDA); "
+        raise OptionError("optimizer", f"optimizer {optimizer!r} cannot be measured here (needs bitsandbytes on CUDA); "
                          "allowed for measure: adamw, sgd, sgd-momentum")
     return opt
 
 
 def _one_run(cfg, *, device, method, precision, optimizer, batch, seq, grad_accum, lora_rank,
-             lora_alpha, lora_targets, lora_dtype, checkpointing, attn, seed=0):
+             lora_alpha, lora_targets, lora_dtype, checkpointing, attn, seed=0,
+             optimizer_impl="foreach"):
     """Run two steps, track the second one. Returns a dict of raw numbers."""
     fake = device == "fake"
     real_device = "cuda" if device == "cuda" else "cpu"
@@ -214,12 +227,13 @@ def _one_run(cfg, *, device, method, precision, optimizer, batch, seq, grad_accu
     with outer, _real_mask_decisions(fake):
         if fake:
             _to_fake(model, outer)
-            opt = make_optimizer(model, optimizer)
+            opt = make_optimizer(model, optimizer, optimizer_impl=optimizer_impl)
         else:
             model, opt = build_training_setup(
                 cfg, method=method, precision=precision, optimizer=optimizer, lora_rank=lora_rank,
                 lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dtype=lora_dtype,
-                checkpointing=checkpointing, attn=attn, device=real_device)
+                checkpointing=checkpointing, attn=attn, device=real_device,
+                optimizer_impl=optimizer_impl)
         vocab = cfg.vocab_size
         g = torch.Generator(device="cpu").manual_seed(seed)
         if fake:
@@ -283,6 +297,7 @@ def _one_run(cfg, *, device, method, precision, optimizer, batch, seq, grad_accu
             torch.cuda.synchronize()
         with tracker:
             step(track=False)
+            _until_states_exist(step, opt, track=False)
             if device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -348,28 +363,32 @@ def measure(model: Any = "tiny", *, method: str = "full", precision: str = "fp32
             optimizer: str = "adamw", batch: int = 1, seq: int = 512, lora_rank: int = 8,
             lora_alpha: int = 16, lora_targets=("q_proj", "v_proj"), lora_dtype: str | None = None,
             checkpointing: bool = False, attn: str = "sdpa", grad_accum: int = 1,
-            device: str = "cpu", extrapolate: bool | None = None, seed: int = 0) -> Measurement:
+            device: str = "cpu", extrapolate: bool | None = None, seed: int = 0,
+            optimizer_impl: str = "foreach") -> Measurement:
     """Measure one training step of ``model`` (preset name, config .json path, or HF config).
 
     Returns a :class:`Measurement` (bytes). See the module docstring for the categories and the
     devices (``"cpu"``, ``"fake"``, ``"cuda"``). ``extrapolate`` (fake device only) measures 2 and
     3 layers and extends linearly; ``None`` means "when the model has more than 3 layers".
+    ``optimizer_impl`` (``"foreach"``, ``"fused"``, ``"for-loop"``) selects torch's AdamW/SGD
+    implementation explicitly (see :data:`trainmem.estimate.OPTIMIZER_IMPLS`).
     """
     if device not in ("cpu", "fake", "cuda"):
-        raise ValueError(f"device must be one of cpu, fake, cuda, got {device!r}")
+        raise OptionError("device", f"device must be one of cpu, fake, cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False; allowed: cpu, fake")
+        raise OptionError("device", "device 'cuda' requested but torch.cuda.is_available() is False; allowed: cpu, fake")
     cfg = resolve_config(model)
     check_options(cfg, method=method, precision=precision, optimizer=optimizer, batch=batch,
                   seq=seq, lora_rank=lora_rank, lora_targets=lora_targets, attn=attn,
-                  grad_accum=grad_accum, zero=0, gpus=1, lora_dtype=lora_dtype)
+                  grad_accum=grad_accum, zero=0, gpus=1, lora_dtype=lora_dtype,
+                  optimizer_impl=optimizer_impl)
     if method == "qlora":
-        raise ValueError("method 'qlora' cannot be measured here (needs bitsandbytes on CUDA); "
+        raise OptionError("method", "method 'qlora' cannot be measured here (needs bitsandbytes on CUDA); "
                          "allowed for measure: full, lora")
     kw = dict(method=method, precision=precision, optimizer=optimizer, batch=batch, seq=seq,
               grad_accum=grad_accum, lora_rank=lora_rank, lora_alpha=lora_alpha,
               lora_targets=tuple(lora_targets), lora_dtype=lora_dtype, checkpointing=checkpointing,
-              attn=attn, seed=seed)
+              attn=attn, seed=seed, optimizer_impl=optimizer_impl)
     options = dict(kw, device=device)
     options["lora_targets"] = list(kw["lora_targets"])
     options["model"] = getattr(cfg, "name_or_path", None) or "config"
@@ -413,3 +432,135 @@ def measure(model: Any = "tiny", *, method: str = "full", precision: str = "fp32
                        peak_phase, ext(a["n_params"], b["n_params"]),
                        ext(a["n_trainable"], b["n_trainable"]), device, time.perf_counter() - t0,
                        (2, 3), None, options)
+
+
+@contextlib.contextmanager
+def _acyclic_module_hooks():
+    """Keep MemTracker's module tracker from keeping the autograd graph alive (see
+    :func:`measure_memtracker`).
+
+    ``ModTracker`` calls ``register_multi_grad_hook(tensors, fn)`` (mode ``"all"``) on the tensors
+    that enter each module. That hook's closure holds the ``grad_fn`` (or, for a leaf, the
+    ``AccumulateGrad`` node) of every tensor, and the hook is stored on those same nodes: a cycle
+    through C++ that Python's collector cannot free. The graph's nodes outlive the step, and with
+    them any leaf that is not a parameter — the embedding output that gradient checkpointing
+    marks ``requires_grad_()`` under LoRA — and its ``.grad``. Mode ``"any"`` holds no node, so
+    the hooks are registered in that mode; they only tell MemTracker which module backward is in
+    (its per-module labels), not how many bytes are alive."""
+    from torch.distributed._tools import mod_tracker
+
+    orig = mod_tracker.register_multi_grad_hook
+
+    def hook_any(tensors, fn, mode="all"):
+        return orig(tensors, fn, mode="any")
+
+    mod_tracker.register_multi_grad_hook = hook_any
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = orig
+
+
+def _until_states_exist(step, opt, **kw) -> None:
+    """Repeat warm-up steps until the optimizer holds its states: under ``fp16-amp`` the
+    GradScaler skips ``optimizer.step()`` while its scale overflows fp16 (the first steps of every
+    run), and the step to measure is one of the steady state that follows."""
+    for _ in range(32):
+        if opt.state or not opt.param_groups[0]["params"] or not _has_states(opt):
+            return
+        step(**kw)
+    raise RuntimeError("the optimizer never stepped in 32 warm-up steps (gradients overflow?)")
+
+
+def _has_states(opt) -> bool:
+    """Whether this optimizer keeps per-parameter states at all (plain SGD does not)."""
+    if isinstance(opt, torch.optim.SGD):
+        return any(g.get("momentum", 0) for g in opt.param_groups)
+    return True
+
+
+class _NoHook:
+    """A hook handle with nothing to remove (see :func:`measure_memtracker`)."""
+
+    def remove(self) -> None:
+        pass
+
+
+def measure_memtracker(model: Any = "tiny", *, method: str = "full", precision: str = "fp32",
+                       optimizer: str = "adamw", batch: int = 1, seq: int = 512,
+                       lora_rank: int = 8, lora_alpha: int = 16,
+                       lora_targets=("q_proj", "v_proj"), lora_dtype: str | None = None,
+                       checkpointing: bool = False, attn: str = "sdpa", grad_accum: int = 1,
+                       optimizer_impl: str = "foreach", seed: int = 0) -> int:
+    """Peak bytes of the same training step measured by torch's own tracker instead of ours.
+
+    ``torch.distributed._tools.mem_tracker.MemTracker`` (also a ``TorchDispatchMode``, written
+    independently of :class:`trainmem.tracker.MemoryTracker`) watches the 2nd of two steps of the
+    model, optimizer and batch :func:`measure` builds (real CPU tensors; the model, optimizer and
+    batch are registered with ``track_external``). Returns its peak total (bytes): the second
+    measurement of ``benchmarks/memory_accuracy.py``.
+
+    Two adjustments make MemTracker measure the same program as a plain training loop, not the
+    loop with MemTracker attached: its module tracker's multi-grad hooks (mode ``"all"``) form a
+    reference cycle through the autograd graph that ``gc`` cannot free, which keeps the frozen
+    embedding's output — a leaf that requires grad under LoRA + gradient checkpointing — and its
+    ``.grad`` alive after backward, once per forward; they are registered in mode ``"any"``
+    (:func:`_acyclic_module_hooks`). And MemTracker hooks every parameter it meets, which torch
+    refuses for frozen ones; those are marked as hooked already.
+    """
+    import gc
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    cfg = resolve_config(model)
+    check_options(cfg, method=method, precision=precision, optimizer=optimizer, batch=batch,
+                  seq=seq, lora_rank=lora_rank, lora_targets=lora_targets, attn=attn,
+                  grad_accum=grad_accum, zero=0, gpus=1, lora_dtype=lora_dtype,
+                  optimizer_impl=optimizer_impl)
+    torch.manual_seed(seed)
+    net, opt = build_training_setup(cfg, method=method, precision=precision, optimizer=optimizer,
+                                    lora_rank=lora_rank, lora_alpha=lora_alpha,
+                                    lora_targets=tuple(lora_targets), lora_dtype=lora_dtype,
+                                    checkpointing=checkpointing, attn=attn, device="cpu",
+                                    optimizer_impl=optimizer_impl)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    y = x.clone()
+    amp = precision in ("fp16-amp", "bf16-amp")
+    amp_dtype = torch.float16 if precision == "fp16-amp" else torch.bfloat16
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if precision == "fp16-amp" else None
+
+    def step(tracker=None):
+        for _ in range(grad_accum):
+            if tracker is not None:
+                tracker.reset_mod_stats()      # MemTracker refuses a 2nd root forward otherwise
+            ctx = torch.autocast("cpu", dtype=amp_dtype) if amp else contextlib.nullcontext()
+            with ctx:
+                loss = net(input_ids=x, labels=y, use_cache=False).loss
+            if grad_accum > 1:
+                loss = loss / grad_accum
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            del loss
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    _until_states_exist(step, opt)
+    gc.collect()
+    tracker = MemTracker()
+    # MemTracker installs a gradient hook on every parameter it meets, which torch refuses for a
+    # frozen one (LoRA's base weights): mark those as already hooked (handles with no effect).
+    for p in net.parameters():
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+    tracker.track_external(net, opt, x, y)
+    with tracker, _acyclic_module_hooks():
+        step(tracker)
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    del tracker, net, opt
+    gc.collect()
+    return int(peak)

@@ -30,6 +30,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          max_position_embeddings=32768, tie_word_embeddings=True),
+    # Mistral-7B-v0.3: GQA with 8 key/value heads, no sliding window
+    "mistral-7b": dict(arch="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=32768, sliding_window=None,
+                       tie_word_embeddings=False),
+    # Qwen2-7B and Qwen2-1.5B: GQA (4 and 2 key/value heads), q/k/v biases
+    "qwen2-7b": dict(arch="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                     max_position_embeddings=32768, tie_word_embeddings=False),
+    "qwen2-1.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                       num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                       max_position_embeddings=32768, tie_word_embeddings=True),
     "gpt2": dict(arch="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024),
     # A 2-layer, 64-wide Llama for tests and CPU demos.
     "tiny": dict(arch="llama", vocab_size=256, hidden_size=64, intermediate_size=172,
@@ -48,7 +60,9 @@ def get_config(name: str, **overrides: Any):
     Raises ``ValueError`` naming the allowed presets for an unknown name.
     """
     if name not in PRESETS:
-        raise ValueError(f"model must be one of {', '.join(preset_names())} or a config .json file, got {name!r}")
+        from .estimate import OptionError
+        raise OptionError("model", f"model must be one of {', '.join(preset_names())} or a config "
+                                   f".json file, got {name!r}")
     fields = dict(PRESETS[name])
     fields.update(overrides)
     arch = fields.pop("arch")
@@ -56,6 +70,8 @@ def get_config(name: str, **overrides: Any):
         from transformers import LlamaConfig as C
     elif arch == "qwen2":
         from transformers import Qwen2Config as C
+    elif arch == "mistral":
+        from transformers import MistralConfig as C
     elif arch == "gpt2":
         from transformers import GPT2Config as C
     else:  # pragma: no cover
@@ -115,29 +131,34 @@ def load_config_file(path: str):
     line naming the file and what is wrong (missing, not JSON, not an object, unknown model_type,
     missing size fields).
     """
+    from .estimate import OptionError
+
+    def bad(message: str) -> OptionError:
+        return OptionError("model", message)
+
     import json
     import os
 
     if not os.path.isfile(path):
-        raise ValueError(f"model config file {path!r} does not exist; model must be a preset "
+        raise bad(f"model config file {path!r} does not exist; model must be a preset "
                          f"({', '.join(preset_names())}) or a config .json file")
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"model config file {path!r} is not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+        raise bad(f"model config file {path!r} is not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"model config file {path!r} must hold a JSON object, got {type(data).__name__}")
+        raise bad(f"model config file {path!r} must hold a JSON object, got {type(data).__name__}")
     mt = data.get("model_type")
     if mt not in _ARCHS:
-        raise ValueError(f"model config file {path!r}: model_type must be one of "
+        raise bad(f"model config file {path!r}: model_type must be one of "
                          f"{', '.join(sorted(_ARCHS))}, got {mt!r}")
     need = ("vocab_size", "n_embd", "n_layer", "n_head") if mt == "gpt2" else (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     for k in need:
         v = data.get(k)
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"model config file {path!r}: {k} must be a positive integer, got {v!r}")
+            raise bad(f"model config file {path!r}: {k} must be a positive integer, got {v!r}")
     fields = {k: v for k, v in data.items() if k not in ("model_type", "architectures", "transformers_version")}
     try:
         if mt == "mistral":
@@ -155,6 +176,6 @@ def load_config_file(path: str):
     try:
         cfg = C(**fields)
     except Exception as e:  # transformers validation
-        raise ValueError(f"model config file {path!r} is not a valid {mt} config: {e}") from None
+        raise bad(f"model config file {path!r} is not a valid {mt} config: {e}") from None
     cfg.name_or_path = os.path.basename(path)
     return cfg

@@ -14,7 +14,7 @@ Kernel-internal workspaces (e.g. inside a fused attention kernel) are invisible 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -40,7 +40,8 @@ class MemoryTracker(TorchDispatchMode):
 
     Use ``register(t, phase)`` for tensors that exist before tracking starts (parameters, optimizer
     states, the batch), ``set_phase(name)`` to label the phases of the step, ``reset_peak()`` to
-    start a new peak window, and ``classify(...)`` afterwards for the breakdown at the peak.
+    start a new peak window; the records (``records``, ``peak_event``) give the breakdown afterwards
+    (:func:`trainmem.measure.measure` sorts them into categories).
 
     Subclasses tune it with two class attributes: ``skip_meta`` (ignore ``meta`` tensors, which have
     no memory) and ``keep_records`` (keep a record of every storage ever seen, for the breakdown).
@@ -141,9 +142,3 @@ class MemoryTracker(TorchDispatchMode):
                 self.register(t, cast_of_param=cast, op=func)
         return out
 
-
-@dataclass
-class Snapshot:
-    """Bytes by category of the storages alive at one event."""
-    total: int
-    breakdown: dict[str, int] = field(default_factory=dict)
