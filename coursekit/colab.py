@@ -6,6 +6,8 @@ text inserted into each generated lab by :mod:`coursekit.labs`.
 """
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,22 +75,28 @@ def badge_markdown(repo: Repository, notebook: str) -> str:
 COLAB_FLOOR = {"transformers": "4.57.1", "peft": "0.17.1"}
 
 SETUP_TEMPLATE = """\
-# 环境设置（Colab）：只安装 Colab 缺少的包——本课程的 trainmem/coursekit（--no-deps）与 peft，
-# 把过旧的 transformers/peft 升到课程测试过的最低版本，有 GPU 时再装 bitsandbytes（QLoRA）；
-# 每次安装都钉住已装的 torch，绝不重装 torch 或 Jupyter 相关包。在 Colab 之外（本地、评分器）
-# 这个单元什么也不安装。
-import importlib.util, importlib.metadata, re, subprocess, sys
+# 环境设置（Colab）：只安装 Colab 缺少的包——本课程的 trainmem/coursekit（--no-deps）与
+# peft，把过旧的 transformers/peft 升到课程测试过的最低版本，有 GPU 时再装 bitsandbytes
+# （QLoRA）；每次安装都钉住已装的 torch，绝不重装 torch 或 Jupyter 相关包。在 Colab 之外
+# （本地、评分器）这个单元什么也不安装。
+import importlib.util
+import importlib.metadata
+import re
+import subprocess
+import sys
 
 REPO_URL = "{url}"
 BRANCH = "{branch}"
-FLOOR = {floor!r}
+FLOOR = {floor}
 if "google.colab" in sys.modules:
     import torch  # the preinstalled torch: every install below pins it
 
     _torch_pin = f"torch=={{torch.__version__.split('+')[0]}}"
 
     def _pip(*args):
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", *args], check=True
+        )
 
     def _older(pkg):
         try:
@@ -98,7 +106,10 @@ if "google.colab" in sys.modules:
         num = lambda v: tuple(int(x) for x in re.findall(r"\\d+", v)[:3])
         return num(have) < num(FLOOR[pkg])
 
-    if importlib.util.find_spec("coursekit") is None or importlib.util.find_spec("trainmem") is None:
+    if (
+        importlib.util.find_spec("coursekit") is None
+        or importlib.util.find_spec("trainmem") is None
+    ):
         _pip("--no-deps", f"git+{{REPO_URL}}@{{BRANCH}}")
     if importlib.util.find_spec("peft") is None:
         _pip("peft", _torch_pin)
@@ -110,9 +121,13 @@ if "google.colab" in sys.modules:
     importlib.invalidate_caches()
 try:
     from coursekit.gpu import describe
+
     print(describe())
 except ImportError:
-    print(f"找不到 coursekit：请在仓库根目录运行 pip install -e .（或 pip install --no-deps git+{{REPO_URL}}@{{BRANCH}}）")
+    print(
+        "找不到 coursekit：请在仓库根目录运行 pip install -e .（或 pip install "
+        f"--no-deps git+{{REPO_URL}}@{{BRANCH}}）"
+    )
 """
 
 
@@ -123,7 +138,9 @@ def setup_cell_source(repo: Repository) -> str:
     ``book/`` (its first code cell, tagged :data:`SETUP_TAG`); ``tests/test_colab_setup.py`` checks
     both against this template.
     """
-    return SETUP_TEMPLATE.format(url=repo.url, branch=repo.branch, floor=COLAB_FLOOR).rstrip("\n")
+    return SETUP_TEMPLATE.format(
+        url=repo.url, branch=repo.branch, floor=json.dumps(COLAB_FLOOR)
+    ).rstrip("\n")
 
 
 SETUP_TAG = "colab-setup"
