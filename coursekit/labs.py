@@ -1,7 +1,8 @@
 """Lab generation: ``solutions/labNN_*.ipynb`` → ``labs/labNN_*.ipynb`` (format: tests/grading/README.md).
 
 * code between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` → ``# TODO: <hint>`` +
-  ``raise NotImplementedError`` at the marker's indentation (hint from an optional ``# HINT:`` line);
+  ``raise NotImplementedError`` at the marker's indentation (hint from optional ``# HINT:`` lines,
+  joined: a long hint is wrapped over several);
 * markdown between ``<!-- BEGIN SOLUTION -->`` / ``<!-- END SOLUTION -->`` → a placeholder;
 * cells tagged ``solution-only`` dropped; outputs and execution counts cleared;
 * ``{glue:}`key``` roles in markdown replaced by the solution's stored value (a lab has no outputs);
@@ -57,6 +58,21 @@ def lab_id(path: str | Path) -> str:
     return m.group(1)
 
 
+def _join_hint(pieces: list[str]) -> str:
+    """One hint from consecutive ``# HINT:`` lines (a long hint is wrapped to fit 88 columns):
+    no space where either side is a CJK character or punctuation, one space otherwise."""
+    out = ""
+    for piece in filter(None, pieces):
+        if out and not (_is_cjk(out[-1]) or _is_cjk(piece[0])):
+            out += " "
+        out += piece
+    return out
+
+
+def _is_cjk(ch: str) -> bool:
+    return "\u2e80" <= ch <= "\u9fff" or "\u3000" <= ch <= "\u303f" or "\uff00" <= ch <= "\uffef"
+
+
 def strip_code(source: str, where: str = "") -> str:
     """Replace every solution block in a code cell's source by a TODO stub (see module doc)."""
     out: list[str] = []
@@ -73,8 +89,11 @@ def strip_code(source: str, where: str = "") -> str:
         indent = line[: len(line) - len(line.lstrip())]
         j = i + 1
         hint = DEFAULT_HINT
-        if j < len(lines) and lines[j].strip().startswith(HINT):
-            hint = lines[j].strip()[len(HINT):].strip() or DEFAULT_HINT
+        pieces = []
+        while j < len(lines) and lines[j].strip().startswith(HINT):
+            pieces.append(lines[j].strip()[len(HINT):].strip())
+            j += 1
+        hint = _join_hint(pieces) or DEFAULT_HINT
         while j < len(lines) and lines[j].strip() != END:
             if lines[j].strip() == BEGIN:
                 raise LabFormatError(f"{where}: nested '{BEGIN}' (line {j + 1})")
