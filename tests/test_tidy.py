@@ -165,7 +165,10 @@ def _cli(*args, cwd):
 
 
 def test_cli_check_then_tidy_then_clean(tmp_path):
-    shutil.copy(ROOT / "book" / "02_mixed_precision.ipynb", tmp_path / "ch.ipynb")
+    # an untidied cell: computation and its glue call together (book/ itself is already tidy)
+    nb = nb_of(code("x = 2 ** -11\nprint(x)\nglue('x', x)",
+                    [stream("0.00048828125\n"), glue_out("x", "0.00048828125")]))
+    nbformat.write(nb, tmp_path / "ch.ipynb")
     first = _cli("--check", "ch.ipynb", cwd=tmp_path)
     assert first.returncode == 1 and "would change 1 of 1" in first.stdout
     assert _cli("ch.ipynb", cwd=tmp_path).returncode == 0
