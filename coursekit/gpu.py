@@ -24,7 +24,6 @@ A GPU cell in a notebook looks like::
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Callable, TypeVar

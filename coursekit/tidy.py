@@ -146,7 +146,6 @@ def _split_glue(cell, where: str, report: Report) -> list:
     body = tree.body
     if not body:
         return [cell]
-    lines = src.split("\n")
     glue = [_is_glue_call(s) for s in body]
     # a source line belongs to the glue part only if every statement on it is a glue call
     owner: dict[int, set[bool]] = {}

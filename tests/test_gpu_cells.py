@@ -4,9 +4,13 @@ The stored outputs (checked by nbval) come from COURSE_GPU=auto on a machine wit
 GPU cell prints one skip line. Here every notebook's ``setup`` cell plus its ``gpu`` cells run in a
 fresh kernel with COURSE_GPU=cpu, so the real GPU code is executed at its smallest size.
 """
+import re
+
 import nbformat
 import pytest
+import torch
 
+from coursekit import gpu
 from coursekit.execute import kernel_env
 from coursekit.gpu import OFF_LINE, SKIP_LINE
 from tests.notebooks import all_notebooks, tags
@@ -63,12 +67,6 @@ def test_gpu_cells_run_on_cpu(path, tmp_path):
 # Each GPU cell's decisions, on a CPU-only machine, with faked capabilities: T4 (sm_75),
 # A100 (sm_80), H100/H200 (sm_90). The cells call these functions (checked below).
 # ------------------------------------------------------------------------------------------
-import math
-import re
-
-import torch
-
-from coursekit import gpu
 
 T4, A100, H100 = (7, 5), (8, 0), (9, 0)
 CAPS = [T4, A100, H100]

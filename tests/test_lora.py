@@ -1,5 +1,4 @@
 """trainmem.lora against peft: same seed → same A/B, outputs, gradients, merged weights; counts."""
-import copy
 
 import peft
 import pytest

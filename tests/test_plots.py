@@ -12,7 +12,7 @@ from trainmem.formats import get_format  # noqa: E402
 
 def test_spacing_lines_stop_at_each_max():
     fig = plots.plot_spacing(["fp16", "bf16"], xlim=(1e-10, 1e6))
-    lines = {l.get_label(): l for l in fig.axes[0].get_lines() if not l.get_label().startswith("_")}
+    lines = {ln.get_label(): ln for ln in fig.axes[0].get_lines() if not ln.get_label().startswith("_")}
     assert set(lines) == {"fp16", "bf16"}
     assert lines["fp16"].get_xdata().max() <= get_format("fp16").max_normal
     assert lines["bf16"].get_xdata().max() > 1e5

@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from pathlib import Path
-from urllib.parse import unquote, urljoin, urlparse
+from urllib.parse import unquote, urlparse
 
 import nbformat
 import pytest
@@ -31,7 +30,7 @@ def build():
 
 def test_book_builds_with_warnings_as_errors(build):
     log = build.stdout + build.stderr
-    warnings = [l for l in log.splitlines() if "WARNING" in l or "ERROR" in l]
+    warnings = [ln for ln in log.splitlines() if "WARNING" in ln or "ERROR" in ln]
     assert build.returncode == 0, "book build failed:\n" + "\n".join(warnings[:40] or log.splitlines()[-40:])
     assert (HTML / "index.html").exists()
     for doc in DOCS:

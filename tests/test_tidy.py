@@ -4,14 +4,13 @@ from __future__ import annotations
 import ast
 import copy
 import re
-import shutil
 import subprocess
 import sys
 
 import nbformat
 import pytest
 
-from coursekit.tidy import REMOVE, tidy_notebook, tidy_paths, visible_source
+from coursekit.tidy import REMOVE, tidy_notebook, visible_source
 from tests.notebooks import ROOT
 
 

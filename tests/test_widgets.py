@@ -1,5 +1,4 @@
 """coursekit.widgets.format_explorer: typing a value updates the table; bad input says so."""
-import pytest
 
 
 from coursekit.widgets import format_explorer  # noqa: E402

@@ -98,7 +98,6 @@ GB = 10**9 bytes.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable

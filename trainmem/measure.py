@@ -351,7 +351,7 @@ def _one_run(cfg, *, device, method, precision, optimizer, batch, seq, grad_accu
         res = dict(total=tracker.peak, breakdown=peak_bd, activations=fwd_end["activations"],
                    phase_peaks=phase_peaks, peak_phase=peak_phase, n_params=n_params,
                    n_trainable=n_trainable, cuda=cuda_stats)
-        del model, opt, tracker
+        model = opt = tracker = None  # free the step's tensors before the next run
         return res
 
 
@@ -561,6 +561,6 @@ def measure_memtracker(model: Any = "tiny", *, method: str = "full", precision: 
     with tracker, _acyclic_module_hooks():
         step(tracker)
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-    del tracker, net, opt
+    tracker = net = opt = None  # free the step's tensors
     gc.collect()
     return int(peak)

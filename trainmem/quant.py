@@ -11,7 +11,6 @@ Conventions
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

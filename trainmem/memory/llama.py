@@ -176,7 +176,7 @@ def build_params(sim: Sim, shape, *, method: str, precision: str, lora_rank: int
         cat = "master_weights" if (amp and trainable and dt == "fp32") else "weights"
         return param(sim, shp, dt, trainable, cat)
 
-    h, i = shape.hidden, shape.intermediate
+    h = shape.hidden
     M = {"embed": P((shape.vocab, h), full)}
     # rotary buffers: inv_freq and original_inv_freq (head_dim/2 floats each)
     buf_dt = param_dtype or ("bf16" if precision == "bf16" else "fp32")

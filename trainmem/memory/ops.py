@@ -209,7 +209,6 @@ def rotate_half(sim: Sim, x: T) -> T:
     x2 = view(x, half, x.phys)
     nx2 = neg(sim, x2)
     out = new(sim, x.shape, x.dt)
-    shape, dt = x.shape, x.dt
     n_rg, x1_rg = nx2.rg, x1.rg
 
     def bwd(node, g):   # cat backward: narrow views of g
