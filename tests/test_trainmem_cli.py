@@ -30,7 +30,15 @@ def test_measure_fake_json(capsys):
     assert main(["measure", "--model", "tiny", "--device", "fake", "--batch", "1", "--seq", "8",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out["breakdown"]) == KEYS and out["total_bytes"] > 0
+    assert set(out["breakdown"]) == KEYS
+    # independent oracles: torch counts the parameters (fp32 params and grads: 4 B each), and
+    # the analytic estimator replays the same step (equal up to AdamW's per-tensor step scalars)
+    from trainmem.estimate import estimate
+    from trainmem.models import build_model, get_config
+
+    n = sum(p.numel() for p in build_model(get_config("tiny"), device="meta").parameters())
+    assert out["breakdown"]["master_weights"] == out["breakdown"]["gradients"] == 4 * n
+    assert abs(out["total_bytes"] - estimate("tiny", batch=1, seq=8).total_bytes) <= 64
 
 
 @pytest.mark.parametrize("args,needle", [
