@@ -108,7 +108,9 @@ def _demo_docs():
 def test_interactive_demo_has_static_figure(browser, doc):
     page, _ = _open(browser, f"{doc}.html")
     try:
-        n = page.evaluate("() => [...document.querySelectorAll('.cell_output img')].filter(i => i.naturalWidth > 0).length")
+        # a figure in a cell's output, or a glued, captioned one ({glue:figure})
+        n = page.evaluate("() => [...document.querySelectorAll('.cell_output img, figure img')]"
+                          ".filter(i => i.naturalWidth > 0).length")
         assert n >= 1, "a page with an ipywidgets demo must show a static figure of the same sweep"
         assert "interactive(children" not in page.inner_text("article"), "live widget repr leaked into HTML"
     finally:
