@@ -186,21 +186,14 @@ def build_params(sim: Sim, shape, *, method: str, precision: str, lora_rank: int
     lin_shapes = shape.linear_shapes()
     for _ in range(shape.layers):
         L = {}      # in torch's parameter order: self_attn, mlp, the two norms
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
             d_in, d_out = lin_shapes[name]
             lin = {"w": P((d_out, d_in), full)}
-            if (name != "o_proj" and shape.qkv_bias) or (name == "o_proj" and shape.o_bias):
-                lin["b"] = P((d_out,), full)
-            if method != "full" and name in lora_targets:
-                lin["A"] = param(sim, (lora_rank, d_in), ldt, True,
-                                 "master_weights" if (amp and ldt == "fp32") else "weights")
-                lin["B"] = param(sim, (d_out, lora_rank), ldt, True,
-                                 "master_weights" if (amp and ldt == "fp32") else "weights")
-            L[name] = lin
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            d_in, d_out = lin_shapes[name]
-            lin = {"w": P((d_out, d_in), full)}
-            if shape.mlp_bias:
+            if name in ("q_proj", "k_proj", "v_proj"):
+                has_bias = shape.qkv_bias
+            else:
+                has_bias = shape.o_bias if name == "o_proj" else shape.mlp_bias
+            if has_bias:
                 lin["b"] = P((d_out,), full)
             if method != "full" and name in lora_targets:
                 lin["A"] = param(sim, (lora_rank, d_in), ldt, True,
