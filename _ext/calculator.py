@@ -17,6 +17,7 @@
   "--json"])`` — the function the command line calls — so it shows the same bytes and the same
   one-line error messages.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,30 +39,45 @@ logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "trainmem"
-ENTRY = "trainmem.cli"                 # the calculator: python -m trainmem estimate
+ENTRY = "trainmem.cli"  # the calculator: python -m trainmem estimate
 ENTRIES = (ENTRY, "trainmem.formats")  # + chapter 1's number-format explorer
 PYODIDE_NPM = ROOT / "node_modules" / "pyodide"
 # runtime files of the npm package that the browser loads (no source maps, typings, demos)
-PYODIDE_FILES = ("pyodide.mjs", "pyodide.asm.mjs", "pyodide.asm.wasm", "python_stdlib.zip",
-                 "pyodide-lock.json", "package.json")
-STATIC_DIR = "calculator"          # under _static/ of the built site
+PYODIDE_FILES = (
+    "pyodide.mjs",
+    "pyodide.asm.mjs",
+    "pyodide.asm.wasm",
+    "python_stdlib.zip",
+    "pyodide-lock.json",
+    "package.json",
+)
+STATIC_DIR = "calculator"  # under _static/ of the built site
 # calculator.js/.css live here, not in the book's _static/: Jupyter Book puts every .js and .css
 # found in _static/ on every page, and the calculator's belong only on the pages that hold one.
 ASSETS = Path(__file__).resolve().parent / "calculator_static"
 
 # Chinese labels for the options the course discusses; an option without one shows its flag.
 LABELS = {
-    "model": "模型（model）", "method": "方法（method）", "precision": "精度（precision）",
-    "optimizer": "优化器（optimizer）", "optimizer-impl": "优化器实现（optimizer-impl）",
-    "batch": "微批大小（batch）", "seq": "序列长度（seq）", "grad-accum": "梯度累积（grad-accum）",
-    "lora-rank": "LoRA 秩（lora-rank）", "lora-alpha": "LoRA alpha（lora-alpha）",
-    "lora-targets": "LoRA 目标模块（lora-targets）", "lora-dtype": "适配器类型（lora-dtype）",
-    "checkpointing": "激活检查点（checkpointing）", "attn": "注意力实现（attn）",
-    "no-double-quant": "QLoRA 不做双重量化（no-double-quant）", "zero": "ZeRO 阶段（zero）",
+    "model": "模型（model）",
+    "method": "方法（method）",
+    "precision": "精度（precision）",
+    "optimizer": "优化器（optimizer）",
+    "optimizer-impl": "优化器实现（optimizer-impl）",
+    "batch": "微批大小（batch）",
+    "seq": "序列长度（seq）",
+    "grad-accum": "梯度累积（grad-accum）",
+    "lora-rank": "LoRA 秩（lora-rank）",
+    "lora-alpha": "LoRA alpha（lora-alpha）",
+    "lora-targets": "LoRA 目标模块（lora-targets）",
+    "lora-dtype": "适配器类型（lora-dtype）",
+    "checkpointing": "激活检查点（checkpointing）",
+    "attn": "注意力实现（attn）",
+    "no-double-quant": "QLoRA 不做双重量化（no-double-quant）",
+    "zero": "ZeRO 阶段（zero）",
     "gpus": "GPU 数（gpus）",
 }
-SKIP = {"help", "json"}            # the page always asks for --json
-CONFIG_CHOICE = "config.json"      # model value that means: the pasted config.json
+SKIP = {"help", "json"}  # the page always asks for --json
+CONFIG_CHOICE = "config.json"  # model value that means: the pasted config.json
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,7 +94,8 @@ def _module_file(name: str, root: Path = ROOT) -> Path | None:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(name: str, path: Path):
@@ -93,7 +110,7 @@ def _imports(name: str, path: Path):
             return [a.name for a in node.names]
         if node.level:
             parts = pkg.split(".")
-            base = ".".join(parts[:len(parts) - node.level + 1])
+            base = ".".join(parts[: len(parts) - node.level + 1])
         else:
             base = ""
         mod = ".".join(p for p in (base, node.module or "") if p)
@@ -110,7 +127,9 @@ def _imports(name: str, path: Path):
             for child in node.orelse:
                 visit(child, at_import)
             return
-        inner = at_import and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        inner = at_import and not isinstance(
+            node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+        )
         for child in ast.iter_child_nodes(node):
             visit(child, inner)
 
@@ -123,7 +142,9 @@ def _optional_imports(path: Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Try) and any(
-                h.type is not None and "ImportError" in ast.unparse(h.type) for h in node.handlers):
+            h.type is not None and "ImportError" in ast.unparse(h.type)
+            for h in node.handlers
+        ):
             for sub in node.body:
                 for n in ast.walk(sub):
                     if isinstance(n, ast.Import):
@@ -133,8 +154,9 @@ def _optional_imports(path: Path) -> set[str]:
     return out
 
 
-def browser_modules(entries: tuple[str, ...] = ENTRIES,
-                    root: Path = ROOT) -> tuple[list[str], dict[str, str]]:
+def browser_modules(
+    entries: tuple[str, ...] = ENTRIES, root: Path = ROOT
+) -> tuple[list[str], dict[str, str]]:
     """The modules of ``trainmem`` reached from ``entries`` that import only the standard library
     (and each other) at import time.
 
@@ -159,7 +181,7 @@ def browser_modules(entries: tuple[str, ...] = ENTRIES,
         graph[name] = (eager, lazy)
         parent = name.rpartition(".")[0]
         if parent:
-            todo.append(parent)                   # importing a.b runs a/__init__.py first
+            todo.append(parent)  # importing a.b runs a/__init__.py first
         todo.extend(m for m in eager | lazy if m.split(".")[0] == PACKAGE)
 
     left_out: dict[str, str] = {}
@@ -168,7 +190,7 @@ def browser_modules(entries: tuple[str, ...] = ENTRIES,
         if third:
             left_out[name] = "imports " + ", ".join(third) + " at import time"
     changed = True
-    while changed:                                # a module importing a left-out module is out too
+    while changed:  # a module importing a left-out module is out too
         changed = False
         for name, (eager, _) in graph.items():
             if name in left_out:
@@ -183,7 +205,9 @@ def browser_modules(entries: tuple[str, ...] = ENTRIES,
     shipped = sorted(n for n in graph if n not in left_out)
     for entry in entries:
         if entry not in shipped:
-            raise ExtensionError(f"calculator: {entry} cannot run in the browser: {left_out.get(entry)}")
+            raise ExtensionError(
+                f"calculator: {entry} cannot run in the browser: {left_out.get(entry)}"
+            )
     return shipped, left_out
 
 
@@ -192,6 +216,7 @@ def browser_modules(entries: tuple[str, ...] = ENTRIES,
 # --------------------------------------------------------------------------------------------
 def _estimate_parser() -> argparse.ArgumentParser:
     from trainmem.cli import build_parser
+
     parser = build_parser()
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -202,20 +227,33 @@ def _estimate_parser() -> argparse.ArgumentParser:
 def form_fields() -> list[dict]:
     """One dict per option of ``python -m trainmem estimate`` (argparse order)."""
     from trainmem.models import preset_names
+
     out = []
     for a in _estimate_parser()._actions:
         if not a.option_strings or a.dest in SKIP:
             continue
         flag = max(a.option_strings, key=len)
         name = flag.lstrip("-")
-        f = {"name": name, "flag": flag, "help": a.help or "", "label": LABELS.get(name, flag)}
+        f = {
+            "name": name,
+            "flag": flag,
+            "help": a.help or "",
+            "label": LABELS.get(name, flag),
+        }
         if isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             f["kind"] = "flag"
         elif name == "model":
-            f.update(kind="model", choices=preset_names() + [CONFIG_CHOICE], default=a.default)
+            f.update(
+                kind="model",
+                choices=preset_names() + [CONFIG_CHOICE],
+                default=a.default,
+            )
         elif a.choices is not None:
-            f.update(kind="choice", choices=[str(c) for c in a.choices],
-                     default=None if a.default is None else str(a.default))
+            f.update(
+                kind="choice",
+                choices=[str(c) for c in a.choices],
+                default=None if a.default is None else str(a.default),
+            )
         else:
             f.update(kind="text", default="" if a.default is None else str(a.default))
         out.append(f)
@@ -233,8 +271,10 @@ def _field_html(f: dict, uid: str) -> str:
     elif f["name"] == "no-double-quant":
         when = ' data-when="qlora"'
     if f["kind"] == "flag":
-        return (f'<div class="tm-field tm-flag"{when}{tip}><label for="{fid}">'
-                f'<input type="checkbox" {attrs}> {e(f["label"])}</label></div>')
+        return (
+            f'<div class="tm-field tm-flag"{when}{tip}><label for="{fid}">'
+            f'<input type="checkbox" {attrs}> {e(f["label"])}</label></div>'
+        )
     label = f'<label for="{fid}">{e(f["label"])}</label>'
     if f["kind"] in ("choice", "model"):
         opts = []
@@ -242,12 +282,18 @@ def _field_html(f: dict, uid: str) -> str:
             opts.append('<option value="" selected>默认</option>')
         for c in f["choices"]:
             sel = " selected" if c == f["default"] else ""
-            text = "粘贴 config.json…" if f["kind"] == "model" and c == CONFIG_CHOICE else c
+            text = (
+                "粘贴 config.json…"
+                if f["kind"] == "model" and c == CONFIG_CHOICE
+                else c
+            )
             opts.append(f'<option value="{e(c)}"{sel}>{e(text)}</option>')
         return f'<div class="tm-field"{when}{tip}>{label}<select {attrs}>{"".join(opts)}</select></div>'
     mode = ' inputmode="numeric"' if f["default"].isdigit() else ""
-    return (f'<div class="tm-field"{when}{tip}>{label}<input type="text" {attrs}{mode} '
-            f'value="{e(f["default"])}" autocomplete="off" spellcheck="false"></div>')
+    return (
+        f'<div class="tm-field"{when}{tip}>{label}<input type="text" {attrs}{mode} '
+        f'value="{e(f["default"])}" autocomplete="off" spellcheck="false"></div>'
+    )
 
 
 def calculator_html(uid: str, load: str) -> str:
@@ -287,7 +333,7 @@ class format_node(calculator_node):
 def _visit_format_html(self, node):
     e = html.escape
     uid, value = node["uid"], node["value"]
-    self.body.append(f"""<div class="tm-calc tm-fmt" id="{uid}" data-load="{node['load']}">
+    self.body.append(f"""<div class="tm-calc tm-fmt" id="{uid}" data-load="{node["load"]}">
 <form class="tm-calc-form" autocomplete="off" onsubmit="return false">
 <div class="tm-field tm-fmt-field"><label for="{uid}-x">x =</label>
 <input type="text" name="x" id="{uid}-x" value="{e(value)}" placeholder="0.1, 65504, 1e-8, -2.5 …"
@@ -303,6 +349,7 @@ def _visit_format_html(self, node):
 class MemoryCalculator(Directive):
     """``{memory-calculator}`` — the calculator. ``:load: visible`` starts Pyodide only when the
     calculator scrolls into view (for a chapter page); the default ``immediate`` starts it at once."""
+
     has_content = False
     option_spec = {"load": lambda v: directives.choice(v, ("immediate", "visible"))}
 
@@ -320,9 +367,12 @@ class FormatExplorer(Directive):
     ``trainmem.formats.describe_value(float(x))`` for the number typed (what the ipywidgets demo
     prints). ``:value:`` the first number (default 0.1); ``:load:`` as for the calculator
     (default ``visible``)."""
+
     has_content = False
-    option_spec = {"value": directives.unchanged,
-                   "load": lambda v: directives.choice(v, ("immediate", "visible"))}
+    option_spec = {
+        "value": directives.unchanged,
+        "load": lambda v: directives.choice(v, ("immediate", "visible")),
+    }
 
     def run(self):
         env = self.state.document.settings.env
@@ -341,11 +391,17 @@ def ensure_pyodide() -> Path:
     if not (PYODIDE_NPM / "pyodide.asm.wasm").is_file():
         npm = shutil.which("npm")
         if npm is None:
-            raise ExtensionError("calculator: node_modules/pyodide is missing and npm is not "
-                                 "installed (install Node.js, then run `npm ci`)")
+            raise ExtensionError(
+                "calculator: node_modules/pyodide is missing and npm is not "
+                "installed (install Node.js, then run `npm ci`)"
+            )
         logger.info("calculator: npm ci (Pyodide runtime for the in-page calculator)")
-        r = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=ROOT, capture_output=True,
-                           text=True)
+        r = subprocess.run(
+            [npm, "ci", "--no-audit", "--no-fund"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0 or not (PYODIDE_NPM / "pyodide.asm.wasm").is_file():
             last = (r.stderr.strip().splitlines() or ["no output"])[-1]
             raise ExtensionError(f"calculator: `npm ci` failed: {last}")
@@ -353,8 +409,11 @@ def ensure_pyodide() -> Path:
 
 
 # CLI runs that decide which standard modules get bytecode: the page's first answer and an error
-BYTECODE_RUNS = (["estimate", "--json"], ["estimate", "--method=lora", "--json"],
-                 ["estimate", "--batch=0", "--json"])
+BYTECODE_RUNS = (
+    ["estimate", "--json"],
+    ["estimate", "--method=lora", "--json"],
+    ["estimate", "--batch=0", "--json"],
+)
 
 
 def compiled_stdlib(npm: Path, lib: Path, cache: Path) -> dict:
@@ -363,7 +422,12 @@ def compiled_stdlib(npm: Path, lib: Path, cache: Path) -> dict:
     halves the time to the first answer). Cached under ``cache`` by the inputs' hash."""
     script = Path(__file__).resolve().parent / "calculator_stdlib.mjs"
     h = hashlib.sha256()
-    for f in [npm / "package.json", npm / "python_stdlib.zip", script, *sorted(lib.rglob("*.py"))]:
+    for f in [
+        npm / "package.json",
+        npm / "python_stdlib.zip",
+        script,
+        *sorted(lib.rglob("*.py")),
+    ]:
         h.update(f.name.encode() + f.read_bytes())
     h.update(json.dumps(BYTECODE_RUNS).encode())
     out = cache / f"python_stdlib-{h.hexdigest()[:16]}.zip"
@@ -372,12 +436,20 @@ def compiled_stdlib(npm: Path, lib: Path, cache: Path) -> dict:
         return {"zip": out, **json.loads(info.read_text(encoding="utf-8"))}
     node = shutil.which("node")
     if node is None:
-        raise ExtensionError("calculator: Node.js is needed to build the calculator (npm comes with it)")
+        raise ExtensionError(
+            "calculator: Node.js is needed to build the calculator (npm comes with it)"
+        )
     cache.mkdir(parents=True, exist_ok=True)
-    logger.info("calculator: compiling the standard modules the page imports (Pyodide under Node)")
-    r = subprocess.run([node, str(script), str(npm), str(lib), str(out)]
-                       + [json.dumps(a) for a in BYTECODE_RUNS],
-                       capture_output=True, text=True, timeout=600)
+    logger.info(
+        "calculator: compiling the standard modules the page imports (Pyodide under Node)"
+    )
+    r = subprocess.run(
+        [node, str(script), str(npm), str(lib), str(out)]
+        + [json.dumps(a) for a in BYTECODE_RUNS],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if r.returncode != 0 or not out.is_file():
         last = ((r.stderr or r.stdout).strip().splitlines() or ["no output"])[-1]
         raise ExtensionError(f"calculator: {script.name} failed: {last}")
@@ -392,10 +464,16 @@ def _add_assets(app, pagename, templatename, context, doctree):
     if doctree is None or not any(True for _ in doctree.findall(calculator_node)):
         return
     from sphinx.builders.html._assets import _CascadingStyleSheet, _JavaScript
+
     # these lists are the builder's; Sphinx restores them after each page
-    context["script_files"].append(_JavaScript(f"_static/{STATIC_DIR}/calculator.js", defer="defer"))
-    context["css_files"].append(_CascadingStyleSheet(f"_static/{STATIC_DIR}/calculator.css",
-                                                     rel="stylesheet", type="text/css"))
+    context["script_files"].append(
+        _JavaScript(f"_static/{STATIC_DIR}/calculator.js", defer="defer")
+    )
+    context["css_files"].append(
+        _CascadingStyleSheet(
+            f"_static/{STATIC_DIR}/calculator.css", rel="stylesheet", type="text/css"
+        )
+    )
 
 
 def _copy_runtime(app, exception):
@@ -423,9 +501,16 @@ def _copy_runtime(app, exception):
         shutil.copy2(npm / f, dest / "pyodide" / f)
     stdlib = compiled_stdlib(npm, py, Path(app.outdir).parent / ".calculator-cache")
     shutil.copy2(stdlib["zip"], dest / "pyodide" / "python_stdlib.zip")
-    manifest = {"pyodide": version, "entries": list(ENTRIES), "files": files, "left_out": left_out,
-                "stdlib_bytecode": {k: v for k, v in stdlib.items() if k != "zip"}}
-    (dest / "manifest.json").write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    manifest = {
+        "pyodide": version,
+        "entries": list(ENTRIES),
+        "files": files,
+        "left_out": left_out,
+        "stdlib_bytecode": {k: v for k, v in stdlib.items() if k != "zip"},
+    }
+    (dest / "manifest.json").write_text(
+        json.dumps(manifest, indent=1), encoding="utf-8"
+    )
 
 
 def _static_path(app):
@@ -434,11 +519,23 @@ def _static_path(app):
 
 def setup(app):
     app.connect("builder-inited", _static_path)
-    app.add_node(calculator_node, html=(_visit_html, None), latex=(_skip, None),
-                 text=(_skip, None), man=(_skip, None), texinfo=(_skip, None))
+    app.add_node(
+        calculator_node,
+        html=(_visit_html, None),
+        latex=(_skip, None),
+        text=(_skip, None),
+        man=(_skip, None),
+        texinfo=(_skip, None),
+    )
     app.add_directive("memory-calculator", MemoryCalculator)
-    app.add_node(format_node, html=(_visit_format_html, None), latex=(_skip, None),
-                 text=(_skip, None), man=(_skip, None), texinfo=(_skip, None))
+    app.add_node(
+        format_node,
+        html=(_visit_format_html, None),
+        latex=(_skip, None),
+        text=(_skip, None),
+        man=(_skip, None),
+        texinfo=(_skip, None),
+    )
     app.add_directive("format-explorer", FormatExplorer)
     app.connect("html-page-context", _add_assets)
     app.connect("build-finished", _copy_runtime)

@@ -10,6 +10,7 @@
 * A line break inside a Chinese paragraph of the Markdown source is a soft break, which browsers
   render as a space ("来自 那一章"). Breaks between two CJK characters are removed from the text.
 """
+
 import re
 
 from docutils import nodes
@@ -51,15 +52,21 @@ COLAB_BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
 def _local_badge(app, pagename, templatename, context, doctree):
     body = context.get("body")
     if body and COLAB_BADGE in body:
-        context["body"] = body.replace(COLAB_BADGE, context["pathto"]("_static/colab-badge.svg", 1))
+        context["body"] = body.replace(
+            COLAB_BADGE, context["pathto"]("_static/colab-badge.svg", 1)
+        )
 
 
 def _dedupe_scripts(app, pagename, templatename, context, doctree):
     seen, out = set(), []
     for js in context.get("script_files", []):
         # the same inline script arrives once with filename None and once with '' (both inline)
-        key = (getattr(js, "filename", js) or "",
-               tuple(sorted((k, str(v)) for k, v in getattr(js, "attributes", {}).items())))
+        key = (
+            getattr(js, "filename", js) or "",
+            tuple(
+                sorted((k, str(v)) for k, v in getattr(js, "attributes", {}).items())
+            ),
+        )
         if key in seen:
             continue
         seen.add(key)

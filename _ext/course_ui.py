@@ -18,6 +18,7 @@
   titles and axis labels its code writes ("图：…；横轴 …；纵轴 …"). Captioned figures set their
   own (``{glue:figure}`` with ``:alt:``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,11 +57,17 @@ UI_STRINGS = {
 _ATTR = re.compile(r'\b(title|aria-label|data-bs-title|placeholder|alt)="([^"]*)"')
 
 # myst-nb fills {type} of nb_code_prompt_show/hide with these English words
-PROMPT_TYPES = {"content": "代码与输出", "source": "代码", "outputs": "输出", "output": "输出"}
+PROMPT_TYPES = {
+    "content": "代码与输出",
+    "source": "代码",
+    "outputs": "输出",
+    "output": "输出",
+}
 
 
 def translate_attributes(html: str) -> str:
     """Replace whole attribute values listed in :data:`UI_STRINGS`."""
+
     def sub(m):
         value = UI_STRINGS.get(m.group(2))
         return m.group(0) if value is None else f'{m.group(1)}="{value}"'
@@ -96,7 +103,9 @@ def _hide_plumbing(app, doctree):
     for cell in list(doctree.findall(nodes.container)):
         if cell.get("nb_element") != "cell_code":
             continue
-        for src in [c for c in cell.children if c.get("nb_element") == "cell_code_source"]:
+        for src in [
+            c for c in cell.children if c.get("nb_element") == "cell_code_source"
+        ]:
             for block in list(src.findall(nodes.literal_block)):
                 text = block.astext()
                 shown = visible_source(text)
@@ -112,8 +121,15 @@ def _hide_plumbing(app, doctree):
             cell.parent.remove(cell)
 
 
-_TITLE_CALLS = {"set_title": "", "suptitle": "", "title": "", "set_xlabel": "横轴 ",
-                "set_ylabel": "纵轴 ", "xlabel": "横轴 ", "ylabel": "纵轴 "}
+_TITLE_CALLS = {
+    "set_title": "",
+    "suptitle": "",
+    "title": "",
+    "set_xlabel": "横轴 ",
+    "set_ylabel": "纵轴 ",
+    "xlabel": "横轴 ",
+    "ylabel": "纵轴 ",
+}
 
 
 def figure_alt(source: str) -> str | None:
@@ -130,9 +146,12 @@ def figure_alt(source: str) -> str | None:
     def text_of(arg):
         if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
             return arg.value.strip()
-        if isinstance(arg, ast.JoinedStr):  # f"...{x}...": the computed parts become "…"
-            return "".join(v.value if isinstance(v, ast.Constant) else "…"
-                           for v in arg.values).strip()
+        if isinstance(
+            arg, ast.JoinedStr
+        ):  # f"...{x}...": the computed parts become "…"
+            return "".join(
+                v.value if isinstance(v, ast.Constant) else "…" for v in arg.values
+            ).strip()
         return ""
 
     def add(kind, arg):
@@ -168,9 +187,14 @@ class FigureAlt(SphinxPostTransform):
             images = [i for i in cell.findall(nodes.image) if not i.get("alt")]
             if not images:
                 continue
-            src = [c for c in cell.findall(nodes.container)
-                   if c.get("nb_element") == "cell_code_source"]
-            alt = figure_alt(cell.get("nb_source", "") or (src[0].astext() if src else ""))
+            src = [
+                c
+                for c in cell.findall(nodes.container)
+                if c.get("nb_element") == "cell_code_source"
+            ]
+            alt = figure_alt(
+                cell.get("nb_source", "") or (src[0].astext() if src else "")
+            )
             for image in images:
                 if alt:
                     image["alt"] = alt
@@ -190,7 +214,8 @@ def _search_options(app, config):
 
         sphinx_logging.getLogger(__name__).warning(
             "jieba is not installed: the search index will hold no Chinese words "
-            "(pip install jieba; it is in the [dev] extras)")
+            "(pip install jieba; it is in the [dev] extras)"
+        )
 
 
 def _wrap_renderer(app):

@@ -15,6 +15,7 @@ and prints:
 
     python benchmarks/calculator_load.py [--runs 3] [--changes 10]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,9 +47,20 @@ CHANGE = """async ([name, value]) => {
   return [performance.now() - t0, Number(result.dataset.ms)];
 }"""
 
-EDITS = [("batch", "2"), ("seq", "1024"), ("method", "lora"), ("lora-rank", "16"), ("batch", "8"),
-         ("model", "llama2-13b"), ("precision", "fp32"), ("zero", "3"), ("gpus", "8"),
-         ("model", "llama2-70b"), ("method", "qlora"), ("seq", "4096")]
+EDITS = [
+    ("batch", "2"),
+    ("seq", "1024"),
+    ("method", "lora"),
+    ("lora-rank", "16"),
+    ("batch", "8"),
+    ("model", "llama2-13b"),
+    ("precision", "fp32"),
+    ("zero", "3"),
+    ("gpus", "8"),
+    ("model", "llama2-70b"),
+    ("method", "qlora"),
+    ("seq", "4096"),
+]
 
 
 def site_bytes() -> list[tuple[str, int]]:
@@ -57,16 +69,27 @@ def site_bytes() -> list[tuple[str, int]]:
     for sub in ("pyodide", "py"):
         size = sum(f.stat().st_size for f in (root / sub).rglob("*") if f.is_file())
         rows.append((f"_static/calculator/{sub}/", size))
-    rows.append(("_static/calculator/ (script, style, manifest)",
-                 sum(f.stat().st_size for f in root.iterdir() if f.is_file())))
-    rows.append(("book/calculator.html", (HTML / "book" / "calculator.html").stat().st_size))
+    rows.append(
+        (
+            "_static/calculator/ (script, style, manifest)",
+            sum(f.stat().st_size for f in root.iterdir() if f.is_file()),
+        )
+    )
+    rows.append(
+        ("book/calculator.html", (HTML / "book" / "calculator.html").stat().st_size)
+    )
     return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="cold page loads (default 3)")
-    ap.add_argument("--changes", type=int, default=len(EDITS), help=f"edits per load (≤ {len(EDITS)})")
+    ap.add_argument(
+        "--changes",
+        type=int,
+        default=len(EDITS),
+        help=f"edits per load (≤ {len(EDITS)})",
+    )
     args = ap.parse_args()
     exe = chromium_path()
     if exe is None or not (HTML / "book" / "calculator.html").exists():
@@ -75,17 +98,28 @@ def main() -> int:
     from playwright.sync_api import sync_playwright
 
     npm_zip = ROOT / "node_modules" / "pyodide" / "python_stdlib.zip"
-    variants = {"site (bytecode added)": None, "npm zip (sources only)": {"/python_stdlib.zip": npm_zip}}
+    variants = {
+        "site (bytecode added)": None,
+        "npm zip (sources only)": {"/python_stdlib.zip": npm_zip},
+    }
     loads = {v: [] for v in variants}
     changes, computes = [], []
     with SiteServer(HTML) as server, sync_playwright() as p:
         b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
-        for _, (variant, serve) in itertools.product(range(args.runs), variants.items()):
-            page, problems = open_offline(b, server.url, "book/calculator.html", serve=serve)
-            page.wait_for_selector(".tm-calc[data-state=ready]", state="attached", timeout=120000)
-            loads[variant].append(json.loads(page.get_attribute(".tm-calc", "data-timings")))
-            if serve is None:                  # later edits: measured on the site as built
-                for name, value in EDITS[:args.changes]:
+        for _, (variant, serve) in itertools.product(
+            range(args.runs), variants.items()
+        ):
+            page, problems = open_offline(
+                b, server.url, "book/calculator.html", serve=serve
+            )
+            page.wait_for_selector(
+                ".tm-calc[data-state=ready]", state="attached", timeout=120000
+            )
+            loads[variant].append(
+                json.loads(page.get_attribute(".tm-calc", "data-timings"))
+            )
+            if serve is None:  # later edits: measured on the site as built
+                for name, value in EDITS[: args.changes]:
                     ms, compute = page.evaluate(CHANGE, [name, value])
                     changes.append(ms)
                     computes.append(compute)
@@ -94,22 +128,30 @@ def main() -> int:
             page.context.close()
         b.close()
 
-    print("## First answer (ms since navigation start; fresh browser context each run)\n")
+    print(
+        "## First answer (ms since navigation start; fresh browser context each run)\n"
+    )
     stages = ["start", "imported", "pyodide", "estimator", "answer"]
     print("| python_stdlib.zip | run | " + " | ".join(stages) + " |")
     print("|---|---|" + "---:|" * len(stages))
     for variant, ts in loads.items():
         for i, t in enumerate(ts, 1):
-            print(f"| {variant} | {i} | " + " | ".join(str(t[s]) for s in stages) + " |")
+            print(
+                f"| {variant} | {i} | " + " | ".join(str(t[s]) for s in stages) + " |"
+            )
     print()
     for variant, ts in loads.items():
-        print(f"median first answer, {variant}: {statistics.median(t['answer'] for t in ts) / 1000:.1f} s")
+        print(
+            f"median first answer, {variant}: {statistics.median(t['answer'] for t in ts) / 1000:.1f} s"
+        )
     print()
     print("## Later changes (ms from the edit to the rendered result)\n")
     print("| edits | median | max | estimator call, median | estimator call, max |")
     print("|---:|---:|---:|---:|---:|")
-    print(f"| {len(changes)} | {statistics.median(changes):.0f} | {max(changes):.0f} | "
-          f"{statistics.median(computes):.0f} | {max(computes):.0f} |")
+    print(
+        f"| {len(changes)} | {statistics.median(changes):.0f} | {max(changes):.0f} | "
+        f"{statistics.median(computes):.0f} | {max(computes):.0f} |"
+    )
     print("\n## Bytes the calculator adds to the built site\n")
     print("| path | bytes | MiB |")
     print("|---|---:|---:|")

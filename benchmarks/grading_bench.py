@@ -7,6 +7,7 @@ Half the copies are the reference solution, half the untouched generated lab (so
 and the all-NotImplementedError paths are timed). A second run over the same folder shows the cache
 (nothing changed → nothing regraded). Uses the real command line: ``python -m coursekit grade``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,15 +25,28 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(lab: str, subs: Path, out: Path, jobs: int, force: bool) -> float:
-    cmd = [sys.executable, "-m", "coursekit", "grade", "--lab", lab, str(subs), "--out", str(out),
-           "--jobs", str(jobs)] + (["--force"] if force else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "coursekit",
+        "grade",
+        "--lab",
+        lab,
+        str(subs),
+        "--out",
+        str(out),
+        "--jobs",
+        str(jobs),
+    ] + (["--force"] if force else [])
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     return time.perf_counter() - t0
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--lab", default="lab01")
     ap.add_argument("--copies", type=int, default=30)
     ap.add_argument("--jobs", type=int, nargs="+", default=[2])
@@ -49,16 +63,26 @@ def main() -> int:
             out = Path(tmp) / f"out{jobs}"
             wall = run(args.lab, subs, out, jobs, force=True)
             cached = run(args.lab, subs, out, jobs, force=False)
-            statuses = [r["status"] for r in csv.DictReader((out / "grades.csv").open()) if r["student"] != "MAX"]
+            statuses = [
+                r["status"]
+                for r in csv.DictReader((out / "grades.csv").open())
+                if r["student"] != "MAX"
+            ]
             rows.append((jobs, wall, cached, statuses.count("ok")))
-    print(f"grading benchmark: {args.copies} copies of {args.lab} ({args.copies - args.copies // 2} solutions + "
-          f"{args.copies // 2} untouched labs); {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    print(
+        f"grading benchmark: {args.copies} copies of {args.lab} ({args.copies - args.copies // 2} solutions + "
+        f"{args.copies // 2} untouched labs); {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    )
     print()
-    print("| jobs | submissions | wall time (s) | s / submission | submissions / min | status ok | cached re-run (s) |")
+    print(
+        "| jobs | submissions | wall time (s) | s / submission | submissions / min | status ok | cached re-run (s) |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for jobs, wall, cached, ok in rows:
-        print(f"| {jobs} | {args.copies} | {wall:.1f} | {wall / args.copies:.2f} | {60 * args.copies / wall:.1f} | "
-              f"{ok}/{args.copies} | {cached:.1f} |")
+        print(
+            f"| {jobs} | {args.copies} | {wall:.1f} | {wall / args.copies:.2f} | {60 * args.copies / wall:.1f} | "
+            f"{ok}/{args.copies} | {cached:.1f} |"
+        )
     return 0
 
 

@@ -21,6 +21,7 @@ targets and ranks, gradient accumulation), each estimated and measured twice on 
 Targets: fixed grid |peak error| ≤ 2 % (full) / 3 % (LoRA), |activation error| ≤ 3 %; random
 grid |peak error| ≤ 1 % against both measurements, every row.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,11 +35,17 @@ from collections import defaultdict
 
 import torch
 
-from trainmem.estimate import (OPTIMIZER_IMPLS, PRECISIONS, accelerate_rule_bytes, count_params,
-                               estimate, model_shape)
+from trainmem.estimate import (
+    OPTIMIZER_IMPLS,
+    PRECISIONS,
+    accelerate_rule_bytes,
+    count_params,
+    estimate,
+    model_shape,
+)
 from trainmem.measure import measure, measure_memtracker
 
-GiB = 2 ** 30
+GiB = 2**30
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -81,7 +88,7 @@ GRID = [
 
 
 def fmt(n: int, unit: str) -> str:
-    return f"{n / 2 ** 20:,.3f} MiB" if unit == "MiB" else f"{n / GiB:,.3f} GiB"
+    return f"{n / 2**20:,.3f} MiB" if unit == "MiB" else f"{n / GiB:,.3f} GiB"
 
 
 def rel(a: int, b: int) -> float:
@@ -100,9 +107,11 @@ def _targets_label(targets) -> str:
 
 def fixed_grid(cuda: bool, quick: bool) -> tuple[list[str], list[str]]:
     lines = []
-    head = ("| # | model (device) | method | precision | attn | ckpt | b×s | AdamW | estimate "
-            "| measured | peak err | MemTracker | est. vs MemTracker | est. act | meas. act "
-            "| act err | peak in | accelerate rule | rule err |")
+    head = (
+        "| # | model (device) | method | precision | attn | ckpt | b×s | AdamW | estimate "
+        "| measured | peak err | MemTracker | est. vs MemTracker | est. act | meas. act "
+        "| act err | peak in | accelerate rule | rule err |"
+    )
     if cuda:
         head += " cuda max_allocated | cuda max_reserved | est. vs cuda |"
     lines.append(head)
@@ -110,11 +119,20 @@ def fixed_grid(cuda: bool, quick: bool) -> tuple[list[str], list[str]]:
     worst = {"full": (0.0, None), "lora": (0.0, None)}
     worst_act = (0.0, None)
     ok = True
-    for i, (model, dev, method, prec, attn, ck, b, s, targets, impl) in enumerate(GRID, 1):
+    for i, (model, dev, method, prec, attn, ck, b, s, targets, impl) in enumerate(
+        GRID, 1
+    ):
         if quick and dev == "fake":
             continue
-        kw = dict(method=method, precision=prec, attn=attn, checkpointing=ck, batch=b, seq=s,
-                  optimizer_impl=impl)
+        kw = dict(
+            method=method,
+            precision=prec,
+            attn=attn,
+            checkpointing=ck,
+            batch=b,
+            seq=s,
+            optimizer_impl=impl,
+        )
         if targets:
             kw["lora_targets"] = targets
         est = estimate(model, **kw)
@@ -136,17 +154,24 @@ def fixed_grid(cuda: bool, quick: bool) -> tuple[list[str], list[str]]:
         else:
             mt_cells = "– | –"
         tg = "" if method == "full" else f" r=8 {_targets_label(targets)}"
-        row = (f"| {i} | {model} ({dev}{', extrap.' if meas.extrapolated_from_layers else ''}) "
-               f"| {method}{tg} | {prec} | {attn} | {'on' if ck else 'off'} | {b}×{s} | {impl} "
-               f"| {fmt(est.total_bytes, u)} | {fmt(meas.total_bytes, u)} | {e_peak:+.3f}% "
-               f"| {mt_cells} | {fmt(est.activation_bytes, u)} | {fmt(meas.activation_bytes, u)} "
-               f"| {e_act:+.3f}% | {meas.peak_phase} | {fmt(rule, u)} | {e_rule:+.1f}% |")
+        row = (
+            f"| {i} | {model} ({dev}{', extrap.' if meas.extrapolated_from_layers else ''}) "
+            f"| {method}{tg} | {prec} | {attn} | {'on' if ck else 'off'} | {b}×{s} | {impl} "
+            f"| {fmt(est.total_bytes, u)} | {fmt(meas.total_bytes, u)} | {e_peak:+.3f}% "
+            f"| {mt_cells} | {fmt(est.activation_bytes, u)} | {fmt(meas.activation_bytes, u)} "
+            f"| {e_act:+.3f}% | {meas.peak_phase} | {fmt(rule, u)} | {e_rule:+.1f}% |"
+        )
         if cuda:
             if model == "tiny" and torch.cuda.is_available():
                 mc = measure(model, device="cuda", **kw)
-                alloc, reserved = mc.cuda["max_memory_allocated"], mc.cuda["max_memory_reserved"]
-                row += (f" {fmt(alloc, u)} | {fmt(reserved, u)} "
-                        f"| {rel(est.total_bytes, alloc):+.2f}% |")
+                alloc, reserved = (
+                    mc.cuda["max_memory_allocated"],
+                    mc.cuda["max_memory_reserved"],
+                )
+                row += (
+                    f" {fmt(alloc, u)} | {fmt(reserved, u)} "
+                    f"| {rel(est.total_bytes, alloc):+.2f}% |"
+                )
             else:
                 row += " – | – | – |"
         lines.append(row)
@@ -156,7 +181,8 @@ def fixed_grid(cuda: bool, quick: bool) -> tuple[list[str], list[str]]:
         f"LoRA: {worst['lora'][0]:+.4f}% (row {worst['lora'][1]}). Worst activation error: "
         f"{worst_act[0]:+.4f}% (row {worst_act[1]}).",
         f"- All rows within the targets (peak ≤ 2 % full / 3 % LoRA, activations ≤ 3 %): "
-        f"{'yes' if ok else 'NO'}."]
+        f"{'yes' if ok else 'NO'}.",
+    ]
     return lines, notes
 
 
@@ -164,12 +190,24 @@ def fixed_grid(cuda: bool, quick: bool) -> tuple[list[str], list[str]]:
 # the random grid
 # ------------------------------------------------------------------------------------------
 ARCHS = ("llama", "qwen2", "mistral")
-PER_HEAD = (10, 14, 18, 20, 26, 32)    # hidden = heads × one of these: odd widths, q_dim ≠ hidden
+PER_HEAD = (
+    10,
+    14,
+    18,
+    20,
+    26,
+    32,
+)  # hidden = heads × one of these: odd widths, q_dim ≠ hidden
 INTERMEDIATE = (36, 100, 130, 172, 250)
 VOCABS = (97, 131, 256, 509)
 SEQS = (8, 16, 24, 33, 48, 64)
-OPTIMIZERS = (("adamw", "foreach"), ("adamw", "fused"), ("adamw", "for-loop"),
-              ("sgd", "foreach"), ("sgd-momentum", "for-loop"))
+OPTIMIZERS = (
+    ("adamw", "foreach"),
+    ("adamw", "fused"),
+    ("adamw", "for-loop"),
+    ("sgd", "foreach"),
+    ("sgd-momentum", "for-loop"),
+)
 
 
 def random_configs(n: int, seed: int = 16) -> list[dict]:
@@ -183,23 +221,44 @@ def random_configs(n: int, seed: int = 16) -> list[dict]:
         kv = rng.choice([d for d in (1, 2, 3, 4, 6) if heads % d == 0])
         head_dim = rng.choice((8, 12, 16))
         hidden = heads * rng.choice(PER_HEAD + (head_dim,))
-        model = dict(arch=rng.choice(ARCHS), vocab_size=rng.choice(VOCABS), hidden_size=hidden,
-                     intermediate_size=rng.choice(INTERMEDIATE),
-                     num_hidden_layers=rng.choice((1, 2, 3)), num_attention_heads=heads,
-                     num_key_value_heads=kv, head_dim=head_dim,
-                     tie_word_embeddings=rng.random() < 0.4)
+        model = dict(
+            arch=rng.choice(ARCHS),
+            vocab_size=rng.choice(VOCABS),
+            hidden_size=hidden,
+            intermediate_size=rng.choice(INTERMEDIATE),
+            num_hidden_layers=rng.choice((1, 2, 3)),
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            head_dim=head_dim,
+            tie_word_embeddings=rng.random() < 0.4,
+        )
         precision = PRECISIONS[k % 4]
-        optimizer, impl = OPTIMIZERS[rng.randrange(len(OPTIMIZERS))] if k % 4 == 3 else \
-            ("adamw", OPTIMIZER_IMPLS[(k // 4) % 3])
+        optimizer, impl = (
+            OPTIMIZERS[rng.randrange(len(OPTIMIZERS))]
+            if k % 4 == 3
+            else ("adamw", OPTIMIZER_IMPLS[(k // 4) % 3])
+        )
         method = ("full", "lora")[(k // 12) % 2]
-        opts = dict(method=method, precision=precision, optimizer=optimizer, optimizer_impl=impl,
-                    attn=rng.choice(("sdpa", "eager")), checkpointing=rng.random() < 0.5,
-                    batch=rng.choice((1, 2, 3)), seq=rng.choice(SEQS),
-                    grad_accum=rng.choice((1, 1, 2, 3)))
+        opts = dict(
+            method=method,
+            precision=precision,
+            optimizer=optimizer,
+            optimizer_impl=impl,
+            attn=rng.choice(("sdpa", "eager")),
+            checkpointing=rng.random() < 0.5,
+            batch=rng.choice((1, 2, 3)),
+            seq=rng.choice(SEQS),
+            grad_accum=rng.choice((1, 1, 2, 3)),
+        )
         if method == "lora":
-            targets = tuple(t for t in ALL if rng.random() < 0.45) or ("q_proj", "v_proj")
+            targets = tuple(t for t in ALL if rng.random() < 0.45) or (
+                "q_proj",
+                "v_proj",
+            )
             opts["lora_targets"] = targets
-            width = min(hidden, heads * head_dim, kv * head_dim, model["intermediate_size"])
+            width = min(
+                hidden, heads * head_dim, kv * head_dim, model["intermediate_size"]
+            )
             opts["lora_rank"] = min(rng.choice((1, 2, 4, 8, 16)), width)
         out.append(dict(id=k + 1, model=model, options=opts))
     return out
@@ -212,6 +271,7 @@ def hf_config(model: dict, name: str):
         from transformers import Qwen2Config as C
     elif arch == "mistral":
         from transformers import MistralConfig as C
+
         fields["sliding_window"] = None
     else:
         from transformers import LlamaConfig as C
@@ -222,17 +282,26 @@ def hf_config(model: dict, name: str):
 
 def _model_label(m: dict) -> str:
     gqa = f"{m['num_attention_heads']}/{m['num_key_value_heads']}"
-    return (f"{m['arch']} h{m['hidden_size']} i{m['intermediate_size']} L{m['num_hidden_layers']} "
-            f"a/kv {gqa} d{m['head_dim']} V{m['vocab_size']}{' tied' if m['tie_word_embeddings'] else ''}")
+    return (
+        f"{m['arch']} h{m['hidden_size']} i{m['intermediate_size']} L{m['num_hidden_layers']} "
+        f"a/kv {gqa} d{m['head_dim']} V{m['vocab_size']}{' tied' if m['tie_word_embeddings'] else ''}"
+    )
 
 
 def _options_label(o: dict) -> str:
     parts = [o["method"]]
     if o["method"] == "lora":
         parts.append(f"r={o['lora_rank']} {_targets_label(o['lora_targets'])}")
-    parts += [o["precision"], o["attn"], "ckpt" if o["checkpointing"] else "",
-              f"{o['optimizer']}/{o['optimizer_impl']}" if o["optimizer"] == "adamw" else o["optimizer"],
-              f"{o['batch']}×{o['seq']}", f"acc {o['grad_accum']}" if o["grad_accum"] > 1 else ""]
+    parts += [
+        o["precision"],
+        o["attn"],
+        "ckpt" if o["checkpointing"] else "",
+        f"{o['optimizer']}/{o['optimizer_impl']}"
+        if o["optimizer"] == "adamw"
+        else o["optimizer"],
+        f"{o['batch']}×{o['seq']}",
+        f"acc {o['grad_accum']}" if o["grad_accum"] > 1 else "",
+    ]
     return " ".join(p for p in parts if p)
 
 
@@ -251,11 +320,23 @@ def random_grid(n: int, seed: int) -> dict:
             # the frozen embedding's output made a leaf by gradient checkpointing, and its .grad
             item = 2 if o["precision"] == "bf16" else 4
             leaf_bytes = 2 * o["batch"] * o["seq"] * shape.hidden * item
-        rows.append(dict(c, est=est.total_bytes, meas=meas.total_bytes, mt=mt,
-                         peak_phase=meas.peak_phase, leaf_bytes=leaf_bytes,
-                         e_meas=rel(est.total_bytes, meas.total_bytes),
-                         e_mt=rel(est.total_bytes, mt), mt_meas=rel(mt, meas.total_bytes)))
-        print(f"random row {c['id']} done ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+        rows.append(
+            dict(
+                c,
+                est=est.total_bytes,
+                meas=meas.total_bytes,
+                mt=mt,
+                peak_phase=meas.peak_phase,
+                leaf_bytes=leaf_bytes,
+                e_meas=rel(est.total_bytes, meas.total_bytes),
+                e_mt=rel(est.total_bytes, mt),
+                mt_meas=rel(mt, meas.total_bytes),
+            )
+        )
+        print(
+            f"random row {c['id']} done ({time.perf_counter() - t0:.1f} s)",
+            file=sys.stderr,
+        )
     return dict(rows=rows, seed=seed)
 
 
@@ -265,52 +346,82 @@ def random_report(res: dict) -> list[str]:
     worst_meas = max(rows, key=lambda r: abs(r["e_meas"]))
     worst_mt = max(rows, key=lambda r: abs(r["e_mt"]))
     n_ok = sum(abs(r["e_meas"]) <= 1.0 and abs(r["e_mt"]) <= 1.0 for r in rows)
-    out += [f"{len(rows)} configurations, `random.Random({res['seed']})`. Errors are "
-            "(estimate − measurement) / measurement.", "",
-            f"- Worst |estimate − trainmem.measure|: {worst_meas['e_meas']:+.4f}% (row "
-            f"{worst_meas['id']}); worst |estimate − MemTracker|: {worst_mt['e_mt']:+.4f}% "
-            f"(row {worst_mt['id']}).",
-            f"- Rows within 1 % of both measurements: {n_ok} of {len(rows)}.",
-            f"- Rows where the two measurements differ by more than 0.5 %: "
-            f"{sum(abs(r['mt_meas']) > 0.5 for r in rows)}; by more than 0 bytes: "
-            f"{sum(r['mt'] != r['meas'] for r in rows)}.", ""]
+    out += [
+        f"{len(rows)} configurations, `random.Random({res['seed']})`. Errors are "
+        "(estimate − measurement) / measurement.",
+        "",
+        f"- Worst |estimate − trainmem.measure|: {worst_meas['e_meas']:+.4f}% (row "
+        f"{worst_meas['id']}); worst |estimate − MemTracker|: {worst_mt['e_mt']:+.4f}% "
+        f"(row {worst_mt['id']}).",
+        f"- Rows within 1 % of both measurements: {n_ok} of {len(rows)}.",
+        f"- Rows where the two measurements differ by more than 0.5 %: "
+        f"{sum(abs(r['mt_meas']) > 0.5 for r in rows)}; by more than 0 bytes: "
+        f"{sum(r['mt'] != r['meas'] for r in rows)}.",
+        "",
+    ]
     # coverage and worst error per option value
     groups: dict[str, dict] = defaultdict(lambda: {"n": 0, "worst": 0.0})
     for r in rows:
         o, m = r["options"], r["model"]
-        keys = [f"precision={o['precision']}", f"method={o['method']}", f"attn={o['attn']}",
-                f"checkpointing={'on' if o['checkpointing'] else 'off'}",
-                f"optimizer={o['optimizer']}" + (f"/{o['optimizer_impl']}"
-                                                 if o["optimizer"] == "adamw" else ""),
-                f"grad_accum={o['grad_accum']}", f"arch={m['arch']}",
-                f"GQA={'yes' if m['num_key_value_heads'] < m['num_attention_heads'] else 'no'}",
-                f"tied={'yes' if m['tie_word_embeddings'] else 'no'}",
-                "q_dim≠hidden=" + ("yes" if m["num_attention_heads"] * m["head_dim"] != m["hidden_size"]
-                                   else "no")]
+        keys = [
+            f"precision={o['precision']}",
+            f"method={o['method']}",
+            f"attn={o['attn']}",
+            f"checkpointing={'on' if o['checkpointing'] else 'off'}",
+            f"optimizer={o['optimizer']}"
+            + (f"/{o['optimizer_impl']}" if o["optimizer"] == "adamw" else ""),
+            f"grad_accum={o['grad_accum']}",
+            f"arch={m['arch']}",
+            f"GQA={'yes' if m['num_key_value_heads'] < m['num_attention_heads'] else 'no'}",
+            f"tied={'yes' if m['tie_word_embeddings'] else 'no'}",
+            "q_dim≠hidden="
+            + (
+                "yes"
+                if m["num_attention_heads"] * m["head_dim"] != m["hidden_size"]
+                else "no"
+            ),
+        ]
         if o["method"] == "lora":
-            keys += [f"lora_rank={o['lora_rank']}", f"lora_targets={_targets_label(o['lora_targets'])}"]
+            keys += [
+                f"lora_rank={o['lora_rank']}",
+                f"lora_targets={_targets_label(o['lora_targets'])}",
+            ]
         err = max(abs(r["e_meas"]), abs(r["e_mt"]))
         for k in keys:
             groups[k]["n"] += 1
             groups[k]["worst"] = max(groups[k]["worst"], err)
-    out += ["Worst rows (by |estimate − trainmem.measure|):", "",
-            "| # | model | options | estimate − measure (bytes) | error | peak in |",
-            "|---|---|---|---|---|---|"]
+    out += [
+        "Worst rows (by |estimate − trainmem.measure|):",
+        "",
+        "| # | model | options | estimate − measure (bytes) | error | peak in |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in sorted(rows, key=lambda r: -abs(r["e_meas"]))[:5]:
-        out.append(f"| {r['id']} | {_model_label(r['model'])} | {_options_label(r['options'])} "
-                   f"| {r['est'] - r['meas']:+,} | {r['e_meas']:+.4f}% | {r['peak_phase']} |")
+        out.append(
+            f"| {r['id']} | {_model_label(r['model'])} | {_options_label(r['options'])} "
+            f"| {r['est'] - r['meas']:+,} | {r['e_meas']:+.4f}% | {r['peak_phase']} |"
+        )
     out += ["", WORST_WHY, ""]
-    out += ["| option | rows | worst \\|error\\| vs either measurement |", "|---|---|---|"]
+    out += [
+        "| option | rows | worst \\|error\\| vs either measurement |",
+        "|---|---|---|",
+    ]
     for k in sorted(groups):
         out.append(f"| {k} | {groups[k]['n']} | {groups[k]['worst']:.4f}% |")
-    out += ["", "Every row (bytes):", "",
-            "| # | model | options | estimate | trainmem.measure | MemTracker | est. vs measure "
-            "| est. vs MemTracker | MemTracker vs measure | peak in |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    out += [
+        "",
+        "Every row (bytes):",
+        "",
+        "| # | model | options | estimate | trainmem.measure | MemTracker | est. vs measure "
+        "| est. vs MemTracker | MemTracker vs measure | peak in |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['id']} | {_model_label(r['model'])} | {_options_label(r['options'])} "
-                   f"| {r['est']:,} | {r['meas']:,} | {r['mt']:,} | {r['e_meas']:+.4f}% "
-                   f"| {r['e_mt']:+.4f}% | {r['mt_meas']:+.4f}% | {r['peak_phase']} |")
+        out.append(
+            f"| {r['id']} | {_model_label(r['model'])} | {_options_label(r['options'])} "
+            f"| {r['est']:,} | {r['meas']:,} | {r['mt']:,} | {r['e_meas']:+.4f}% "
+            f"| {r['e_mt']:+.4f}% | {r['mt_meas']:+.4f}% | {r['peak_phase']} |"
+        )
     return out
 
 
@@ -319,19 +430,44 @@ def timing_rows() -> list[str]:
     # within a process, so a second run in the same process would look faster than it is)
     timing = {}
     for flag in ("", "--no-extrapolate"):
-        cmd = [sys.executable, "-m", "trainmem", "measure", "--model", "llama-7b", "--device", "fake",
-               "--method", "full", "--precision", "bf16-amp", "--batch", "1", "--seq", "512", "--json"]
-        res = json.loads(subprocess.run(cmd + ([flag] if flag else []), capture_output=True,
-                                        text=True, check=True).stdout)
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainmem",
+            "measure",
+            "--model",
+            "llama-7b",
+            "--device",
+            "fake",
+            "--method",
+            "full",
+            "--precision",
+            "bf16-amp",
+            "--batch",
+            "1",
+            "--seq",
+            "512",
+            "--json",
+        ]
+        res = json.loads(
+            subprocess.run(
+                cmd + ([flag] if flag else []),
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
         timing[flag or "extrapolate"] = res
     t_ext = timing["extrapolate"]["seconds"]
     t_full = timing["--no-extrapolate"]["seconds"]
     ext_total = timing["extrapolate"]["total_bytes"]
     full_total = timing["--no-extrapolate"]["total_bytes"]
-    return [f"- 7B-shape fake-tensor measurement (full, bf16-amp, 1×512): {t_ext:.1f} s with per-layer "
-            f"extrapolation (2 and 3 layers, extended linearly), {t_full:.1f} s running all 32 layers; "
-            f"same peak: {'yes' if ext_total == full_total else 'no'} "
-            f"({ext_total:,} vs {full_total:,} bytes); each timed in a fresh process."]
+    return [
+        f"- 7B-shape fake-tensor measurement (full, bf16-amp, 1×512): {t_ext:.1f} s with per-layer "
+        f"extrapolation (2 and 3 layers, extended linearly), {t_full:.1f} s running all 32 layers; "
+        f"same peak: {'yes' if ext_total == full_total else 'no'} "
+        f"({ext_total:,} vs {full_total:,} bytes); each timed in a fresh process."
+    ]
 
 
 WORST_WHY = """\
@@ -407,34 +543,64 @@ def run(cuda: bool = False, quick: bool = False, n: int = 120, seed: int = 16) -
     torch.set_num_threads(2)
     fixed, fixed_notes = fixed_grid(cuda, quick)
     rnd = random_grid(12 if quick else n, seed)
-    out = ["# Memory estimator vs measurement", "",
-           f"Generated by `python benchmarks/memory_accuracy.py` (torch {torch.__version__}, "
-           f"Python {platform.python_version()}, {torch.get_num_threads()} CPU threads). "
-           "Bytes per training step (2nd of two steps: forward, backward, optimizer step); "
-           "MiB = 2^20, GiB = 2^30 bytes. *measured* = `trainmem.measure` (tensor-level, real CPU "
-           "tensors or FakeTensorMode); *MemTracker* = torch's "
-           "`torch.distributed._tools.mem_tracker.MemTracker` on the same CPU step "
-           "(`trainmem.measure.measure_memtracker`). *act* = bytes held for backward at the end "
-           "of the forward pass. *AdamW* = torch's implementation (`--optimizer-impl`). "
-           "*accelerate rule* = `accelerate estimate-memory`'s training figure (16 B/param fp32, "
-           "8 B/param mixed/half, no activations), over the whole model.", "",
-           "## Fixed grid", "", *fixed, "", *fixed_notes]
+    out = [
+        "# Memory estimator vs measurement",
+        "",
+        f"Generated by `python benchmarks/memory_accuracy.py` (torch {torch.__version__}, "
+        f"Python {platform.python_version()}, {torch.get_num_threads()} CPU threads). "
+        "Bytes per training step (2nd of two steps: forward, backward, optimizer step); "
+        "MiB = 2^20, GiB = 2^30 bytes. *measured* = `trainmem.measure` (tensor-level, real CPU "
+        "tensors or FakeTensorMode); *MemTracker* = torch's "
+        "`torch.distributed._tools.mem_tracker.MemTracker` on the same CPU step "
+        "(`trainmem.measure.measure_memtracker`). *act* = bytes held for backward at the end "
+        "of the forward pass. *AdamW* = torch's implementation (`--optimizer-impl`). "
+        "*accelerate rule* = `accelerate estimate-memory`'s training figure (16 B/param fp32, "
+        "8 B/param mixed/half, no activations), over the whole model.",
+        "",
+        "## Fixed grid",
+        "",
+        *fixed,
+        "",
+        *fixed_notes,
+    ]
     if not quick:
         out += timing_rows()
-    out += ["- CUDA column: " + ("included." if cuda else "not run in this table (no GPU on the "
-                                "machine that produced it); `--cuda` adds `max_memory_allocated` "
-                                "and `max_memory_reserved` for the tiny rows."),
-            "", "## Random grid", "", *random_report(rnd), "", RECONCILE]
+    out += [
+        "- CUDA column: "
+        + (
+            "included."
+            if cuda
+            else "not run in this table (no GPU on the "
+            "machine that produced it); `--cuda` adds `max_memory_allocated` "
+            "and `max_memory_reserved` for the tiny rows."
+        ),
+        "",
+        "## Random grid",
+        "",
+        *random_report(rnd),
+        "",
+        RECONCILE,
+    ]
     return "\n".join(out)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="also write the report to this markdown file")
-    ap.add_argument("--cuda", action="store_true", help="add CUDA max_memory_allocated/reserved columns")
-    ap.add_argument("--quick", action="store_true", help="12 random rows and no 7B rows")
-    ap.add_argument("--n", type=int, default=120, help="random configurations (default 120)")
-    ap.add_argument("--seed", type=int, default=16, help="seed of the random grid (default 16)")
+    ap.add_argument(
+        "--cuda",
+        action="store_true",
+        help="add CUDA max_memory_allocated/reserved columns",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="12 random rows and no 7B rows"
+    )
+    ap.add_argument(
+        "--n", type=int, default=120, help="random configurations (default 120)"
+    )
+    ap.add_argument(
+        "--seed", type=int, default=16, help="seed of the random grid (default 16)"
+    )
     args = ap.parse_args(argv)
     report = run(cuda=args.cuda, quick=args.quick, n=args.n, seed=args.seed)
     print(report)

@@ -43,10 +43,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=int, default=600, help="per-cell timeout in seconds"
     )
     e.set_defaults(func=_cmd_execute)
-    t = sub.add_parser("tidy", help="move authoring plumbing (glue, nbval markers, setup) off the page")
+    t = sub.add_parser(
+        "tidy", help="move authoring plumbing (glue, nbval markers, setup) off the page"
+    )
     t.add_argument("paths", nargs="*", default=["book", "solutions"])
-    t.add_argument("--check", action="store_true", help="change nothing; exit 1 if a notebook would change")
-    t.add_argument("-v", "--verbose", action="store_true", help="list every change and every glue call left")
+    t.add_argument(
+        "--check",
+        action="store_true",
+        help="change nothing; exit 1 if a notebook would change",
+    )
+    t.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="list every change and every glue call left",
+    )
     t.set_defaults(func=_cmd_tidy)
     labs_cli.register(sub)
     return p

@@ -4,6 +4,7 @@ The repository URL and branch are read from ``_config.yml`` (``repository.url`` 
 — the one place they are set. Nothing here runs on Colab itself: the setup cell is plain source
 text inserted into each generated lab by :mod:`coursekit.labs`.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,9 +35,11 @@ class Repository:
         if u.endswith(".git"):
             u = u[:-4]
         prefix = "https://github.com/"
-        if not u.startswith(prefix) or u[len(prefix):].count("/") != 1:
-            raise ValueError(f"repository.url must look like https://github.com/<org>/<repo>, got {self.url!r}")
-        return u[len(prefix):]
+        if not u.startswith(prefix) or u[len(prefix) :].count("/") != 1:
+            raise ValueError(
+                f"repository.url must look like https://github.com/<org>/<repo>, got {self.url!r}"
+            )
+        return u[len(prefix) :]
 
 
 def read_repository(config: str | Path = "_config.yml") -> Repository:
@@ -162,9 +165,14 @@ def read_notebook(name: str) -> dict:
 
         reply = _message.blocking_request("get_ipynb", timeout_sec=30)
         if not reply or "ipynb" not in reply:
-            raise RuntimeError(f"Colab did not return the notebook {name!r}; save it and rerun the cell")
+            raise RuntimeError(
+                f"Colab did not return the notebook {name!r}; save it and rerun the cell"
+            )
         return reply["ipynb"]
-    candidates = [Path.cwd() / name, Path(__file__).resolve().parents[1] / "book" / name]
+    candidates = [
+        Path.cwd() / name,
+        Path(__file__).resolve().parents[1] / "book" / name,
+    ]
     for path in candidates:
         if path.is_file():
             return json.loads(path.read_text(encoding="utf-8"))

@@ -7,6 +7,7 @@ GPU cells store their skip line even on a machine with a GPU; one BLAS/OpenMP th
 handed to the kernel; the calling process's ``os.environ`` is never changed. Widget state is
 dropped from the metadata so the HTML book never pulls the widget manager from a CDN.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,9 @@ def clean_metadata(nb: nbformat.NotebookNode) -> None:
                 data.pop("application/vnd.jupyter.widget-view+json", None)
 
 
-def execute_notebook(path: str | Path, timeout: int = 600, env: dict | None = None,
-                     write: bool = True) -> float:
+def execute_notebook(
+    path: str | Path, timeout: int = 600, env: dict | None = None, write: bool = True
+) -> float:
     """Execute ``path`` in a fresh kernel; write outputs back when ``write``. Returns seconds.
 
     ``env`` overrides entries of :func:`kernel_env` for this kernel only."""
@@ -70,13 +72,21 @@ def execute_notebook(path: str | Path, timeout: int = 600, env: dict | None = No
         nb = nbformat.read(path, as_version=4)
     except Exception as e:  # malformed JSON or not a notebook
         raise ValueError(f"{path} is not a readable notebook: {e}") from e
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent.resolve())}})
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent.resolve())}},
+    )
     t0 = time.perf_counter()
     client.execute(env=kernel_env(env))
     dt = time.perf_counter() - t0
     clean_metadata(nb)
-    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    nb.metadata["kernelspec"] = {
+        "display_name": "Python 3",
+        "language": "python",
+        "name": "python3",
+    }
     if write:
         nbformat.write(nb, path)
     return dt

@@ -13,6 +13,7 @@ one place:
 torch is the exception: the floor environment reuses the CPU torch of ``.venv`` (symlinked, never
 downloaded or rebuilt), as Colab keeps its preinstalled torch.
 """
+
 from __future__ import annotations
 
 import sys
@@ -33,7 +34,10 @@ def _requirements(pyproject: Path) -> dict[str, str]:
 
     data = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
     out = {}
-    for spec in [*data["dependencies"], *data.get("optional-dependencies", {}).get("dev", [])]:
+    for spec in [
+        *data["dependencies"],
+        *data.get("optional-dependencies", {}).get("dev", []),
+    ]:
         out[Requirement(spec).name.lower()] = spec
     return out
 
@@ -49,10 +53,16 @@ def floor_pins(pyproject: str | Path = ROOT / "pyproject.toml") -> dict[str, str
     pins = {}
     for name in FLOOR_PACKAGES:
         if name not in reqs:
-            raise ValueError(f"pyproject.toml declares no range for {name!r} (the floor run pins it)")
-        lower = [s.version for s in Requirement(reqs[name]).specifier if s.operator == ">="]
+            raise ValueError(
+                f"pyproject.toml declares no range for {name!r} (the floor run pins it)"
+            )
+        lower = [
+            s.version for s in Requirement(reqs[name]).specifier if s.operator == ">="
+        ]
         if len(lower) != 1:
-            raise ValueError(f"pyproject.toml: {reqs[name]!r} needs exactly one '>=' lower bound")
+            raise ValueError(
+                f"pyproject.toml: {reqs[name]!r} needs exactly one '>=' lower bound"
+            )
         pins[name] = lower[0]
     return pins
 
@@ -67,7 +77,9 @@ def requirements(pyproject: str | Path = ROOT / "pyproject.toml") -> list[str]:
     reqs = _requirements(Path(pyproject))
     missing = [t for t in FLOOR_TOOLS if t not in reqs]
     if missing:
-        raise ValueError(f"pyproject.toml declares no range for {missing} (the floor run needs them)")
+        raise ValueError(
+            f"pyproject.toml declares no range for {missing} (the floor run needs them)"
+        )
     return ["-e", str(ROOT), *(reqs[t] for t in FLOOR_TOOLS)]
 
 
@@ -84,13 +96,21 @@ def link_torch(target_venv: str | Path) -> list[Path]:
     target = Path(target_venv).resolve()
     found = sorted(target.glob("lib/python*/site-packages"))
     if not found:
-        raise FileNotFoundError(f"{target} has no lib/python*/site-packages: "
-                                "create it with python -m venv first")
+        raise FileNotFoundError(
+            f"{target} has no lib/python*/site-packages: "
+            "create it with python -m venv first"
+        )
     dest = found[0]
-    if dest.parent.name != site.parent.name:   # compiled extensions only load in the same Python
-        raise ValueError(f"{target} is {dest.parent.name} but torch is installed for {site.parent.name}: "
-                         f"create it with the interpreter of {site.parents[2]}")
-    tops = {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
+    if (
+        dest.parent.name != site.parent.name
+    ):  # compiled extensions only load in the same Python
+        raise ValueError(
+            f"{target} is {dest.parent.name} but torch is installed for {site.parent.name}: "
+            f"create it with the interpreter of {site.parents[2]}"
+        )
+    tops = {
+        Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")
+    }
     links = []
     for top in sorted(tops):
         src, link = site / top, dest / top
@@ -99,7 +119,9 @@ def link_torch(target_venv: str | Path) -> list[Path]:
         if link.is_symlink() or link.exists():
             if link.is_symlink() and link.resolve() == src.resolve():
                 continue
-            raise FileExistsError(f"{link} exists and is not a link to {src}: delete {target} and rebuild")
+            raise FileExistsError(
+                f"{link} exists and is not a link to {src}: delete {target} and rebuild"
+            )
         link.symlink_to(src, target_is_directory=src.is_dir())
         links.append(link)
     return links
@@ -110,13 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["constraints"] and len(args) == 1:
         print("\n".join(constraints()))
     elif args[:1] == ["requirements"] and len(args) == 1:
-        print(" ".join(requirements()))   # no spaces inside one requirement: safe to word-split
+        print(
+            " ".join(requirements())
+        )  # no spaces inside one requirement: safe to word-split
     elif args[:1] == ["link-torch"] and len(args) == 2:
         for link in link_torch(args[1]):
             print(f"linked {link}")
     else:
-        print("usage: python -m coursekit.floor constraints | requirements | link-torch VENV",
-              file=sys.stderr)
+        print(
+            "usage: python -m coursekit.floor constraints | requirements | link-torch VENV",
+            file=sys.stderr,
+        )
         return 2
     return 0
 

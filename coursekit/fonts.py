@@ -9,13 +9,22 @@ with :func:`zh`::
 
 which gives the Chinese text where it can be drawn and the English one elsewhere.
 """
+
 from __future__ import annotations
 
 # Simplified-Chinese fonts first; any of them draws every label of the course.
 PREFERRED = (
-    "Noto Sans CJK SC", "Source Han Sans SC", "Noto Sans SC", "WenQuanYi Zen Hei",
-    "WenQuanYi Micro Hei", "Microsoft YaHei", "SimHei", "PingFang SC", "Heiti SC",
-    "Noto Sans CJK JP", "Noto Sans CJK TC",
+    "Noto Sans CJK SC",
+    "Source Han Sans SC",
+    "Noto Sans SC",
+    "WenQuanYi Zen Hei",
+    "WenQuanYi Micro Hei",
+    "Microsoft YaHei",
+    "SimHei",
+    "PingFang SC",
+    "Heiti SC",
+    "Noto Sans CJK JP",
+    "Noto Sans CJK TC",
 )
 
 _active: str | None = None

@@ -22,6 +22,7 @@ A GPU cell in a notebook looks like::
 ``gpu_cell`` calls the function at once with ``device`` (a ``torch.device``) and ``small``
 (bool), or prints one fixed line and returns ``None``.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,7 +35,9 @@ SKIP_LINE = (
     "[COURSE_GPU] 跳过 GPU 单元：未检测到 CUDA 设备。"
     "设置 COURSE_GPU=cpu 可在 CPU 上以最小规模运行，COURSE_GPU=on 强制使用 GPU。"
 )
-OFF_LINE = "[COURSE_GPU] 跳过 GPU 单元：COURSE_GPU=off。设置 COURSE_GPU=cpu 或 auto 可运行它。"
+OFF_LINE = (
+    "[COURSE_GPU] 跳过 GPU 单元：COURSE_GPU=off。设置 COURSE_GPU=cpu 或 auto 可运行它。"
+)
 
 T = TypeVar("T")
 
@@ -135,7 +138,9 @@ def compute_capability(device: int = 0) -> tuple[int, int] | None:
     return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
 
 
-def bf16_supported(device: str | None = None, capability: tuple[int, int] | None = None) -> bool:
+def bf16_supported(
+    device: str | None = None, capability: tuple[int, int] | None = None
+) -> bool:
     """True when bfloat16 runs natively on ``device``.
 
     CPU: True (torch implements bf16 on CPU). CUDA: compute capability ≥ 8.0 (Ampere+).
@@ -167,9 +172,11 @@ def describe() -> str:
         name = torch.cuda.get_device_name(0)
         cap = compute_capability()
         free, total = torch.cuda.mem_get_info()
-        return (f"{ENV_VAR}={mode}; CUDA: {name} (sm_{cap[0]}{cap[1]}), bf16 native: "
-                f"{bf16_supported('cuda')}, TF32: {tf32_available(cap)}, "
-                f"memory {free / 2**30:.2f} of {total / 2**30:.2f} GiB free")
+        return (
+            f"{ENV_VAR}={mode}; CUDA: {name} (sm_{cap[0]}{cap[1]}), bf16 native: "
+            f"{bf16_supported('cuda')}, TF32: {tf32_available(cap)}, "
+            f"memory {free / 2**30:.2f} of {total / 2**30:.2f} GiB free"
+        )
     return f"{ENV_VAR}={mode}; CUDA: none (GPU cells {'run on CPU at small size' if mode == 'cpu' else 'are skipped' if mode != 'on' else 'will fail'})"
 
 
@@ -182,7 +189,9 @@ def describe() -> str:
 SM80 = (8, 0)
 
 
-def _cap(device_type: str, capability: tuple[int, int] | None) -> tuple[int, int] | None:
+def _cap(
+    device_type: str, capability: tuple[int, int] | None
+) -> tuple[int, int] | None:
     if device_type != "cuda":
         return None
     return tuple(capability) if capability is not None else compute_capability()
@@ -197,9 +206,11 @@ def tf32_available(capability: tuple[int, int] | None) -> bool:
 class AmpPlan:
     """How a training cell runs mixed precision on a device."""
 
-    dtype: object        # torch.bfloat16 or torch.float16
-    use_scaler: bool     # fp16 needs a GradScaler; bf16 has fp32's exponent range
-    precision: str       # the matching trainmem.estimate ``precision``: "bf16-amp" / "fp16-amp"
+    dtype: object  # torch.bfloat16 or torch.float16
+    use_scaler: bool  # fp16 needs a GradScaler; bf16 has fp32's exponent range
+    precision: (
+        str  # the matching trainmem.estimate ``precision``: "bf16-amp" / "fp16-amp"
+    )
     reason: str
 
 
@@ -215,9 +226,16 @@ def amp_plan(device_type: str, capability: tuple[int, int] | None = None) -> Amp
     if device_type != "cuda":
         return AmpPlan(torch.bfloat16, False, "bf16-amp", "CPU: bf16 autocast")
     if bf16_supported("cuda", cap):
-        return AmpPlan(torch.bfloat16, False, "bf16-amp", f"sm_{cap[0]}{cap[1]}: native bf16")
+        return AmpPlan(
+            torch.bfloat16, False, "bf16-amp", f"sm_{cap[0]}{cap[1]}: native bf16"
+        )
     where = f"sm_{cap[0]}{cap[1]}" if cap else "this GPU"
-    return AmpPlan(torch.float16, True, "fp16-amp", f"{where} < sm_80: no native bf16, fp16 + GradScaler")
+    return AmpPlan(
+        torch.float16,
+        True,
+        "fp16-amp",
+        f"{where} < sm_80: no native bf16, fp16 + GradScaler",
+    )
 
 
 @dataclass(frozen=True)
@@ -225,25 +243,41 @@ class MatmulRow:
     """One row of chapter 1's matmul table: run with ``precision``/``dtype``, or report ``note``."""
 
     label: str
-    precision: str       # torch.set_float32_matmul_precision
+    precision: str  # torch.set_float32_matmul_precision
     dtype: object
-    absent: bool         # True: the format does not exist on this device; the row is not timed
+    absent: bool  # True: the format does not exist on this device; the row is not timed
     note: str
 
 
-def matmul_rows(device_type: str, capability: tuple[int, int] | None = None) -> list[MatmulRow]:
+def matmul_rows(
+    device_type: str, capability: tuple[int, int] | None = None
+) -> list[MatmulRow]:
     """The fp32 / tf32 / bf16 / fp16 rows for ``device_type``, TF32 marked absent below sm_80."""
     import torch
 
     cap = _cap(device_type, capability)
     rows = [MatmulRow("fp32 (ieee)", "highest", torch.float32, False, "")]
     if device_type != "cuda":
-        rows.append(MatmulRow("tf32", "high", torch.float32, True,
-                              "absent on CPU (the setting changes nothing)"))
+        rows.append(
+            MatmulRow(
+                "tf32",
+                "high",
+                torch.float32,
+                True,
+                "absent on CPU (the setting changes nothing)",
+            )
+        )
     elif not tf32_available(cap):
         where = f"sm_{cap[0]}{cap[1]}" if cap else "this GPU"
-        rows.append(MatmulRow("tf32", "high", torch.float32, True,
-                              f"absent on {where} (needs sm_80+): the setting runs plain FP32"))
+        rows.append(
+            MatmulRow(
+                "tf32",
+                "high",
+                torch.float32,
+                True,
+                f"absent on {where} (needs sm_80+): the setting runs plain FP32",
+            )
+        )
     else:
         rows.append(MatmulRow("tf32", "high", torch.float32, False, ""))
     native = device_type != "cuda" or bf16_supported("cuda", cap)
@@ -268,8 +302,10 @@ def loss_scale_demo(steps: int, tokens_per_batch: int) -> dict:
     import math
 
     if steps < 6 or tokens_per_batch < 1:
-        raise ValueError("loss_scale_demo needs steps >= 6 and tokens_per_batch >= 1, "
-                         f"got {steps}, {tokens_per_batch}")
+        raise ValueError(
+            "loss_scale_demo needs steps >= 6 and tokens_per_batch >= 1, "
+            f"got {steps}, {tokens_per_batch}"
+        )
     init = 2.0 ** (math.ceil(math.log2(FP16_MAX * tokens_per_batch)) + 2)
     return {"init_scale": init, "growth_interval": max(2, steps // 6)}
 
@@ -292,8 +328,10 @@ def fit_batch(free_bytes: int, need_bytes, want: int, margin: float = 0.85) -> i
     for b in range(want, 0, -1):
         if need_bytes(b) <= budget:
             return b
-    raise ValueError(f"batch 1 needs {need_bytes(1) / 2**30:.2f} GiB; the device has "
-                     f"{free_bytes / 2**30:.2f} GiB free ({margin:.0%} of it usable)")
+    raise ValueError(
+        f"batch 1 needs {need_bytes(1) / 2**30:.2f} GiB; the device has "
+        f"{free_bytes / 2**30:.2f} GiB free ({margin:.0%} of it usable)"
+    )
 
 
 def free_memory(device_type: str) -> int | None:
@@ -312,12 +350,17 @@ class EstimateCheckPlan:
     precision: str
     batch: int
     seq: int
-    need_bytes: int      # the estimate for that batch
+    need_bytes: int  # the estimate for that batch
 
 
-def estimate_check_plan(cfg, device_type: str, capability: tuple[int, int] | None = None,
-                        free_bytes: int | None = None, want_batch: int = 4,
-                        seq: int = 512) -> EstimateCheckPlan:
+def estimate_check_plan(
+    cfg,
+    device_type: str,
+    capability: tuple[int, int] | None = None,
+    free_bytes: int | None = None,
+    want_batch: int = 4,
+    seq: int = 512,
+) -> EstimateCheckPlan:
     """Precision from the capability (fp16-amp below sm_80, where SDPA's memory-efficient kernel
     runs and the estimate's ``attn="sdpa"`` holds), batch scaled to ``free_bytes``."""
     from trainmem.estimate import estimate
@@ -325,9 +368,13 @@ def estimate_check_plan(cfg, device_type: str, capability: tuple[int, int] | Non
     plan = amp_plan(device_type, capability)
 
     def need(b):
-        return estimate(cfg, method="full", precision=plan.precision, batch=b, seq=seq).total_bytes
+        return estimate(
+            cfg, method="full", precision=plan.precision, batch=b, seq=seq
+        ).total_bytes
 
-    batch = want_batch if free_bytes is None else fit_batch(free_bytes, need, want_batch)
+    batch = (
+        want_batch if free_bytes is None else fit_batch(free_bytes, need, want_batch)
+    )
     return EstimateCheckPlan(plan.precision, batch, seq, need(batch))
 
 
@@ -346,7 +393,11 @@ def sdpa_dtype(device_type: str, capability: tuple[int, int] | None = None):
 
     if device_type != "cuda":
         return torch.float32
-    return torch.bfloat16 if bf16_supported("cuda", _cap(device_type, capability)) else torch.float16
+    return (
+        torch.bfloat16
+        if bf16_supported("cuda", _cap(device_type, capability))
+        else torch.float16
+    )
 
 
 def sdpa_eligible(capability: tuple[int, int], dtype) -> list[str]:
@@ -427,15 +478,21 @@ def usable_capacities(include_current: bool = True) -> dict[str, float]:
 class QLoRAPlan:
     """Chapter 7's QLoRA cell: the BitsAndBytesConfig arguments and the optimizer to use."""
 
-    quant_kwargs: dict   # for transformers.BitsAndBytesConfig
+    quant_kwargs: dict  # for transformers.BitsAndBytesConfig
     compute_dtype: object
-    optimizer: str       # bitsandbytes optimizer class name (paged 8-bit AdamW)
+    optimizer: str  # bitsandbytes optimizer class name (paged 8-bit AdamW)
     lora_baseline_dtype: object  # dtype of the plain-LoRA comparison run
 
 
-def qlora_plan(device_type: str, capability: tuple[int, int] | None = None) -> QLoRAPlan:
+def qlora_plan(
+    device_type: str, capability: tuple[int, int] | None = None
+) -> QLoRAPlan:
     """NF4 + double quantization; compute in bf16 (fp16 below sm_80); paged 8-bit AdamW."""
     plan = amp_plan(device_type, capability)
-    kwargs = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
-              "bnb_4bit_compute_dtype": plan.dtype}
+    kwargs = {
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": plan.dtype,
+    }
     return QLoRAPlan(kwargs, plan.dtype, "PagedAdamW8bit", plan.dtype)

@@ -11,6 +11,7 @@
 
 ``check_labs`` compares without writing (``python -m coursekit labs --check``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -19,7 +20,13 @@ from pathlib import Path
 
 import nbformat
 
-from .colab import COLAB_METADATA, Repository, badge_markdown, read_repository, setup_cell_source
+from .colab import (
+    COLAB_METADATA,
+    Repository,
+    badge_markdown,
+    read_repository,
+    setup_cell_source,
+)
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
@@ -47,14 +54,18 @@ def find_root(start: str | Path | None = None) -> Path:
     pkg_root = Path(__file__).resolve().parents[1]
     if (pkg_root / "_config.yml").exists():
         return pkg_root
-    raise FileNotFoundError(f"no repository root (with _config.yml and solutions/) above {here}")
+    raise FileNotFoundError(
+        f"no repository root (with _config.yml and solutions/) above {here}"
+    )
 
 
 def lab_id(path: str | Path) -> str:
     """``labNN`` from ``.../labNN_slug.ipynb``; raises LabFormatError for other names."""
     m = LAB_RE.match(Path(path).name)
     if not m:
-        raise LabFormatError(f"lab notebooks must be named labNN_slug.ipynb (lower case), got {Path(path).name!r}")
+        raise LabFormatError(
+            f"lab notebooks must be named labNN_slug.ipynb (lower case), got {Path(path).name!r}"
+        )
     return m.group(1)
 
 
@@ -70,7 +81,11 @@ def _join_hint(pieces: list[str]) -> str:
 
 
 def _is_cjk(ch: str) -> bool:
-    return "\u2e80" <= ch <= "\u9fff" or "\u3000" <= ch <= "\u303f" or "\uff00" <= ch <= "\uffef"
+    return (
+        "\u2e80" <= ch <= "\u9fff"
+        or "\u3000" <= ch <= "\u303f"
+        or "\uff00" <= ch <= "\uffef"
+    )
 
 
 def strip_code(source: str, where: str = "") -> str:
@@ -91,7 +106,7 @@ def strip_code(source: str, where: str = "") -> str:
         hint = DEFAULT_HINT
         pieces = []
         while j < len(lines) and lines[j].strip().startswith(HINT):
-            pieces.append(lines[j].strip()[len(HINT):].strip())
+            pieces.append(lines[j].strip()[len(HINT) :].strip())
             j += 1
         hint = _join_hint(pieces) or DEFAULT_HINT
         while j < len(lines) and lines[j].strip() != END:
@@ -99,7 +114,9 @@ def strip_code(source: str, where: str = "") -> str:
                 raise LabFormatError(f"{where}: nested '{BEGIN}' (line {j + 1})")
             j += 1
         if j == len(lines):
-            raise LabFormatError(f"{where}: '{BEGIN}' at line {i + 1} is never closed by '{END}'")
+            raise LabFormatError(
+                f"{where}: '{BEGIN}' at line {i + 1} is never closed by '{END}'"
+            )
         out.append(f"{indent}# TODO: {hint}")
         out.append(f"{indent}raise NotImplementedError")
         i = j + 1
@@ -132,16 +149,21 @@ def glued_values(nb: nbformat.NotebookNode) -> dict[str, str]:
 
 def inline_glue(source: str, values: dict[str, str], where: str = "") -> str:
     """Replace ``{glue:}`key``` roles by the solution's stored value (labs have no outputs to glue from)."""
+
     def sub(m: re.Match) -> str:
         key = m.group(1).split(":")[0].strip()
         if key not in values:
-            raise LabFormatError(f"{where}: glue key {key!r} has no stored value in the executed solution")
+            raise LabFormatError(
+                f"{where}: glue key {key!r} has no stored value in the executed solution"
+            )
         return values[key]
 
     return GLUE_ROLE.sub(sub, source)
 
 
-def make_lab(solution: nbformat.NotebookNode, name: str, repo: Repository) -> nbformat.NotebookNode:
+def make_lab(
+    solution: nbformat.NotebookNode, name: str, repo: Repository
+) -> nbformat.NotebookNode:
     """The student version of ``solution`` (not modified); ``name`` is the file name, e.g. lab01_x.ipynb."""
     lid = lab_id(name)
     nb = copy.deepcopy(solution)
@@ -169,13 +191,23 @@ def make_lab(solution: nbformat.NotebookNode, name: str, repo: Repository) -> nb
     setup.metadata = {"tags": [SETUP_TAG]}
     first_md = next((i for i, c in enumerate(cells) if c.cell_type == "markdown"), None)
     cells.insert(0 if first_md is None else first_md + 1, badge)
-    first_code = next((i for i, c in enumerate(cells) if c.cell_type == "code"), len(cells))
+    first_code = next(
+        (i for i, c in enumerate(cells) if c.cell_type == "code"), len(cells)
+    )
     cells.insert(first_code, setup)
     nb.cells = cells
 
-    meta = {k: v for k, v in nb.metadata.items() if k not in ("widgets", "colab", "accelerator", "lab")}
+    meta = {
+        k: v
+        for k, v in nb.metadata.items()
+        if k not in ("widgets", "colab", "accelerator", "lab")
+    }
     meta.update(copy.deepcopy(COLAB_METADATA))
-    meta["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    meta["kernelspec"] = {
+        "display_name": "Python 3",
+        "language": "python",
+        "name": "python3",
+    }
     meta["lab"] = {"id": lid, "source": f"solutions/{name}"}
     nb.metadata = nbformat.from_dict(meta)
     nb.nbformat, nb.nbformat_minor = 4, max(5, nb.get("nbformat_minor", 5))

@@ -9,6 +9,7 @@
   the nbval plugin within the tolerance (words and integers stay exact).
 * :func:`md_table` — a Markdown table; ``rtol``/``atol`` make it a table of measured floats.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,7 +37,11 @@ def _float_value(value: Any) -> float | None:
     if isinstance(value, float):
         return value
     typename = type(value).__module__ + "." + type(value).__name__
-    if typename.startswith("numpy.") and hasattr(value, "dtype") and value.dtype.kind == "f":
+    if (
+        typename.startswith("numpy.")
+        and hasattr(value, "dtype")
+        and value.dtype.kind == "f"
+    ):
         return float(value)
     if typename == "torch.Tensor" and value.numel() == 1 and value.is_floating_point():
         return float(value.item())
@@ -49,15 +54,24 @@ def tolerance(rtol: float | None = None, atol: float | None = None) -> dict:
     Raises ValueError unless at least one of ``rtol``/``atol`` is given and both are >= 0.
     """
     if rtol is None and atol is None:
-        raise ValueError("a measured number needs rtol=... or atol=... (its declared tolerance)")
+        raise ValueError(
+            "a measured number needs rtol=... or atol=... (its declared tolerance)"
+        )
     for k, v in (("rtol", rtol), ("atol", atol)):
         if v is not None and not (isinstance(v, (int, float)) and v >= 0):
             raise ValueError(f"{k} must be a number >= 0, got {v!r}")
     return {"rtol": float(rtol or 0.0), "atol": float(atol or 0.0)}
 
 
-def glue(name: str, value: Any, fmt: str | None = None, display: bool = False, *,
-         rtol: float | None = None, atol: float | None = None) -> None:
+def glue(
+    name: str,
+    value: Any,
+    fmt: str | None = None,
+    display: bool = False,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> None:
     """Store ``value`` under ``name`` for the book's ``{glue:}`` roles.
 
     Returns None (like myst-nb): a value returned by the last line of a cell would be shown
@@ -81,7 +95,11 @@ def glue(name: str, value: Any, fmt: str | None = None, display: bool = False, *
     if rtol is not None or atol is not None:
         tol = tolerance(rtol, atol)
         v = _float_value(value)
-        if v is None and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if (
+            v is None
+            and isinstance(value, (int, float))
+            and not isinstance(value, bool)
+        ):
             v = float(value)
         if v is not None:
             tol["value"] = v
@@ -94,8 +112,12 @@ def glue(name: str, value: Any, fmt: str | None = None, display: bool = False, *
     if tol is not None:
         metadata[TOL_KEY] = tol
     elif _float_value(value) is not None:
-        metadata[TOL_KEY] = {"float": True}  # untoleranced float: the lint asks why it is exact
-    ipy_display({prefix + k: v for k, v in mimebundle.items()}, raw=True, metadata=metadata)
+        metadata[TOL_KEY] = {
+            "float": True
+        }  # untoleranced float: the lint asks why it is exact
+    ipy_display(
+        {prefix + k: v for k, v in mimebundle.items()}, raw=True, metadata=metadata
+    )
 
 
 class measured:
@@ -131,8 +153,11 @@ class measured:
         self._redirect.__exit__(*exc)
         text = self._buf.getvalue()
         if text:
-            ipy_display({"text/plain": text.rstrip("\n")}, raw=True,
-                        metadata={TOL_KEY: dict(self.tol)})
+            ipy_display(
+                {"text/plain": text.rstrip("\n")},
+                raw=True,
+                metadata={TOL_KEY: dict(self.tol)},
+            )
         return False
 
 
@@ -150,7 +175,9 @@ def seed_everything(seed: int = 0) -> None:
     torch.manual_seed(seed)
 
 
-def versions(packages: tuple[str, ...] = ("torch", "transformers", "peft")) -> dict[str, str]:
+def versions(
+    packages: tuple[str, ...] = ("torch", "transformers", "peft"),
+) -> dict[str, str]:
     """Installed versions of ``packages`` ("not installed" for missing ones), plus python."""
     from importlib import metadata
 
@@ -175,8 +202,12 @@ def _inline_figures() -> None:
         ip.run_line_magic("matplotlib", "inline")
 
 
-def setup(seed: int = 0, packages: tuple[str, ...] = ("torch", "transformers", "peft"),
-          threads: int | None = 1, quiet: bool = False) -> None:
+def setup(
+    seed: int = 0,
+    packages: tuple[str, ...] = ("torch", "transformers", "peft"),
+    threads: int | None = 1,
+    quiet: bool = False,
+) -> None:
     """First cell of every notebook: seed, pin CPU threads (stable timings), print versions + GPU line.
 
     The printed lines are version-dependent, so this cell is tagged ``nbval-ignore-output``.
@@ -192,7 +223,9 @@ def setup(seed: int = 0, packages: tuple[str, ...] = ("torch", "transformers", "
         import matplotlib
 
         _inline_figures()
-        matplotlib.rcParams.update({"figure.dpi": 100, "savefig.dpi": 100, "figure.figsize": (6.4, 3.6)})
+        matplotlib.rcParams.update(
+            {"figure.dpi": 100, "savefig.dpi": 100, "figure.figsize": (6.4, 3.6)}
+        )
         from .fonts import use_cjk_font
 
         use_cjk_font()  # Chinese figure labels where a CJK font is installed (coursekit.fonts.zh)
@@ -210,7 +243,9 @@ class MeasuredTable:
         self.markdown, self.tol = markdown, tol
 
     def _repr_mimebundle_(self, include=None, exclude=None):
-        return {"text/markdown": self.markdown, "text/plain": self.markdown}, {TOL_KEY: dict(self.tol)}
+        return {"text/markdown": self.markdown, "text/plain": self.markdown}, {
+            TOL_KEY: dict(self.tol)
+        }
 
 
 def md_table(rows, headers=None, *, rtol=None, atol=None):
@@ -232,8 +267,10 @@ def md_table(rows, headers=None, *, rtol=None, atol=None):
     if headers is None:
         raise ValueError("md_table needs headers when rows are not dicts")
     esc = lambda v: str(v).replace("|", "\\|")  # noqa: E731
-    lines = ["| " + " | ".join(esc(h) for h in headers) + " |",
-             "|" + "|".join("---" for _ in headers) + "|"]
+    lines = [
+        "| " + " | ".join(esc(h) for h in headers) + " |",
+        "|" + "|".join("---" for _ in headers) + "|",
+    ]
     lines += ["| " + " | ".join(esc(v) for v in r) + " |" for r in rows]
     if rtol is not None or atol is not None:
         return MeasuredTable("\n".join(lines), tolerance(rtol, atol))

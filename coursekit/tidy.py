@@ -21,6 +21,7 @@ The tool is idempotent: a second run changes nothing. ``--check`` only reports (
 notebook would change), for CI. Outputs are moved, never recomputed: re-execute (``make nb``)
 afterwards to refresh execution counts.
 """
+
 from __future__ import annotations
 
 import ast
@@ -36,8 +37,10 @@ REMOVE = "remove-cell"
 HIDE_SETUP = "hide-cell"
 NBVAL_IGNORE = "nbval-ignore-output"
 # the toggle of the collapsed setup cell says what is behind it (myst-nb cell-level config)
-SETUP_PROMPTS = {"code_prompt_show": "显示准备代码（导入、随机种子、版本与 GPU 信息）",
-                 "code_prompt_hide": "隐藏准备代码"}
+SETUP_PROMPTS = {
+    "code_prompt_show": "显示准备代码（导入、随机种子、版本与 GPU 信息）",
+    "code_prompt_hide": "隐藏准备代码",
+}
 _NBVAL_COMMENT = re.compile(r"^\s*#\s*nbval-ignore-output\b[\s:：,，;；.。-]*(.*?)\s*$")
 
 
@@ -71,16 +74,29 @@ def _is_glue_call(node: ast.AST) -> bool:
     if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
         return False
     f = node.value.func
-    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+    name = (
+        f.id
+        if isinstance(f, ast.Name)
+        else f.attr
+        if isinstance(f, ast.Attribute)
+        else ""
+    )
     if name != "glue":
         return False
     for kw in node.value.keywords:
-        if kw.arg == "display" and not (isinstance(kw.value, ast.Constant) and not kw.value.value):
+        if kw.arg == "display" and not (
+            isinstance(kw.value, ast.Constant) and not kw.value.value
+        ):
             return False
     return True
 
 
-_NONE_CALLS = {"print", "display", "show", "glue"}  # calls whose value Jupyter never shows
+_NONE_CALLS = {
+    "print",
+    "display",
+    "show",
+    "glue",
+}  # calls whose value Jupyter never shows
 
 
 def _returns_none(node: ast.Expr) -> bool:
@@ -88,7 +104,13 @@ def _returns_none(node: ast.Expr) -> bool:
     if not isinstance(v, ast.Call):
         return False
     f = v.func
-    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+    name = (
+        f.id
+        if isinstance(f, ast.Name)
+        else f.attr
+        if isinstance(f, ast.Attribute)
+        else ""
+    )
     return name in _NONE_CALLS
 
 
@@ -112,9 +134,13 @@ def _calls_glue(nodes) -> bool:
 
 
 def _is_glue_output(out) -> bool:
-    return out.get("output_type") in ("display_data", "execute_result") and any(
-        k.startswith(GLUE_MIME) for k in out.get("data", {})
-    ) or (out.get("metadata", {}).get("scrapbook", {}).get("mime_prefix") == GLUE_MIME)
+    return (
+        out.get("output_type") in ("display_data", "execute_result")
+        and any(k.startswith(GLUE_MIME) for k in out.get("data", {}))
+        or (
+            out.get("metadata", {}).get("scrapbook", {}).get("mime_prefix") == GLUE_MIME
+        )
+    )
 
 
 def _new_code_cell(source: str, outputs: list, tags: list[str], count):
@@ -141,7 +167,9 @@ def _split_glue(cell, where: str, report: Report) -> list:
         tree = ast.parse(src)
     except SyntaxError:  # IPython magics or shell escapes: leave the cell alone
         if "glue(" in src:
-            report.left.append(f"{where}: not plain Python, glue calls left as they are")
+            report.left.append(
+                f"{where}: not plain Python, glue calls left as they are"
+            )
         return [cell]
     body = tree.body
     if not body:
@@ -165,7 +193,9 @@ def _split_glue(cell, where: str, report: Report) -> list:
         trail -= 1
     if lead == 0 and trail == len(body):
         if _calls_glue(body):
-            report.left.append(f"{where}: glue call(s) inside the cell's code stay visible")
+            report.left.append(
+                f"{where}: glue call(s) inside the cell's code stay visible"
+            )
         return [cell]
     rest = body[lead:trail]
     head_names = {_glue_name(s) for s in body[:lead]}
@@ -175,11 +205,15 @@ def _split_glue(cell, where: str, report: Report) -> list:
     if _calls_glue(rest) or (head_names and tail_names):
         # outputs are told apart by their key: a computed key makes that impossible
         if None in head_names | tail_names:
-            report.left.append(f"{where}: glue with a computed key next to other glue: left")
+            report.left.append(
+                f"{where}: glue with a computed key next to other glue: left"
+            )
             return [cell]
     if _calls_glue(rest):
         report.left.append(f"{where}: glue call(s) inside the cell's code stay visible")
-    if None in head_names | tail_names:  # only one side moves, and no glue stays: all of them
+    if (
+        None in head_names | tail_names
+    ):  # only one side moves, and no glue stays: all of them
         head_out = glue_out if lead else []
         tail_out = glue_out if not lead else []
     else:
@@ -187,13 +221,19 @@ def _split_glue(cell, where: str, report: Report) -> list:
         tail_out = [o for o in glue_out if _glue_name_of_out(o) in tail_names]
     L = src.split("\n")
     # the statement now last in the cell: keep it from being displayed, as it was before
-    if trail < len(body) and isinstance(rest[-1], ast.Expr) and not _returns_none(rest[-1]):
+    if (
+        trail < len(body)
+        and isinstance(rest[-1], ast.Expr)
+        and not _returns_none(rest[-1])
+    ):
         end = rest[-1]
         i = end.end_lineno - 1
         after = L[i][end.end_col_offset :]
         if not after.lstrip().startswith(";"):
             L[i] = L[i][: end.end_col_offset] + ";" + after
-    pre = L[: body[0].lineno - 1]  # comments above the first statement stay with the code
+    pre = L[
+        : body[0].lineno - 1
+    ]  # comments above the first statement stay with the code
     if lead:
         head = L[body[0].lineno - 1 : body[lead - 1].end_lineno]
         mid_start = body[lead - 1].end_lineno
@@ -209,15 +249,23 @@ def _split_glue(cell, where: str, report: Report) -> list:
     # outputs that nbval does not compare in the original cell stay uncompared in the new ones
     new_tags = [REMOVE] + [t for t in (NBVAL_IGNORE, "nbval-skip") if t in _tags(cell)]
     if head:
-        out.append(_new_code_cell("\n".join(head).strip("\n"), head_out, new_tags, count))
+        out.append(
+            _new_code_cell("\n".join(head).strip("\n"), head_out, new_tags, count)
+        )
         _copy_reason(cell, out[-1])
-        report.changes.append(f"{where}: {lead} leading glue statement(s) moved to a {REMOVE} cell")
+        report.changes.append(
+            f"{where}: {lead} leading glue statement(s) moved to a {REMOVE} cell"
+        )
     out.append(cell)
     if tail:
-        out.append(_new_code_cell("\n".join(tail).strip("\n"), tail_out, new_tags, count))
+        out.append(
+            _new_code_cell("\n".join(tail).strip("\n"), tail_out, new_tags, count)
+        )
         _copy_reason(cell, out[-1])
         n = len(body) - trail
-        report.changes.append(f"{where}: {n} trailing glue statement(s) moved to a {REMOVE} cell")
+        report.changes.append(
+            f"{where}: {n} trailing glue statement(s) moved to a {REMOVE} cell"
+        )
     return out
 
 
@@ -261,7 +309,9 @@ def tidy_notebook(nb, path: Path | str = "<notebook>") -> Report:
             if "code_prompt_show" not in prompts:
                 prompts.update(SETUP_PROMPTS)
                 report.changes.append(f"{where}: setup cell's toggle labelled")
-        if "gpu" in _tags(cell):  # GPU cells run alone in tests (setup + gpu): never split
+        if "gpu" in _tags(
+            cell
+        ):  # GPU cells run alone in tests (setup + gpu): never split
             cells.append(cell)
             continue
         cells.extend(_split_glue(cell, where, report))
@@ -276,7 +326,9 @@ def notebooks_in(paths) -> list[Path]:
     out = []
     for p in map(Path, paths):
         if p.is_dir():
-            out += sorted(q for q in p.glob("*.ipynb") if ".ipynb_checkpoints" not in q.parts)
+            out += sorted(
+                q for q in p.glob("*.ipynb") if ".ipynb_checkpoints" not in q.parts
+            )
         elif p.suffix == ".ipynb" and p.exists():
             out.append(p)
         else:
@@ -304,7 +356,9 @@ def _pure_glue(stmt: ast.stmt) -> bool:
     """A glue call, or a loop/if/with whose every branch is made only of glue calls."""
     if isinstance(stmt, ast.Expr):
         return isinstance(stmt.value, ast.Call) and _is_glue_name(stmt)
-    if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While, ast.If, ast.With, ast.AsyncWith)):
+    if isinstance(
+        stmt, (ast.For, ast.AsyncFor, ast.While, ast.If, ast.With, ast.AsyncWith)
+    ):
         blocks = [stmt.body] + ([stmt.orelse] if getattr(stmt, "orelse", None) else [])
         return all(b and all(_pure_glue(s) for s in b) for b in blocks)
     return False
@@ -330,20 +384,30 @@ def visible_source(src: str) -> str:
     if tree is not None:
 
         def visit(block: list[ast.stmt], parent: ast.stmt | None) -> None:
-            pure = [_pure_glue(s) and (parent is None or s.lineno > parent.lineno) for s in block]
+            pure = [
+                _pure_glue(s) and (parent is None or s.lineno > parent.lineno)
+                for s in block
+            ]
             removable = []
             for k, stmt in enumerate(block):
                 # every statement sharing a line with this one must go too
                 shares = [
-                    j for j, o in enumerate(block)
-                    if j != k and o.lineno <= stmt.end_lineno and o.end_lineno >= stmt.lineno
+                    j
+                    for j, o in enumerate(block)
+                    if j != k
+                    and o.lineno <= stmt.end_lineno
+                    and o.end_lineno >= stmt.lineno
                 ]
                 if pure[k] and all(pure[j] for j in shares):
                     removable.append(stmt)
                 else:
                     for name in ("body", "orelse", "finalbody"):
                         sub = getattr(stmt, name, None)
-                        if isinstance(sub, list) and sub and isinstance(sub[0], ast.stmt):
+                        if (
+                            isinstance(sub, list)
+                            and sub
+                            and isinstance(sub[0], ast.stmt)
+                        ):
                             visit(sub, stmt)
                     for h in getattr(stmt, "handlers", []):
                         visit(h.body, h)

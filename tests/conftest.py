@@ -5,6 +5,7 @@ Markers (registered here, used by ``make unit`` to leave out the long parts):
 * ``slow`` — end-to-end runs: the browser suite (builds the book), the grader over every
   lab, multi-process demos. ``make unit`` runs ``-m "not slow"``.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,9 @@ SLOW_MODULES = {"test_site", "test_grader", "test_fsdp_demo", "test_calculator"}
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: end-to-end test; `make unit` leaves it out")
+    config.addinivalue_line(
+        "markers", "slow: end-to-end test; `make unit` leaves it out"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,6 +15,7 @@
   ``make test`` passes ``ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE`` this way, so the
   stored outputs (made on the native kernel path) are checked on another one.
 """
+
 from __future__ import annotations
 
 import copy
@@ -36,22 +37,32 @@ IGNORED_MIME = (
 TOL_KEY = "coursekit"  # same as coursekit.nb.TOL_KEY (kept literal: no import of the package here)
 TEXT_MIME = ("text/plain", "text/markdown")
 
-NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+(?:,\d{3})*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
-                    r"|[-+]?\b(?:nan|inf)\b")
+NUMBER = re.compile(
+    r"(?<![\w.])[-+]?(?:\d+(?:,\d{3})*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+    r"|[-+]?\b(?:nan|inf)\b"
+)
 
 
 def pytest_addoption(parser):
-    parser.addoption("--kernel-env", action="append", default=[], metavar="KEY=VALUE",
-                     help="environment variable for every notebook kernel (repeatable)")
+    parser.addoption(
+        "--kernel-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment variable for every notebook kernel (repeatable)",
+    )
 
 
 def pytest_collectstart(collector):
     skip = getattr(collector, "skip_compare", None)
     if skip is not None:
-        collector.skip_compare = tuple(skip) + tuple(m for m in IGNORED_MIME if m not in skip)
+        collector.skip_compare = tuple(skip) + tuple(
+            m for m in IGNORED_MIME if m not in skip
+        )
 
 
 # ---------------------------------------------------------------- tolerant comparison
+
 
 def tolerance_of(output) -> dict | None:
     """The declared tolerance of a display/execute_result output, or None."""
@@ -84,7 +95,9 @@ def _is_int(token: str) -> bool:
     return not re.search(r"[.eEna]", token)
 
 
-def numbers_close(new: float, old: float, rtol: float, atol: float, slack: float = 0.0) -> bool:
+def numbers_close(
+    new: float, old: float, rtol: float, atol: float, slack: float = 0.0
+) -> bool:
     if math.isnan(new) or math.isnan(old):
         return math.isnan(new) and math.isnan(old)
     if math.isinf(new) or math.isinf(old):
@@ -161,10 +174,12 @@ def _compare_outputs(original):
         if not ok and reasons:
             self.comparison_traceback.extend(reasons)
         return ok
+
     return compare_outputs
 
 
 # ---------------------------------------------------------------- kernel environment
+
 
 def _kernel_env(config) -> dict:
     from coursekit.execute import kernel_env
@@ -182,7 +197,9 @@ def _execute_like_jupyter(self, cell_input, allow_stdin=None):
     """nbval runs cells with ``store_history=False``, and then IPython decides whether a trailing
     ``;`` silences a cell by looking at the *previous* cell in its history. Jupyter, nbclient and
     ``make nb`` store history, so run cells the same way here: a ``;`` means what it means there."""
-    return self.kc.execute(cell_input, store_history=True, allow_stdin=allow_stdin, stop_on_error=False)
+    return self.kc.execute(
+        cell_input, store_history=True, allow_stdin=allow_stdin, stop_on_error=False
+    )
 
 
 def pytest_configure(config):
@@ -199,8 +216,10 @@ def pytest_configure(config):
     env = _kernel_env(config)
     start = nbval.kernel.start_new_kernel
     if not getattr(start, "_coursekit", False):
+
         def start_new_kernel(*args, **kwargs):
             kwargs.setdefault("env", dict(env))
             return start(*args, **kwargs)
+
         start_new_kernel._coursekit = True
         nbval.kernel.start_new_kernel = start_new_kernel

@@ -1,4 +1,5 @@
 """Where the course's notebooks are, for the tests."""
+
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,13 +8,24 @@ Writes ``_build/screenshots/<page>_desktop.png`` (1280×800 viewport) and ``<pag
 (390×844), full height, with the network cut to 127.0.0.1, and prints one line per page with its
 height and any problem the browser reported (console errors, requests to another host).
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
 
-from tests.site import (DESKTOP, HTML, PHONE, SCREENSHOTS, build_book, open_page,
-                        screenshot_name, served_browser, toc_files, wait_for_math)
+from tests.site import (
+    DESKTOP,
+    HTML,
+    PHONE,
+    SCREENSHOTS,
+    build_book,
+    open_page,
+    screenshot_name,
+    served_browser,
+    toc_files,
+    wait_for_math,
+)
 
 
 def take(docs: list[str], out=SCREENSHOTS) -> list[str]:
@@ -29,8 +40,12 @@ def take(docs: list[str], out=SCREENSHOTS) -> list[str]:
                 try:
                     wait_for_math(page)
                     page.wait_for_timeout(200)
-                    page.screenshot(path=str(out / screenshot_name(doc, label)), full_page=True)
-                    sizes.append(f"{label} {page.evaluate('document.body.scrollHeight')} px")
+                    page.screenshot(
+                        path=str(out / screenshot_name(doc, label)), full_page=True
+                    )
+                    sizes.append(
+                        f"{label} {page.evaluate('document.body.scrollHeight')} px"
+                    )
                 finally:
                     page.context.close()
                 problems_all += [f"{doc} ({label}): {p}" for p in problems]
@@ -49,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
             print(r.stdout[-3000:] + r.stderr[-3000:], file=sys.stderr)
             return 1
     if not (HTML / "index.html").exists():
-        print("error: no built book in _build/html (run `make book` or pass --build)",
-              file=sys.stderr)
+        print(
+            "error: no built book in _build/html (run `make book` or pass --build)",
+            file=sys.stderr,
+        )
         return 2
     docs = args.docs or toc_files()
     unknown = [d for d in docs if d not in toc_files()]

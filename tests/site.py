@@ -1,4 +1,5 @@
 """Build the book once per test session and serve it on 127.0.0.1 (helpers for tests/test_site.py)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -70,16 +71,35 @@ def build_book() -> subprocess.CompletedProcess:
             if run_id and marker.exists():
                 saved = json.loads(marker.read_text(encoding="utf-8"))
                 if saved.get("run_id") == run_id:
-                    _BUILT["book"] = subprocess.CompletedProcess(saved["args"], saved["returncode"],
-                                                                 saved["stdout"], saved["stderr"])
+                    _BUILT["book"] = subprocess.CompletedProcess(
+                        saved["args"],
+                        saved["returncode"],
+                        saved["stdout"],
+                        saved["stderr"],
+                    )
                     return _BUILT["book"]
             jb = Path(sys.executable).parent / "jupyter-book"
             # --all: an incremental build re-reads only changed pages and would hide their
             # earlier warnings
-            r = subprocess.run([str(jb), "build", ".", "--all", "-W", "--keep-going"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=900)
-            marker.write_text(json.dumps({"run_id": run_id, "args": r.args, "returncode": r.returncode,
-                                          "stdout": r.stdout, "stderr": r.stderr}), encoding="utf-8")
+            r = subprocess.run(
+                [str(jb), "build", ".", "--all", "-W", "--keep-going"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
+            marker.write_text(
+                json.dumps(
+                    {
+                        "run_id": run_id,
+                        "args": r.args,
+                        "returncode": r.returncode,
+                        "stdout": r.stdout,
+                        "stderr": r.stderr,
+                    }
+                ),
+                encoding="utf-8",
+            )
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     _BUILT["book"] = r
@@ -121,12 +141,20 @@ def chromium_path() -> str | None:
 PHONE = (390, 844)
 DESKTOP = (1280, 800)
 
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
-def open_offline(browser, base: str, path: str, viewport=DESKTOP, wait: str = "load",
-                 serve=None):
+def open_offline(
+    browser, base: str, path: str, viewport=DESKTOP, wait: str = "load", serve=None
+):
     """Open ``base/path`` in a new context with every request to another host aborted.
 
     ``serve``: optional ``{url suffix: local file}`` answered from those files instead of the
@@ -149,11 +177,23 @@ def open_offline(browser, base: str, path: str, viewport=DESKTOP, wait: str = "l
             r.abort()
 
     page.route("**/*", route)
-    page.on("console", lambda m: m.type == "error" and problems.append(f"console error: {m.text}"))
+    page.on(
+        "console",
+        lambda m: m.type == "error" and problems.append(f"console error: {m.text}"),
+    )
     page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
-    page.on("requestfailed", lambda r: r.url.startswith(base) and problems.append(f"failed: {r.url}"))
-    page.on("response", lambda r: r.url.startswith(base) and r.status >= 400
-            and problems.append(f"HTTP {r.status}: {r.url}"))
+    page.on(
+        "requestfailed",
+        lambda r: r.url.startswith(base) and problems.append(f"failed: {r.url}"),
+    )
+    page.on(
+        "response",
+        lambda r: (
+            r.url.startswith(base)
+            and r.status >= 400
+            and problems.append(f"HTTP {r.status}: {r.url}")
+        ),
+    )
     page.goto(f"{base}/{path}", wait_until=wait)
     return page, problems
 
@@ -184,8 +224,10 @@ def open_page(browser, base: str, path: str, viewport=DESKTOP):
 def wait_for_math(page, timeout_ms: int = 120000) -> None:
     """Wait until MathJax (if the page loads it) has finished typesetting."""
     if page.evaluate("() => !!document.querySelector('script[src*=\"mathjax\" i]')"):
-        page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.promise",
-                               timeout=timeout_ms)
+        page.wait_for_function(
+            "() => window.MathJax && MathJax.startup && MathJax.startup.promise",
+            timeout=timeout_ms,
+        )
         page.evaluate("() => MathJax.startup.promise")
 
 

@@ -1,15 +1,28 @@
 """trainmem.accum: accumulation equivalence, checkpointing placement, exact memory meters."""
+
 import pytest
 import torch
 
-from trainmem.accum import PeakLiveBytes, SavedTensorBytes, Stack, grads, max_abs_diff, measure_step
+from trainmem.accum import (
+    PeakLiveBytes,
+    SavedTensorBytes,
+    Stack,
+    grads,
+    max_abs_diff,
+    measure_step,
+)
 from trainmem.data import counting_batches
 
 
 def test_accumulated_equals_big_batch():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
-    x, y = torch.randn(12, 8, dtype=torch.float64), torch.randn(12, 1, dtype=torch.float64)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+    ).double()
+    x, y = (
+        torch.randn(12, 8, dtype=torch.float64),
+        torch.randn(12, 1, dtype=torch.float64),
+    )
     torch.nn.functional.mse_loss(model(x), y).backward()
     big = grads(model)
     model.zero_grad()
@@ -23,15 +36,15 @@ def test_saved_bytes_exact_for_linear():
     x = torch.randn(5, 4)
     with SavedTensorBytes(exclude=lin) as m:
         lin(x).sum()
-    assert m.bytes == 5 * 4 * 4 and m.count == 1   # only the fp32 input (5, 4) is kept
+    assert m.bytes == 5 * 4 * 4 and m.count == 1  # only the fp32 input (5, 4) is kept
 
 
 def test_peak_live_bytes_counts_and_frees():
     with PeakLiveBytes() as m:
-        a = torch.ones(256)          # 1 KiB
-        b = torch.ones(512)          # 2 KiB
+        a = torch.ones(256)  # 1 KiB
+        b = torch.ones(512)  # 2 KiB
         del a
-        c = torch.ones(128)          # 0.5 KiB
+        c = torch.ones(128)  # 0.5 KiB
     assert m.peak == 256 * 4 + 512 * 4
     assert m.current == 512 * 4 + 128 * 4
     del b, c
@@ -47,7 +60,9 @@ def test_checkpoint_keeps_only_segment_inputs_same_grads():
     for k in (1, 2, 4):
         m = measure_step(model, x, segment=k, repeats=0)
         assert m.seconds != m.seconds  # nan: timing skipped
-        assert m.saved_bytes == (4 // k) * 2 * 8 * 16 * 4     # one fp32 (2, 8, 16) input per segment
+        assert (
+            m.saved_bytes == (4 // k) * 2 * 8 * 16 * 4
+        )  # one fp32 (2, 8, 16) input per segment
         assert m.saved_bytes < ref.saved_bytes and m.flops > ref.flops
         model.segment = k
         model(x).square().mean().backward()

@@ -6,6 +6,7 @@ the form and its ``data-total-bytes`` (and the byte column of its table) compare
 ``python -m trainmem estimate ... --json`` run as a subprocess; bad input must give the CLI's
 stderr line. Screenshots (desktop 1280x800, phone 390x844) go to _build/screenshots/.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,57 +20,171 @@ import nbformat
 import pytest
 
 from tests.notebooks import ROOT
-from tests.site import (CHROMIUM_ARGS, HTML, SCREENSHOTS, SiteServer, build_book, chromium_path,
-                        open_offline)
+from tests.site import (
+    CHROMIUM_ARGS,
+    HTML,
+    SCREENSHOTS,
+    SiteServer,
+    build_book,
+    chromium_path,
+    open_offline,
+)
 
 sys.path.insert(0, str(ROOT / "_ext"))
 import calculator as calc  # noqa: E402  (the Sphinx extension: module list and form fields)
 
 # config.json files a reader might paste (public shapes; the optional fields vary on purpose)
-MISTRAL_7B = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 32000,
-              "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-              "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 32768,
-              "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
-              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.34.0"}
-LLAMA_MIN = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 688,
-             "num_hidden_layers": 4, "num_attention_heads": 8, "tie_word_embeddings": True}
-QWEN2_SMALL = {"model_type": "qwen2", "vocab_size": 5000, "hidden_size": 384, "intermediate_size": 1024,
-               "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2}
-QWEN2_NO_KV = {"model_type": "qwen2", "vocab_size": 500, "hidden_size": 128, "intermediate_size": 256,
-               "num_hidden_layers": 2, "num_attention_heads": 32}
-MISTRAL_NO_KV = {"model_type": "mistral", "vocab_size": 500, "hidden_size": 256, "intermediate_size": 512,
-                 "num_hidden_layers": 2, "num_attention_heads": 16, "head_dim": 32}
-GPT2_SMALL = {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12,
-              "n_positions": 1024}
+MISTRAL_7B = {
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.34.0",
+}
+LLAMA_MIN = {
+    "model_type": "llama",
+    "vocab_size": 1000,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "tie_word_embeddings": True,
+}
+QWEN2_SMALL = {
+    "model_type": "qwen2",
+    "vocab_size": 5000,
+    "hidden_size": 384,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+}
+QWEN2_NO_KV = {
+    "model_type": "qwen2",
+    "vocab_size": 500,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 32,
+}
+MISTRAL_NO_KV = {
+    "model_type": "mistral",
+    "vocab_size": 500,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 16,
+    "head_dim": 32,
+}
+GPT2_SMALL = {
+    "model_type": "gpt2",
+    "vocab_size": 50257,
+    "n_embd": 768,
+    "n_layer": 12,
+    "n_head": 12,
+    "n_positions": 1024,
+}
 ALL_LLAMA = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 # (form values named like the CLI options, pasted config.json or None)
 GRID: list[tuple[dict, dict | None]] = [
     ({}, None),
     ({"method": "lora", "batch": "4"}, None),
-    ({"method": "qlora", "lora-rank": "16", "lora-targets": "q_proj,k_proj,v_proj,o_proj"}, None),
+    (
+        {
+            "method": "qlora",
+            "lora-rank": "16",
+            "lora-targets": "q_proj,k_proj,v_proj,o_proj",
+        },
+        None,
+    ),
     ({"method": "qlora", "no-double-quant": True, "seq": "2048"}, None),
     ({"precision": "fp32", "optimizer": "sgd"}, None),
     ({"precision": "bf16", "optimizer": "adamw8bit", "checkpointing": True}, None),
-    ({"precision": "fp16-amp", "optimizer": "sgd-momentum", "attn": "eager", "seq": "1024"}, None),
-    ({"method": "lora", "grad-accum": "4", "checkpointing": True, "attn": "flash"}, None),
-    ({"model": "llama2-13b", "method": "lora", "lora-dtype": "bf16", "lora-alpha": "32", "batch": "2",
-      "seq": "2048"}, None),
+    (
+        {
+            "precision": "fp16-amp",
+            "optimizer": "sgd-momentum",
+            "attn": "eager",
+            "seq": "1024",
+        },
+        None,
+    ),
+    (
+        {"method": "lora", "grad-accum": "4", "checkpointing": True, "attn": "flash"},
+        None,
+    ),
+    (
+        {
+            "model": "llama2-13b",
+            "method": "lora",
+            "lora-dtype": "bf16",
+            "lora-alpha": "32",
+            "batch": "2",
+            "seq": "2048",
+        },
+        None,
+    ),
     ({"model": "llama2-13b", "zero": "1", "gpus": "8"}, None),
     ({"model": "llama2-70b", "zero": "3", "gpus": "64", "checkpointing": True}, None),
-    ({"model": "llama2-70b", "method": "qlora", "seq": "4096", "checkpointing": True}, None),
+    (
+        {
+            "model": "llama2-70b",
+            "method": "qlora",
+            "seq": "4096",
+            "checkpointing": True,
+        },
+        None,
+    ),
     ({"model": "llama2-7b", "precision": "fp32", "zero": "2", "gpus": "4"}, None),
     ({"model": "qwen2.5-0.5b", "batch": "8", "seq": "1024"}, None),
-    ({"model": "qwen2.5-0.5b", "method": "lora", "lora-targets": ALL_LLAMA, "lora-rank": "64",
-      "attn": "eager"}, None),
+    (
+        {
+            "model": "qwen2.5-0.5b",
+            "method": "lora",
+            "lora-targets": ALL_LLAMA,
+            "lora-rank": "64",
+            "attn": "eager",
+        },
+        None,
+    ),
     ({"model": "gpt2", "precision": "fp32", "batch": "4", "seq": "1024"}, None),
     ({"model": "gpt2", "method": "lora", "lora-targets": "c_attn"}, None),
     ({"model": "tiny", "batch": "2", "seq": "64"}, None),
-    ({"model": "tiny", "method": "lora", "lora-targets": ALL_LLAMA, "checkpointing": True,
-      "precision": "fp16-amp"}, None),
-    ({"model": "config.json", "precision": "bf16", "zero": "3", "gpus": "8"}, MISTRAL_7B),
+    (
+        {
+            "model": "tiny",
+            "method": "lora",
+            "lora-targets": ALL_LLAMA,
+            "checkpointing": True,
+            "precision": "fp16-amp",
+        },
+        None,
+    ),
+    (
+        {"model": "config.json", "precision": "bf16", "zero": "3", "gpus": "8"},
+        MISTRAL_7B,
+    ),
     ({"model": "config.json", "method": "lora"}, MISTRAL_7B),
-    ({"model": "config.json", "precision": "fp32", "checkpointing": True, "seq": "128"}, LLAMA_MIN),
+    (
+        {
+            "model": "config.json",
+            "precision": "fp32",
+            "checkpointing": True,
+            "seq": "128",
+        },
+        LLAMA_MIN,
+    ),
     ({"model": "config.json", "method": "lora", "seq": "256"}, QWEN2_SMALL),
     ({"model": "config.json", "seq": "64"}, QWEN2_NO_KV),
     ({"model": "config.json", "seq": "64", "attn": "eager"}, MISTRAL_NO_KV),
@@ -94,7 +209,9 @@ def _coverage_grid() -> list[tuple[dict, None]]:
     out = []
     for f in calc.form_fields():
         if f["kind"] == "model":
-            out.extend(({"model": m}, None) for m in f["choices"] if m != calc.CONFIG_CHOICE)
+            out.extend(
+                ({"model": m}, None) for m in f["choices"] if m != calc.CONFIG_CHOICE
+            )
         if f["kind"] != "choice":
             continue
         for c in f["choices"]:
@@ -107,7 +224,9 @@ def _coverage_grid() -> list[tuple[dict, None]]:
     return out
 
 
-def _cli(values: dict, config_text: str | None, tmp: Path) -> subprocess.CompletedProcess:
+def _cli(
+    values: dict, config_text: str | None, tmp: Path
+) -> subprocess.CompletedProcess:
     """``python -m trainmem estimate ... --json`` with the options of ``values`` (cwd ``tmp``)."""
     argv = [sys.executable, "-m", "trainmem", "estimate"]
     for k, v in values.items():
@@ -126,7 +245,13 @@ def _cli(values: dict, config_text: str | None, tmp: Path) -> subprocess.Complet
 # --------------------------------------------------------------------------------------------
 def test_shipped_modules_come_from_the_import_graph():
     shipped, left_out = calc.browser_modules()
-    for m in ("trainmem", "trainmem.cli", "trainmem.estimate", "trainmem.models", "trainmem.formats"):
+    for m in (
+        "trainmem",
+        "trainmem.cli",
+        "trainmem.estimate",
+        "trainmem.models",
+        "trainmem.formats",
+    ):
         assert m in shipped
     assert not any(m.startswith("trainmem.measure") for m in shipped), shipped
     assert "trainmem.measure" in left_out and "torch" in left_out["trainmem.measure"]
@@ -143,36 +268,66 @@ def test_shipped_modules_run_without_third_party_packages(tmp_path):
         dst = lib / src.relative_to(ROOT)
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dst)
-    cases = [(v, c) for v, c in GRID if c is not None] + [({"model": "tiny", "method": "lora"}, None)]
-    runner = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nfrom trainmem.cli import main\n"
-              "raise SystemExit(main(json.loads(sys.argv[2])))\n")
+    cases = [(v, c) for v, c in GRID if c is not None] + [
+        ({"model": "tiny", "method": "lora"}, None)
+    ]
+    runner = (
+        "import json, sys\nsys.path.insert(0, sys.argv[1])\nfrom trainmem.cli import main\n"
+        "raise SystemExit(main(json.loads(sys.argv[2])))\n"
+    )
     for values, config in cases:
         text = json.dumps(config) if config is not None else None
         ref = _cli(values, text, tmp_path)
         opts = [f"--{k}" if v is True else f"--{k}={v}" for k, v in values.items()]
         argv = ["estimate", *opts, "--json"]
-        iso = subprocess.run([sys.executable, "-I", "-S", "-c", runner, str(lib), json.dumps(argv)],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        iso = subprocess.run(
+            [sys.executable, "-I", "-S", "-c", runner, str(lib), json.dumps(argv)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert iso.returncode == ref.returncode == 0, (values, iso.stderr, ref.stderr)
         assert iso.stdout == ref.stdout, values
 
 
 def test_form_is_the_cli_estimate_options():
     parser = calc._estimate_parser()
-    want = {max(a.option_strings, key=len).lstrip("-"): a for a in parser._actions
-            if a.option_strings and a.dest not in ("help", "json")}
+    want = {
+        max(a.option_strings, key=len).lstrip("-"): a
+        for a in parser._actions
+        if a.option_strings and a.dest not in ("help", "json")
+    }
     fields = {f["name"]: f for f in calc.form_fields()}
     assert set(fields) == set(want)
-    for name in ("model", "method", "precision", "optimizer", "batch", "seq", "grad-accum", "lora-rank",
-                 "lora-targets", "checkpointing", "attn", "zero", "gpus"):
+    for name in (
+        "model",
+        "method",
+        "precision",
+        "optimizer",
+        "batch",
+        "seq",
+        "grad-accum",
+        "lora-rank",
+        "lora-targets",
+        "checkpointing",
+        "attn",
+        "zero",
+        "gpus",
+    ):
         assert name in fields, name
     for name, f in fields.items():
         a = want[name]
         if f["kind"] == "choice":
             assert f["choices"] == [str(c) for c in a.choices]
         if f["kind"] in ("choice", "text"):
-            assert f["default"] in (None, "") if a.default is None else f["default"] == str(a.default)
+            assert (
+                f["default"] in (None, "")
+                if a.default is None
+                else f["default"] == str(a.default)
+            )
     from trainmem.models import preset_names
+
     assert fields["model"]["choices"] == preset_names() + ["config.json"]
 
 
@@ -222,13 +377,18 @@ RESULT = """() => {
 
 def _ask(page, values: dict, config_text: str | None) -> dict:
     seq = page.evaluate(SET_FORM, {"values": values, "config": config_text})
-    page.wait_for_function("s => Number(document.querySelector('.tm-calc-result').dataset.seq) > s",
-                           arg=seq, timeout=60000)
+    page.wait_for_function(
+        "s => Number(document.querySelector('.tm-calc-result').dataset.seq) > s",
+        arg=seq,
+        timeout=60000,
+    )
     return page.evaluate(RESULT)
 
 
 def _first_answer(page):
-    page.wait_for_selector(".tm-calc[data-state=ready]", state="attached", timeout=120000)
+    page.wait_for_selector(
+        ".tm-calc[data-state=ready]", state="attached", timeout=120000
+    )
 
 
 def test_page_matches_cli_byte_for_byte(site, tmp_path):
@@ -245,12 +405,19 @@ def test_page_matches_cli_byte_for_byte(site, tmp_path):
             ref = _cli(values, text, tmp_path)
             assert ref.returncode == 0, (values, ref.stderr)
             want = json.loads(ref.stdout)
-            for k, v in values.items():        # the page passed what the form says
-                assert (f"--{k}" if v is True else f"--{k}={v}") in got["argv"], (k, got["argv"])
-            rows = [str(want["breakdown"][k]) for k in calc_terms()] + [str(want["total_bytes"])]
+            for k, v in values.items():  # the page passed what the form says
+                assert (f"--{k}" if v is True else f"--{k}={v}") in got["argv"], (
+                    k,
+                    got["argv"],
+                )
+            rows = [str(want["breakdown"][k]) for k in calc_terms()] + [
+                str(want["total_bytes"])
+            ]
             if got["total"] != str(want["total_bytes"]) or got["bytes"] != rows:
-                mismatches.append(f"{values}: page {got['total']} {got['error'] or ''} "
-                                  f"vs CLI {want['total_bytes']}")
+                mismatches.append(
+                    f"{values}: page {got['total']} {got['error'] or ''} "
+                    f"vs CLI {want['total_bytes']}"
+                )
         assert not mismatches, "\n".join(mismatches)
         assert not problems, "\n".join(problems)
     finally:
@@ -259,6 +426,7 @@ def test_page_matches_cli_byte_for_byte(site, tmp_path):
 
 def calc_terms():
     from trainmem.estimate import CATEGORIES
+
     return CATEGORIES
 
 
@@ -272,7 +440,9 @@ def test_bad_input_gets_the_cli_message(site, tmp_path):
             ref = _cli(values, config_text, tmp_path)
             assert ref.returncode == 2, (values, ref.stdout)
             line = ref.stderr.strip()
-            assert "\n" not in line and line.startswith("python -m trainmem estimate: error: ")
+            assert "\n" not in line and line.startswith(
+                "python -m trainmem estimate: error: "
+            )
             assert got["total"] is None and got["error"] == line, (values, got, line)
             assert page.locator(".tm-calc-error").inner_text().strip() == line
         assert not problems, "\n".join(problems)
@@ -285,13 +455,21 @@ def test_typing_recomputes_and_screenshots(site, tmp_path):
     answered page; no horizontal overflow on a phone."""
     b, base = site
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    want = json.loads(_cli({"method": "lora", "batch": "8", "checkpointing": True}, None, tmp_path).stdout)
+    want = json.loads(
+        _cli(
+            {"method": "lora", "batch": "8", "checkpointing": True}, None, tmp_path
+        ).stdout
+    )
     for label, vp in (("desktop", (1280, 800)), ("phone", (390, 844))):
         page, problems = open_offline(b, base, "book/calculator.html", viewport=vp)
         try:
             _first_answer(page)
             assert page.locator(".tm-bar .tm-seg").count() >= 3
-            assert page.locator(".tm-calc-phase").inner_text() in ("forward", "backward", "optimizer")
+            assert page.locator(".tm-calc-phase").inner_text() in (
+                "forward",
+                "backward",
+                "optimizer",
+            )
             head = page.locator(".tm-table thead").inner_text()
             assert "GB" in head and "GiB" in head
             seq = int(page.get_attribute(".tm-calc-result", "data-seq"))
@@ -300,14 +478,22 @@ def test_typing_recomputes_and_screenshots(site, tmp_path):
             page.check("input[name=checkpointing]")
             page.wait_for_function(
                 "t => document.querySelector('.tm-calc-result').dataset.totalBytes === t",
-                arg=str(want["total_bytes"]), timeout=60000)
+                arg=str(want["total_bytes"]),
+                timeout=60000,
+            )
             assert int(page.get_attribute(".tm-calc-result", "data-seq")) > seq
-            page.evaluate("() => document.activeElement && document.activeElement.blur()")
-            page.screenshot(path=str(SCREENSHOTS / f"calculator_{label}.png"), full_page=True)
+            page.evaluate(
+                "() => document.activeElement && document.activeElement.blur()"
+            )
+            page.screenshot(
+                path=str(SCREENSHOTS / f"calculator_{label}.png"), full_page=True
+            )
             page.locator(".tm-calc-result").scroll_into_view_if_needed()
             page.screenshot(path=str(SCREENSHOTS / f"calculator_{label}_result.png"))
-            over = page.evaluate("() => document.documentElement.scrollWidth"
-                                 " - document.documentElement.clientWidth")
+            over = page.evaluate(
+                "() => document.documentElement.scrollWidth"
+                " - document.documentElement.clientWidth"
+            )
             assert over <= 1, f"{label}: page is {over}px wider than the screen"
             assert not problems, "\n".join(problems)
         finally:
@@ -320,10 +506,12 @@ def test_chapter3_embeds_the_calculator(site, tmp_path):
     try:
         calc_el = page.locator(".tm-calc")
         assert calc_el.count() == 1
-        calc_el.scroll_into_view_if_needed()        # it starts Pyodide when it comes into view
+        calc_el.scroll_into_view_if_needed()  # it starts Pyodide when it comes into view
         _first_answer(page)
         ref = json.loads(_cli({}, None, tmp_path).stdout)
-        assert page.get_attribute(".tm-calc-result", "data-total-bytes") == str(ref["total_bytes"])
+        assert page.get_attribute(".tm-calc-result", "data-total-bytes") == str(
+            ref["total_bytes"]
+        )
         assert not problems, "\n".join(problems)
     finally:
         page.context.close()
@@ -340,28 +528,44 @@ def test_chapter1_format_explorer_is_live(site):
         root = page.locator(".tm-fmt")
         assert root.count() == 1
         root.scroll_into_view_if_needed()
-        page.wait_for_selector(".tm-fmt[data-state=ready]", state="attached", timeout=120000)
+        page.wait_for_selector(
+            ".tm-fmt[data-state=ready]", state="attached", timeout=120000
+        )
         out = page.locator(".tm-fmt-out")
         first = page.get_attribute(".tm-fmt input[name=x]", "value")
         assert out.inner_text().strip() == describe_value(float(first))
         for text in ("65504", "1e-8", "-2.5", "0.50001", "abc"):
             seq = int(out.get_attribute("data-seq"))
             page.fill(".tm-fmt input[name=x]", text)
-            page.wait_for_function("s => Number(document.querySelector('.tm-fmt-out').dataset.seq) > s",
-                                   arg=seq, timeout=60000)
-            want = (describe_value(float(text)) if text != "abc"
-                    else "not a number: 'abc' (try 0.1, 65504, 1e-8)")
+            page.wait_for_function(
+                "s => Number(document.querySelector('.tm-fmt-out').dataset.seq) > s",
+                arg=seq,
+                timeout=60000,
+            )
+            want = (
+                describe_value(float(text))
+                if text != "abc"
+                else "not a number: 'abc' (try 0.1, 65504, 1e-8)"
+            )
             assert out.inner_text().strip() == want, text
         assert not problems, "\n".join(problems)
     finally:
         page.context.close()
 
 
-@pytest.mark.parametrize("chapter", ["06_lora_in_practice", "08_attention_inference_troubleshooting",
-                                     "09_beyond_one_gpu"])
+@pytest.mark.parametrize(
+    "chapter",
+    [
+        "06_lora_in_practice",
+        "08_attention_inference_troubleshooting",
+        "09_beyond_one_gpu",
+    ],
+)
 def test_chapters_link_to_the_calculator(site, chapter):
     nb = nbformat.read(ROOT / "book" / f"{chapter}.ipynb", as_version=4)
-    assert any("calculator.md" in c.source for c in nb.cells if c.cell_type == "markdown")
+    assert any(
+        "calculator.md" in c.source for c in nb.cells if c.cell_type == "markdown"
+    )
     html = (HTML / "book" / f"{chapter}.html").read_text(encoding="utf-8")
     assert 'href="calculator.html"' in html
 
@@ -370,10 +574,14 @@ def test_site_carries_the_runtime_not_a_cdn(site):
     root = HTML / "_static" / "calculator"
     manifest = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
     shipped, _ = calc.browser_modules()
-    assert manifest["files"] == [calc._module_file(m).relative_to(ROOT).as_posix() for m in shipped]
+    assert manifest["files"] == [
+        calc._module_file(m).relative_to(ROOT).as_posix() for m in shipped
+    ]
     for f in manifest["files"]:
         assert (root / "py" / f).read_bytes() == (ROOT / f).read_bytes()
     for f in calc.PYODIDE_FILES:
         assert (root / "pyodide" / f).is_file(), f
     js = (root / "calculator.js").read_text(encoding="utf-8")
-    assert "http://" not in js and "https://" not in js, "the calculator must load nothing from another host"
+    assert "http://" not in js and "https://" not in js, (
+        "the calculator must load nothing from another host"
+    )

@@ -1,16 +1,25 @@
 """trainmem.estimate: exact parameter counts (against transformers/peft on the meta device),
 bytes-per-parameter conventions, and agreement with a real CPU measurement on the tiny model."""
+
 import json
 
 import pytest
 
-from trainmem.estimate import (CATEGORIES, accelerate_rule_bytes, activation_bytes_per_layer,
-                               bytes_per_param, count_params, estimate, lora_trainable_params)
+from trainmem.estimate import (
+    CATEGORIES,
+    accelerate_rule_bytes,
+    activation_bytes_per_layer,
+    bytes_per_param,
+    count_params,
+    estimate,
+    lora_trainable_params,
+)
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama-7b", "qwen2.5-0.5b", "gpt2"])
 def test_count_params_matches_transformers(name):
     from trainmem.models import build_model, get_config
+
     model = build_model(get_config(name), device="meta")
     assert count_params(name) == sum(p.numel() for p in model.parameters())
 
@@ -19,10 +28,15 @@ def test_lora_counts_match_peft_on_meta_llama7b():
     from peft import LoraConfig, get_peft_model
 
     from trainmem.models import build_model, get_config
-    for targets, trainable in ((["q_proj", "v_proj"], 4_194_304),
-                               (["q_proj", "k_proj", "v_proj", "o_proj"], 8_388_608)):
+
+    for targets, trainable in (
+        (["q_proj", "v_proj"], 4_194_304),
+        (["q_proj", "k_proj", "v_proj", "o_proj"], 8_388_608),
+    ):
         model = build_model(get_config("llama-7b"), device="meta")
-        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+        model = get_peft_model(
+            model, LoraConfig(r=8, lora_alpha=16, target_modules=targets)
+        )
         n_train, n_all = model.get_nb_trainable_parameters()
         assert n_train == trainable == lora_trainable_params("llama-7b", 8, targets)
         assert n_all == count_params("llama-7b") + trainable
@@ -30,7 +44,7 @@ def test_lora_counts_match_peft_on_meta_llama7b():
 
 
 def test_bytes_per_param_conventions():
-    assert bytes_per_param("bf16-amp", "adamw") == 18           # torch AMP / HF
+    assert bytes_per_param("bf16-amp", "adamw") == 18  # torch AMP / HF
     assert bytes_per_param("bf16-amp", "adamw", convention="zero-paper") == 16
     assert bytes_per_param("fp32", "adamw") == 16
     assert bytes_per_param("bf16", "adamw") == 8
@@ -44,7 +58,9 @@ def test_breakdown_sums_and_json():
     assert set(est.breakdown) == set(CATEGORIES)
     assert sum(est.breakdown.values()) == est.total_bytes
     d = json.loads(est.to_json())
-    assert d["total_bytes"] == est.total_bytes and set(d["breakdown"]) == set(CATEGORIES)
+    assert d["total_bytes"] == est.total_bytes and set(d["breakdown"]) == set(
+        CATEGORIES
+    )
     assert "GiB" in est.table() and "GB" in est.table()
 
 
@@ -54,7 +70,9 @@ def test_model_states_full_fp32_adamw():
     n = count_params("llama-7b")
     assert est.peak_phase == "optimizer"
     assert est.breakdown["gradients"] == 4 * n
-    assert est.breakdown["optimizer_states"] == 8 * n + 4 * 291     # + one fp32 step per tensor
+    assert (
+        est.breakdown["optimizer_states"] == 8 * n + 4 * 291
+    )  # + one fp32 step per tensor
 
 
 def test_activation_formula_fp32_sdpa():
@@ -69,27 +87,51 @@ def test_zero_partitions_per_gpu():
     assert z3.total_bytes < one.total_bytes / 4
 
 
-@pytest.mark.parametrize("method,checkpointing,precision", [
-    ("full", False, "fp32"), ("full", True, "bf16-amp"),
-    ("lora", False, "bf16-amp"), ("lora", True, "fp32")])
+@pytest.mark.parametrize(
+    "method,checkpointing,precision",
+    [
+        ("full", False, "fp32"),
+        ("full", True, "bf16-amp"),
+        ("lora", False, "bf16-amp"),
+        ("lora", True, "fp32"),
+    ],
+)
 def test_estimate_agrees_with_cpu_measurement(method, checkpointing, precision):
     from trainmem.measure import measure
-    kw = dict(method=method, precision=precision, batch=2, seq=24, checkpointing=checkpointing)
+
+    kw = dict(
+        method=method, precision=precision, batch=2, seq=24, checkpointing=checkpointing
+    )
     est = estimate("tiny", **kw)
     meas = measure("tiny", device="cpu", **kw)
     tol = 0.02 if method == "full" else 0.03
     assert abs(est.total_bytes - meas.total_bytes) <= tol * meas.total_bytes
-    assert abs(est.activation_bytes - meas.activation_bytes) <= 0.03 * meas.activation_bytes
+    assert (
+        abs(est.activation_bytes - meas.activation_bytes)
+        <= 0.03 * meas.activation_bytes
+    )
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(model="nope"), "model must be one of"),
-    (dict(method="lora", lora_rank=0), "lora_rank must be ≥ 1 and ≤ min(d_in, d_out)=64, got 0"),
-    (dict(method="lora", lora_rank=65), "lora_rank"),
-    (dict(method="lora", lora_targets=("q_proj", "nope")), "unknown target module 'nope'"),
-    (dict(batch=0), "batch must be an integer ≥ 1"),
-    (dict(precision="fp8"), "precision must be one of fp32, fp16-amp, bf16-amp, bf16"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(model="nope"), "model must be one of"),
+        (
+            dict(method="lora", lora_rank=0),
+            "lora_rank must be ≥ 1 and ≤ min(d_in, d_out)=64, got 0",
+        ),
+        (dict(method="lora", lora_rank=65), "lora_rank"),
+        (
+            dict(method="lora", lora_targets=("q_proj", "nope")),
+            "unknown target module 'nope'",
+        ),
+        (dict(batch=0), "batch must be an integer ≥ 1"),
+        (
+            dict(precision="fp8"),
+            "precision must be one of fp32, fp16-amp, bf16-amp, bf16",
+        ),
+    ],
+)
 def test_bad_input_names_argument(kwargs, needle):
     kwargs = {"model": "tiny", **kwargs}
     with pytest.raises(ValueError, match=None) as e:
@@ -107,10 +149,22 @@ def test_malformed_config_file(tmp_path):
     with pytest.raises(ValueError, match="hidden_size must be a positive integer"):
         estimate(str(nofield))
     good = tmp_path / "cfg.json"
-    good.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
-                                "intermediate_size": 172, "num_hidden_layers": 2,
-                                "num_attention_heads": 4}))
-    assert estimate(str(good), batch=2, seq=16).total_bytes == estimate("tiny", batch=2, seq=16).total_bytes
+    good.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 256,
+                "hidden_size": 64,
+                "intermediate_size": 172,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+            }
+        )
+    )
+    assert (
+        estimate(str(good), batch=2, seq=16).total_bytes
+        == estimate("tiny", batch=2, seq=16).total_bytes
+    )
 
 
 @pytest.mark.parametrize("precision", ["bf16-amp", "fp32"])
@@ -125,39 +179,64 @@ def test_zero_model_states_match_zero_paper_formulas(precision, stage):
     """
     from trainmem import zero
     from trainmem.estimate import model_shape
+
     s = model_shape("llama-7b")
-    per_layer = count_params("llama-7b") - s.vocab * s.hidden * 2 - s.hidden   # untied, final norm
+    per_layer = (
+        count_params("llama-7b") - s.vocab * s.hidden * 2 - s.hidden
+    )  # untied, final norm
     per_layer //= s.layers
     wb = 4 if precision == "fp32" else 2
     kw = dict(weight_bytes=4, grad_bytes=4, k=8) if precision == "fp32" else {}
     for gpus in (1, 8, 64):
-        e = estimate("llama-7b", precision=precision, zero=stage, gpus=gpus, batch=1, seq=8)
+        e = estimate(
+            "llama-7b", precision=precision, zero=stage, gpus=gpus, batch=1, seq=8
+        )
         want = zero.per_gpu_memory(e.n_params, stage, gpus, **kw).model_states
         gathered = wb * per_layer if stage == 3 else 0
-        assert 0 <= e.model_state_bytes - want - gathered < 2048, (gpus, e.model_state_bytes - want)
+        assert 0 <= e.model_state_bytes - want - gathered < 2048, (
+            gpus,
+            e.model_state_bytes - want,
+        )
 
 
 def test_zero_example_bf16_amp_stage2_8_gpus():
     # the case that used to disagree: fp32 params were sharded as "master weights", leaving no
     # replicated 16-bit weights (12.55 GiB); the ZeRO paper's 2Ψ + 14Ψ/8 is 23.53 GiB.
     from trainmem import zero
+
     e = estimate("llama-7b", precision="bf16-amp", zero=2, gpus=8)
     n = e.n_params
-    assert e.breakdown["weights"] >= 2 * n and e.breakdown["master_weights"] <= 4 * n // 8 + 2048
+    assert (
+        e.breakdown["weights"] >= 2 * n
+        and e.breakdown["master_weights"] <= 4 * n // 8 + 2048
+    )
     assert abs(e.model_state_bytes - zero.per_gpu_memory(n, 2, 8).model_states) < 2048
 
 
 def test_zero_shards_the_optimizer_scratch():
-    temps = [estimate("llama-7b", precision=p, zero=1, gpus=g, batch=1, seq=8).breakdown["temporaries"]
-             for p in ("bf16-amp",) for g in (1, 8, 64)]
+    temps = [
+        estimate("llama-7b", precision=p, zero=1, gpus=g, batch=1, seq=8).breakdown[
+            "temporaries"
+        ]
+        for p in ("bf16-amp",)
+        for g in (1, 8, 64)
+    ]
     n = count_params("llama-7b")
     assert temps[0] > temps[1] > temps[2]
-    assert abs(temps[1] - 4 * n / 8) < 4096 and abs(temps[2] - 4 * n / 64) < 4096   # fp32 sqrt(v)
+    assert (
+        abs(temps[1] - 4 * n / 8) < 4096 and abs(temps[2] - 4 * n / 64) < 4096
+    )  # fp32 sqrt(v)
 
 
 def test_zero0_layout_unchanged_by_gpus():
-    a = estimate("llama-7b", precision="bf16-amp", zero=0, gpus=1, batch=1, seq=64).to_json()
-    b = json.loads(estimate("llama-7b", precision="bf16-amp", zero=0, gpus=8, batch=1, seq=64).to_json())
+    a = estimate(
+        "llama-7b", precision="bf16-amp", zero=0, gpus=1, batch=1, seq=64
+    ).to_json()
+    b = json.loads(
+        estimate(
+            "llama-7b", precision="bf16-amp", zero=0, gpus=8, batch=1, seq=64
+        ).to_json()
+    )
     a = json.loads(a)
     a["options"].pop("gpus"), b["options"].pop("gpus")
     assert a == b
@@ -170,10 +249,11 @@ def test_zero0_layout_unchanged_by_gpus():
 def test_gqa_presets_count_params_match_transformers(name):
     from trainmem.estimate import model_shape
     from trainmem.models import build_model, get_config
+
     model = build_model(get_config(name), device="meta")
     assert count_params(name) == sum(p.numel() for p in model.parameters())
     s = model_shape(name)
-    assert s.kv_heads < s.heads          # grouped-query attention
+    assert s.kv_heads < s.heads  # grouped-query attention
     assert model.model.layers[0].self_attn.k_proj.out_features == s.kv_dim
 
 
@@ -181,6 +261,7 @@ def test_gqa_presets_count_params_match_transformers(name):
 @pytest.mark.parametrize("precision", ["bf16-amp", "bf16"])
 def test_optimizer_impl_agrees_with_cpu_measurement(impl, precision):
     from trainmem.measure import measure
+
     kw = dict(method="full", precision=precision, batch=1, seq=8, optimizer_impl=impl)
     est, meas = estimate("tiny", **kw), measure("tiny", device="cpu", **kw)
     assert abs(est.total_bytes - meas.total_bytes) <= 16
@@ -194,8 +275,10 @@ def test_optimizer_impl_scratch_by_hand_llama7b():
     for-loop = the largest ``denom_prev + sqrt + quotient`` over torch's parameter order, which
     for llama-7b is the final norm's denom plus two copies of lm_head (fp32 states)."""
     kw = dict(method="full", precision="bf16-amp", batch=1, seq=8)
-    peak = {impl: estimate("llama-7b", optimizer_impl=impl, **kw).phase_peaks["optimizer"]
-            for impl in ("fused", "foreach", "for-loop")}
+    peak = {
+        impl: estimate("llama-7b", optimizer_impl=impl, **kw).phase_peaks["optimizer"]
+        for impl in ("fused", "foreach", "for-loop")
+    }
     n = count_params("llama-7b")
     assert peak["foreach"] - peak["fused"] == 4 * n + 4
     assert peak["for-loop"] - peak["fused"] == 4 * 4096 + 2 * (4 * 32000 * 4096)
@@ -209,6 +292,7 @@ def test_trainer_default_is_fused_and_plain_adamw_on_cuda_is_foreach():
     from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
     from trainmem.estimate import HF_OPTIMS
+
     args = TrainingArguments("unused", use_cpu=True, report_to=[])
     assert HF_OPTIMS[str(args.optim.value)] == ("adamw", "fused")
     # torch.optim.AdamW(params) (foreach=None, fused=None) asks _default_to_fused_or_foreach with
@@ -224,9 +308,24 @@ def test_bf16_eager_checkpointing_row_matches_measurement():
     b·heads·s·s tensor in softmax's backward)."""
     from trainmem.measure import measure
     from trainmem.models import get_config
-    cfg = get_config("tiny", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                     num_attention_heads=8, num_key_value_heads=8, vocab_size=1000)
-    kw = dict(method="full", precision="bf16", attn="eager", checkpointing=True, batch=4, seq=256)
+
+    cfg = get_config(
+        "tiny",
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=1000,
+    )
+    kw = dict(
+        method="full",
+        precision="bf16",
+        attn="eager",
+        checkpointing=True,
+        batch=4,
+        seq=256,
+    )
     est, meas = estimate(cfg, **kw), measure(cfg, **kw)
     assert abs(est.total_bytes - meas.total_bytes) <= 16
 
@@ -236,9 +335,19 @@ def test_gqa_eager_lora_agrees_with_measurement(kv, batch):
     """repeat_kv is a view for one key/value head (and matmul copies it only when batch > 1)."""
     from trainmem.measure import measure
     from trainmem.models import get_config
-    cfg = get_config("tiny", hidden_size=96, num_attention_heads=6, num_key_value_heads=kv)
-    kw = dict(method="lora", lora_rank=2, lora_targets=("k_proj", "v_proj", "down_proj"),
-              precision="fp32", attn="eager", batch=batch, seq=24)
+
+    cfg = get_config(
+        "tiny", hidden_size=96, num_attention_heads=6, num_key_value_heads=kv
+    )
+    kw = dict(
+        method="lora",
+        lora_rank=2,
+        lora_targets=("k_proj", "v_proj", "down_proj"),
+        precision="fp32",
+        attn="eager",
+        batch=batch,
+        seq=24,
+    )
     est, meas = estimate(cfg, **kw), measure(cfg, **kw)
     assert abs(est.total_bytes - meas.total_bytes) <= 16
     assert abs(est.activation_bytes - meas.activation_bytes) <= 16
@@ -251,23 +360,44 @@ def test_qlora_base_weights_by_hand_llama7b():
     linear = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
     rest = 2 * 32000 * 4096 + (2 * 32 + 1) * 4096
     assert linear + rest == count_params("llama-7b")
-    want = linear * 2113 // 4096 + 2 * rest          # 0.5 + 1/64 + 4/(64*256) = 2113/4096 B
-    assert want == 3_865_591_808                     # ≈ 3.87 GB
-    e = estimate("llama-7b", method="qlora", precision="bf16-amp", optimizer="sgd", batch=1, seq=8)
+    want = linear * 2113 // 4096 + 2 * rest  # 0.5 + 1/64 + 4/(64*256) = 2113/4096 B
+    assert want == 3_865_591_808  # ≈ 3.87 GB
+    e = estimate(
+        "llama-7b",
+        method="qlora",
+        precision="bf16-amp",
+        optimizer="sgd",
+        batch=1,
+        seq=8,
+    )
     # model states at the step: base + 2 fp32 rotary buffers + LoRA fp32 params and fp32 grads
     assert e.model_state_bytes - 2 * 4 * 64 - 8 * e.n_trainable == want
-    single = estimate("llama-7b", method="qlora", precision="bf16-amp", optimizer="sgd", batch=1,
-                      seq=8, qlora_double_quant=False)
-    assert single.model_state_bytes - e.model_state_bytes == linear * (4 / 64 - 1 / 64 - 4 / 16384)
+    single = estimate(
+        "llama-7b",
+        method="qlora",
+        precision="bf16-amp",
+        optimizer="sgd",
+        batch=1,
+        seq=8,
+        qlora_double_quant=False,
+    )
+    assert single.model_state_bytes - e.model_state_bytes == linear * (
+        4 / 64 - 1 / 64 - 4 / 16384
+    )
 
 
 def test_estimate_modules_import_no_torch():
     """The estimator runs in the browser (Pyodide): standard library only at import time."""
     import subprocess
     import sys
-    code = ("import sys, trainmem.estimate, trainmem.simulate, trainmem.models, trainmem.cli;"
-            "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+
+    code = (
+        "import sys, trainmem.estimate, trainmem.simulate, trainmem.models, trainmem.cli;"
+        "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "[]"
 
 
@@ -277,56 +407,108 @@ def test_estimate_from_hf_maps_trainer_arguments():
 
     from trainmem.estimate import estimate_from_hf, hf_options
     from trainmem.models import get_config
+
     cfg = get_config("qwen2-1.5b")
-    args = TrainingArguments("unused", use_cpu=True, report_to=[], bf16=True,
-                             gradient_checkpointing=True, per_device_train_batch_size=4,
-                             gradient_accumulation_steps=2)
+    args = TrainingArguments(
+        "unused",
+        use_cpu=True,
+        report_to=[],
+        bf16=True,
+        gradient_checkpointing=True,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+    )
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
     opts = hf_options(cfg, args, lora, seq=512)
-    assert opts == dict(method="lora", precision="bf16-amp", optimizer="adamw",
-                        optimizer_impl="fused", batch=4, seq=512, grad_accum=2, checkpointing=True,
-                        lora_rank=16, lora_alpha=32,
-                        lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                      "up_proj", "down_proj"))
+    assert opts == dict(
+        method="lora",
+        precision="bf16-amp",
+        optimizer="adamw",
+        optimizer_impl="fused",
+        batch=4,
+        seq=512,
+        grad_accum=2,
+        checkpointing=True,
+        lora_rank=16,
+        lora_alpha=32,
+        lora_targets=(
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ),
+    )
     est = estimate_from_hf(cfg, args, lora, seq=512)
     assert est.total_bytes == estimate(cfg, **opts).total_bytes
     # the same from the JSON files a user has (TrainingArguments.to_dict(), adapter_config.json)
-    as_json = estimate_from_hf(cfg.to_dict(), json.loads(args.to_json_string()),
-                               json.loads(json.dumps(lora.to_dict(), default=list)), seq=512)
+    as_json = estimate_from_hf(
+        cfg.to_dict(),
+        json.loads(args.to_json_string()),
+        json.loads(json.dumps(lora.to_dict(), default=list)),
+        seq=512,
+    )
     assert as_json.total_bytes == est.total_bytes
     # QLoRA from the quantization config; full fine-tuning without a peft config
-    q = estimate_from_hf(cfg, args, lora, seq=512,
-                         quantization_config={"load_in_4bit": True,
-                                              "bnb_4bit_use_double_quant": True})
+    q = estimate_from_hf(
+        cfg,
+        args,
+        lora,
+        seq=512,
+        quantization_config={"load_in_4bit": True, "bnb_4bit_use_double_quant": True},
+    )
     assert q.options["method"] == "qlora" and q.total_bytes < est.total_bytes
     assert estimate_from_hf(cfg, args, None, seq=512).options["method"] == "full"
 
 
-@pytest.mark.parametrize("args,needle", [
-    ({"optim": "adafactor"}, "optim must be one of adamw_torch_fused"),
-    ({"bf16": True, "fp16": True}, "bf16 and fp16 cannot both be set"),
-    ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
-     "use_reentrant=True is not modelled"),
-    ({}, "seq must be given"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        ({"optim": "adafactor"}, "optim must be one of adamw_torch_fused"),
+        ({"bf16": True, "fp16": True}, "bf16 and fp16 cannot both be set"),
+        (
+            {
+                "gradient_checkpointing": True,
+                "gradient_checkpointing_kwargs": {"use_reentrant": True},
+            },
+            "use_reentrant=True is not modelled",
+        ),
+        ({}, "seq must be given"),
+    ],
+)
 def test_estimate_from_hf_bad_input(args, needle):
     from trainmem.estimate import estimate_from_hf
+
     with pytest.raises(ValueError) as e:
         estimate_from_hf("tiny", args)
     assert needle in str(e.value)
 
 
-@pytest.mark.parametrize("call,option", [
-    (lambda: estimate("tiny", method="lora", lora_rank=0), "lora_rank"),
-    (lambda: estimate("nope"), "model"),
-    (lambda: estimate("tiny", optimizer_impl="fast"), "optimizer_impl"),
-    (lambda: __import__("trainmem.estimate").estimate.estimate_from_hf(
-        "tiny", {"optim": "adafactor"}, seq=8), "training_args"),
-    (lambda: __import__("trainmem.estimate").estimate.estimate_from_hf(
-        "tiny", None, {"r": 0}, seq=8), "peft_config"),
-])
+@pytest.mark.parametrize(
+    "call,option",
+    [
+        (lambda: estimate("tiny", method="lora", lora_rank=0), "lora_rank"),
+        (lambda: estimate("nope"), "model"),
+        (lambda: estimate("tiny", optimizer_impl="fast"), "optimizer_impl"),
+        (
+            lambda: __import__("trainmem.estimate").estimate.estimate_from_hf(
+                "tiny", {"optim": "adafactor"}, seq=8
+            ),
+            "training_args",
+        ),
+        (
+            lambda: __import__("trainmem.estimate").estimate.estimate_from_hf(
+                "tiny", None, {"r": 0}, seq=8
+            ),
+            "peft_config",
+        ),
+    ],
+)
 def test_errors_carry_the_option(call, option):
     from trainmem.estimate import OptionError
+
     with pytest.raises(OptionError) as e:
         call()
     assert e.value.option == option and isinstance(e.value, ValueError)

@@ -8,6 +8,7 @@ does that in ``.venv``); timings and library reprs legitimately differ between v
 
 In the ordinary run (``.venv``) only the bookkeeping tests run.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,14 @@ from tests.notebooks import ROOT, all_notebooks
 
 FLOOR_RUN = os.environ.get("COURSE_FLOOR_RUN") == "1"
 # Slowest first, so the two xdist workers finish together (measured: `make floor --durations`).
-SLOW_FIRST = ("06_lora_in_practice", "05_lora_principles", "lab06_capstone_lora_finetune",
-              "07_quantization", "08_attention_inference_troubleshooting", "03_training_memory")
+SLOW_FIRST = (
+    "06_lora_in_practice",
+    "05_lora_principles",
+    "lab06_capstone_lora_finetune",
+    "07_quantization",
+    "08_attention_inference_troubleshooting",
+    "03_training_memory",
+)
 
 
 def _heaviest_first():
@@ -34,15 +41,21 @@ def _heaviest_first():
 def _same_versions(have: dict, want: dict) -> bool:
     from packaging.version import Version
 
-    return set(have) == set(want) and all(Version(have[k]) == Version(want[k]) for k in want)
-VERSIONS_CELL = ("import json, sys\nfrom importlib import metadata\n"
-                 "print(json.dumps({'python': sys.executable, **{p: metadata.version(p) for p in %r}}))")
+    return set(have) == set(want) and all(
+        Version(have[k]) == Version(want[k]) for k in want
+    )
+
+
+VERSIONS_CELL = (
+    "import json, sys\nfrom importlib import metadata\n"
+    "print(json.dumps({'python': sys.executable, **{p: metadata.version(p) for p in %r}}))"
+)
 
 
 def test_floor_pins_are_the_declared_lower_bounds():
     pins = floor_pins()
     assert set(pins) == set(FLOOR_PACKAGES)
-    assert [p.stem for p in _heaviest_first()][:len(SLOW_FIRST)] == list(SLOW_FIRST)
+    assert [p.stem for p in _heaviest_first()][: len(SLOW_FIRST)] == list(SLOW_FIRST)
     assert constraints() == [f"{k}=={v}" for k, v in pins.items()]
     # what older Colab images ship: the floor the course promises to work on
     assert pins["transformers"].startswith("4.57.") and pins["peft"].startswith("0.17.")
@@ -53,7 +66,9 @@ def test_floor_pins_are_the_declared_lower_bounds():
 def test_floor_requirements_are_declared_ranges():
     reqs = requirements()
     assert reqs[:2] == ["-e", str(ROOT)]
-    assert all(" " not in r for r in reqs), "a requirement with a space would be split by make"
+    assert all(" " not in r for r in reqs), (
+        "a requirement with a space would be split by make"
+    )
 
 
 def test_floor_rejects_a_missing_lower_bound(tmp_path):
@@ -67,11 +82,15 @@ def test_floor_rejects_a_missing_lower_bound(tmp_path):
 @pytest.mark.skipif(not FLOOR_RUN, reason="runs in .venv-floor (make floor)")
 def test_this_interpreter_is_the_floor():
     have = {p: metadata.version(p) for p in FLOOR_PACKAGES}
-    assert _same_versions(have, floor_pins()), f"make floor must run at the declared lower bounds, not {have}"
+    assert _same_versions(have, floor_pins()), (
+        f"make floor must run at the declared lower bounds, not {have}"
+    )
 
 
 @pytest.mark.skipif(not FLOOR_RUN, reason="runs in .venv-floor (make floor)")
-@pytest.mark.parametrize("path", _heaviest_first(), ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize(
+    "path", _heaviest_first(), ids=lambda p: f"{p.parent.name}/{p.name}"
+)
 def test_notebook_runs_at_floor(path):
     from nbclient import NotebookClient
 
@@ -82,14 +101,19 @@ def test_notebook_runs_at_floor(path):
     os.environ.update(COURSE_GPU="auto", PYTHONHASHSEED="0")
     try:
         # errors stop the run (CellExecutionError) unless the cell is tagged raises-exception
-        NotebookClient(nb, timeout=600, kernel_name="python3",
-                       resources={"metadata": {"path": str(path.parent)}}).execute()
+        NotebookClient(
+            nb,
+            timeout=600,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(path.parent)}},
+        ).execute()
     finally:
         os.environ.clear()
         os.environ.update(env_before)
     seen = json.loads("".join(o.get("text", "") for o in probe.outputs))
-    assert _same_versions({p: seen[p] for p in FLOOR_PACKAGES}, floor_pins()), \
+    assert _same_versions({p: seen[p] for p in FLOOR_PACKAGES}, floor_pins()), (
         f"the kernel ({seen['python']}) runs {seen}, not the floor versions"
+    )
 
 
 def test_link_torch_reuses_the_cpu_torch(tmp_path):
@@ -102,15 +126,26 @@ def test_link_torch_reuses_the_cpu_torch(tmp_path):
     with pytest.raises(FileNotFoundError, match="no lib/python"):
         link_torch(tmp_path)
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True
+    )
     links = link_torch(venv)
     names = {p.name for p in links}
-    assert "torch" in names and any(n.startswith("torch-") and n.endswith(".dist-info") for n in names)
+    assert "torch" in names and any(
+        n.startswith("torch-") and n.endswith(".dist-info") for n in names
+    )
     assert all(p.is_symlink() and p.resolve().exists() for p in links)
-    assert link_torch(venv) == []                                   # idempotent
-    r = subprocess.run([str(venv / "bin" / "python"), "-c",
-                        "from importlib import metadata; print(metadata.version('torch'))"],
-                       capture_output=True, text=True, check=True)
+    assert link_torch(venv) == []  # idempotent
+    r = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "from importlib import metadata; print(metadata.version('torch'))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert r.stdout.strip() == metadata.version("torch")
 
 

@@ -1,4 +1,5 @@
 """trainmem.formats: bit-level encode/decode checked against torch's own casts and torch.finfo."""
+
 import math
 
 import numpy as np
@@ -37,9 +38,19 @@ def test_constants_match_torch_finfo(name):
 
 
 def test_exact_constants():
-    fp16, bf16, e4m3, e5m2, tf32 = (F.get_format(n) for n in ["fp16", "bf16", "e4m3", "e5m2", "tf32"])
-    assert fp16.max_normal == 65504 and fp16.min_subnormal == 2.0**-24 and fp16.eps == 2.0**-10
-    assert bf16.eps == 2.0**-7 and bf16.min_normal == 2.0**-126 and bf16.min_subnormal == 2.0**-133
+    fp16, bf16, e4m3, e5m2, tf32 = (
+        F.get_format(n) for n in ["fp16", "bf16", "e4m3", "e5m2", "tf32"]
+    )
+    assert (
+        fp16.max_normal == 65504
+        and fp16.min_subnormal == 2.0**-24
+        and fp16.eps == 2.0**-10
+    )
+    assert (
+        bf16.eps == 2.0**-7
+        and bf16.min_normal == 2.0**-126
+        and bf16.min_subnormal == 2.0**-133
+    )
     assert e4m3.max_normal == 448 and e4m3.min_subnormal == 2.0**-9 and e4m3.bias == 7
     assert e5m2.max_normal == 57344 and e5m2.min_subnormal == 2.0**-16
     assert tf32.bits == 19 and tf32.storage_bits == 32 and tf32.eps == 2.0**-10
@@ -60,8 +71,17 @@ def test_encode_matches_torch_cast_on_random_fp32(name):
     f = F.get_format(name)
     rng = np.random.default_rng(1)
     for c in (f.min_subnormal, f.min_normal, f.max_normal, 1.0):
-        with np.errstate(over="ignore"):  # bf16's max * 2 overflows fp32 to inf: kept on purpose
-            x = np.concatenate([x, (c * rng.uniform(0.25, 2.0, 500) * rng.choice([-1, 1], 500)).astype(np.float32)])
+        with np.errstate(
+            over="ignore"
+        ):  # bf16's max * 2 overflows fp32 to inf: kept on purpose
+            x = np.concatenate(
+                [
+                    x,
+                    (c * rng.uniform(0.25, 2.0, 500) * rng.choice([-1, 1], 500)).astype(
+                        np.float32
+                    ),
+                ]
+            )
     ours = [F.encode(float(v), name) for v in x]
     assert ours == torch_bits(x, name)
 
@@ -69,13 +89,20 @@ def test_encode_matches_torch_cast_on_random_fp32(name):
 def test_encode_matches_torch_cast_e4m3_in_range():
     # torch's CPU cast saturates out-of-range E4M3 (a version/backend choice); compare in range.
     rng = np.random.default_rng(2)
-    x = np.concatenate([rng.uniform(-464, 464, 3000), rng.uniform(-1, 1, 2000) * 2.0**-6,
-                        rng.uniform(-1, 1, 1000) * 2.0**-9]).astype(np.float32)
+    x = np.concatenate(
+        [
+            rng.uniform(-464, 464, 3000),
+            rng.uniform(-1, 1, 2000) * 2.0**-6,
+            rng.uniform(-1, 1, 1000) * 2.0**-9,
+        ]
+    ).astype(np.float32)
     assert [F.encode(float(v), "e4m3") for v in x] == torch_bits(x, "fp8_e4m3")
 
 
 def test_fp32_encode_matches_numpy():
-    x = np.random.default_rng(3).standard_normal(2000) * 10.0 ** np.random.default_rng(4).uniform(-45, 38, 2000)
+    x = np.random.default_rng(3).standard_normal(2000) * 10.0 ** np.random.default_rng(
+        4
+    ).uniform(-45, 38, 2000)
     ours = [F.encode(float(v), "fp32") for v in x]
     ref = x.astype(np.float32).view(np.uint32).astype(np.int64).tolist()
     assert ours == ref
@@ -84,7 +111,11 @@ def test_fp32_encode_matches_numpy():
 @pytest.mark.parametrize("name", F.format_names())
 def test_decode_encode_roundtrip_all_patterns(name):
     f = F.get_format(name)
-    patterns = range(1 << f.bits) if f.bits <= 16 else np.random.default_rng(5).integers(0, 1 << f.bits, 3000).tolist()
+    patterns = (
+        range(1 << f.bits)
+        if f.bits <= 16
+        else np.random.default_rng(5).integers(0, 1 << f.bits, 3000).tolist()
+    )
     for b in patterns:
         v = F.decode(b, f)
         if math.isnan(v):
@@ -107,20 +138,20 @@ def test_known_bit_patterns():
 def test_overflow_rules():
     assert F.round_to(65504, "fp16") == 65504
     assert F.round_to(65519.99, "fp16") == 65504
-    assert F.round_to(65520, "fp16") == math.inf          # max + ulp/2 ties to even → inf
+    assert F.round_to(65520, "fp16") == math.inf  # max + ulp/2 ties to even → inf
     assert F.round_to(70000, "fp16") == math.inf
     assert F.round_to(-70000, "fp16") == -math.inf
     assert F.round_to(70000, "fp16", saturate=True) == 65504
-    assert math.isnan(F.round_to(500, "e4m3"))               # E4M3 has no inf
+    assert math.isnan(F.round_to(500, "e4m3"))  # E4M3 has no inf
     assert F.round_to(500, "e4m3", saturate=True) == 448
-    assert F.round_to(464, "e4m3") == 448                    # tie → even mantissa 110
+    assert F.round_to(464, "e4m3") == 448  # tie → even mantissa 110
     assert F.round_to(61440, "e5m2") == math.inf and F.round_to(61439, "e5m2") == 57344
     assert F.round_to(math.inf, "bf16") == math.inf
     assert math.isnan(F.round_to(math.nan, "fp16"))
 
 
 def test_underflow_and_subnormals():
-    assert F.round_to(2.0**-25, "fp16") == 0.0               # half the min subnormal: tie → 0
+    assert F.round_to(2.0**-25, "fp16") == 0.0  # half the min subnormal: tie → 0
     assert F.round_to(2.0**-25 * 1.01, "fp16") == 2.0**-24
     assert F.round_to(1e-30, "fp16") == 0.0 and F.round_to(1e-30, "bf16") != 0.0
     assert math.copysign(1, F.round_to(-1e-30, "fp16")) == -1  # signed zero kept
@@ -137,11 +168,18 @@ def test_spacing_and_neighbours():
     assert F.neighbours(0.5, "fp16") == (0.5, 0.5)
     assert F.neighbours(0.1, "fp16") == (0.0999755859375, 0.0999755859375 + 2.0**-14)
     assert F.neighbours(70000, "fp16") == (65504, math.inf)
-    assert F.next_up(0.0, "bf16") == 2.0**-133 and F.next_down(0.0, "bf16") == -(2.0**-133)
-    assert F.next_up(65504, "fp16") == math.inf and F.next_down(-65504, "fp16") == -math.inf
+    assert F.next_up(0.0, "bf16") == 2.0**-133 and F.next_down(0.0, "bf16") == -(
+        2.0**-133
+    )
+    assert (
+        F.next_up(65504, "fp16") == math.inf
+        and F.next_down(-65504, "fp16") == -math.inf
+    )
     assert F.next_up(-F.get_format("fp16").min_subnormal, "fp16") == 0.0
     # an update smaller than half the spacing is lost: 0.5 + 1e-5 rounds back to 0.5 in fp16
-    assert F.round_to(0.5 + 1e-5, "fp16") == 0.5 and F.round_to(0.5 + 1e-5, "fp32") != 0.5
+    assert (
+        F.round_to(0.5 + 1e-5, "fp16") == 0.5 and F.round_to(0.5 + 1e-5, "fp32") != 0.5
+    )
     assert F.round_to(1 + 1e-3, "bf16") == 1.0
 
 
@@ -182,14 +220,19 @@ def test_bad_input_names_allowed_values():
         F.decode(1 << 16, "fp16")
     with pytest.raises(ValueError, match="no torch storage dtype"):
         F.get_format("tf32").torch()
-    assert F.get_format(torch.bfloat16).name == "bf16" and F.get_format("half").name == "fp16"
+    assert (
+        F.get_format(torch.bfloat16).name == "bf16"
+        and F.get_format("half").name == "fp16"
+    )
 
 
 def test_weight_bytes():
     assert F.weight_bytes(7 * 10**9, "fp32") == 28 * F.GB
     assert F.weight_bytes(7 * 10**9, "int4") == 3.5 * F.GB
     assert F.weight_bytes(6_738_415_616, "bf16") == 13_476_831_232
-    assert 28 * F.GB / F.GiB == pytest.approx(26.077, abs=1e-3)  # the same bytes, two units
+    assert 28 * F.GB / F.GiB == pytest.approx(
+        26.077, abs=1e-3
+    )  # the same bytes, two units
     assert F.bytes_per_element("torch.float16") == 2
 
 

@@ -1,4 +1,5 @@
 """The FSDP2 demo really runs (2 gloo processes on CPU) and matches the sharding formula."""
+
 import pytest
 import torch
 
@@ -7,7 +8,8 @@ from trainmem.models import build_model, get_config
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="torch.distributed with gloo is required")
+    reason="torch.distributed with gloo is required",
+)
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +19,9 @@ def results():
 
 @pytest.fixture(scope="module")
 def n_params():
-    return sum(p.numel() for p in build_model(get_config("tiny"), device="meta").parameters())
+    return sum(
+        p.numel() for p in build_model(get_config("tiny"), device="meta").parameters()
+    )
 
 
 def test_per_rank_bytes_match_formula(results):
@@ -35,14 +39,21 @@ def test_shards_partition_the_model(results, n_params):
     # ZeRO-3 / FSDP formula: 16 bytes per parameter / N, plus AdamW's fp32 step scalars
     for r in rows:
         states = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
-        assert states == zero.per_gpu_memory(n_params, "fsdp", 2).model_states + 4 * results[0]["n_param_tensors"]
+        assert (
+            states
+            == zero.per_gpu_memory(n_params, "fsdp", 2).model_states
+            + 4 * results[0]["n_param_tensors"]
+        )
 
 
 def test_optimizer_order_and_activations(results):
     for r in results:
         assert r["backend"] == "gloo"
         assert r["right_order_changed"] == r["n_param_tensors"]
-        assert r["wrong_order_changed"] == 0 and not r["wrong_order_optimizer_sees_module_params"]
+        assert (
+            r["wrong_order_changed"] == 0
+            and not r["wrong_order_optimizer_sees_module_params"]
+        )
         assert r["saved_bytes_fsdp"] == r["saved_bytes_plain"] > 0
     assert results[0]["loss"] == results[1]["loss"] and 0 < results[0]["loss"] < 10
 

@@ -1,4 +1,5 @@
 """COURSE_GPU flag and device choice; CUDA presence is faked."""
+
 import subprocess
 import sys
 
@@ -17,10 +18,20 @@ def with_cuda(monkeypatch):
     monkeypatch.setattr(gpu, "cuda_available", lambda: True)
 
 
-@pytest.mark.parametrize("raw,mode", [
-    (None, "auto"), ("", "auto"), ("auto", "auto"), ("AUTO", "auto"), ("cpu", "cpu"),
-    ("on", "on"), ("1", "on"), ("off", "off"), ("0", "off"),
-])
+@pytest.mark.parametrize(
+    "raw,mode",
+    [
+        (None, "auto"),
+        ("", "auto"),
+        ("auto", "auto"),
+        ("AUTO", "auto"),
+        ("cpu", "cpu"),
+        ("on", "on"),
+        ("1", "on"),
+        ("off", "off"),
+        ("0", "off"),
+    ],
+)
 def test_gpu_mode_values(monkeypatch, raw, mode):
     if raw is None:
         monkeypatch.delenv("COURSE_GPU", raising=False)
@@ -31,7 +42,9 @@ def test_gpu_mode_values(monkeypatch, raw, mode):
 
 def test_unknown_value_names_allowed_values(monkeypatch):
     monkeypatch.setenv("COURSE_GPU", "gpu")
-    with pytest.raises(gpu.GPUFlagError, match=r"COURSE_GPU must be one of auto\|cpu\|on\|off.*'gpu'"):
+    with pytest.raises(
+        gpu.GPUFlagError, match=r"COURSE_GPU must be one of auto\|cpu\|on\|off.*'gpu'"
+    ):
         gpu.gpu_mode()
 
 
@@ -63,7 +76,9 @@ def test_off_skips_even_with_cuda(with_cuda, monkeypatch, capsys):
 
 def test_on_without_cuda_fails_clearly(no_cuda, monkeypatch):
     monkeypatch.setenv("COURSE_GPU", "on")
-    with pytest.raises(gpu.GPUUnavailableError, match="COURSE_GPU=on but no CUDA device"):
+    with pytest.raises(
+        gpu.GPUUnavailableError, match="COURSE_GPU=on but no CUDA device"
+    ):
         gpu.gpu_cell(lambda d, s: 1)
 
 
@@ -74,16 +89,27 @@ def test_on_with_cuda_runs(with_cuda, monkeypatch):
 
 def test_on_without_cuda_in_a_real_process_is_one_clear_error():
     """No traceback from deep inside torch: the error is ours and names the fix."""
-    code = "from coursekit import gpu_cell\n@gpu_cell\ndef f(device, small):\n    pass\n"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={"COURSE_GPU": "on", "PATH": "/usr/bin:/bin"})
+    code = (
+        "from coursekit import gpu_cell\n@gpu_cell\ndef f(device, small):\n    pass\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={"COURSE_GPU": "on", "PATH": "/usr/bin:/bin"},
+    )
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("coursekit.gpu.GPUUnavailableError: COURSE_GPU=on but no CUDA device")
+    assert last.startswith(
+        "coursekit.gpu.GPUUnavailableError: COURSE_GPU=on but no CUDA device"
+    )
     assert "torch/cuda" not in r.stderr
 
 
-@pytest.mark.parametrize("cap,expected", [((7, 5), False), ((8, 0), True), ((8, 6), True), ((9, 0), True), ((6, 1), False)])
+@pytest.mark.parametrize(
+    "cap,expected",
+    [((7, 5), False), ((8, 0), True), ((8, 6), True), ((9, 0), True), ((6, 1), False)],
+)
 def test_bf16_needs_sm80(cap, expected):
     # A T4 is sm_75: torch.cuda.is_bf16_supported() may say True (emulation); we say False.
     assert gpu.bf16_supported("cuda", capability=cap) is expected

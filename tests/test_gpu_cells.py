@@ -4,6 +4,7 @@ The stored outputs (checked by nbval) come from COURSE_GPU=auto on a machine wit
 GPU cell prints one skip line. Here every notebook's ``setup`` cell plus its ``gpu`` cells run in a
 fresh kernel with COURSE_GPU=cpu, so the real GPU code is executed at its smallest size.
 """
+
 import re
 
 import nbformat
@@ -35,9 +36,13 @@ def test_gpu_cells_are_labelled_and_tagged(path):
             continue
         uses = "@gpu_cell" in c.source
         tagged = "gpu" in tags(c)
-        assert uses == tagged, f"{path.name} cell {i}: '@gpu_cell' and the 'gpu' tag must go together"
+        assert uses == tagged, (
+            f"{path.name} cell {i}: '@gpu_cell' and the 'gpu' tag must go together"
+        )
         if tagged:
-            assert LABEL in c.source.splitlines()[0], f"{path.name} cell {i}: first line must carry {LABEL}"
+            assert LABEL in c.source.splitlines()[0], (
+                f"{path.name} cell {i}: first line must carry {LABEL}"
+            )
 
 
 @pytest.mark.parametrize("path", _gpu_notebooks(), ids=lambda p: p.name)
@@ -45,22 +50,43 @@ def test_gpu_cells_run_on_cpu(path, tmp_path):
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
-    keep = [c for c in nb.cells if c.cell_type == "code" and ({"setup", "gpu"} & set(tags(c)))]
+    keep = [
+        c
+        for c in nb.cells
+        if c.cell_type == "code" and ({"setup", "gpu"} & set(tags(c)))
+    ]
     assert any("setup" in tags(c) for c in keep), f"{path.name}: no cell tagged 'setup'"
     sub = nbformat.v4.new_notebook(cells=keep, metadata=nb.metadata)
-    NotebookClient(sub, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(path.parent)}}).execute(
-        env=kernel_env({"COURSE_GPU": "cpu"}))   # the kernel's environment, not ours
+    NotebookClient(
+        sub,
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute(
+        env=kernel_env({"COURSE_GPU": "cpu"})
+    )  # the kernel's environment, not ours
     for c in sub.cells:
         if "gpu" not in tags(c):
             continue
-        text = "".join(o.get("text", "") for o in c.outputs if o.get("output_type") == "stream")
-        assert SKIP_LINE not in text and OFF_LINE not in text, f"{path.name}: a GPU cell was skipped under COURSE_GPU=cpu"
-        if "def fp16_scaler_loop(" in c.source:   # the loss-scale demo really backs off and grows
+        text = "".join(
+            o.get("text", "") for o in c.outputs if o.get("output_type") == "stream"
+        )
+        assert SKIP_LINE not in text and OFF_LINE not in text, (
+            f"{path.name}: a GPU cell was skipped under COURSE_GPU=cpu"
+        )
+        if (
+            "def fp16_scaler_loop(" in c.source
+        ):  # the loss-scale demo really backs off and grows
             m = re.search(r"(\d+) back-offs .*?(\d+) growths", text)
             assert m and int(m.group(1)) > 0 and int(m.group(2)) > 0, text
-        if "def qlora_finetune(" in c.source:     # the CPU part of QLoRA ran: config, estimate, steps
-            assert "nf4" in text and "trainmem estimate" in text and text.count("ms/step") == 2, text
+        if (
+            "def qlora_finetune(" in c.source
+        ):  # the CPU part of QLoRA ran: config, estimate, steps
+            assert (
+                "nf4" in text
+                and "trainmem estimate" in text
+                and text.count("ms/step") == 2
+            ), text
 
 
 # ------------------------------------------------------------------------------------------
@@ -77,14 +103,22 @@ CELL_DECISIONS = {  # GPU cell (function name or marker) -> the decision calls i
     "def fp16_scaler_loop(": ["loss_scale_demo(", "scale_events("],
     "def check_estimate_on_device(": ["estimate_check_plan(", "free_memory("],
     "def flash_backends(": ["sdpa_dtype(", "sdpa_backend_ran("],
-    "def qlora_finetune(": ["qlora_plan(", "prepare_model_for_kbit_training(", "PagedAdamW8bit("],
+    "def qlora_finetune(": [
+        "qlora_plan(",
+        "prepare_model_for_kbit_training(",
+        "PagedAdamW8bit(",
+    ],
     "GPUS = usable_capacities()": ["usable_capacities("],
 }
 
 
 def test_gpu_cells_use_the_tested_decisions():
-    sources = [c.source for p in all_notebooks() for c in nbformat.read(p, as_version=4).cells
-               if c.cell_type == "code"]
+    sources = [
+        c.source
+        for p in all_notebooks()
+        for c in nbformat.read(p, as_version=4).cells
+        if c.cell_type == "code"
+    ]
     for marker, calls in CELL_DECISIONS.items():
         cells = [s for s in sources if marker in s]
         assert len(cells) == 1, f"expected one cell with {marker!r}, found {len(cells)}"
@@ -96,10 +130,21 @@ def test_gpu_cells_use_the_tested_decisions():
 def test_amp_plan_by_capability(cap):
     plan = gpu.amp_plan("cuda", cap)
     if cap < (8, 0):
-        assert (plan.dtype, plan.use_scaler, plan.precision) == (torch.float16, True, "fp16-amp")
+        assert (plan.dtype, plan.use_scaler, plan.precision) == (
+            torch.float16,
+            True,
+            "fp16-amp",
+        )
     else:
-        assert (plan.dtype, plan.use_scaler, plan.precision) == (torch.bfloat16, False, "bf16-amp")
-    assert gpu.amp_plan("cpu").dtype is torch.bfloat16 and not gpu.amp_plan("cpu").use_scaler
+        assert (plan.dtype, plan.use_scaler, plan.precision) == (
+            torch.bfloat16,
+            False,
+            "bf16-amp",
+        )
+    assert (
+        gpu.amp_plan("cpu").dtype is torch.bfloat16
+        and not gpu.amp_plan("cpu").use_scaler
+    )
 
 
 def test_amp_plan_reads_the_real_device_when_not_given(monkeypatch):
@@ -137,12 +182,16 @@ def _simulated_scaler(plan: dict, steps: int, tokens: int) -> list[float]:
 @pytest.mark.parametrize("steps,tokens", [(60, 16 * 128), (8, 4 * 16), (200, 8 * 2048)])
 def test_loss_scale_demo_backs_off_and_grows_within_its_steps(steps, tokens):
     plan = gpu.loss_scale_demo(steps, tokens)
-    assert plan["init_scale"] / tokens > 2 * gpu.FP16_MAX          # the first steps overflow
-    assert plan["growth_interval"] * 3 <= steps                       # several growth attempts
-    events = gpu.scale_events([plan["init_scale"], *_simulated_scaler(plan, steps, tokens)])
+    assert plan["init_scale"] / tokens > 2 * gpu.FP16_MAX  # the first steps overflow
+    assert plan["growth_interval"] * 3 <= steps  # several growth attempts
+    events = gpu.scale_events(
+        [plan["init_scale"], *_simulated_scaler(plan, steps, tokens)]
+    )
     assert events["backoff"] >= 2 and events["growth"] >= 1, events
     # the chapter's old settings: default init 2**16 and growth_interval 2000 show nothing in 60 steps
-    old = gpu.scale_events(_simulated_scaler({"init_scale": 2.0**16, "growth_interval": 2000}, 60, 2048))
+    old = gpu.scale_events(
+        _simulated_scaler({"init_scale": 2.0**16, "growth_interval": 2000}, 60, 2048)
+    )
     assert old == {"growth": 0, "backoff": 0}
 
 
@@ -152,31 +201,40 @@ def test_loss_scale_demo_rejects_tiny_runs():
 
 
 def test_fit_batch_scales_to_free_memory():
-    need = lambda b: 2 * GiB + b * GiB                                 # noqa: E731
+    need = lambda b: 2 * GiB + b * GiB  # noqa: E731
     assert gpu.fit_batch(100 * GiB, need, want=4) == 4
-    assert gpu.fit_batch(6 * GiB, need, want=4) == 3                  # 0.85 * 6 = 5.1 GiB
-    with pytest.raises(ValueError, match=r"batch 1 needs 3.00 GiB; the device has 2.00 GiB free"):
+    assert gpu.fit_batch(6 * GiB, need, want=4) == 3  # 0.85 * 6 = 5.1 GiB
+    with pytest.raises(
+        ValueError, match=r"batch 1 needs 3.00 GiB; the device has 2.00 GiB free"
+    ):
         gpu.fit_batch(2 * GiB, need, want=4)
 
 
 def test_free_memory_reads_mem_get_info(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(14.3 * GiB), int(14.56 * GiB)))
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda *a: (int(14.3 * GiB), int(14.56 * GiB))
+    )
     assert gpu.free_memory("cuda") == int(14.3 * GiB)
     assert gpu.free_memory("cpu") is None
 
 
-@pytest.mark.parametrize("cap,free_gib", [(T4, 14.3), (A100, 39.0), (A100, 78.6), (H100, 78.6), (H100, 138.0)],
-                         ids=["T4", "A100-40", "A100-80", "H100", "H200"])
+@pytest.mark.parametrize(
+    "cap,free_gib",
+    [(T4, 14.3), (A100, 39.0), (A100, 78.6), (H100, 78.6), (H100, 138.0)],
+    ids=["T4", "A100-40", "A100-80", "H100", "H200"],
+)
 def test_estimate_check_plan_on_each_gpu(cap, free_gib):
     from trainmem.models import get_config
 
     cfg = get_config("qwen2.5-0.5b")
-    plan = gpu.estimate_check_plan(cfg, "cuda", cap, free_bytes=int(free_gib * GiB), want_batch=4, seq=512)
+    plan = gpu.estimate_check_plan(
+        cfg, "cuda", cap, free_bytes=int(free_gib * GiB), want_batch=4, seq=512
+    )
     assert plan.precision == ("fp16-amp" if cap < (8, 0) else "bf16-amp")
     assert 1 <= plan.batch <= 4 and plan.need_bytes <= 0.85 * free_gib * GiB
     if free_gib > 20:
         assert plan.batch == 4
-    else:   # the T4: b4 x s512 full fine-tuning of 0.5B does not fit in ~14 GiB with margin
+    else:  # the T4: b4 x s512 full fine-tuning of 0.5B does not fit in ~14 GiB with margin
         assert plan.batch < 4
 
 
@@ -187,7 +245,9 @@ def test_sdpa_dtype_is_one_a_fused_backend_accepts(cap):
     eligible = gpu.sdpa_eligible(cap, dtype)
     assert "memory-efficient" in eligible and eligible[-1] == "math"
     assert ("flash" in eligible) is (cap >= (8, 0))
-    assert gpu.sdpa_eligible(T4, torch.bfloat16) == ["math"]          # the old cell's choice on a T4
+    assert gpu.sdpa_eligible(T4, torch.bfloat16) == [
+        "math"
+    ]  # the old cell's choice on a T4
     assert gpu.sdpa_dtype("cpu") is torch.float32
 
 
@@ -196,13 +256,27 @@ def test_sdpa_backend_that_ran_is_detected_on_cpu():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q = torch.randn(1, 2, 16, 8)
-    assert gpu.sdpa_backend_ran(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True)) \
+    assert (
+        gpu.sdpa_backend_ran(
+            lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        )
         == "flash (CPU kernel)"
+    )
     with sdpa_kernel([SDPBackend.MATH]):
-        assert gpu.sdpa_backend_ran(lambda: F.scaled_dot_product_attention(q, q, q)) == "math"
-    assert gpu.sdpa_backend_from_ops(["aten.empty", "aten._scaled_dot_product_efficient_attention"]) \
+        assert (
+            gpu.sdpa_backend_ran(lambda: F.scaled_dot_product_attention(q, q, q))
+            == "math"
+        )
+    assert (
+        gpu.sdpa_backend_from_ops(
+            ["aten.empty", "aten._scaled_dot_product_efficient_attention"]
+        )
         == "memory-efficient"
-    assert gpu.sdpa_backend_from_ops(["aten._scaled_dot_product_cudnn_attention"]) == "cuDNN"
+    )
+    assert (
+        gpu.sdpa_backend_from_ops(["aten._scaled_dot_product_cudnn_attention"])
+        == "cuDNN"
+    )
 
 
 def test_picker_capacities_are_what_devices_report(monkeypatch):
@@ -211,7 +285,9 @@ def test_picker_capacities_are_what_devices_report(monkeypatch):
     assert caps == gpu.REPORTED_GIB
     for name, gib in caps.items():
         nominal = float(re.search(r"(\d+)GB", name).group(1))
-        assert gib < nominal, f"{name}: {gib} GiB is not less than the nominal {nominal}"
+        assert gib < nominal, (
+            f"{name}: {gib} GiB is not less than the nominal {nominal}"
+        )
     assert caps["T4 16GB"] < 15
 
 
@@ -229,8 +305,16 @@ def test_picker_puts_this_gpu_first(monkeypatch):
 def test_qlora_plan_by_capability(cap):
     plan = gpu.qlora_plan("cuda", cap)
     q = plan.quant_kwargs
-    assert q["load_in_4bit"] and q["bnb_4bit_quant_type"] == "nf4" and q["bnb_4bit_use_double_quant"]
-    assert q["bnb_4bit_compute_dtype"] is plan.compute_dtype is (torch.float16 if cap < (8, 0) else torch.bfloat16)
+    assert (
+        q["load_in_4bit"]
+        and q["bnb_4bit_quant_type"] == "nf4"
+        and q["bnb_4bit_use_double_quant"]
+    )
+    assert (
+        q["bnb_4bit_compute_dtype"]
+        is plan.compute_dtype
+        is (torch.float16 if cap < (8, 0) else torch.bfloat16)
+    )
     assert plan.optimizer == "PagedAdamW8bit"
 
 
@@ -238,7 +322,11 @@ def test_describe_names_the_capability_decisions(monkeypatch):
     monkeypatch.setattr(gpu, "cuda_available", lambda: True)
     monkeypatch.setattr(gpu, "compute_capability", lambda device=0: T4)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Tesla T4")
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(14.3 * GiB), 15_835_660_288))
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda *a: (int(14.3 * GiB), 15_835_660_288)
+    )
     monkeypatch.setenv("COURSE_GPU", "auto")
-    assert gpu.describe() == ("COURSE_GPU=auto; CUDA: Tesla T4 (sm_75), bf16 native: False, TF32: False, "
-                              "memory 14.30 of 14.75 GiB free")
+    assert gpu.describe() == (
+        "COURSE_GPU=auto; CUDA: Tesla T4 (sm_75), bf16 native: False, TF32: False, "
+        "memory 14.30 of 14.75 GiB free"
+    )

@@ -6,6 +6,7 @@ would collect them) against a tiny synthetic lab ``lab99`` whose hidden tests ar
 folder, so each kernel does almost nothing and the whole module stays fast. All robustness cases are
 graded in ONE run with ``jobs=2``, so each row also proves that no case disturbed another student.
 """
+
 from __future__ import annotations
 
 import csv
@@ -25,7 +26,7 @@ from coursekit.grading import grade
 
 ROOT = Path(__file__).resolve().parents[1]
 
-HIDDEN = '''
+HIDDEN = """
 from coursekit.grading import CaseType, Question
 
 NOTEBOOK = "lab99_toy.ipynb"
@@ -48,7 +49,7 @@ QUESTIONS = [
              cases=[CaseType("one", "一个数", 1, _lists(1, 1), fix="一个数的平均数是它自己"),
                     CaseType("many", "多个数", 2, _lists(2, 9), fix="总和除以个数")]),
 ]
-'''
+"""
 
 ADD = "def add(a, b):\n    return a + b"
 MEAN = "def mean(xs):\n    return sum(xs) / len(xs)"
@@ -61,14 +62,18 @@ PARTIAL_ADD = "def add(a, b):\n    return a + b if abs(a) < 10 and abs(b) < 10 e
 def nb(*sources: str) -> str:
     """A notebook of code cells; a source starting with "#" and a space is a markdown cell."""
     n = new_notebook()
-    n.cells = [new_markdown_cell(s) if s.startswith("# ") or s.startswith("## ") else new_code_cell(s)
-               for s in sources]
+    n.cells = [
+        new_markdown_cell(s)
+        if s.startswith("# ") or s.startswith("## ")
+        else new_code_cell(s)
+        for s in sources
+    ]
     return nbformat.writes(n)
 
 
 def tamper_out(out: Path) -> str:
     """A cell that knows OUT_DIR (the worst case) and writes into it."""
-    return textwrap.dedent(f'''
+    return textwrap.dedent(f"""
         import json, pathlib
         out = pathlib.Path({str(out)!r})
         (out / "grades.csv").write_text("student,add,mean,total,status\\nmallory,2,3,5,ok\\n")
@@ -77,10 +82,10 @@ def tamper_out(out: Path) -> str:
         (out / "feedback" / "zz_fake.html").write_text("fake")
         (out / "evil.txt").write_text("evil")
         (out / ".grade_cache.json").write_text(json.dumps({{"mallory": {{"key": "x", "record": {{}}}}}}))
-    ''')
+    """)
 
 
-TAMPER_BUILTINS = textwrap.dedent(r'''
+TAMPER_BUILTINS = textwrap.dedent(r"""
     import builtins, json, re, sys
     # 1. fake every result the harness might print, using the nonce read from the next cell's source
     def _hook(info):
@@ -94,7 +99,7 @@ TAMPER_BUILTINS = textwrap.dedent(r'''
     builtins.exec = _exec
     builtins.print = lambda *a, **k: None
     AssertionError = type("AssertionError", (Exception,), {})
-''')
+""")
 
 # case -> (files written to the submissions folder, expected (add, mean, total, status))
 CASES = {
@@ -103,24 +108,67 @@ CASES = {
     "not_a_notebook": (b"\x89PNG\r\n\x1a\n\x00\x00binary", (0, 0, 0, "invalid")),
     "json_not_notebook": ('{"hello": [1, 2, 3]}', (0, 0, 0, "invalid")),
     "empty_notebook": (nb(), (0, 0, 0, "ok")),
-    "infinite_loop_cell": (nb(ADD, MEAN, "while True:\n    pass"), (2, 3, 5, "timeout")),
-    "loop_ignores_interrupt": (nb(ADD, MEAN, "while True:\n    try:\n        while True:\n            pass\n"
-                                  "    except KeyboardInterrupt:\n        pass"), (0, 0, 0, "timeout")),
+    "infinite_loop_cell": (
+        nb(ADD, MEAN, "while True:\n    pass"),
+        (2, 3, 5, "timeout"),
+    ),
+    "loop_ignores_interrupt": (
+        nb(
+            ADD,
+            MEAN,
+            "while True:\n    try:\n        while True:\n            pass\n"
+            "    except KeyboardInterrupt:\n        pass",
+        ),
+        (0, 0, 0, "timeout"),
+    ),
     "kernel_exit": (nb(ADD, MEAN, "import os\nos._exit(1)"), (0, 0, 0, "kernel_died")),
-    "huge_output": (nb(ADD, MEAN, "import sys\nfor _ in range(50):\n    sys.stdout.write('x' * 2**20)"), (2, 3, 5, "ok")),
-    "memory_bomb": (nb(ADD, MEAN, "blocks = []\nwhile True:\n    blocks.append(bytes(256 * 2**20))"), (2, 3, 5, "ok")),
+    "huge_output": (
+        nb(
+            ADD,
+            MEAN,
+            "import sys\nfor _ in range(50):\n    sys.stdout.write('x' * 2**20)",
+        ),
+        (2, 3, 5, "ok"),
+    ),
+    "memory_bomb": (
+        nb(
+            ADD, MEAN, "blocks = []\nwhile True:\n    blocks.append(bytes(256 * 2**20))"
+        ),
+        (2, 3, 5, "ok"),
+    ),
     "input_call": (nb(ADD, "name = input('your name: ')", MEAN), (2, 3, 5, "ok")),
     "deleted_cell": (nb(ADD, "## 3. 检查平均数", CHECK), (2, 0, 2, "ok")),
-    "partial_a": (nb(PARTIAL_ADD, MEAN), (None, 3, None, "ok")),       # add: small cases only
+    "partial_a": (
+        nb(PARTIAL_ADD, MEAN),
+        (None, 3, None, "ok"),
+    ),  # add: small cases only
     "Copy_of_partial_a": (nb(PARTIAL_ADD, MEAN), (None, 3, None, "ok")),
     "reordered_cells": (nb(CHECK, MEAN, ADD), (2, 3, 5, "ok")),
-    "renamed_function": (nb(ADD, MEAN.replace("def mean", "def average"), CHECK), (2, 0, 2, "ok")),
-    "right_but_slow": (nb(ADD, "import time\n" + MEAN.replace("    return", "    time.sleep(10)\n    return")),
-                       (2, 0, 2, "timeout")),
-    "infinite_loop_in_function": (nb(ADD, "def mean(xs):\n    while True:\n        pass"), (2, 0, 2, "timeout")),
+    "renamed_function": (
+        nb(ADD, MEAN.replace("def mean", "def average"), CHECK),
+        (2, 0, 2, "ok"),
+    ),
+    "right_but_slow": (
+        nb(
+            ADD,
+            "import time\n"
+            + MEAN.replace("    return", "    time.sleep(10)\n    return"),
+        ),
+        (2, 0, 2, "timeout"),
+    ),
+    "infinite_loop_in_function": (
+        nb(ADD, "def mean(xs):\n    while True:\n        pass"),
+        (2, 0, 2, "timeout"),
+    ),
     "tamper_builtins": (nb(STUB_ADD, STUB_MEAN, TAMPER_BUILTINS), (0, 0, 0, "ok")),
-    "tamper_json": (nb(STUB_ADD, STUB_MEAN, "import json\njson.dumps = lambda *a, **k: '{\"ok\": true, \"value\": 1}'"),
-                    (0, 0, 0, "kernel_died")),
+    "tamper_json": (
+        nb(
+            STUB_ADD,
+            STUB_MEAN,
+            'import json\njson.dumps = lambda *a, **k: \'{"ok": true, "value": 1}\'',
+        ),
+        (0, 0, 0, "kernel_died"),
+    ),
     "untouched_stubs": (nb(STUB_ADD, STUB_MEAN, CHECK), (0, 0, 0, "ok")),
 }
 # probe_timeout: a trivial probe must answer in time even on a loaded 2-core CI machine
@@ -138,21 +186,41 @@ def graded(tmp_path_factory):
         p = subs / f"{name}.ipynb"
         p.write_bytes(content if isinstance(content, bytes) else content.encode())
     (subs / "tamper_outdir.ipynb").write_text(nb(STUB_ADD, STUB_MEAN, tamper_out(out)))
-    pidfile = base / "orphan.pid"   # a process that leaves the kernel's process group (new session)
-    (subs / "orphan_process.ipynb").write_text(nb(ADD, MEAN, (
-        "import subprocess, pathlib\n"
-        "p = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
-        f"pathlib.Path({str(pidfile)!r}).write_text(str(p.pid))")))
-    carol = subs / "carol"          # Colab: a copy and a repeated download; the newer one counts
+    pidfile = (
+        base / "orphan.pid"
+    )  # a process that leaves the kernel's process group (new session)
+    (subs / "orphan_process.ipynb").write_text(
+        nb(
+            ADD,
+            MEAN,
+            (
+                "import subprocess, pathlib\n"
+                "p = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+                f"pathlib.Path({str(pidfile)!r}).write_text(str(p.pid))"
+            ),
+        )
+    )
+    carol = (
+        subs / "carol"
+    )  # Colab: a copy and a repeated download; the newer one counts
     carol.mkdir()
     (carol / "Copy of lab99_toy.ipynb").write_text(nb(STUB_ADD, STUB_MEAN))
     (carol / "lab99_toy (1).ipynb").write_text(nb(ADD, MEAN))
     os.utime(carol / "Copy of lab99_toy.ipynb", (1_000_000, 1_000_000))
     logs: list[str] = []
-    records = grade("lab99", subs, out, jobs=2, tests_dir=tests_dir, log=logs.append, **SETTINGS)
+    records = grade(
+        "lab99", subs, out, jobs=2, tests_dir=tests_dir, log=logs.append, **SETTINGS
+    )
     rows = {r["student"]: r for r in csv.DictReader((out / "grades.csv").open())}
-    return dict(records={r["student"]: r for r in records}, rows=rows, out=out, subs=subs,
-                tests_dir=tests_dir, logs=logs, pidfile=pidfile)
+    return dict(
+        records={r["student"]: r for r in records},
+        rows=rows,
+        out=out,
+        subs=subs,
+        tests_dir=tests_dir,
+        logs=logs,
+        pidfile=pidfile,
+    )
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -166,11 +234,19 @@ def test_robustness_case(graded, case):
 
 def test_tamper_outdir_changes_nothing(graded):
     out, rows = graded["out"], graded["rows"]
-    assert rows["tamper_outdir"]["total"] == "0" and rows["tamper_outdir"]["status"] == "ok"
+    assert (
+        rows["tamper_outdir"]["total"] == "0"
+        and rows["tamper_outdir"]["status"] == "ok"
+    )
     assert "mallory" not in rows and rows["good"]["total"] == "5"
-    assert sorted(rows) == sorted([*CASES, "tamper_outdir", "orphan_process", "carol", "MAX"])
+    assert sorted(rows) == sorted(
+        [*CASES, "tamper_outdir", "orphan_process", "carol", "MAX"]
+    )
     assert "hacked" not in (out / "feedback" / "good.html").read_text()
-    assert not (out / "evil.txt").exists() and not (out / "feedback" / "zz_fake.html").exists()
+    assert (
+        not (out / "evil.txt").exists()
+        and not (out / "feedback" / "zz_fake.html").exists()
+    )
     assert "mallory" not in json.loads((out / ".grade_cache.json").read_text())
 
 
@@ -195,7 +271,10 @@ def test_csv_and_feedback_content(graded):
     assert "NameError" in page and "average" not in page.split("<h2>隐藏测试")[0]
     assert "NameError" in hidden and "总分：2 / 5" in page
     assert "超过时间上限" in (out / "feedback" / "right_but_slow.html").read_text()
-    assert "以 import os 开头的单元时 kernel 死了" in graded["records"]["kernel_exit"]["message"]
+    assert (
+        "以 import os 开头的单元时 kernel 死了"
+        in graded["records"]["kernel_exit"]["message"]
+    )
 
 
 def test_feedback_names_cells_by_heading_and_shows_seed_and_policy(graded):
@@ -211,7 +290,10 @@ def test_feedback_first_failing_input_per_type_and_fix(graded):
     what was expected and what to fix; the passing type reports none."""
     rec = graded["records"]["partial_a"]
     types = {t["name"]: t for t in rec["details"]["add"]["types"]}
-    assert types["small"]["passed"] == types["small"]["total"] == 10 and types["small"]["first"] is None
+    assert (
+        types["small"]["passed"] == types["small"]["total"] == 10
+        and types["small"]["first"] is None
+    )
     first = types["big"]["first"]
     a, b = json.loads(first["input"])
     assert first["got"] == "0" and first["want"] == repr(a + b)
@@ -223,8 +305,16 @@ def test_identical_submissions_get_identical_scores(graded):
     """Same code under different names in one run: every score and every message is identical."""
     recs = graded["records"]
     a, b = recs["partial_a"], recs["Copy_of_partial_a"]
-    assert 0 < a["scores"]["add"] < 2 and a["scores"] == b["scores"] and a["details"] == b["details"]
-    assert recs["good"]["scores"] == recs["reordered_cells"]["scores"] == {"add": 2, "mean": 3}
+    assert (
+        0 < a["scores"]["add"] < 2
+        and a["scores"] == b["scores"]
+        and a["details"] == b["details"]
+    )
+    assert (
+        recs["good"]["scores"]
+        == recs["reordered_cells"]["scores"]
+        == {"add": 2, "mean": 3}
+    )
     assert len({r["seed"] for r in recs.values() if r["status"] != "invalid"}) == 1
 
 
@@ -232,20 +322,36 @@ def test_rerun_reproduces_every_grade(graded, tmp_path):
     """A second run, given the first run's (default) seed explicitly, reproduces its grades and
     feedback exactly; another seed draws other inputs, and a right answer keeps full marks."""
     seed = graded["records"]["good"]["seed"]
-    for i, (names, s) in enumerate(((("partial_a", "good"), seed), (("good",), seed + 1))):
+    for i, (names, s) in enumerate(
+        ((("partial_a", "good"), seed), (("good",), seed + 1))
+    ):
         subs = tmp_path / f"subs{i}"
         subs.mkdir()
         for name in names:
             shutil.copy(graded["subs"] / f"{name}.ipynb", subs / f"again_{name}.ipynb")
-        recs = grade("lab99", subs, tmp_path / f"out{i}", jobs=2, tests_dir=graded["tests_dir"], log=None,
-                     seed=s, **SETTINGS)
+        recs = grade(
+            "lab99",
+            subs,
+            tmp_path / f"out{i}",
+            jobs=2,
+            tests_dir=graded["tests_dir"],
+            log=None,
+            seed=s,
+            **SETTINGS,
+        )
         for rec in recs:
             old = graded["records"][rec["student"].removeprefix("again_")]
             assert rec["seed"] == s
             if s == seed:
-                assert (rec["scores"], rec["details"]) == (old["scores"], old["details"])
+                assert (rec["scores"], rec["details"]) == (
+                    old["scores"],
+                    old["details"],
+                )
             else:
-                assert rec["details"] != old["details"] and sum(rec["scores"].values()) == 5
+                assert (
+                    rec["details"] != old["details"]
+                    and sum(rec["scores"].values()) == 5
+                )
 
 
 def test_colab_download_names_pick_newest_and_say_which(graded):
@@ -260,18 +366,30 @@ def test_colab_base_and_pick(tmp_path):
     from coursekit.grading import colab_base, discover
 
     name = "lab03_memory_estimator.ipynb"
-    for copy in ("Copy of lab03_memory_estimator.ipynb", "lab03_memory_estimator (1).ipynb",
-                 "Copy of lab03_memory_estimator (2).ipynb", "lab03_memory_estimator的副本.ipynb", name):
+    for copy in (
+        "Copy of lab03_memory_estimator.ipynb",
+        "lab03_memory_estimator (1).ipynb",
+        "Copy of lab03_memory_estimator (2).ipynb",
+        "lab03_memory_estimator的副本.ipynb",
+        name,
+    ):
         assert colab_base(copy) == name, copy
     assert colab_base("lab04_accumulation_checkpointing.ipynb") != name
-    for student, files in {"ann": ["Copy of " + name, "lab03_memory_estimator (1).ipynb"],
-                           "bob": ["notes.ipynb", "other.ipynb"], "cid": ["mine.ipynb"], "dan": []}.items():
+    for student, files in {
+        "ann": ["Copy of " + name, "lab03_memory_estimator (1).ipynb"],
+        "bob": ["notes.ipynb", "other.ipynb"],
+        "cid": ["mine.ipynb"],
+        "dan": [],
+    }.items():
         (tmp_path / student).mkdir()
         for i, f in enumerate(files):
             (tmp_path / student / f).write_text("{}")
             os.utime(tmp_path / student / f, (1_000_000 + i, 1_000_000 + i))
     subs = {s.student: s for s in discover(tmp_path, name)}
-    assert subs["ann"].path.name == "lab03_memory_estimator (1).ipynb" and "最新" in subs["ann"].note
+    assert (
+        subs["ann"].path.name == "lab03_memory_estimator (1).ipynb"
+        and "最新" in subs["ann"].note
+    )
     assert subs["bob"].path is None and "多个 notebook" in subs["bob"].problem
     assert subs["cid"].path.name == "mine.ipynb"
     assert subs["dan"].path is None and "没有 .ipynb" in subs["dan"].problem
@@ -280,27 +398,59 @@ def test_colab_base_and_pick(tmp_path):
 def test_rerun_grades_only_changed(graded):
     subs, out = graded["subs"], graded["out"]
     logs: list[str] = []
-    grade("lab99", subs, out, jobs=2, tests_dir=graded["tests_dir"], log=logs.append, **SETTINGS)
+    grade(
+        "lab99",
+        subs,
+        out,
+        jobs=2,
+        tests_dir=graded["tests_dir"],
+        log=logs.append,
+        **SETTINGS,
+    )
     assert "0 to grade" in logs[0], logs
-    (subs / "deleted_cell.ipynb").write_text(nb(ADD, MEAN))   # the student fixed it
+    (subs / "deleted_cell.ipynb").write_text(nb(ADD, MEAN))  # the student fixed it
     shutil.copy(subs / "good.ipynb", subs / "newcomer.ipynb")
     logs.clear()
-    records = {r["student"]: r for r in grade("lab99", subs, out, jobs=2, tests_dir=graded["tests_dir"],
-                                               log=logs.append, **SETTINGS)}
+    records = {
+        r["student"]: r
+        for r in grade(
+            "lab99",
+            subs,
+            out,
+            jobs=2,
+            tests_dir=graded["tests_dir"],
+            log=logs.append,
+            **SETTINGS,
+        )
+    }
     assert "2 to grade" in logs[0], logs
-    assert records["deleted_cell"]["status"] == "ok" and sum(records["deleted_cell"]["scores"].values()) == 5
+    assert (
+        records["deleted_cell"]["status"] == "ok"
+        and sum(records["deleted_cell"]["scores"].values()) == 5
+    )
     assert sum(records["newcomer"]["scores"].values()) == 5
-    assert records["kernel_exit"]["status"] == "kernel_died"      # cached rows unchanged
+    assert records["kernel_exit"]["status"] == "kernel_died"  # cached rows unchanged
 
 
-LAB_IDS = sorted(p.stem.split("_")[0] for p in (ROOT / "solutions").glob("lab*.ipynb")
-                 if (ROOT / "tests" / "grading" / f"{p.stem.split('_')[0]}.py").exists())
+LAB_IDS = sorted(
+    p.stem.split("_")[0]
+    for p in (ROOT / "solutions").glob("lab*.ipynb")
+    if (ROOT / "tests" / "grading" / f"{p.stem.split('_')[0]}.py").exists()
+)
 
 
 # A mistake the self-checks must catch (they did not before): (lab, name, solution text, replacement)
 MISTAKES = {
-    "lab01": ("ulp_without_zero", "    if x == 0:\n        return math.ldexp(1.0, 1 - bias - m)\n", ""),
-    "lab03": ("forgets_tied", 'tied = cfg.get("tie_word_embeddings", False)', "tied = False"),
+    "lab01": (
+        "ulp_without_zero",
+        "    if x == 0:\n        return math.ldexp(1.0, 1 - bias - m)\n",
+        "",
+    ),
+    "lab03": (
+        "forgets_tied",
+        'tied = cfg.get("tie_word_embeddings", False)',
+        "tied = False",
+    ),
 }
 
 
@@ -328,9 +478,13 @@ def lab_runs(tmp_path_factory):
             if lab in MISTAKES:
                 name, old, new = MISTAKES[lab]
                 (subs / f"{name}.ipynb").write_text(_with_mistake(sol, old, new))
-            records = {r["student"]: r for r in grade(lab, subs, base / "out", jobs=2, log=None)}
+            records = {
+                r["student"]: r
+                for r in grade(lab, subs, base / "out", jobs=2, log=None)
+            }
             cache[lab] = dict(records=records, out=base / "out")
         return cache[lab]
+
     return run
 
 
@@ -341,12 +495,19 @@ def test_self_check_catches_what_the_hidden_tests_grade(lab, lab_runs):
     name = MISTAKES[lab][0]
     runs = lab_runs(lab)
     rec = runs["records"][name]
-    question, expected_text = {"lab01": ("ulp", "ulp(0.0, 'fp16') 应为"),
-                               "lab03": ("count_params", "transformers 建出的模型有")}[lab]
-    assert rec["status"] == "ok" and 0 < rec["scores"][question] < runs["records"]["solution"]["scores"][question]
+    question, expected_text = {
+        "lab01": ("ulp", "ulp(0.0, 'fp16') 应为"),
+        "lab03": ("count_params", "transformers 建出的模型有"),
+    }[lab]
+    assert (
+        rec["status"] == "ok"
+        and 0
+        < rec["scores"][question]
+        < runs["records"]["solution"]["scores"][question]
+    )
     errors = [c for c in rec["cells"] if "AssertionError" in c["error"]]
     assert errors and expected_text in errors[0]["error"], rec["cells"]
-    assert "「" in errors[0]["where"]          # named by its heading, not by a number
+    assert "「" in errors[0]["where"]  # named by its heading, not by a number
 
 
 @pytest.mark.parametrize("lab", LAB_IDS)
@@ -359,9 +520,15 @@ def test_solution_full_marks_untouched_lab_zero(lab, lab_runs):
     s, u = runs["records"]["solution"], runs["records"]["untouched_lab"]
     assert (s["status"], sum(s["scores"].values())) == ("ok", full), s["details"]
     assert (u["status"], sum(u["scores"].values())) == ("ok", 0), u["details"]
-    rows = {r["student"]: r for r in csv.DictReader((runs["out"] / "grades.csv").open())}
-    assert float(rows["solution"]["total"]) == full and float(rows["MAX"]["total"]) == full
-    assert rows["untouched_lab"]["status"] == "ok" and rows["untouched_lab"]["seed"] == str(s["seed"])
+    rows = {
+        r["student"]: r for r in csv.DictReader((runs["out"] / "grades.csv").open())
+    }
+    assert (
+        float(rows["solution"]["total"]) == full and float(rows["MAX"]["total"]) == full
+    )
+    assert rows["untouched_lab"]["status"] == "ok" and rows["untouched_lab"][
+        "seed"
+    ] == str(s["seed"])
 
 
 # ---------------------------------------------------------------- scoring policy, in-process
@@ -397,8 +564,13 @@ def _shares(lab: str, answers: dict) -> dict[str, float]:
     """Share of each named question that the Python functions in ``answers`` earn."""
     from coursekit.grading import score
 
-    return {p.question.name: score(p, {"ok": True, "value": _entries(answers[p.question.name], p.inputs)})["share"]
-            for p in _prepared(lab) if p.question.name in answers}
+    return {
+        p.question.name: score(
+            p, {"ok": True, "value": _entries(answers[p.question.name], p.inputs)}
+        )["share"]
+        for p in _prepared(lab)
+        if p.question.name in answers
+    }
 
 
 def _not_implemented(x):
@@ -414,12 +586,17 @@ def test_stub_share_within_stated_limit(lab):
     from coursekit.grading.scoring import CONSTANTS, TOP_WANTS
 
     for p in _prepared(lab):
-        if not p.question.typed:     # whole-result questions: a constant whole result
+        if not p.question.typed:  # whole-result questions: a constant whole result
             for const in (None, [], {}):
-                assert score(p, {"ok": True, "value": const})["share"] <= STUB_LIMIT, (p.question.name, const)
+                assert score(p, {"ok": True, "value": const})["share"] <= STUB_LIMIT, (
+                    p.question.name,
+                    const,
+                )
             continue
         counts = Counter(json.dumps(w, sort_keys=True) for w in p.wants)
-        shared = [k for k, n in counts.most_common(TOP_WANTS + 4) if n > 1]   # answers a constant can hit
+        shared = [
+            k for k, n in counts.most_common(TOP_WANTS + 4) if n > 1
+        ]  # answers a constant can hit
         stubs = [_not_implemented, lambda x: x] + [lambda x, c=c: c for c in CONSTANTS]
         stubs += [lambda x, k=k: json.loads(k) for k in shared]
         for stub in stubs:
@@ -434,10 +611,14 @@ def test_lab01_special_cases_weigh_what_they_teach():
 
     def decode_normal_only(bits, e=5, m=10):
         s = -1.0 if bits >> (e + m) else 1.0
-        return s * math.ldexp((1 << m) + (bits & ((1 << m) - 1)), ((bits >> m) & ((1 << e) - 1)) - (2 ** (e - 1) - 1) - m)
+        return s * math.ldexp(
+            (1 << m) + (bits & ((1 << m) - 1)),
+            ((bits >> m) & ((1 << e) - 1)) - (2 ** (e - 1) - 1) - m,
+        )
 
     def truncate(x):
         import struct
+
         return struct.unpack("<I", struct.pack("<f", x))[0] >> 16
 
     def ulp_no_zero(case, frexp_k=False):
@@ -446,11 +627,19 @@ def test_lab01_special_cases_weigh_what_they_teach():
         k = max(math.frexp(abs(x))[1] - (0 if frexp_k else 1), 2 - 2 ** (e - 1))
         return math.ldexp(1.0, k - m)
 
-    shares = _shares("lab01", {"decode_fp16": decode_normal_only, "fp32_to_bf16_bits": truncate,
-                               "ulp": ulp_no_zero})
+    shares = _shares(
+        "lab01",
+        {
+            "decode_fp16": decode_normal_only,
+            "fp32_to_bf16_bits": truncate,
+            "ulp": ulp_no_zero,
+        },
+    )
     assert shares["decode_fp16"] <= 0.25 and shares["fp32_to_bf16_bits"] <= 0.6, shares
-    assert 0.6 <= shares["ulp"] <= 0.9, shares            # loses the zero type, keeps the rest
-    assert _shares("lab01", {"ulp": lambda c: ulp_no_zero(c, frexp_k=True)})["ulp"] <= 0.2
+    assert 0.6 <= shares["ulp"] <= 0.9, shares  # loses the zero type, keeps the rest
+    assert (
+        _shares("lab01", {"ulp": lambda c: ulp_no_zero(c, frexp_k=True)})["ulp"] <= 0.2
+    )
 
 
 def test_lab02_answers_are_type_checked():
@@ -466,7 +655,9 @@ def test_lab02_answers_are_type_checked():
 
     shares = _shares("lab02", {"has_inf_or_nan": right_but_int})
     assert shares["has_inf_or_nan"] == 0
-    assert _shares("lab02", {"has_inf_or_nan": only_inf})["has_inf_or_nan"] == pytest.approx(0.5)
+    assert _shares("lab02", {"has_inf_or_nan": only_inf})[
+        "has_inf_or_nan"
+    ] == pytest.approx(0.5)
 
 
 def test_lab01_feedback_shows_both_numbers_in_hex():
@@ -474,17 +665,29 @@ def test_lab01_feedback_shows_both_numbers_in_hex():
 
     p = next(p for p in _prepared("lab01") if p.question.name == "fp32_to_bf16_bits")
     import struct
-    detail = score(p, {"ok": True, "value": _entries(
-        lambda x: struct.unpack("<I", struct.pack("<f", x))[0] >> 16, p.inputs)})
+
+    detail = score(
+        p,
+        {
+            "ok": True,
+            "value": _entries(
+                lambda x: struct.unpack("<I", struct.pack("<f", x))[0] >> 16, p.inputs
+            ),
+        },
+    )
     first = next(t["first"] for t in detail["types"] if t["name"] == "round_up")
     assert first["got"].startswith("0x") and first["want"].startswith("0x"), first
-    assert "就近舍入" in next(t["fix"] for t in detail["types"] if t["name"] == "round_up")
+    assert "就近舍入" in next(
+        t["fix"] for t in detail["types"] if t["name"] == "round_up"
+    )
 
 
 def test_seed_is_fixed_by_lab_and_hidden_tests(tmp_path):
     from coursekit.grading import load_tests
 
     a = load_tests("lab01", ROOT / "tests" / "grading")
-    assert a.default_seed == load_tests("lab01", ROOT / "tests" / "grading").default_seed
+    assert (
+        a.default_seed == load_tests("lab01", ROOT / "tests" / "grading").default_seed
+    )
     (tmp_path / "lab01.py").write_text(a.path.read_text() + "\n# changed\n")
     assert load_tests("lab01", tmp_path).default_seed != a.default_seed

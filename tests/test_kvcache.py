@@ -1,11 +1,14 @@
 """trainmem.kvcache: parameter counts equal the built models; KV cache formula; GQA."""
+
 import pytest
 
 from trainmem.kvcache import inference_memory, kv_cache_bytes, param_count
 from trainmem.models import build_model, get_config
 
 
-@pytest.mark.parametrize("name", ["tiny", "qwen2.5-0.5b", "llama-7b", "llama2-70b", "gpt2"])
+@pytest.mark.parametrize(
+    "name", ["tiny", "qwen2.5-0.5b", "llama-7b", "llama2-70b", "gpt2"]
+)
 def test_param_count_matches_meta_model(name):
     cfg = get_config(name)
     model = build_model(cfg, device="meta")
@@ -19,7 +22,9 @@ def test_kv_cache_exact_values():
     assert kv_cache_bytes(get_config("llama2-70b"), 1, 4096) == int(1.25 * 2**30)
     # same model with MHA would need 64/8 = 8× more
     mha = get_config("llama2-70b", num_key_value_heads=64)
-    assert kv_cache_bytes(mha, 1, 4096) == 8 * kv_cache_bytes(get_config("llama2-70b"), 1, 4096)
+    assert kv_cache_bytes(mha, 1, 4096) == 8 * kv_cache_bytes(
+        get_config("llama2-70b"), 1, 4096
+    )
     with pytest.raises(ValueError, match="batch"):
         kv_cache_bytes(get_config("tiny"), 0, 10)
 

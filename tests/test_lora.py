@@ -5,8 +5,17 @@ import pytest
 import torch
 from torch import nn
 
-from trainmem.lora import (LoRALinear, count_parameters, inject_lora, lora_layers, lora_param_count,
-                           lora_param_count_for_config, lora_state_dict, merge_lora, unmerge_lora)
+from trainmem.lora import (
+    LoRALinear,
+    count_parameters,
+    inject_lora,
+    lora_layers,
+    lora_param_count,
+    lora_param_count_for_config,
+    lora_state_dict,
+    merge_lora,
+    unmerge_lora,
+)
 from trainmem.models import build_model, get_config, tiny_llama_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -22,15 +31,23 @@ def _pair(targets, r=4, alpha=8, dropout=0.0, init="kaiming", cfg=None, seed=1):
     torch.manual_seed(seed)
     inject_lora(ours, targets, r=r, alpha=alpha, dropout=dropout, init=init)
     torch.manual_seed(seed)
-    lcfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=dropout,
-                           init_lora_weights=True if init == "kaiming" else "gaussian")
+    lcfg = peft.LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=targets,
+        lora_dropout=dropout,
+        init_lora_weights=True if init == "kaiming" else "gaussian",
+    )
     theirs = peft.get_peft_model(theirs, lcfg)
     return ours, theirs
 
 
 def _adapters(model):
-    return {k.replace("base_model.model.", "").replace(".default", ""): v
-            for k, v in model.state_dict().items() if "lora_A" in k or "lora_B" in k}
+    return {
+        k.replace("base_model.model.", "").replace(".default", ""): v
+        for k, v in model.state_dict().items()
+        if "lora_A" in k or "lora_B" in k
+    }
 
 
 def _randomise_B(ours, theirs, seed=2):
@@ -68,8 +85,11 @@ def test_outputs_and_gradients_match_peft():
     lo.loss.backward()
     lt.loss.backward()
     go = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
-    gt = {n.replace("base_model.model.", "").replace(".default", ""): p.grad
-          for n, p in theirs.named_parameters() if p.requires_grad}
+    gt = {
+        n.replace("base_model.model.", "").replace(".default", ""): p.grad
+        for n, p in theirs.named_parameters()
+        if p.requires_grad
+    }
     assert list(go) == list(gt)
     for n in go:
         assert go[n].abs().sum() > 0, n
@@ -101,7 +121,11 @@ def test_merge_equals_peft_merge_and_unload():
     after = ours(input_ids=IDS).logits
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
     merged = theirs.merge_and_unload()
-    wo = {n.replace(".base.", "."): p for n, p in ours.named_parameters() if "lora_" not in n}
+    wo = {
+        n.replace(".base.", "."): p
+        for n, p in ours.named_parameters()
+        if "lora_" not in n
+    }
     wt = dict(merged.named_parameters())
     assert sorted(wo) == sorted(wt)
     for n in wt:
@@ -120,7 +144,9 @@ def test_layer_formula_and_freezing():
     with torch.no_grad():
         lay.lora_B.weight.normal_()
     x = torch.randn(3, 6)
-    expected = x @ w0.T + base.bias + 2.0 * (x @ lay.lora_A.weight.T @ lay.lora_B.weight.T)
+    expected = (
+        x @ w0.T + base.bias + 2.0 * (x @ lay.lora_A.weight.T @ lay.lora_B.weight.T)
+    )
     torch.testing.assert_close(lay(x), expected)
     assert lay.delta_weight().shape == (5, 6)
     assert torch.linalg.matrix_rank(lay.delta_weight()) == 2
@@ -135,7 +161,10 @@ def test_layer_formula_and_freezing():
 
 @pytest.mark.parametrize("r", [0, -1, 7, 2.5])
 def test_bad_rank(r):
-    with pytest.raises(ValueError, match=r"r \(lora rank\) must be an integer ≥ 1 and ≤ min\(d_in, d_out\)=6"):
+    with pytest.raises(
+        ValueError,
+        match=r"r \(lora rank\) must be an integer ≥ 1 and ≤ min\(d_in, d_out\)=6",
+    ):
         LoRALinear(nn.Linear(6, 8), r=r)
 
 
@@ -147,7 +176,10 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="init must be one of"):
         LoRALinear(nn.Linear(4, 4), r=1, init="zeros")
     model = build_model(tiny_llama_config())
-    with pytest.raises(ValueError, match=r"\['query'\] match no nn.Linear.*allowed suffixes: \['down_proj'"):
+    with pytest.raises(
+        ValueError,
+        match=r"\['query'\] match no nn.Linear.*allowed suffixes: \['down_proj'",
+    ):
         inject_lora(model, ["q_proj", "query"], r=2)
     with pytest.raises(ValueError, match="at least one"):
         inject_lora(model, [], r=2)
@@ -157,7 +189,10 @@ def test_bad_arguments():
 def test_inject_freezes_everything_else_and_state_dict():
     model = build_model(tiny_llama_config())
     names = inject_lora(model, "v_proj", r=2)
-    assert names == ["model.layers.0.self_attn.v_proj", "model.layers.1.self_attn.v_proj"]
+    assert names == [
+        "model.layers.0.self_attn.v_proj",
+        "model.layers.1.self_attn.v_proj",
+    ]
     trainable, total = count_parameters(model)
     assert trainable == 2 * lora_param_count(64, 64, 2) == 512
     sd = lora_state_dict(model)
@@ -173,17 +208,30 @@ def test_param_count_formula():
         lora_param_count_for_config(tiny_llama_config(), ["qkv"], 8)
 
 
-@pytest.mark.parametrize("cfg_kw,targets,r", [
-    ({}, ["q_proj", "v_proj"], 8),
-    ({}, ATT, 4),
-    ({}, ATT + MLP, 16),
-    ({"num_key_value_heads": 2}, ATT + MLP, 8),   # grouped-query attention: k/v are narrower
-    ({"num_key_value_heads": 1, "head_dim": 32}, ["k_proj", "o_proj", "down_proj"], 3),
-])
+@pytest.mark.parametrize(
+    "cfg_kw,targets,r",
+    [
+        ({}, ["q_proj", "v_proj"], 8),
+        ({}, ATT, 4),
+        ({}, ATT + MLP, 16),
+        (
+            {"num_key_value_heads": 2},
+            ATT + MLP,
+            8,
+        ),  # grouped-query attention: k/v are narrower
+        (
+            {"num_key_value_heads": 1, "head_dim": 32},
+            ["k_proj", "o_proj", "down_proj"],
+            3,
+        ),
+    ],
+)
 def test_count_formula_vs_peft_and_ours(cfg_kw, targets, r):
     cfg = tiny_llama_config(**cfg_kw)
     expected = lora_param_count_for_config(cfg, targets, r)
-    p = peft.get_peft_model(build_model(cfg, "meta"), peft.LoraConfig(r=r, target_modules=targets))
+    p = peft.get_peft_model(
+        build_model(cfg, "meta"), peft.LoraConfig(r=r, target_modules=targets)
+    )
     assert p.get_nb_trainable_parameters()[0] == expected
     ours = build_model(cfg)
     inject_lora(ours, targets, r=r)
@@ -197,9 +245,12 @@ def test_llama7b_counts_vs_peft_meta():
     assert base_total == 6_738_415_616
     for targets, trainable in ((["q_proj", "v_proj"], 4_194_304), (ATT, 8_388_608)):
         assert lora_param_count_for_config(cfg, targets, 8) == trainable
-        p = peft.get_peft_model(build_model(cfg, "meta"),
-                                peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets,
-                                                task_type="CAUSAL_LM"))
+        p = peft.get_peft_model(
+            build_model(cfg, "meta"),
+            peft.LoraConfig(
+                r=8, lora_alpha=16, target_modules=targets, task_type="CAUSAL_LM"
+            ),
+        )
         assert p.get_nb_trainable_parameters() == (trainable, base_total + trainable)
     assert base_total + 4_194_304 == 6_742_609_920
 
@@ -209,7 +260,9 @@ def test_two_injections_different_ranks():
     inject_lora(model, ATT, r=8)
     inject_lora(model, MLP, r=32)
     cfg = tiny_llama_config()
-    expected = lora_param_count_for_config(cfg, ATT, 8) + lora_param_count_for_config(cfg, MLP, 32)
+    expected = lora_param_count_for_config(cfg, ATT, 8) + lora_param_count_for_config(
+        cfg, MLP, 32
+    )
     assert count_parameters(model)[0] == expected
     assert sorted({m.r for m in lora_layers(model)}) == [8, 32]
 
@@ -217,6 +270,7 @@ def test_two_injections_different_ranks():
 def test_rank_sweep_exact_on_known_spectrum():
     """diag(3, 2, 1) padded into a 3×5 matrix, rotated: errors are sqrt of the tail energy."""
     from trainmem.lora import rank_sweep
+
     g = torch.Generator().manual_seed(0)
     q1, _ = torch.linalg.qr(torch.randn(3, 3, generator=g, dtype=torch.float64))
     q2, _ = torch.linalg.qr(torch.randn(5, 5, generator=g, dtype=torch.float64))
@@ -234,21 +288,30 @@ def test_rank_sweep_exact_on_known_spectrum():
 
 def test_rank_sweep_matches_explicit_truncation():
     from trainmem.lora import rank_sweep
-    m = torch.randn(12, 20, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+    m = torch.randn(
+        12, 20, generator=torch.Generator().manual_seed(3), dtype=torch.float64
+    )
     u, s, vh = torch.linalg.svd(m, full_matrices=False)
     for row in rank_sweep(m, [1, 5, 11]):
         r = row["r"]
         approx = u[:, :r] @ torch.diag(s[:r]) @ vh[:r]
-        assert row["rel_error"] == pytest.approx(((m - approx).norm() / m.norm()).item(), rel=1e-9)
+        assert row["rel_error"] == pytest.approx(
+            ((m - approx).norm() / m.norm()).item(), rel=1e-9
+        )
 
 
-@pytest.mark.parametrize("m,ranks,msg", [
-    (torch.ones(4, 4), [0], "rank must be an integer in 1..min"),
-    (torch.ones(4, 4), [5], "rank must be an integer in 1..min"),
-    (torch.zeros(4, 4), [1], "all zeros"),
-    (torch.ones(4), [1], "2-D matrix"),
-])
+@pytest.mark.parametrize(
+    "m,ranks,msg",
+    [
+        (torch.ones(4, 4), [0], "rank must be an integer in 1..min"),
+        (torch.ones(4, 4), [5], "rank must be an integer in 1..min"),
+        (torch.zeros(4, 4), [1], "all zeros"),
+        (torch.ones(4), [1], "2-D matrix"),
+    ],
+)
 def test_rank_sweep_bad_input(m, ranks, msg):
     from trainmem.lora import rank_sweep
+
     with pytest.raises(ValueError, match=msg):
         rank_sweep(m, ranks)

@@ -1,13 +1,19 @@
 """trainmem.measure: tensor-level accounting is repeatable, fake tensors give the real numbers,
 and the per-layer extrapolation equals the full run."""
+
 import pytest
 
 from trainmem.estimate import CATEGORIES
 from trainmem.measure import measure
 
 
-@pytest.mark.parametrize("kw", [dict(method="full", precision="fp32", attn="eager"),
-                                dict(method="lora", precision="bf16-amp", checkpointing=True)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(method="full", precision="fp32", attn="eager"),
+        dict(method="lora", precision="bf16-amp", checkpointing=True),
+    ],
+)
 def test_fake_equals_real_on_tiny(kw):
     real = measure("tiny", device="cpu", batch=2, seq=16, **kw)
     fake = measure("tiny", device="fake", batch=2, seq=16, **kw)
@@ -21,7 +27,10 @@ def test_fake_equals_real_on_tiny(kw):
 def test_repeatable_and_lora_has_no_frozen_grads():
     a = measure("tiny", device="cpu", method="lora", batch=1, seq=16, optimizer="sgd")
     b = measure("tiny", device="cpu", method="lora", batch=1, seq=16, optimizer="sgd")
-    assert a.to_dict()["breakdown"] == b.to_dict()["breakdown"] and a.total_bytes == b.total_bytes
+    assert (
+        a.to_dict()["breakdown"] == b.to_dict()["breakdown"]
+        and a.total_bytes == b.total_bytes
+    )
     # gradients never exceed the adapters' size (frozen weights get no .grad)
     assert a.breakdown["gradients"] <= a.n_trainable * 4
     assert a.n_trainable == 2 * 8 * (64 + 64) * 2
@@ -29,6 +38,7 @@ def test_repeatable_and_lora_has_no_frozen_grads():
 
 def test_extrapolation_equals_full_run():
     from trainmem.models import get_config
+
     cfg = get_config("tiny", num_hidden_layers=5)
     full = measure(cfg, device="fake", batch=2, seq=16, extrapolate=False)
     ext = measure(cfg, device="fake", batch=2, seq=16, extrapolate=True)
@@ -45,17 +55,26 @@ def test_unmeasurable_options_are_rejected():
         measure("tiny", device="tpu")
 
 
-@pytest.mark.parametrize("kw", [
-    # LoRA + checkpointing + accumulation: MemTracker's own module hooks used to keep the frozen
-    # embedding's output (a leaf that requires grad) and its .grad alive from micro-batch 1
-    dict(method="lora", precision="bf16-amp", checkpointing=True, grad_accum=2,
-         optimizer_impl="for-loop"),
-    # fp16-amp: the measured step is one where GradScaler really steps (optimizer states exist)
-    dict(method="full", precision="fp16-amp", optimizer_impl="fused"),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        # LoRA + checkpointing + accumulation: MemTracker's own module hooks used to keep the frozen
+        # embedding's output (a leaf that requires grad) and its .grad alive from micro-batch 1
+        dict(
+            method="lora",
+            precision="bf16-amp",
+            checkpointing=True,
+            grad_accum=2,
+            optimizer_impl="for-loop",
+        ),
+        # fp16-amp: the measured step is one where GradScaler really steps (optimizer states exist)
+        dict(method="full", precision="fp16-amp", optimizer_impl="fused"),
+    ],
+)
 def test_memtracker_agrees_with_measure(kw):
     from trainmem.estimate import estimate
     from trainmem.measure import measure_memtracker
+
     meas = measure("tiny", device="cpu", batch=2, seq=16, **kw)
     mt = measure_memtracker("tiny", batch=2, seq=16, **kw)
     assert abs(mt - meas.total_bytes) <= 16

@@ -1,4 +1,5 @@
 """trainmem.mixed: FP16 spacing facts and FP32 master weights."""
+
 import pytest
 import torch
 
@@ -34,7 +35,9 @@ def test_master_weights_copy_back_and_skip_inf():
         assert mw.step()
     assert mw.master[0].dtype == torch.float32
     assert torch.allclose(mw.master[0], torch.full((1, 2), 0.5 - 100e-5), atol=1e-7)
-    assert lin.weight.dtype == torch.float16 and float(lin.weight.detach()[0, 0]) == float(torch.tensor(0.499, dtype=torch.float16))
+    assert lin.weight.dtype == torch.float16 and float(
+        lin.weight.detach()[0, 0]
+    ) == float(torch.tensor(0.499, dtype=torch.float16))
     lin.weight.grad = torch.full_like(lin.weight, float("inf"))
     before = mw.master[0].clone()
     assert not mw.step() and torch.equal(before, mw.master[0])
@@ -44,7 +47,7 @@ def test_pure_fp16_stalls_master_learns():
     fp32 = train_regression("fp32", steps=60)
     fp16 = train_regression("fp16", steps=60)
     master = train_regression("fp16_master", steps=60)
-    assert fp16[-1] == fp16[0]              # every update rounded away
+    assert fp16[-1] == fp16[0]  # every update rounded away
     assert fp32[-1] < 0.5 * fp32[0]
     assert abs(master[-1] - fp32[-1]) < 0.1 * fp32[-1]
     with pytest.raises(ValueError, match="mode must be one of"):

@@ -1,4 +1,5 @@
 """trainmem.monitor: tensor-level live/peak bytes on CPU, per-step peak records."""
+
 import pytest
 import torch
 
@@ -7,12 +8,12 @@ from trainmem.monitor import PeakMemoryMonitor, TensorMemoryTracker, storage_byt
 
 def test_tracker_counts_new_storages_and_frees():
     with TensorMemoryTracker() as tr:
-        x = torch.zeros(1024)          # 4096 B
-        y = x * 2                      # +4096 B
-        x.add_(1)                      # in place: nothing new
-        v = y.view(32, 32)             # view: nothing new
+        x = torch.zeros(1024)  # 4096 B
+        y = x * 2  # +4096 B
+        x.add_(1)  # in place: nothing new
+        v = y.view(32, 32)  # view: nothing new
         del x, y, v
-        z = torch.ones(256)            # x and y freed; +1024 B
+        z = torch.ones(256)  # x and y freed; +1024 B
     assert tr.peak_bytes == 8192
     assert tr.current_bytes == 1024
     del z

@@ -7,6 +7,7 @@
   reason, in ``tests/exact_glue.txt``) or carries a declared tolerance.
 * The comparison helpers of ``tests/nbval_plugin.py`` on their own.
 """
+
 import fnmatch
 import json
 import re
@@ -32,7 +33,9 @@ def _kernel_output(code: str) -> list:
     pub = shell.display_pub
 
     def publish(data, metadata=None, **kw):
-        captured.append(nbformat.v4.new_output("display_data", data=data, metadata=metadata or {}))
+        captured.append(
+            nbformat.v4.new_output("display_data", data=data, metadata=metadata or {})
+        )
 
     old = pub.publish
     pub.publish = publish
@@ -55,13 +58,20 @@ def _stream(text):
 
 
 def _measured_output(text, rtol=0.0, atol=0.0):
-    return nbformat.v4.new_output("display_data", data={"text/plain": text},
-                                  metadata={TOL: {"rtol": rtol, "atol": atol}})
+    return nbformat.v4.new_output(
+        "display_data",
+        data={"text/plain": text},
+        metadata={TOL: {"rtol": rtol, "atol": atol}},
+    )
 
 
 def _table_output(md, rtol=0.0, atol=0.0):
-    return nbformat.v4.new_output("execute_result", data={"text/markdown": md, "text/plain": md},
-                                  metadata={TOL: {"rtol": rtol, "atol": atol}}, execution_count=1)
+    return nbformat.v4.new_output(
+        "execute_result",
+        data={"text/markdown": md, "text/plain": md},
+        metadata={TOL: {"rtol": rtol, "atol": atol}},
+        execution_count=1,
+    )
 
 
 EXACT_CODE = "from coursekit import glue\nglue('bytes_per_param', 2 + 2 + 4 + 4 + 4)"
@@ -81,7 +91,9 @@ def _matmul(fmt, n, err):
 
 
 def _loss(stored):
-    return _glue_output("loss", f"{stored:.2f}", {"rtol": 0.05, "atol": 0.0, "value": stored})
+    return _glue_output(
+        "loss", f"{stored:.2f}", {"rtol": 0.05, "atol": 0.0, "value": stored}
+    )
 
 
 # (id, code, stored outputs, passes?) — every case is one cell of one notebook, validated by one
@@ -89,20 +101,50 @@ def _loss(stored):
 CASES = [
     ("exact-int-same", EXACT_CODE, [_glue_output("bytes_per_param", "16")], True),
     ("exact-int-plus-one", EXACT_CODE, [_glue_output("bytes_per_param", "17")], False),
-    ("exact-float-last-digit", "print(f'{2**-11:.3e}')", [_stream("4.884e-04\n")], False),
-    ("glue-2.8%-inside", GLUE_CODE, [_loss(3.700)], True),          # rtol = 5 %
+    (
+        "exact-float-last-digit",
+        "print(f'{2**-11:.3e}')",
+        [_stream("4.884e-04\n")],
+        False,
+    ),
+    ("glue-2.8%-inside", GLUE_CODE, [_loss(3.700)], True),  # rtol = 5 %
     ("glue-4.6%-inside", GLUE_CODE, [_loss(3.990)], True),
     ("glue-5.4%-outside", GLUE_CODE, [_loss(3.600)], False),
     ("glue-7.2%-outside", GLUE_CODE, [_loss(4.100)], False),
     ("glue-stored-without-tolerance", GLUE_CODE, [_glue_output("loss", "3.79")], False),
-    ("measured-inside", MEASURED_CODE, [_matmul("fp32", 512, "2.7e-07")], True),   # rtol = 10 %
+    (
+        "measured-inside",
+        MEASURED_CODE,
+        [_matmul("fp32", 512, "2.7e-07")],
+        True,
+    ),  # rtol = 10 %
     ("measured-outside", MEASURED_CODE, [_matmul("fp32", 512, "2.4e-07")], False),
     ("measured-integer", MEASURED_CODE, [_matmul("fp32", 513, "2.9e-07")], False),
     ("measured-words", MEASURED_CODE, [_matmul("fp16", 512, "2.9e-07")], False),
-    ("table-same", TABLE_CODE, [_table_output(TABLE.format("3.805", "12.3%"), atol=0.05)], True),
-    ("table-inside", TABLE_CODE, [_table_output(TABLE.format("3.840", "12.3%"), atol=0.05)], True),
-    ("table-outside", TABLE_CODE, [_table_output(TABLE.format("3.900", "12.3%"), atol=0.05)], False),
-    ("table-percent-outside", TABLE_CODE, [_table_output(TABLE.format("3.805", "12.5%"), atol=0.05)], False),
+    (
+        "table-same",
+        TABLE_CODE,
+        [_table_output(TABLE.format("3.805", "12.3%"), atol=0.05)],
+        True,
+    ),
+    (
+        "table-inside",
+        TABLE_CODE,
+        [_table_output(TABLE.format("3.840", "12.3%"), atol=0.05)],
+        True,
+    ),
+    (
+        "table-outside",
+        TABLE_CODE,
+        [_table_output(TABLE.format("3.900", "12.3%"), atol=0.05)],
+        False,
+    ),
+    (
+        "table-percent-outside",
+        TABLE_CODE,
+        [_table_output(TABLE.format("3.805", "12.5%"), atol=0.05)],
+        False,
+    ),
 ]
 
 
@@ -113,7 +155,11 @@ def nbval_results(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("nbval_cases")
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     for i, (_, code, outputs, _) in enumerate(CASES):
         cell = nbformat.v4.new_code_cell(code, execution_count=i + 1)
         cell.outputs = outputs
@@ -121,10 +167,31 @@ def nbval_results(tmp_path_factory):
     path = tmp / "cases.ipynb"
     nbformat.write(nb, path)
     junit = tmp / "junit.xml"
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                        "--nbval", str(path), "--nbval-sanitize-with", str(ROOT / "tests/nbval_sanitize.cfg"),
-                        "-p", "tests.nbval_plugin", "--rootdir", str(tmp), f"--junitxml={junit}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "--nbval",
+            str(path),
+            "--nbval-sanitize-with",
+            str(ROOT / "tests/nbval_sanitize.cfg"),
+            "-p",
+            "tests.nbval_plugin",
+            "--rootdir",
+            str(tmp),
+            f"--junitxml={junit}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert junit.exists(), r.stdout[-3000:] + r.stderr[-3000:]
     results = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
@@ -149,24 +216,35 @@ def test_nbval_case(nbval_results, case):
 
 # ------------------------------------------------------------------ the helpers themselves
 
+
 def test_text_close_rules():
     close = plugin.text_close
-    assert close("loss 3.81 after 300 steps", "loss  3.79 after 300 steps", 0.01, 0) is None
-    assert "integer" in close("loss 3.81 after 301 steps", "loss 3.81 after 300 steps", 0.5, 0)
+    assert (
+        close("loss 3.81 after 300 steps", "loss  3.79 after 300 steps", 0.01, 0)
+        is None
+    )
+    assert "integer" in close(
+        "loss 3.81 after 301 steps", "loss 3.81 after 300 steps", 0.5, 0
+    )
     assert "text" in close("loss 3.81 (fp16)", "loss 3.81 (bf16)", 0.5, 0)
     assert close("err 2.9e-07", "err 2.4e-07", 0.1, 0) is not None
     assert close("err 2.9e-07", "err 2.4e-07", 0.25, 0) is None
-    assert close("x nan", "x nan", 0, 0) is None and close("x nan", "x 1.0", 1, 1) is not None
+    assert (
+        close("x nan", "x nan", 0, 0) is None
+        and close("x nan", "x 1.0", 1, 1) is not None
+    )
     assert plugin._last_digit("0.027") == pytest.approx(1e-3)
     assert plugin._last_digit("2.9e-07") == pytest.approx(1e-8)
     assert plugin._last_digit("1,234.5") == pytest.approx(0.1)
 
 
 def test_glue_records_tolerance_and_raw_value():
-    outs = _kernel_output("from coursekit import glue\n"
-                          "glue('a', 0.123456, fmt='.2f', rtol=0.1)\n"
-                          "glue('b', 16)\n"
-                          "glue('c', 0.5)\n")
+    outs = _kernel_output(
+        "from coursekit import glue\n"
+        "glue('a', 0.123456, fmt='.2f', rtol=0.1)\n"
+        "glue('b', 16)\n"
+        "glue('c', 0.5)\n"
+    )
     meta = [o.metadata.get(TOL) for o in outs]
     assert meta[0] == {"rtol": 0.1, "atol": 0.0, "value": 0.123456}
     assert outs[0].data[GLUE_MIME] == "0.12"
@@ -191,7 +269,9 @@ FLOAT_TEXT = re.compile(r"^[-+]?(?:\d[\d,]*)?(?:\.\d+)?(?:[eE][-+]?\d+)?%?$")
 def _exact_registry() -> list[tuple[str, str]]:
     """``(notebook glob, key glob)`` pairs of tests/exact_glue.txt (``# why`` comments allowed)."""
     pairs = []
-    for line in (ROOT / "tests/exact_glue.txt").read_text(encoding="utf-8").splitlines():
+    for line in (
+        (ROOT / "tests/exact_glue.txt").read_text(encoding="utf-8").splitlines()
+    ):
         line = line.split("#", 1)[0].strip()
         if line:
             nb, _, keys = line.partition(":")
@@ -213,8 +293,11 @@ def glued_floats(nb) -> list[tuple[str, bool]]:
             if name is None or text is None:
                 continue
             tol = meta.get(TOL) or {}
-            is_float = tol.get("float") or "value" in tol or (
-                FLOAT_TEXT.match(text.strip()) and re.search(r"[.eE%]", text))
+            is_float = (
+                tol.get("float")
+                or "value" in tol
+                or (FLOAT_TEXT.match(text.strip()) and re.search(r"[.eE%]", text))
+            )
             if is_float:
                 out.append((name, "rtol" in tol or "atol" in tol))
     return out
@@ -223,21 +306,26 @@ def glued_floats(nb) -> list[tuple[str, bool]]:
 def loose_floats(nb, rel: str) -> list[str]:
     """Glued floats of notebook ``rel`` with neither a tolerance nor an exact_glue.txt entry."""
     registry = [k for n, k in _exact_registry() if fnmatch.fnmatch(rel, n)]
-    return [key for key, tolerant in glued_floats(nb)
-            if not tolerant and not any(fnmatch.fnmatch(key, k) for k in registry)]
+    return [
+        key
+        for key, tolerant in glued_floats(nb)
+        if not tolerant and not any(fnmatch.fnmatch(key, k) for k in registry)
+    ]
 
 
 def test_lint_catches_an_undeclared_float():
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("glue(...)")
-    cell.outputs = [_glue_output("new_loss", "3.81", {"float": True}),       # a float, no tolerance
-                    _glue_output("tol_loss", "3.81", {"rtol": 0.05, "atol": 0.0, "value": 3.81}),
-                    _glue_output("pct", "12.5%"),                          # a float by its text
-                    _glue_output("count", "16"),                           # an integer
-                    _glue_output("fp16_max", "65,504", {"float": True})]   # listed for book/01
+    cell.outputs = [
+        _glue_output("new_loss", "3.81", {"float": True}),  # a float, no tolerance
+        _glue_output("tol_loss", "3.81", {"rtol": 0.05, "atol": 0.0, "value": 3.81}),
+        _glue_output("pct", "12.5%"),  # a float by its text
+        _glue_output("count", "16"),  # an integer
+        _glue_output("fp16_max", "65,504", {"float": True}),
+    ]  # listed for book/01
     nb.cells = [cell]
     assert loose_floats(nb, "book/01_number_formats.ipynb") == ["new_loss", "pct"]
-    cell.metadata["tags"] = ["nbval-ignore-output"]                        # not compared: not linted
+    cell.metadata["tags"] = ["nbval-ignore-output"]  # not compared: not linted
     assert loose_floats(nb, "book/01_number_formats.ipynb") == []
 
 
@@ -248,35 +336,58 @@ def test_every_glued_float_is_exact_or_tolerant(path):
     assert not loose, (
         f"{rel}: glued floats with neither a tolerance nor an entry in tests/exact_glue.txt: "
         f"{', '.join(loose)}. A measured number declares glue(..., rtol=...); an exact one "
-        "(derived from exact inputs only) is listed there with the reason.")
+        "(derived from exact inputs only) is listed there with the reason."
+    )
 
 
 def test_exact_registry_names_existing_keys():
     """A stale entry in tests/exact_glue.txt (the key is gone or became tolerant) is reported."""
     floats = {}
     for p in all_notebooks():
-        floats[str(p.relative_to(ROOT))] = dict(glued_floats(nbformat.read(p, as_version=4)))
+        floats[str(p.relative_to(ROOT))] = dict(
+            glued_floats(nbformat.read(p, as_version=4))
+        )
     stale = []
     for nb_glob, key in _exact_registry():
-        hits = [k for rel, keys in floats.items() if fnmatch.fnmatch(rel, nb_glob)
-                for k, tolerant in keys.items() if fnmatch.fnmatch(k, key) and not tolerant]
+        hits = [
+            k
+            for rel, keys in floats.items()
+            if fnmatch.fnmatch(rel, nb_glob)
+            for k, tolerant in keys.items()
+            if fnmatch.fnmatch(k, key) and not tolerant
+        ]
         if not hits:
             stale.append(f"{nb_glob}: {key}")
-    assert not stale, ("entries in tests/exact_glue.txt that match no untoleranced glued float: "
-                       + json.dumps(stale))
+    assert not stale, (
+        "entries in tests/exact_glue.txt that match no untoleranced glued float: "
+        + json.dumps(stale)
+    )
 
 
 # ------------------------------------------------------------------ kernel environment
 
+
 def test_kernel_env_is_the_reference_plus_overrides():
     from coursekit.execute import REFERENCE_ENV, kernel_env
 
-    env = kernel_env({"ATEN_CPU_CAPABILITY": "default", "DROP_ME": None},
-                     base={"COURSE_GPU": "cpu", "DROP_ME": "x", "PATH": "/bin"})
-    assert env["COURSE_GPU"] == "auto"            # a caller's COURSE_GPU does not leak into stored outputs
-    assert env["CUDA_VISIBLE_DEVICES"] == ""      # GPUs hidden: GPU cells store their skip line
-    assert env["ATEN_CPU_CAPABILITY"] == "default" and env["PATH"] == "/bin" and "DROP_ME" not in env
-    assert all(env[k] == v for k, v in REFERENCE_ENV.items() if k != "ATEN_CPU_CAPABILITY")
+    env = kernel_env(
+        {"ATEN_CPU_CAPABILITY": "default", "DROP_ME": None},
+        base={"COURSE_GPU": "cpu", "DROP_ME": "x", "PATH": "/bin"},
+    )
+    assert (
+        env["COURSE_GPU"] == "auto"
+    )  # a caller's COURSE_GPU does not leak into stored outputs
+    assert (
+        env["CUDA_VISIBLE_DEVICES"] == ""
+    )  # GPUs hidden: GPU cells store their skip line
+    assert (
+        env["ATEN_CPU_CAPABILITY"] == "default"
+        and env["PATH"] == "/bin"
+        and "DROP_ME" not in env
+    )
+    assert all(
+        env[k] == v for k, v in REFERENCE_ENV.items() if k != "ATEN_CPU_CAPABILITY"
+    )
     assert kernel_env({"COURSE_GPU": "cpu"}, base={})["COURSE_GPU"] == "cpu"
 
 
@@ -287,9 +398,22 @@ def test_execute_gives_the_kernel_its_environment(tmp_path):
     from coursekit.execute import execute_notebook
 
     nb = nbformat.v4.new_notebook()
-    keys = ["COURSE_GPU", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY"]
-    nb.cells = [nbformat.v4.new_code_cell(f"import os; print([os.environ.get(k) for k in {keys!r}])")]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    keys = [
+        "COURSE_GPU",
+        "CUDA_VISIBLE_DEVICES",
+        "OMP_NUM_THREADS",
+        "ATEN_CPU_CAPABILITY",
+    ]
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            f"import os; print([os.environ.get(k) for k in {keys!r}])"
+        )
+    ]
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     path = tmp_path / "env.ipynb"
     nbformat.write(nb, path)
     before = dict(os.environ)

@@ -1,18 +1,36 @@
 """trainmem.quant: codes, blockwise quantisation, 8-bit AdamW, bytes per parameter."""
+
 import pytest
 import torch
 
 from trainmem import quant as Q
 
 # NF4 table as published in the QLoRA paper (Appendix E) / bitsandbytes.
-NF4_PUBLISHED = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-                 -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-                 0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-                 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
+NF4_PUBLISHED = [
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+]
 
 
 def test_codes_shapes_and_ranges():
-    assert Q.linear_code(8).numel() == 255 and Q.linear_code(8, signed=False).numel() == 256
+    assert (
+        Q.linear_code(8).numel() == 255
+        and Q.linear_code(8, signed=False).numel() == 256
+    )
     for signed in (True, False):
         c = Q.dynamic_code(signed)
         assert c.numel() == 256 and c.max() == 1.0 and bool((c[1:] >= c[:-1]).all())
@@ -23,7 +41,9 @@ def test_codes_shapes_and_ranges():
 
 
 def test_nf4_matches_published_table():
-    torch.testing.assert_close(Q.nf4_code(), torch.tensor(NF4_PUBLISHED), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        Q.nf4_code(), torch.tensor(NF4_PUBLISHED), atol=1e-6, rtol=0
+    )
 
 
 def test_blockwise_roundtrip_exact_on_code_values():
@@ -53,7 +73,9 @@ def test_blockwise_error_bound_and_padding():
 def test_bytes_per_param_formulas():
     assert Q.adam_state_bytes_per_param(32) == 8.0
     assert Q.adam_state_bytes_per_param(8, 2048) == 2 * (1 + 4 / 2048)
-    assert Q.adam_state_bytes_per_param(8) == 2 * (1 + 4 / 256) == 2.03125   # bitsandbytes >= 0.44
+    assert (
+        Q.adam_state_bytes_per_param(8) == 2 * (1 + 4 / 256) == 2.03125
+    )  # bitsandbytes >= 0.44
     assert Q.nf4_bytes_per_param(64, double_quant=False) == 0.5625
     assert Q.nf4_bytes_per_param(64, True, 256) == 0.5 + 1 / 64 + 4 / (64 * 256)
     assert Q.int8_bytes_per_param("tensor", (4, 8)) == 1 + 4 / 32

@@ -1,4 +1,5 @@
 """trainmem.reference: the shared cross-chapter numbers, each checked by an independent count."""
+
 import pytest
 import torch
 
@@ -15,14 +16,23 @@ def test_7b_parameters_and_weights_match_a_meta_model():
 
 def test_qlora_base_keeps_embeddings_head_and_norms_16bit():
     model = build_model(get_config("llama-7b"), device="meta")
-    linear = sum(m.weight.numel() for name, m in model.named_modules()
-                 if isinstance(m, torch.nn.Linear) and name.startswith("model.layers."))
+    linear = sum(
+        m.weight.numel()
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.startswith("model.layers.")
+    )
     rest = sum(p.numel() for p in model.parameters()) - linear
     assert R.qlora_base_split() == (linear, rest)
-    nf4_dq = 0.5 + 1 / 64 + 4 / (64 * 256)          # 4 bits + 8-bit absmax + fp32 per 256 absmax
+    nf4_dq = (
+        0.5 + 1 / 64 + 4 / (64 * 256)
+    )  # 4 bits + 8-bit absmax + fp32 per 256 absmax
     assert R.qlora_base_bytes() == pytest.approx(linear * nf4_dq + 2 * rest)
-    assert R.qlora_base_bytes(double_quant=False) == pytest.approx(linear * (0.5 + 4 / 64) + 2 * rest)
-    assert round(R.qlora_base_bytes() / 1e9, 2) == 3.87    # not 3.48: not every parameter is NF4
+    assert R.qlora_base_bytes(double_quant=False) == pytest.approx(
+        linear * (0.5 + 4 / 64) + 2 * rest
+    )
+    assert (
+        round(R.qlora_base_bytes() / 1e9, 2) == 3.87
+    )  # not 3.48: not every parameter is NF4
 
 
 def test_adam8_block_256_and_paper_2048():
@@ -45,7 +55,9 @@ def test_activation_bytes_conditions():
 
 def test_throughput_arithmetic():
     assert R.decode_seconds_per_token() == pytest.approx(2 * 6_738_415_616 / 3.35e12)
-    assert R.decode_seconds_per_token(bytes_per_param=1) == pytest.approx(R.decode_seconds_per_token() / 2)
+    assert R.decode_seconds_per_token(bytes_per_param=1) == pytest.approx(
+        R.decode_seconds_per_token() / 2
+    )
     assert R.pipeline_bubble(1, 4) == 0 and R.pipeline_bubble(4, 1) == 0.75
     assert R.pipeline_bubble(8, 64) == pytest.approx(7 / 71)
     with pytest.raises(ValueError, match="stages"):

@@ -4,6 +4,7 @@ Design notes, style guides and issue numbers live outside the repository; a comm
 "see DESIGN.md §4" or "(issue 7)" sends a newcomer nowhere. What a contributor needs is in
 CONTRIBUTING.md.
 """
+
 import re
 import subprocess
 from pathlib import Path
@@ -13,15 +14,31 @@ PATTERNS = {
     "a design document outside the repo": re.compile(r"DESIGN(\.md)?\s*§|DESIGN\.md"),
     "a style guide outside the repo": re.compile(r"STYLE\.md"),
     "an issue number": re.compile(r"\(issue \d+\)|issue \d+\b|Issue #\d+"),
-    "the source documents by section": re.compile(r"种子(大纲|第)?\s*\d+(\.\d+)*\s*(节)?"),
+    "the source documents by section": re.compile(
+        r"种子(大纲|第)?\s*\d+(\.\d+)*\s*(节)?"
+    ),
 }
 # Files whose own tests spell out the forbidden patterns as examples.
 SELF_TESTING = {"test_repo_hygiene.py", "test_no_source_citations.py"}
-SUFFIXES = {".py", ".md", ".ipynb", ".toml", ".yml", ".yaml", ".cfg", ".txt", ".js", ".css", ""}
+SUFFIXES = {
+    ".py",
+    ".md",
+    ".ipynb",
+    ".toml",
+    ".yml",
+    ".yaml",
+    ".cfg",
+    ".txt",
+    ".js",
+    ".css",
+    "",
+}
 
 
 def _tracked_files():
-    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     for name in out.stdout.splitlines():
         path = ROOT / name
         if path.suffix in SUFFIXES and path.is_file() and path.name not in SELF_TESTING:

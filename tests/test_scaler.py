@@ -1,10 +1,16 @@
 """trainmem.scaler follows torch.amp.GradScaler step by step (growth, backoff, skipped steps)."""
+
 import math
 
 import pytest
 import torch
 
-from trainmem.scaler import DynamicLossScaler, equilibrium_scale, simulate_overflow, trace_scale
+from trainmem.scaler import (
+    DynamicLossScaler,
+    equilibrium_scale,
+    simulate_overflow,
+    trace_scale,
+)
 
 
 def _run_both(flags, **kw):
@@ -26,8 +32,18 @@ def _run_both(flags, **kw):
     return rows
 
 
-@pytest.mark.parametrize("kw", [dict(init_scale=8.0, growth_interval=3),
-                                dict(init_scale=2.0**16, growth_factor=4.0, backoff_factor=0.25, growth_interval=2)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(init_scale=8.0, growth_interval=3),
+        dict(
+            init_scale=2.0**16,
+            growth_factor=4.0,
+            backoff_factor=0.25,
+            growth_interval=2,
+        ),
+    ],
+)
 def test_matches_gradscaler_step_by_step(kw):
     flags = [False, False, False, True, False, True, True, False, False, False]
     for used, stepped, nxt, ev in _run_both(flags, **kw):
@@ -61,15 +77,26 @@ def test_step_skips_on_nan_and_backs_off():
 
 
 def test_simulated_overflow_settles_at_equilibrium():
-    h = simulate_overflow(max_grad=10.0, steps=60, init_scale=2.0**16, growth_interval=5)
+    h = simulate_overflow(
+        max_grad=10.0, steps=60, init_scale=2.0**16, growth_interval=5
+    )
     eq = equilibrium_scale(10.0)
     assert eq == 4096.0
-    assert max(e.scale_used for e in h[20:]) == 2 * eq  # probes one step above, then backs off
+    assert (
+        max(e.scale_used for e in h[20:]) == 2 * eq
+    )  # probes one step above, then backs off
     assert min(e.scale_next for e in h[20:]) == eq
 
 
-@pytest.mark.parametrize("kw,msg", [(dict(init_scale=0), "init_scale"), (dict(growth_factor=1.0), "growth_factor"),
-                                    (dict(backoff_factor=1.0), "backoff_factor"), (dict(growth_interval=0), "growth_interval")])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(init_scale=0), "init_scale"),
+        (dict(growth_factor=1.0), "growth_factor"),
+        (dict(backoff_factor=1.0), "backoff_factor"),
+        (dict(growth_interval=0), "growth_interval"),
+    ],
+)
 def test_bad_arguments_are_named(kw, msg):
     with pytest.raises(ValueError, match=msg):
         DynamicLossScaler(**kw)

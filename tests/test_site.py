@@ -4,6 +4,7 @@ The site is served from 127.0.0.1; every other host is cut off, so nothing may d
 Full-page screenshots of every chapter and lab (desktop 1280×800, phone 390×844) are written to
 _build/screenshots/ (``python -m tests.screenshots`` writes them for every page without the tests).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,12 +16,26 @@ import nbformat
 import pytest
 
 from tests.notebooks import ROOT
-from tests.site import (CHROMIUM_ARGS, DESKTOP, HTML, PHONE, SCREENSHOTS, SiteServer, build_book,
-                        chromium_path, open_page, screenshot_name, source_of, toc_files,
-                        wait_for_math)
+from tests.site import (
+    CHROMIUM_ARGS,
+    DESKTOP,
+    HTML,
+    PHONE,
+    SCREENSHOTS,
+    SiteServer,
+    build_book,
+    chromium_path,
+    open_page,
+    screenshot_name,
+    source_of,
+    toc_files,
+    wait_for_math,
+)
 
 DOCS = toc_files()
-COLAB = re.compile(r"^https://colab\.research\.google\.com/github/([^/]+)/([^/]+)/blob/([^/]+)/(.+\.ipynb)$")
+COLAB = re.compile(
+    r"^https://colab\.research\.google\.com/github/([^/]+)/([^/]+)/blob/([^/]+)/(.+\.ipynb)$"
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +46,9 @@ def build():
 def test_book_builds_with_warnings_as_errors(build):
     log = build.stdout + build.stderr
     warnings = [ln for ln in log.splitlines() if "WARNING" in ln or "ERROR" in ln]
-    assert build.returncode == 0, "book build failed:\n" + "\n".join(warnings[:40] or log.splitlines()[-40:])
+    assert build.returncode == 0, "book build failed:\n" + "\n".join(
+        warnings[:40] or log.splitlines()[-40:]
+    )
     assert (HTML / "index.html").exists()
     for doc in DOCS:
         assert (HTML / f"{doc}.html").exists(), f"{doc}.html not built"
@@ -77,8 +94,10 @@ def test_page_loads_offline_and_renders(browser, doc):
         body = page.inner_text("article")
         if _has_math(doc):
             # wait for MathJax itself to finish typesetting (slow on a loaded CI machine)
-            page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.promise",
-                                   timeout=120000)
+            page.wait_for_function(
+                "() => window.MathJax && MathJax.startup && MathJax.startup.promise",
+                timeout=120000,
+            )
             page.evaluate("() => MathJax.startup.promise")
             page.wait_for_selector("mjx-container", state="attached", timeout=120000)
             assert page.locator("mjx-container").count() > 0, "math not typeset"
@@ -89,7 +108,9 @@ def test_page_loads_offline_and_renders(browser, doc):
                                   .filter(e => e.textContent.trim() === '' && !e.querySelector('img')).length""")
         assert empty == 0, f"{empty} glued values rendered empty"
         # images that are present actually loaded
-        broken = page.evaluate("() => [...document.images].filter(i => i.complete && i.naturalWidth === 0).map(i => i.src)")
+        broken = page.evaluate(
+            "() => [...document.images].filter(i => i.complete && i.naturalWidth === 0).map(i => i.src)"
+        )
         assert not broken, f"broken images: {broken}"
     finally:
         page.context.close()
@@ -99,7 +120,11 @@ def _demo_docs():
     out = []
     for doc in DOCS:
         src = source_of(doc)
-        if src.suffix == ".ipynb" and "ipywidgets" in src.read_text(encoding="utf-8") and doc.startswith("book/"):
+        if (
+            src.suffix == ".ipynb"
+            and "ipywidgets" in src.read_text(encoding="utf-8")
+            and doc.startswith("book/")
+        ):
             out.append(doc)
     return out
 
@@ -109,10 +134,16 @@ def test_interactive_demo_has_static_figure(browser, doc):
     page, _ = _open(browser, f"{doc}.html")
     try:
         # a figure in a cell's output, or a glued, captioned one ({glue:figure})
-        n = page.evaluate("() => [...document.querySelectorAll('.cell_output img, figure img')]"
-                          ".filter(i => i.naturalWidth > 0).length")
-        assert n >= 1, "a page with an ipywidgets demo must show a static figure of the same sweep"
-        assert "interactive(children" not in page.inner_text("article"), "live widget repr leaked into HTML"
+        n = page.evaluate(
+            "() => [...document.querySelectorAll('.cell_output img, figure img')]"
+            ".filter(i => i.naturalWidth > 0).length"
+        )
+        assert n >= 1, (
+            "a page with an ipywidgets demo must show a static figure of the same sweep"
+        )
+        assert "interactive(children" not in page.inner_text("article"), (
+            "live widget repr leaked into HTML"
+        )
     finally:
         page.context.close()
 
@@ -121,7 +152,9 @@ def test_interactive_demo_has_static_figure(browser, doc):
 def test_colab_launch_link(browser, doc):
     page, _ = _open(browser, f"{doc}.html")
     try:
-        hrefs = page.evaluate("() => [...document.querySelectorAll('a')].map(a => a.href).filter(h => h.includes('colab.research.google.com'))")
+        hrefs = page.evaluate(
+            "() => [...document.querySelectorAll('a')].map(a => a.href).filter(h => h.includes('colab.research.google.com'))"
+        )
     finally:
         page.context.close()
     assert hrefs, "no Colab launch link"
@@ -129,10 +162,17 @@ def test_colab_launch_link(browser, doc):
         m = COLAB.match(h)
         assert m, f"bad Colab URL form: {h}"
         assert m.group(4) == f"{doc}.ipynb", f"Colab link points at {m.group(4)}"
-        assert (ROOT / m.group(4)).exists(), f"Colab path {m.group(4)} not in the repository"
-    cfg = __import__("yaml").safe_load((ROOT / "_config.yml").read_text(encoding="utf-8"))
+        assert (ROOT / m.group(4)).exists(), (
+            f"Colab path {m.group(4)} not in the repository"
+        )
+    cfg = __import__("yaml").safe_load(
+        (ROOT / "_config.yml").read_text(encoding="utf-8")
+    )
     org_repo = urlparse(cfg["repository"]["url"]).path.strip("/")
-    assert f"{m.group(1)}/{m.group(2)}" == org_repo and m.group(3) == cfg["repository"]["branch"]
+    assert (
+        f"{m.group(1)}/{m.group(2)}" == org_repo
+        and m.group(3) == cfg["repository"]["branch"]
+    )
 
 
 def _search(browser, query):
@@ -142,8 +182,12 @@ def _search(browser, query):
         page.wait_for_function(
             "() => document.querySelector('ul.search li a') || "
             "(document.querySelector('#search-results p') && "
-            "!document.querySelector('#search-progress')?.textContent.trim())", timeout=30000)
-        links = page.evaluate("() => [...document.querySelectorAll('ul.search li a')].map(a => a.href)")
+            "!document.querySelector('#search-progress')?.textContent.trim())",
+            timeout=30000,
+        )
+        links = page.evaluate(
+            "() => [...document.querySelectorAll('ul.search li a')].map(a => a.href)"
+        )
     finally:
         page.context.close()
     return links, problems
@@ -170,7 +214,9 @@ def test_search_finds(browser, term):
         path = unquote(urlparse(href).path).lstrip("/")
         assert (HTML / path).exists(), f"search result {href} does not resolve"
         paths.append(path)
-    assert f"{SEARCHES[term]}.html" in paths, f"{term}: {SEARCHES[term]} not among {paths[:12]}"
+    assert f"{SEARCHES[term]}.html" in paths, (
+        f"{term}: {SEARCHES[term]} not among {paths[:12]}"
+    )
 
 
 def test_chinese_words_in_search_index(build):
@@ -197,21 +243,31 @@ def test_phone_menu_opens_chapter_list(browser, doc):
         titles = page.evaluate("""() => [...document.querySelectorAll(
             '#pst-primary-sidebar-modal[open] nav a')].filter(a => a.offsetParent).map(a => a.href)""")
         for chapter in CHAPTERS:
-            assert any(unquote(urlparse(h).path).endswith(f"{chapter}.html") or
-                       (chapter == doc and h.endswith("#")) for h in titles), (
-                f"{chapter} not in the phone chapter list")
+            assert any(
+                unquote(urlparse(h).path).endswith(f"{chapter}.html")
+                or (chapter == doc and h.endswith("#"))
+                for h in titles
+            ), f"{chapter} not in the phone chapter list"
         page.keyboard.press("Escape")
-        page.wait_for_selector("#pst-primary-sidebar-modal[open]", state="detached", timeout=5000)
+        page.wait_for_selector(
+            "#pst-primary-sidebar-modal[open]", state="detached", timeout=5000
+        )
         # the theme moves the list back into the sidebar after the drawer's close event
         page.wait_for_function(
             "n => document.querySelectorAll('#pst-primary-sidebar nav a').length >= n",
-            arg=len(CHAPTERS), timeout=10000)  # "list not restored" otherwise
+            arg=len(CHAPTERS),
+            timeout=10000,
+        )  # "list not restored" otherwise
         # the page-contents button opens this page's sections
         toc = page.locator(".bd-header-article .secondary-toggle")
         if toc.is_visible():
             toc.click()
-            page.locator("#pst-secondary-sidebar-modal[open]").wait_for(state="visible", timeout=5000)
-            links = page.locator("#pst-secondary-sidebar-modal[open] a.nav-link").count()
+            page.locator("#pst-secondary-sidebar-modal[open]").wait_for(
+                state="visible", timeout=5000
+            )
+            links = page.locator(
+                "#pst-secondary-sidebar-modal[open] a.nav-link"
+            ).count()
             assert links >= 1, "page contents dialog is empty"
         assert not problems, "\n".join(problems)
     finally:
@@ -228,8 +284,12 @@ def test_desktop_menu_collapses_sidebar(browser):
         page.locator(".bd-header-article .primary-toggle").click()
         sidebar.wait_for(state="hidden", timeout=5000)
         page.wait_for_timeout(600)  # the theme animates the collapse
-        assert page.evaluate(left) < x0 - 50, "the article did not widen when the list collapsed"
-        assert page.locator("#pst-primary-sidebar-modal[open]").count() == 0, "opened a dialog"
+        assert page.evaluate(left) < x0 - 50, (
+            "the article did not widen when the list collapsed"
+        )
+        assert page.locator("#pst-primary-sidebar-modal[open]").count() == 0, (
+            "opened a dialog"
+        )
         page.locator(".bd-header-article .primary-toggle").click()
         sidebar.wait_for(state="visible", timeout=5000)
         assert not problems, "\n".join(problems)
@@ -245,25 +305,43 @@ def test_one_search_box(browser, viewport):
             '.search-button-field, .search-button, input[type=search]')]
             .filter(e => e.offsetParent !== null && e.getBoundingClientRect().width > 0).length""")
         assert fields == 1, f"{fields} search boxes/buttons visible"
-        assert not page.locator("#pst-header").is_visible(), "the extra top navbar is shown"
+        assert not page.locator("#pst-header").is_visible(), (
+            "the extra top navbar is shown"
+        )
         # the reader's path: click it, type a Chinese word, press Enter, land on the results
-        page.locator(".search-button-field:visible, .search-button:visible").first.click()
+        page.locator(
+            ".search-button-field:visible, .search-button:visible"
+        ).first.click()
         box = page.locator("#pst-search-dialog input[type=search]")
         box.wait_for(state="visible", timeout=5000)
         box.fill("混合精度")
         box.press("Enter")
         page.wait_for_url("**/search.html?q=*", timeout=10000)
         page.wait_for_selector("ul.search li a", timeout=30000)
-        hrefs = page.evaluate("() => [...document.querySelectorAll('ul.search li a')].map(a => a.href)")
+        hrefs = page.evaluate(
+            "() => [...document.querySelectorAll('ul.search li a')].map(a => a.href)"
+        )
         assert any("02_mixed_precision.html" in h for h in hrefs), hrefs[:5]
         assert not problems, "\n".join(problems)
     finally:
         page.context.close()
 
 
-ENGLISH_UI = ["Click to show", "Click to hide", "Show code cell", "Hide code cell",
-              "Toggle primary sidebar", "Toggle secondary sidebar", "Launch on Colab", "Color mode",
-              "System Settings", "Link to this", "Launch interactive content", "Toggle hidden content", "Search this book"]
+ENGLISH_UI = [
+    "Click to show",
+    "Click to hide",
+    "Show code cell",
+    "Hide code cell",
+    "Toggle primary sidebar",
+    "Toggle secondary sidebar",
+    "Launch on Colab",
+    "Color mode",
+    "System Settings",
+    "Link to this",
+    "Launch interactive content",
+    "Toggle hidden content",
+    "Search this book",
+]
 
 
 @pytest.mark.parametrize("doc", CHAPTERS)
@@ -273,8 +351,12 @@ def test_interface_in_chinese(browser, doc):
         html = page.content()
         found = [s for s in ENGLISH_UI if s in html]
         assert not found, f"English interface strings on the page: {found}"
-        hints = page.evaluate("() => [...document.querySelectorAll('.toggle-button')].map(b => b.textContent + (b.dataset.toggleHint || ''))")
-        assert all("点击" in h for h in hints), f"togglebutton hints not in Chinese: {hints[:3]}"
+        hints = page.evaluate(
+            "() => [...document.querySelectorAll('.toggle-button')].map(b => b.textContent + (b.dataset.toggleHint || ''))"
+        )
+        assert all("点击" in h for h in hints), (
+            f"togglebutton hints not in Chinese: {hints[:3]}"
+        )
     finally:
         page.context.close()
 
@@ -314,7 +396,8 @@ def test_no_authoring_plumbing_on_pages(build, doc):
     nbval = [line for line in lines if "nbval-ignore-output" in line]
     assert not glue and not nbval, (
         f"{len(glue)} line(s) with glue( and {len(nbval)} with nbval-ignore-output, e.g. "
-        f"{(glue + nbval)[:3]} (run `python -m coursekit tidy`, or move the call out of the code)")
+        f"{(glue + nbval)[:3]} (run `python -m coursekit tidy`, or move the call out of the code)"
+    )
 
 
 # "## 1. 标题", "### 2.1 标题", "## 3、标题" — not "## 8 位优化器" (a quantity, not a number)
@@ -380,7 +463,9 @@ def test_internal_links_and_anchors_resolve(build):
     assert not bad, "\n".join(sorted(set(bad))[:50])
 
 
-@pytest.mark.parametrize("doc", [d for d in DOCS if d.startswith("book/") or d.startswith("labs/")])
+@pytest.mark.parametrize(
+    "doc", [d for d in DOCS if d.startswith("book/") or d.startswith("labs/")]
+)
 def test_screenshots_and_phone_layout(browser, doc):
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     for label, vp in (("desktop", DESKTOP), ("phone", PHONE)):
@@ -388,9 +473,13 @@ def test_screenshots_and_phone_layout(browser, doc):
         try:
             wait_for_math(page)
             page.wait_for_timeout(200)
-            page.screenshot(path=str(SCREENSHOTS / screenshot_name(doc, label)), full_page=True)
+            page.screenshot(
+                path=str(SCREENSHOTS / screenshot_name(doc, label)), full_page=True
+            )
             if label == "phone":
-                over = page.evaluate("() => document.documentElement.scrollWidth - document.documentElement.clientWidth")
+                over = page.evaluate(
+                    "() => document.documentElement.scrollWidth - document.documentElement.clientWidth"
+                )
                 assert over <= 1, f"page is {over}px wider than a phone screen"
         finally:
             page.context.close()
@@ -402,16 +491,22 @@ def test_figures_have_alt_text(build, doc):
     and axis labels its code writes (_ext/course_ui.py). A bare file name is not alt text."""
     html = (HTML / f"{doc}.html").read_text(encoding="utf-8")
     imgs = re.findall(r"<img\b[^>]*>", html)
-    bare = [i for i in imgs if not re.search(r'alt="(?![^"]*\.(png|svg|jpe?g)")[^"]+"', i)]
-    assert not bare, (f"{len(bare)} of {len(imgs)} images without alt text (give the figure a title "
-                      f"in its code, or glue it with a caption and :alt:): "
-                      + "; ".join(re.sub(r'src="data:[^"]*"', "", b)[:120] for b in bare[:3]))
+    bare = [
+        i for i in imgs if not re.search(r'alt="(?![^"]*\.(png|svg|jpe?g)")[^"]+"', i)
+    ]
+    assert not bare, (
+        f"{len(bare)} of {len(imgs)} images without alt text (give the figure a title "
+        f"in its code, or glue it with a caption and :alt:): "
+        + "; ".join(re.sub(r'src="data:[^"]*"', "", b)[:120] for b in bare[:3])
+    )
 
 
 def _course_ui():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("course_ui", ROOT / "_ext" / "course_ui.py")
+    spec = importlib.util.spec_from_file_location(
+        "course_ui", ROOT / "_ext" / "course_ui.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -419,8 +514,10 @@ def _course_ui():
 
 def test_figure_alt_from_titles_and_labels():
     ui = _course_ui()
-    src = ('fig, ax = plt.subplots()\nax.set_title(f"rank {r}: loss")\n'
-           'ax.set(xlabel="step", ylabel="loss")\nplt.suptitle("LoRA")')
+    src = (
+        'fig, ax = plt.subplots()\nax.set_title(f"rank {r}: loss")\n'
+        'ax.set(xlabel="step", ylabel="loss")\nplt.suptitle("LoRA")'
+    )
     assert ui.figure_alt(src) == "图：rank …: loss；LoRA；横轴 step；纵轴 loss"
     assert ui.figure_alt("plt.plot(x)\nplt.show()") is None
     assert ui.figure_alt("%matplotlib inline") is None
@@ -428,8 +525,11 @@ def test_figure_alt_from_titles_and_labels():
 
 def test_ui_strings_translated_in_attributes_only():
     ui = _course_ui()
-    html = ('<button title="Toggle primary sidebar">Toggle primary sidebar</button>'
-            '<a title="Link to this heading2" aria-label="Color mode">')
+    html = (
+        '<button title="Toggle primary sidebar">Toggle primary sidebar</button>'
+        '<a title="Link to this heading2" aria-label="Color mode">'
+    )
     assert ui.translate_attributes(html) == (
         '<button title="章节目录">Toggle primary sidebar</button>'
-        '<a title="Link to this heading2" aria-label="颜色模式">')
+        '<a title="Link to this heading2" aria-label="颜色模式">'
+    )

@@ -6,6 +6,7 @@ Fix everything at once with (CONTRIBUTING.md)::
     .venv/bin/python -m coursekit tidy && .venv/bin/ruff check --fix book solutions \
         && .venv/bin/ruff format book solutions
 """
+
 from __future__ import annotations
 
 import shutil
@@ -31,19 +32,25 @@ def _ruff() -> str:
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([_ruff(), *args, *PATHS], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [_ruff(), *args, *PATHS], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_ruff_format():
     r = _run("format", "--check")
     assert r.returncode == 0, (
-        "notebooks not formatted (run `ruff format book solutions`):\n" + r.stdout[-3000:] + r.stderr[-2000:])
+        "notebooks not formatted (run `ruff format book solutions`):\n"
+        + r.stdout[-3000:]
+        + r.stderr[-2000:]
+    )
 
 
 def test_ruff_check():
     r = _run("check", "--output-format", "concise")
-    assert r.returncode == 0, "ruff check failed:\n" + r.stdout[-4000:] + r.stderr[-2000:]
+    assert r.returncode == 0, (
+        "ruff check failed:\n" + r.stdout[-4000:] + r.stderr[-2000:]
+    )
 
 
 def test_plumbing_tidied():
@@ -52,8 +59,10 @@ def test_plumbing_tidied():
 
     reports = tidy_paths([ROOT / p for p in PATHS], check=True)
     pending = [line for r in reports for line in r.changes]
-    assert not pending, (f"{len(pending)} change(s) pending (run `python -m coursekit tidy`):\n"
-                         + "\n".join(pending[:20]))
+    assert not pending, (
+        f"{len(pending)} change(s) pending (run `python -m coursekit tidy`):\n"
+        + "\n".join(pending[:20])
+    )
 
 
 LIBRARY = ["trainmem", "coursekit", "tests", "benchmarks", "_ext"]
@@ -63,7 +72,21 @@ def test_ruff_check_library():
     """The Python packages: pyflakes (unused or undefined names, redefinitions) and pycodestyle's
     error classes. Line length is enforced on the code the reader sees (book/, solutions/ above);
     the library's long docstrings and comments are not yet wrapped to 88 columns."""
-    r = subprocess.run([_ruff(), "check", "--output-format", "concise",
-                        "--select", "F,E4,E7,E9,W", *LIBRARY],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, "ruff check failed:\n" + r.stdout[-4000:] + r.stderr[-2000:]
+    r = subprocess.run(
+        [
+            _ruff(),
+            "check",
+            "--output-format",
+            "concise",
+            "--select",
+            "F,E4,E7,E9,W",
+            *LIBRARY,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, (
+        "ruff check failed:\n" + r.stdout[-4000:] + r.stderr[-2000:]
+    )

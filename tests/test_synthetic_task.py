@@ -1,10 +1,20 @@
 """trainmem.synthetic_task: deterministic batches that follow the rules; training lowers the loss."""
+
 import pytest
 import torch
 
 from trainmem.models import build_model
-from trainmem.synthetic_task import (N_NUMBERS, continue_sequence, evaluate, finetune_rules, make_batch,
-                                     pretrain_rules, rule_token, task_config, train)
+from trainmem.synthetic_task import (
+    N_NUMBERS,
+    continue_sequence,
+    evaluate,
+    finetune_rules,
+    make_batch,
+    pretrain_rules,
+    rule_token,
+    task_config,
+    train,
+)
 
 
 def test_batches_follow_the_rules_and_are_seeded():
@@ -14,7 +24,9 @@ def test_batches_follow_the_rules_and_are_seeded():
     assert torch.equal(ids, again)
     for row in ids.tolist():
         step = {rule_token(0): 1, rule_token(3): 5}[row[0]]
-        assert all((b - a) % N_NUMBERS == step % N_NUMBERS for a, b in zip(row[1:], row[2:]))
+        assert all(
+            (b - a) % N_NUMBERS == step % N_NUMBERS for a, b in zip(row[1:], row[2:])
+        )
     assert (labels[:, :2] == -100).all() and torch.equal(labels[:, 2:], ids[:, 2:])
     with pytest.raises(ValueError, match="seq_len"):
         make_batch(4, {0: 1}, seed=0, seq_len=2)

@@ -1,4 +1,5 @@
 """`python -m coursekit tidy`: plumbing moves off the page, the code that runs does not change."""
+
 from __future__ import annotations
 
 import ast
@@ -16,8 +17,12 @@ from tests.notebooks import ROOT
 
 def glue_out(name, text):
     return nbformat.v4.new_output(
-        "display_data", data={"application/papermill.record/text/plain": text},
-        metadata={"scrapbook": {"name": name, "mime_prefix": "application/papermill.record/"}})
+        "display_data",
+        data={"application/papermill.record/text/plain": text},
+        metadata={
+            "scrapbook": {"name": name, "mime_prefix": "application/papermill.record/"}
+        },
+    )
 
 
 def stream(text):
@@ -39,10 +44,17 @@ def code(src, outputs=(), tags=None):
 
 
 def test_trailing_glue_moves_with_its_outputs():
-    nb = nb_of(code('x = 2\nprint(x)\nglue("a", x)\nglue("b", x * 2, fmt=".1f")',
-                    [stream("2\n"), glue_out("a", "2"), glue_out("b", "4.0")]))
+    nb = nb_of(
+        code(
+            'x = 2\nprint(x)\nglue("a", x)\nglue("b", x * 2, fmt=".1f")',
+            [stream("2\n"), glue_out("a", "2"), glue_out("b", "4.0")],
+        )
+    )
     report = tidy_notebook(nb)
-    assert [c.source for c in nb.cells] == ["x = 2\nprint(x)", 'glue("a", x)\nglue("b", x * 2, fmt=".1f")']
+    assert [c.source for c in nb.cells] == [
+        "x = 2\nprint(x)",
+        'glue("a", x)\nglue("b", x * 2, fmt=".1f")',
+    ]
     main, moved = nb.cells
     assert main.outputs == [stream("2\n")]
     assert [o.metadata["scrapbook"]["name"] for o in moved.outputs] == ["a", "b"]
@@ -59,22 +71,38 @@ def test_expression_left_last_is_not_displayed():
 
 
 def test_leading_glue_moves_before_and_comments_stay():
-    nb = nb_of(code('# the table\nglue("a", 1)\nglue("b", 2)\nrows = f()\nrows',
-                    [glue_out("a", "1"), glue_out("b", "2"), stream("x")]))
+    nb = nb_of(
+        code(
+            '# the table\nglue("a", 1)\nglue("b", 2)\nrows = f()\nrows',
+            [glue_out("a", "1"), glue_out("b", "2"), stream("x")],
+        )
+    )
     tidy_notebook(nb)
-    assert [c.source for c in nb.cells] == ['glue("a", 1)\nglue("b", 2)', "# the table\nrows = f()\nrows"]
+    assert [c.source for c in nb.cells] == [
+        'glue("a", 1)\nglue("b", 2)',
+        "# the table\nrows = f()\nrows",
+    ]
     assert nb.cells[0].metadata["tags"] == [REMOVE] and len(nb.cells[0].outputs) == 2
     assert nb.cells[1].outputs == [stream("x")]
 
 
 def test_glue_only_cell_is_tagged_not_split():
-    nb = nb_of(code('glue("a", 1); glue("b", 2)\nfor k in d:\n    pass'),
-               code('glue("a", 1); glue("b", 2)'))
+    nb = nb_of(
+        code('glue("a", 1); glue("b", 2)\nfor k in d:\n    pass'),
+        code('glue("a", 1); glue("b", 2)'),
+    )
     tidy_notebook(nb)
-    assert [c.source for c in nb.cells] == ['glue("a", 1); glue("b", 2)', "for k in d:\n    pass",
-                                            'glue("a", 1); glue("b", 2)']
-    assert nb.cells[0].metadata["tags"] == [REMOVE] and nb.cells[2].metadata["tags"] == [REMOVE]
-    assert "tags" not in nb.cells[1].metadata  # a loop is not a glue call: it stays in view
+    assert [c.source for c in nb.cells] == [
+        'glue("a", 1); glue("b", 2)',
+        "for k in d:\n    pass",
+        'glue("a", 1); glue("b", 2)',
+    ]
+    assert nb.cells[0].metadata["tags"] == [REMOVE] and nb.cells[2].metadata[
+        "tags"
+    ] == [REMOVE]
+    assert (
+        "tags" not in nb.cells[1].metadata
+    )  # a loop is not a glue call: it stays in view
 
 
 def test_glue_in_the_middle_is_left_and_reported():
@@ -85,8 +113,13 @@ def test_glue_in_the_middle_is_left_and_reported():
 
 
 def test_displayed_glue_and_gpu_cells_are_not_touched():
-    nb = nb_of(code('x = 1\nglue("fig", x, display=True)'),
-               code('# type\n@gpu_cell\ndef f(device, small):\n    pass\nglue("g", 1)', tags=["gpu"]))
+    nb = nb_of(
+        code('x = 1\nglue("fig", x, display=True)'),
+        code(
+            '# type\n@gpu_cell\ndef f(device, small):\n    pass\nglue("g", 1)',
+            tags=["gpu"],
+        ),
+    )
     before = copy.deepcopy(nb)
     tidy_notebook(nb)
     assert nb == before
@@ -100,8 +133,13 @@ def test_computed_keys_next_to_other_glue_are_left():
 
 
 def test_nbval_comment_becomes_a_tag_and_setup_is_collapsed():
-    nb = nb_of(code("from coursekit import setup\nsetup()", tags=["setup", "nbval-ignore-output"]),
-               code("# nbval-ignore-output：耗时随机器变化\nt = time()"))
+    nb = nb_of(
+        code(
+            "from coursekit import setup\nsetup()",
+            tags=["setup", "nbval-ignore-output"],
+        ),
+        code("# nbval-ignore-output：耗时随机器变化\nt = time()"),
+    )
     tidy_notebook(nb)
     assert nb.cells[0].metadata["tags"] == ["setup", "nbval-ignore-output", "hide-cell"]
     assert nb.cells[0].metadata["mystnb"]["code_prompt_show"].startswith("显示准备代码")
@@ -120,11 +158,18 @@ def _program(nb) -> str:
 
 
 def _glue_outputs(nb):
-    return sorted(o.metadata["scrapbook"]["name"] for c in nb.cells if c.cell_type == "code"
-                  for o in c.get("outputs", []) if "scrapbook" in o.get("metadata", {}))
+    return sorted(
+        o.metadata["scrapbook"]["name"]
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if "scrapbook" in o.get("metadata", {})
+    )
 
 
-NOTEBOOKS = sorted((ROOT / "book").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
+NOTEBOOKS = sorted((ROOT / "book").glob("*.ipynb")) + sorted(
+    (ROOT / "solutions").glob("*.ipynb")
+)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -140,33 +185,50 @@ def test_real_notebooks_run_the_same_code_after_tidy(path):
         for o in c.get("outputs", []):
             name = o.get("metadata", {}).get("scrapbook", {}).get("name")
             if name and re.search(r"glue\(\s*f?['\"]", c.source):
-                assert "glue(" in c.source, f"{name} output moved away from its glue call"
+                assert "glue(" in c.source, (
+                    f"{name} output moved away from its glue call"
+                )
     again = copy.deepcopy(nb)
     assert not tidy_notebook(again, path).changes and again == nb
     nbformat.validate(nb)
 
 
 def test_visible_source_hides_only_plumbing():
-    src = ('# nbval-ignore-output: timing\nx = 1\nglue("a", x); glue("b", 2)\n'
-           'for k, v in d.items():\n    glue(k, v)\n'
-           'for n in runs:\n    print(n)\n    glue(f"x_{n}", n)\n'
-           'if x:\n    glue("c", 3)\nelse:\n    foo()\n'
-           'y = 2; glue("d", y)\nglue("e",\n     5)\npaper')
-    assert visible_source(src) == ('x = 1\nfor n in runs:\n    print(n)\n'
-                                   'if x:\n    glue("c", 3)\nelse:\n    foo()\n'
-                                   'y = 2; glue("d", y)\npaper')
-    assert visible_source("%time f()\nglue('a', 1)") == "%time f()\nglue('a', 1)"  # not Python
+    src = (
+        '# nbval-ignore-output: timing\nx = 1\nglue("a", x); glue("b", 2)\n'
+        "for k, v in d.items():\n    glue(k, v)\n"
+        'for n in runs:\n    print(n)\n    glue(f"x_{n}", n)\n'
+        'if x:\n    glue("c", 3)\nelse:\n    foo()\n'
+        'y = 2; glue("d", y)\nglue("e",\n     5)\npaper'
+    )
+    assert visible_source(src) == (
+        "x = 1\nfor n in runs:\n    print(n)\n"
+        'if x:\n    glue("c", 3)\nelse:\n    foo()\n'
+        'y = 2; glue("d", y)\npaper'
+    )
+    assert (
+        visible_source("%time f()\nglue('a', 1)") == "%time f()\nglue('a', 1)"
+    )  # not Python
 
 
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "coursekit", "tidy", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "coursekit", "tidy", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_check_then_tidy_then_clean(tmp_path):
     # an untidied cell: computation and its glue call together (book/ itself is already tidy)
-    nb = nb_of(code("x = 2 ** -11\nprint(x)\nglue('x', x)",
-                    [stream("0.00048828125\n"), glue_out("x", "0.00048828125")]))
+    nb = nb_of(
+        code(
+            "x = 2 ** -11\nprint(x)\nglue('x', x)",
+            [stream("0.00048828125\n"), glue_out("x", "0.00048828125")],
+        )
+    )
     nbformat.write(nb, tmp_path / "ch.ipynb")
     first = _cli("--check", "ch.ipynb", cwd=tmp_path)
     assert first.returncode == 1 and "would change 1 of 1" in first.stdout
@@ -180,8 +242,12 @@ def test_cli_check_then_tidy_then_clean(tmp_path):
 
 def test_moved_glue_of_an_uncompared_cell_stays_uncompared():
     """A timing cell's glued value varies by machine: nbval must not start comparing it."""
-    nb = nb_of(code("# nbval-ignore-output: wall-clock time\nt = run()\nprint(t)\nglue('t', t)",
-                    [stream("1.2\n"), glue_out("t", "1.2")]))
+    nb = nb_of(
+        code(
+            "# nbval-ignore-output: wall-clock time\nt = run()\nprint(t)\nglue('t', t)",
+            [stream("1.2\n"), glue_out("t", "1.2")],
+        )
+    )
     tidy_notebook(nb)
     main, moved = nb.cells
     assert moved.metadata["tags"] == [REMOVE, "nbval-ignore-output"]

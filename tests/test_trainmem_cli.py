@@ -1,4 +1,5 @@
 """python -m trainmem estimate|measure: JSON contract, table, one-line errors."""
+
 import json
 import subprocess
 import sys
@@ -7,12 +8,36 @@ import pytest
 
 from trainmem.cli import main
 
-KEYS = {"weights", "gradients", "optimizer_states", "master_weights", "activations", "temporaries"}
+KEYS = {
+    "weights",
+    "gradients",
+    "optimizer_states",
+    "master_weights",
+    "activations",
+    "temporaries",
+}
 
 
 def test_estimate_json(capsys):
-    assert main(["estimate", "--model", "llama-7b", "--method", "lora", "--batch", "2",
-                 "--seq", "256", "--lora-targets", "q_proj,k_proj,v_proj,o_proj", "--json"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "--model",
+                "llama-7b",
+                "--method",
+                "lora",
+                "--batch",
+                "2",
+                "--seq",
+                "256",
+                "--lora-targets",
+                "q_proj,k_proj,v_proj,o_proj",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert set(out["breakdown"]) == KEYS
     assert all(isinstance(v, int) for v in out["breakdown"].values())
@@ -21,14 +46,31 @@ def test_estimate_json(capsys):
 
 
 def test_estimate_table(capsys):
-    assert main(["estimate", "--model", "tiny", "--checkpointing", "--attn", "eager"]) == 0
+    assert (
+        main(["estimate", "--model", "tiny", "--checkpointing", "--attn", "eager"]) == 0
+    )
     out = capsys.readouterr().out
     assert "GiB" in out and "GB" in out and "total (peak)" in out
 
 
 def test_measure_fake_json(capsys):
-    assert main(["measure", "--model", "tiny", "--device", "fake", "--batch", "1", "--seq", "8",
-                 "--json"]) == 0
+    assert (
+        main(
+            [
+                "measure",
+                "--model",
+                "tiny",
+                "--device",
+                "fake",
+                "--batch",
+                "1",
+                "--seq",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert set(out["breakdown"]) == KEYS
     # independent oracles: torch counts the parameters (fp32 params and grads: 4 B each), and
@@ -36,20 +78,34 @@ def test_measure_fake_json(capsys):
     from trainmem.estimate import estimate
     from trainmem.models import build_model, get_config
 
-    n = sum(p.numel() for p in build_model(get_config("tiny"), device="meta").parameters())
+    n = sum(
+        p.numel() for p in build_model(get_config("tiny"), device="meta").parameters()
+    )
     assert out["breakdown"]["master_weights"] == out["breakdown"]["gradients"] == 4 * n
     assert abs(out["total_bytes"] - estimate("tiny", batch=1, seq=8).total_bytes) <= 64
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--model", "nope"], "--model must be one of"),
-    (["--model", "tiny", "--method", "lora", "--lora-rank", "0"], "--lora-rank must be ≥ 1"),
-    (["--model", "tiny", "--method", "lora", "--lora-rank", "65"], "≤ min(d_in, d_out)=64"),
-    (["--model", "tiny", "--method", "lora", "--lora-targets", "q_proj,foo"], "unknown target module 'foo'"),
-    (["--batch", "0"], "--batch"),
-    (["--precision", "fp8"], "choose from"),
-    (["--optimizer-impl", "fast"], "--optimizer-impl: invalid choice: 'fast'"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--model", "nope"], "--model must be one of"),
+        (
+            ["--model", "tiny", "--method", "lora", "--lora-rank", "0"],
+            "--lora-rank must be ≥ 1",
+        ),
+        (
+            ["--model", "tiny", "--method", "lora", "--lora-rank", "65"],
+            "≤ min(d_in, d_out)=64",
+        ),
+        (
+            ["--model", "tiny", "--method", "lora", "--lora-targets", "q_proj,foo"],
+            "unknown target module 'foo'",
+        ),
+        (["--batch", "0"], "--batch"),
+        (["--precision", "fp8"], "choose from"),
+        (["--optimizer-impl", "fast"], "--optimizer-impl: invalid choice: 'fast'"),
+    ],
+)
 def test_bad_input_one_line(args, needle, capsys):
     with pytest.raises(SystemExit) as e:
         rc = main(["estimate", *args])
@@ -68,19 +124,50 @@ def test_malformed_config_one_line(tmp_path, capsys):
 
 
 def test_module_entry_point_help():
-    out = subprocess.run([sys.executable, "-m", "trainmem", "estimate", "--help"],
-                         capture_output=True, text=True, check=True).stdout
-    for flag in ("--model", "--method", "--precision", "--optimizer", "--batch", "--seq",
-                 "--lora-rank", "--lora-alpha", "--lora-targets", "--checkpointing", "--attn",
-                 "--zero", "--gpus", "--json", "master_weights"):
+    out = subprocess.run(
+        [sys.executable, "-m", "trainmem", "estimate", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for flag in (
+        "--model",
+        "--method",
+        "--precision",
+        "--optimizer",
+        "--batch",
+        "--seq",
+        "--lora-rank",
+        "--lora-alpha",
+        "--lora-targets",
+        "--checkpointing",
+        "--attn",
+        "--zero",
+        "--gpus",
+        "--json",
+        "master_weights",
+    ):
         assert flag in out
 
 
 def test_estimate_optimizer_impl_json(capsys):
     peaks = {}
     for impl in ("foreach", "fused", "for-loop"):
-        assert main(["estimate", "--model", "llama-7b", "--optimizer-impl", impl, "--seq", "64",
-                     "--json"]) == 0
+        assert (
+            main(
+                [
+                    "estimate",
+                    "--model",
+                    "llama-7b",
+                    "--optimizer-impl",
+                    impl,
+                    "--seq",
+                    "64",
+                    "--json",
+                ]
+            )
+            == 0
+        )
         out = json.loads(capsys.readouterr().out)
         assert out["options"]["optimizer_impl"] == impl
         peaks[impl] = out["total_bytes"]
@@ -89,31 +176,91 @@ def test_estimate_optimizer_impl_json(capsys):
 
 def test_hf_subcommand(tmp_path, capsys):
     args = tmp_path / "training_args.json"
-    args.write_text(json.dumps({"optim": "adamw_torch_fused", "bf16": True,
-                                "gradient_checkpointing": True, "per_device_train_batch_size": 2,
-                                "gradient_accumulation_steps": 4, "max_length": 256}))
+    args.write_text(
+        json.dumps(
+            {
+                "optim": "adamw_torch_fused",
+                "bf16": True,
+                "gradient_checkpointing": True,
+                "per_device_train_batch_size": 2,
+                "gradient_accumulation_steps": 4,
+                "max_length": 256,
+            }
+        )
+    )
     peft = tmp_path / "adapter_config.json"
-    peft.write_text(json.dumps({"peft_type": "LORA", "r": 16, "lora_alpha": 32,
-                                "target_modules": ["q_proj", "v_proj"]}))
-    assert main(["hf", "--model", "mistral-7b", "--training-args", str(args), "--peft-config",
-                 str(peft), "--json"]) == 0
+    peft.write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": 16,
+                "lora_alpha": 32,
+                "target_modules": ["q_proj", "v_proj"],
+            }
+        )
+    )
+    assert (
+        main(
+            [
+                "hf",
+                "--model",
+                "mistral-7b",
+                "--training-args",
+                str(args),
+                "--peft-config",
+                str(peft),
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     o = out["options"]
-    assert (o["method"], o["precision"], o["optimizer_impl"], o["batch"], o["seq"],
-            o["grad_accum"], o["checkpointing"], o["lora_rank"]) == \
-        ("lora", "bf16-amp", "fused", 2, 256, 4, True, 16)
+    assert (
+        o["method"],
+        o["precision"],
+        o["optimizer_impl"],
+        o["batch"],
+        o["seq"],
+        o["grad_accum"],
+        o["checkpointing"],
+        o["lora_rank"],
+    ) == ("lora", "bf16-amp", "fused", 2, 256, 4, True, 16)
     assert out["total_bytes"] == sum(out["breakdown"].values())
 
 
-@pytest.mark.parametrize("setup,needle", [
-    (lambda d: ["--training-args", str(d / "missing.json")], "--training-args: file"),
-    (lambda d: ["--training-args", str(_write(d / "a.json", "{"))], "is not valid JSON"),
-    (lambda d: ["--training-args", str(_write(d / "a.json", '{"optim": "adafactor"}')),
-                "--seq", "8"], "optim must be one of"),
-    (lambda d: ["--peft-config", str(_write(d / "p.json", '{"r": 0}')), "--seq", "8"],
-     "--peft-config r must be ≥ 1"),
-    (lambda d: [], "--seq must be given"),
-])
+@pytest.mark.parametrize(
+    "setup,needle",
+    [
+        (
+            lambda d: ["--training-args", str(d / "missing.json")],
+            "--training-args: file",
+        ),
+        (
+            lambda d: ["--training-args", str(_write(d / "a.json", "{"))],
+            "is not valid JSON",
+        ),
+        (
+            lambda d: [
+                "--training-args",
+                str(_write(d / "a.json", '{"optim": "adafactor"}')),
+                "--seq",
+                "8",
+            ],
+            "optim must be one of",
+        ),
+        (
+            lambda d: [
+                "--peft-config",
+                str(_write(d / "p.json", '{"r": 0}')),
+                "--seq",
+                "8",
+            ],
+            "--peft-config r must be ≥ 1",
+        ),
+        (lambda d: [], "--seq must be given"),
+    ],
+)
 def test_hf_bad_input_one_line(setup, needle, tmp_path, capsys):
     assert main(["hf", "--model", "tiny", *setup(tmp_path)]) == 2
     err = capsys.readouterr().err

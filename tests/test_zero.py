@@ -1,4 +1,5 @@
 """Exact checks of trainmem.zero against the ZeRO paper's worked example and the formulas."""
+
 import pytest
 
 from trainmem import zero
@@ -9,7 +10,10 @@ GB = 1e9
 def test_zero_paper_figure1_numbers():
     # ZeRO paper, Figure 1: Ψ = 7.5B, N_d = 64, K = 12 → 120, 31.4, 16.6, 1.9 GB per GPU.
     psi = 7_500_000_000
-    got = [zero.per_gpu_memory(psi, s, 64).total / GB for s in ("dp", "zero1", "zero2", "zero3")]
+    got = [
+        zero.per_gpu_memory(psi, s, 64).total / GB
+        for s in ("dp", "zero1", "zero2", "zero3")
+    ]
     # The paper prints one decimal (120, 31.4, 16.6, 1.9): compare at the printed rounding.
     assert [round(g, 1) for g in got] == [120.0, 31.4, 16.6, 1.9]
 
@@ -88,10 +92,16 @@ def test_agrees_with_the_estimator_for_fp32_adamw():
     from trainmem import estimate
 
     for stage in (0, 1, 2, 3):
-        e = estimate.estimate("tiny", precision="fp32", zero=stage, gpus=4, batch=1, seq=8)
+        e = estimate.estimate(
+            "tiny", precision="fp32", zero=stage, gpus=4, batch=1, seq=8
+        )
         b = e.breakdown
-        states = b["weights"] + b["gradients"] + b["optimizer_states"] + b["master_weights"]
-        mine = zero.per_gpu_memory(e.n_params, stage, 4, weight_bytes=4, grad_bytes=4, k=8).model_states
+        states = (
+            b["weights"] + b["gradients"] + b["optimizer_states"] + b["master_weights"]
+        )
+        mine = zero.per_gpu_memory(
+            e.n_params, stage, 4, weight_bytes=4, grad_bytes=4, k=8
+        ).model_states
         if stage < 3:
             assert abs(states - mine) <= 8 * 64  # a few scalars per parameter tensor
         else:

@@ -12,6 +12,7 @@
 
 All byte counts are bytes (not MiB/GiB); shapes are stated in each docstring.
 """
+
 from __future__ import annotations
 
 import time
@@ -26,8 +27,10 @@ from .tracker import MemoryTracker
 
 def grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """A detached copy of every parameter's ``.grad`` (None → zeros), keyed by parameter name."""
-    return {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        for n, p in model.named_parameters()
+    }
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -61,8 +64,15 @@ class Stack(nn.Module):
       their activations — what ``transformers``' ``every_n_layers`` does: less recompute, more memory.
     """
 
-    def __init__(self, n_layers: int = 8, d: int = 64, mult: int = 4, segment: int = 0,
-                 every: int = 0, seed: int = 0):
+    def __init__(
+        self,
+        n_layers: int = 8,
+        d: int = 64,
+        mult: int = 4,
+        segment: int = 0,
+        every: int = 0,
+        seed: int = 0,
+    ):
         super().__init__()
         if n_layers < 1:
             raise ValueError(f"n_layers must be ≥ 1, got {n_layers}")
@@ -79,7 +89,9 @@ class Stack(nn.Module):
     @segment.setter
     def segment(self, k: int) -> None:
         if k < 0 or k > len(self.layers):
-            raise ValueError(f"segment must be 0 (off) or 1..n_layers={len(self.layers)}, got {k}")
+            raise ValueError(
+                f"segment must be 0 (off) or 1..n_layers={len(self.layers)}, got {k}"
+            )
         if k and self._every:
             raise ValueError("segment and every are exclusive: set one of them to 0")
         self._segment = int(k)
@@ -91,7 +103,9 @@ class Stack(nn.Module):
     @every.setter
     def every(self, e: int) -> None:
         if e < 0 or e > len(self.layers):
-            raise ValueError(f"every must be 0 (off) or 1..n_layers={len(self.layers)}, got {e}")
+            raise ValueError(
+                f"every must be 0 (off) or 1..n_layers={len(self.layers)}, got {e}"
+            )
         if e and self._segment:
             raise ValueError("segment and every are exclusive: set one of them to 0")
         self._every = int(e)
@@ -107,7 +121,11 @@ class Stack(nn.Module):
             return self._run(x, 0, n)
         if e:
             for i, layer in enumerate(self.layers):
-                x = checkpoint(layer, x, use_reentrant=False) if i % e == 0 else layer(x)
+                x = (
+                    checkpoint(layer, x, use_reentrant=False)
+                    if i % e == 0
+                    else layer(x)
+                )
             return x
         for start in range(0, n, k):
             x = checkpoint(self._run, x, start, min(start + k, n), use_reentrant=False)
@@ -125,7 +143,11 @@ class SavedTensorBytes:
     """
 
     def __init__(self, exclude: nn.Module | None = None):
-        self._exclude = {p.untyped_storage().data_ptr() for p in exclude.parameters()} if exclude else set()
+        self._exclude = (
+            {p.untyped_storage().data_ptr() for p in exclude.parameters()}
+            if exclude
+            else set()
+        )
         self._seen: dict[int, int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
@@ -182,8 +204,9 @@ class StepMeasurement:
     seconds: float
 
 
-def measure_step(model: Stack, x: torch.Tensor, segment: int = 0, every: int = 0,
-                 repeats: int = 3) -> StepMeasurement:
+def measure_step(
+    model: Stack, x: torch.Tensor, segment: int = 0, every: int = 0, repeats: int = 3
+) -> StepMeasurement:
     """Measure one training step of a :class:`Stack` with the given checkpoint placement.
 
     ``x``: (batch, seq, d); the loss is ``out.square().mean()``. Memory and FLOPs are measured once
@@ -215,5 +238,11 @@ def measure_step(model: Stack, x: torch.Tensor, segment: int = 0, every: int = 0
         times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
     times.sort()
-    return StepMeasurement(segment, every, saved.bytes, live.peak, int(fc.get_total_flops()),
-                           times[len(times) // 2] if times else float("nan"))
+    return StepMeasurement(
+        segment,
+        every,
+        saved.bytes,
+        live.peak,
+        int(fc.get_total_flops()),
+        times[len(times) // 2] if times else float("nan"),
+    )

@@ -9,6 +9,7 @@ size of the saved adapter file, and the training memory the estimator predicts.
 
 Nothing is built or allocated: shapes come from :func:`trainmem.estimate.model_shape`.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,11 +19,22 @@ from typing import Any
 from .estimate import estimate, lora_trainable_params, model_shape
 
 #: bytes per element and safetensors dtype tag of the adapter dtypes the demo offers
-DTYPES: dict[str, tuple[int, str]] = {"fp32": (4, "F32"), "bf16": (2, "BF16"), "fp16": (2, "F16")}
+DTYPES: dict[str, tuple[int, str]] = {
+    "fp32": (4, "F32"),
+    "bf16": (2, "BF16"),
+    "fp16": (2, "F16"),
+}
 
 #: where each Llama linear sits inside one decoder layer (``model.layers.{i}.<parent>.<name>``)
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 
 def _targets(targets: Iterable[str] | str) -> list[str]:
@@ -37,8 +49,9 @@ def _dtype(dtype: str) -> tuple[int, str]:
     return DTYPES[dtype]
 
 
-def adapter_tensors(model: Any, targets: Iterable[str] | str, rank: int
-                    ) -> dict[str, tuple[int, int]]:
+def adapter_tensors(
+    model: Any, targets: Iterable[str] | str, rank: int
+) -> dict[str, tuple[int, int]]:
     """``{name: shape}`` of the LoRA tensors peft saves for ``model`` (a preset name, config
     ``.json`` path or transformers config of a Llama-shaped model).
 
@@ -49,10 +62,14 @@ def adapter_tensors(model: Any, targets: Iterable[str] | str, rank: int
     """
     s = model_shape(model)
     if s.arch != "llama":
-        raise ValueError(f"adapter_tensors needs a Llama-shaped model (llama, qwen2, mistral), "
-                         f"got arch {s.arch!r}")
+        raise ValueError(
+            f"adapter_tensors needs a Llama-shaped model (llama, qwen2, mistral), "
+            f"got arch {s.arch!r}"
+        )
     targets = _targets(targets)
-    lora_trainable_params(s, rank, targets)      # validates targets and rank (one error line)
+    lora_trainable_params(
+        s, rank, targets
+    )  # validates targets and rank (one error line)
     shapes = s.linear_shapes()
     out: dict[str, tuple[int, int]] = {}
     for i in range(s.layers):
@@ -64,8 +81,11 @@ def adapter_tensors(model: Any, targets: Iterable[str] | str, rank: int
     return out
 
 
-def safetensors_header(tensors: dict[str, tuple[int, ...]], dtype: str = "fp32",
-                       metadata: dict[str, str] | None = None) -> bytes:
+def safetensors_header(
+    tensors: dict[str, tuple[int, ...]],
+    dtype: str = "fp32",
+    metadata: dict[str, str] | None = None,
+) -> bytes:
     """The JSON header a ``.safetensors`` file of ``tensors`` (all of ``dtype``) starts with,
     as the ``safetensors`` library writes it: ``__metadata__`` first, then the tensors in name
     order with their byte ``data_offsets``, no spaces, padded with spaces to a multiple of 8."""
@@ -79,14 +99,21 @@ def safetensors_header(tensors: dict[str, tuple[int, ...]], dtype: str = "fp32",
         n = size
         for x in shape:
             n *= x
-        header[name] = {"dtype": tag, "shape": shape, "data_offsets": [offset, offset + n]}
+        header[name] = {
+            "dtype": tag,
+            "shape": shape,
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     return text + b" " * (-len(text) % 8)
 
 
-def safetensors_bytes(tensors: dict[str, tuple[int, ...]], dtype: str = "fp32",
-                      metadata: dict[str, str] | None = None) -> int:
+def safetensors_bytes(
+    tensors: dict[str, tuple[int, ...]],
+    dtype: str = "fp32",
+    metadata: dict[str, str] | None = None,
+) -> int:
     """Size in bytes of a ``.safetensors`` file of ``tensors``: 8 + header + elements × dtype size."""
     size, _ = _dtype(dtype)
     data = 0
@@ -102,14 +129,24 @@ def safetensors_bytes(tensors: dict[str, tuple[int, ...]], dtype: str = "fp32",
 PEFT_METADATA = {"format": "pt"}
 
 
-def adapter_file_bytes(model: Any, targets: Iterable[str] | str, rank: int,
-                       dtype: str = "fp32") -> int:
+def adapter_file_bytes(
+    model: Any, targets: Iterable[str] | str, rank: int, dtype: str = "fp32"
+) -> int:
     """Size of peft's ``adapter_model.safetensors`` for this LoRA configuration (bytes)."""
-    return safetensors_bytes(adapter_tensors(model, targets, rank), dtype, PEFT_METADATA)
+    return safetensors_bytes(
+        adapter_tensors(model, targets, rank), dtype, PEFT_METADATA
+    )
 
 
-def lora_costs(model: Any, targets: Iterable[str] | str, rank: int, dtype: str = "fp32",
-               precision: str = "bf16", batch: int = 1, seq: int = 512) -> dict[str, Any]:
+def lora_costs(
+    model: Any,
+    targets: Iterable[str] | str,
+    rank: int,
+    dtype: str = "fp32",
+    precision: str = "bf16",
+    batch: int = 1,
+    seq: int = 512,
+) -> dict[str, Any]:
     """One configuration's costs (counts and bytes, all exact):
 
     ``trainable`` (LoRA parameters), ``total`` (base parameters), ``adapter_bytes`` (the saved
@@ -122,10 +159,20 @@ def lora_costs(model: Any, targets: Iterable[str] | str, rank: int, dtype: str =
     s = model_shape(model)
     trainable = lora_trainable_params(s, rank, targets)
     kw = dict(precision=precision, optimizer="adamw", batch=batch, seq=seq)
-    lora = estimate(model, method="lora", lora_rank=rank, lora_targets=targets,
-                    lora_dtype=dtype, **kw)
+    lora = estimate(
+        model,
+        method="lora",
+        lora_rank=rank,
+        lora_targets=targets,
+        lora_dtype=dtype,
+        **kw,
+    )
     full = estimate(model, method="full", **kw)
-    return {"trainable": trainable, "total": lora.n_params,
-            "adapter_bytes": adapter_file_bytes(model, targets, rank, dtype),
-            "data_bytes": trainable * size,
-            "lora_peak_bytes": lora.total_bytes, "full_peak_bytes": full.total_bytes}
+    return {
+        "trainable": trainable,
+        "total": lora.n_params,
+        "adapter_bytes": adapter_file_bytes(model, targets, rank, dtype),
+        "data_bytes": trainable * size,
+        "lora_peak_bytes": lora.total_bytes,
+        "full_peak_bytes": full.total_bytes,
+    }

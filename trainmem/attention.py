@@ -6,6 +6,7 @@ output has the shape of ``q``. ``causal=True`` masks key ``j > i`` for query ``i
 aligned at the end, like ``F.scaled_dot_product_attention(is_causal=True)`` when ``s_q == s_k``).
 Byte counts are ``int`` bytes.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,29 +14,48 @@ from typing import Callable
 
 import torch
 
-__all__ = ["eager_attention", "tiled_attention", "peak_extra_bytes", "eager_score_bytes"]
+__all__ = [
+    "eager_attention",
+    "tiled_attention",
+    "peak_extra_bytes",
+    "eager_score_bytes",
+]
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-D (batch, heads, seq, head_dim), got {q.dim()}, {k.dim()}, {v.dim()}")
+        raise ValueError(
+            f"q, k, v must be 4-D (batch, heads, seq, head_dim), got {q.dim()}, {k.dim()}, {v.dim()}"
+        )
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
 
 
-def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+def eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False
+) -> torch.Tensor:
     """softmax(q kᵀ / √d) v, materialising the ``(batch, heads, s_q, s_k)`` score matrix."""
     _check(q, k, v)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     if causal:
         s_q, s_k = q.shape[-2], k.shape[-2]
-        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)
+        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(
+            diagonal=s_k - s_q
+        )
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
 
-def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    block_q: int = 64, block_k: int = 64) -> torch.Tensor:
+def tiled_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    block_q: int = 64,
+    block_k: int = 64,
+) -> torch.Tensor:
     """FlashAttention-style forward: loop over key/value tiles with an online softmax.
 
     For each tile of ``block_q`` queries, keep a running row maximum ``m``, a running
@@ -51,25 +71,27 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     offset = s_k - s_q  # query i may see keys j ≤ i + offset
     out = torch.empty_like(q)
     for qs in range(0, s_q, block_q):
-        qi = q[..., qs:qs + block_q, :] * scale
+        qi = q[..., qs : qs + block_q, :] * scale
         nq = qi.shape[-2]
-        m = torch.full(q.shape[:2] + (nq, 1), float("-inf"), dtype=q.dtype, device=q.device)
+        m = torch.full(
+            q.shape[:2] + (nq, 1), float("-inf"), dtype=q.dtype, device=q.device
+        )
         l = torch.zeros_like(m)
         acc = torch.zeros_like(qi)
         rows = torch.arange(qs, qs + nq, device=q.device).unsqueeze(1) + offset
         k_end = min(s_k, qs + nq + offset) if causal else s_k
         for ks in range(0, k_end, block_k):
-            s = qi @ k[..., ks:ks + block_k, :].transpose(-2, -1)
+            s = qi @ k[..., ks : ks + block_k, :].transpose(-2, -1)
             if causal:
                 cols = torch.arange(ks, ks + s.shape[-1], device=q.device).unsqueeze(0)
                 s = s.masked_fill(cols > rows, float("-inf"))
             m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
             p = torch.exp(s - m_new)
-            alpha = torch.exp(m - m_new)           # rescale what was accumulated so far
+            alpha = torch.exp(m - m_new)  # rescale what was accumulated so far
             l = l * alpha + p.sum(dim=-1, keepdim=True)
-            acc = acc * alpha + p @ v[..., ks:ks + block_k, :]
+            acc = acc * alpha + p @ v[..., ks : ks + block_k, :]
             m = m_new
-        out[..., qs:qs + nq, :] = acc / l
+        out[..., qs : qs + nq, :] = acc / l
     return out
 
 

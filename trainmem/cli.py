@@ -5,6 +5,7 @@ whose top level has ``total_bytes`` (the peak) and ``breakdown`` (``weights``, `
 ``optimizer_states``, ``master_weights``, ``activations``, ``temporaries``; integer bytes).
 Bad input exits with status 2 and one line on stderr naming the argument and the allowed values.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,6 +41,7 @@ examples:
   python -m trainmem hf --model config.json --training-args args.json --peft-config adapter_config.json --seq 1024
 """
 
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -50,10 +52,13 @@ def _positive(name):
         try:
             v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer ≥ 1, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"must be an integer ≥ 1, got {text!r}"
+            ) from None
         if v < 1:
             raise argparse.ArgumentTypeError(f"must be an integer ≥ 1, got {v}")
         return v
+
     conv.__name__ = name
     return conv
 
@@ -62,96 +67,209 @@ def _rank(text):
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer ≥ 1, got {text!r}") from None
-    return v   # range (≥ 1 and ≤ layer width) is checked against the model
+        raise argparse.ArgumentTypeError(
+            f"must be an integer ≥ 1, got {text!r}"
+        ) from None
+    return v  # range (≥ 1 and ≤ layer width) is checked against the model
 
 
 def _add_common(p: argparse.ArgumentParser):
-    p.add_argument("--model", default="llama-7b",
-                   help=f"preset name ({', '.join(preset_names())}) or path to an HF config.json "
-                        "(model_type llama, mistral, qwen2, gpt2); default llama-7b")
-    p.add_argument("--method", default="full", choices=METHODS,
-                   help="full fine-tuning, LoRA, or QLoRA (4-bit NF4 base weights); default full")
-    p.add_argument("--precision", default="bf16-amp", choices=PRECISIONS,
-                   help="fp32; fp16-amp / bf16-amp = torch.autocast over fp32 parameters (fp16 with "
-                        "loss scaling); bf16 = pure bf16 parameters, grads and states; default bf16-amp")
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
-                   help="torch AdamW (foreach), bitsandbytes 8-bit AdamW, SGD, SGD with momentum; "
-                        "default adamw")
-    p.add_argument("--optimizer-impl", default="foreach", choices=OPTIMIZER_IMPLS,
-                   help="torch's AdamW implementation, which sets the scratch memory of the step: "
-                        "foreach (what torch.optim.AdamW(params) picks on CUDA; the default here), "
-                        "fused (Hugging Face Trainer's default optim adamw_torch_fused), for-loop "
-                        "(foreach=False); default foreach")
-    p.add_argument("--batch", type=_positive("batch"), default=1, help="micro-batch size (≥ 1); default 1")
-    p.add_argument("--seq", type=_positive("seq"), default=512, help="sequence length in tokens (≥ 1); default 512")
-    p.add_argument("--grad-accum", type=_positive("grad_accum"), default=1,
-                   help="gradient-accumulation micro-steps per optimizer step; default 1")
-    p.add_argument("--lora-rank", type=_rank, default=8,
-                   help="LoRA rank r (1 ≤ r ≤ smallest in/out width of the targets); default 8")
-    p.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha (scaling alpha/r; no memory effect); default 16")
-    p.add_argument("--lora-targets", default="q_proj,v_proj",
-                   help="comma-separated module names: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
-                        "down_proj (gpt2: c_attn,attn.c_proj,c_fc,mlp.c_proj); default q_proj,v_proj")
-    p.add_argument("--lora-dtype", default=None, choices=("fp32", "bf16", "fp16"),
-                   help="adapter dtype; default: peft's (fp32 adapters)")
-    p.add_argument("--checkpointing", action="store_true",
-                   help="activation (gradient) checkpointing of every decoder layer (non-reentrant)")
-    p.add_argument("--attn", default="sdpa", choices=ATTN_IMPLS,
-                   help="attention implementation: sdpa (flash: same memory) or eager (stores the "
-                        "b x heads x s x s scores); default sdpa")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object (total_bytes, breakdown, ...) instead of the table")
+    p.add_argument(
+        "--model",
+        default="llama-7b",
+        help=f"preset name ({', '.join(preset_names())}) or path to an HF config.json "
+        "(model_type llama, mistral, qwen2, gpt2); default llama-7b",
+    )
+    p.add_argument(
+        "--method",
+        default="full",
+        choices=METHODS,
+        help="full fine-tuning, LoRA, or QLoRA (4-bit NF4 base weights); default full",
+    )
+    p.add_argument(
+        "--precision",
+        default="bf16-amp",
+        choices=PRECISIONS,
+        help="fp32; fp16-amp / bf16-amp = torch.autocast over fp32 parameters (fp16 with "
+        "loss scaling); bf16 = pure bf16 parameters, grads and states; default bf16-amp",
+    )
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=OPTIMIZERS,
+        help="torch AdamW (foreach), bitsandbytes 8-bit AdamW, SGD, SGD with momentum; "
+        "default adamw",
+    )
+    p.add_argument(
+        "--optimizer-impl",
+        default="foreach",
+        choices=OPTIMIZER_IMPLS,
+        help="torch's AdamW implementation, which sets the scratch memory of the step: "
+        "foreach (what torch.optim.AdamW(params) picks on CUDA; the default here), "
+        "fused (Hugging Face Trainer's default optim adamw_torch_fused), for-loop "
+        "(foreach=False); default foreach",
+    )
+    p.add_argument(
+        "--batch",
+        type=_positive("batch"),
+        default=1,
+        help="micro-batch size (≥ 1); default 1",
+    )
+    p.add_argument(
+        "--seq",
+        type=_positive("seq"),
+        default=512,
+        help="sequence length in tokens (≥ 1); default 512",
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=_positive("grad_accum"),
+        default=1,
+        help="gradient-accumulation micro-steps per optimizer step; default 1",
+    )
+    p.add_argument(
+        "--lora-rank",
+        type=_rank,
+        default=8,
+        help="LoRA rank r (1 ≤ r ≤ smallest in/out width of the targets); default 8",
+    )
+    p.add_argument(
+        "--lora-alpha",
+        type=int,
+        default=16,
+        help="LoRA alpha (scaling alpha/r; no memory effect); default 16",
+    )
+    p.add_argument(
+        "--lora-targets",
+        default="q_proj,v_proj",
+        help="comma-separated module names: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+        "down_proj (gpt2: c_attn,attn.c_proj,c_fc,mlp.c_proj); default q_proj,v_proj",
+    )
+    p.add_argument(
+        "--lora-dtype",
+        default=None,
+        choices=("fp32", "bf16", "fp16"),
+        help="adapter dtype; default: peft's (fp32 adapters)",
+    )
+    p.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="activation (gradient) checkpointing of every decoder layer (non-reentrant)",
+    )
+    p.add_argument(
+        "--attn",
+        default="sdpa",
+        choices=ATTN_IMPLS,
+        help="attention implementation: sdpa (flash: same memory) or eager (stores the "
+        "b x heads x s x s scores); default sdpa",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (total_bytes, breakdown, ...) instead of the table",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m trainmem", description=__doc__.split("\n\n")[0],
-                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
+    parser = _Parser(
+        prog="python -m trainmem",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    pe = sub.add_parser("estimate", help="analytic estimate of the peak (no torch needed, instant)",
-                        description="Estimate the peak memory of one training step, term by term "
-                                    "(bytes per GPU).",
-                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
+    pe = sub.add_parser(
+        "estimate",
+        help="analytic estimate of the peak (no torch needed, instant)",
+        description="Estimate the peak memory of one training step, term by term "
+        "(bytes per GPU).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
+    )
     _add_common(pe)
-    pe.add_argument("--no-double-quant", action="store_true",
-                    help="QLoRA without double quantization of the NF4 constants")
-    pe.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
-                    help="ZeRO/FSDP stage: 1 shards optimizer states + master weights, 2 also "
-                         "gradients, 3 also weights; default 0. With fp16/bf16-amp and stage >= 1 the "
-                         "ZeRO-paper layout is used (16-bit weights and grads, fp32 master/m/v); "
-                         "stage 0 is torch.autocast over fp32 parameters")
-    pe.add_argument("--gpus", type=_positive("gpus"), default=1, help="data-parallel GPUs (≥ 1); default 1")
-    pm = sub.add_parser("measure", help="run two real training steps and account every tensor",
-                        description="Measure one training step (forward, backward, optimizer step; "
-                                    "the peak of the 2nd of two steps) tensor by tensor.",
-                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
+    pe.add_argument(
+        "--no-double-quant",
+        action="store_true",
+        help="QLoRA without double quantization of the NF4 constants",
+    )
+    pe.add_argument(
+        "--zero",
+        type=int,
+        default=0,
+        choices=(0, 1, 2, 3),
+        help="ZeRO/FSDP stage: 1 shards optimizer states + master weights, 2 also "
+        "gradients, 3 also weights; default 0. With fp16/bf16-amp and stage >= 1 the "
+        "ZeRO-paper layout is used (16-bit weights and grads, fp32 master/m/v); "
+        "stage 0 is torch.autocast over fp32 parameters",
+    )
+    pe.add_argument(
+        "--gpus",
+        type=_positive("gpus"),
+        default=1,
+        help="data-parallel GPUs (≥ 1); default 1",
+    )
+    pm = sub.add_parser(
+        "measure",
+        help="run two real training steps and account every tensor",
+        description="Measure one training step (forward, backward, optimizer step; "
+        "the peak of the 2nd of two steps) tensor by tensor.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
+    )
     _add_common(pm)
-    pm.add_argument("--device", default="cpu", choices=("cpu", "fake", "cuda"),
-                    help="cpu: real tensors; fake: FakeTensorMode (no memory: 7B/13B shapes); "
-                         "cuda: a GPU, adds max_memory_allocated/reserved; default cpu")
-    pm.add_argument("--no-extrapolate", action="store_true",
-                    help="with --device fake: run every layer instead of extending 2- and 3-layer "
-                         "runs linearly (slower; the result is the same)")
-    ph = sub.add_parser("hf", help="estimate from a model config, TrainingArguments and a LoraConfig",
-                        description="Estimate the peak memory of one Trainer step from what a "
-                                    "Hugging Face user has: the model's config.json, the "
-                                    "TrainingArguments (as JSON: optim, bf16/fp16, "
-                                    "gradient_checkpointing, per_device_train_batch_size, "
-                                    "gradient_accumulation_steps, max_length) and the peft "
-                                    "adapter_config.json (LoRA; a 4-bit quantization_config in "
-                                    "config.json makes it QLoRA).",
-                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
-    ph.add_argument("--model", default="llama-7b",
-                    help="preset name or path to the model's config.json; default llama-7b")
-    ph.add_argument("--training-args", metavar="FILE",
-                    help="TrainingArguments as JSON (TrainingArguments.to_json_string(), or any "
-                         "subset of its fields); default: Trainer's defaults")
-    ph.add_argument("--peft-config", metavar="FILE",
-                    help="peft adapter_config.json (LoRA); omit for full fine-tuning")
-    ph.add_argument("--seq", type=_positive("seq"), default=None,
-                    help="tokens per sequence; default: max_length of the training arguments")
-    ph.add_argument("--json", action="store_true",
-                    help="print one JSON object (total_bytes, breakdown, ...) instead of the table")
+    pm.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "fake", "cuda"),
+        help="cpu: real tensors; fake: FakeTensorMode (no memory: 7B/13B shapes); "
+        "cuda: a GPU, adds max_memory_allocated/reserved; default cpu",
+    )
+    pm.add_argument(
+        "--no-extrapolate",
+        action="store_true",
+        help="with --device fake: run every layer instead of extending 2- and 3-layer "
+        "runs linearly (slower; the result is the same)",
+    )
+    ph = sub.add_parser(
+        "hf",
+        help="estimate from a model config, TrainingArguments and a LoraConfig",
+        description="Estimate the peak memory of one Trainer step from what a "
+        "Hugging Face user has: the model's config.json, the "
+        "TrainingArguments (as JSON: optim, bf16/fp16, "
+        "gradient_checkpointing, per_device_train_batch_size, "
+        "gradient_accumulation_steps, max_length) and the peft "
+        "adapter_config.json (LoRA; a 4-bit quantization_config in "
+        "config.json makes it QLoRA).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
+    )
+    ph.add_argument(
+        "--model",
+        default="llama-7b",
+        help="preset name or path to the model's config.json; default llama-7b",
+    )
+    ph.add_argument(
+        "--training-args",
+        metavar="FILE",
+        help="TrainingArguments as JSON (TrainingArguments.to_json_string(), or any "
+        "subset of its fields); default: Trainer's defaults",
+    )
+    ph.add_argument(
+        "--peft-config",
+        metavar="FILE",
+        help="peft adapter_config.json (LoRA); omit for full fine-tuning",
+    )
+    ph.add_argument(
+        "--seq",
+        type=_positive("seq"),
+        default=None,
+        help="tokens per sequence; default: max_length of the training arguments",
+    )
+    ph.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (total_bytes, breakdown, ...) instead of the table",
+    )
     return parser
 
 
@@ -165,24 +283,34 @@ def _read_json(flag: str, path: str | None):
     except FileNotFoundError:
         raise ValueError(f"{flag}: file {path!r} does not exist") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{flag}: {path!r} is not valid JSON ({getattr(e, 'msg', e)})") from None
+        raise ValueError(
+            f"{flag}: {path!r} is not valid JSON ({getattr(e, 'msg', e)})"
+        ) from None
     if not isinstance(data, dict):
-        raise ValueError(f"{flag}: {path!r} must hold a JSON object, got {type(data).__name__}")
+        raise ValueError(
+            f"{flag}: {path!r} must hold a JSON object, got {type(data).__name__}"
+        )
     return data
 
 
 def _run_hf(args):
     from .estimate import estimate_from_hf
+
     model = args.model
     if model.endswith(".json"):
         from .models import load_config_file
+
         raw = _read_json("--model", model)
         quant = raw.get("quantization_config")
         model = load_config_file(model)
         if quant is not None:
             model.quantization_config = quant
-    return estimate_from_hf(model, _read_json("--training-args", args.training_args),
-                            _read_json("--peft-config", args.peft_config), seq=args.seq)
+    return estimate_from_hf(
+        model,
+        _read_json("--training-args", args.training_args),
+        _read_json("--peft-config", args.peft_config),
+        seq=args.seq,
+    )
 
 
 def _one_line(err: ValueError) -> str:
@@ -192,7 +320,7 @@ def _one_line(err: ValueError) -> str:
     if option is None:
         return msg
     flag = "--" + option.replace("_", "-")
-    return flag + msg[len(option):] if msg.startswith(option) else f"{flag}: {msg}"
+    return flag + msg[len(option) :] if msg.startswith(option) else f"{flag}: {msg}"
 
 
 def main(argv=None) -> int:
@@ -208,23 +336,53 @@ def main(argv=None) -> int:
         print(json.dumps(res.to_dict()) if args.json else res.table())
         return 0
     targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-    common = dict(method=args.method, precision=args.precision, optimizer=args.optimizer,
-                  batch=args.batch, seq=args.seq, lora_rank=args.lora_rank,
-                  lora_alpha=args.lora_alpha, lora_targets=targets, lora_dtype=args.lora_dtype,
-                  checkpointing=args.checkpointing, attn=args.attn, grad_accum=args.grad_accum,
-                  optimizer_impl=args.optimizer_impl)
+    common = dict(
+        method=args.method,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        batch=args.batch,
+        seq=args.seq,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_targets=targets,
+        lora_dtype=args.lora_dtype,
+        checkpointing=args.checkpointing,
+        attn=args.attn,
+        grad_accum=args.grad_accum,
+        optimizer_impl=args.optimizer_impl,
+    )
     try:
         if args.command == "estimate":
             from .estimate import estimate
-            res = estimate(args.model, qlora_double_quant=not args.no_double_quant, zero=args.zero,
-                           gpus=args.gpus, **common)
+
+            res = estimate(
+                args.model,
+                qlora_double_quant=not args.no_double_quant,
+                zero=args.zero,
+                gpus=args.gpus,
+                **common,
+            )
         else:
             from .estimate import check_options, resolve_config
-            check_options(resolve_config(args.model), zero=0, gpus=1,
-                          **{k: v for k, v in common.items() if k not in ("lora_alpha", "checkpointing")})
+
+            check_options(
+                resolve_config(args.model),
+                zero=0,
+                gpus=1,
+                **{
+                    k: v
+                    for k, v in common.items()
+                    if k not in ("lora_alpha", "checkpointing")
+                },
+            )
             from .measure import measure
-            res = measure(args.model, device=args.device,
-                          extrapolate=False if args.no_extrapolate else None, **common)
+
+            res = measure(
+                args.model,
+                device=args.device,
+                extrapolate=False if args.no_extrapolate else None,
+                **common,
+            )
     except ValueError as e:
         sys.stderr.write(f"{prog}: error: {_one_line(e)}\n")
         return 2

@@ -14,6 +14,7 @@ the hardware use when casting. :func:`round_array` does the same for numpy array
 
 Values are plain numbers (no unit); memory helpers at the end return **bytes**.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,18 +22,42 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
-if TYPE_CHECKING:  # numpy is imported where arrays are used: the scalar functions need only the
+if (
+    TYPE_CHECKING
+):  # numpy is imported where arrays are used: the scalar functions need only the
     import numpy as np  # standard library (they also run in the book's page, under Pyodide)
 
 __all__ = [
-    "FloatFormat", "Encoded", "FORMATS", "get_format", "format_names",
-    "encode", "decode", "decompose", "round_to", "round_array", "round_tensor",
-    "next_up", "next_down", "neighbours", "ulp", "ulp_array",
-    "BYTES_PER_ELEMENT", "bytes_per_element", "weight_bytes", "GB", "GiB", "describe_value",
+    "FloatFormat",
+    "Encoded",
+    "FORMATS",
+    "get_format",
+    "format_names",
+    "encode",
+    "decode",
+    "decompose",
+    "round_to",
+    "round_array",
+    "round_tensor",
+    "next_up",
+    "next_down",
+    "neighbours",
+    "ulp",
+    "ulp_array",
+    "BYTES_PER_ELEMENT",
+    "bytes_per_element",
+    "weight_bytes",
+    "GB",
+    "GiB",
+    "describe_value",
 ]
 
-GB = 10**9   #: bytes in a (decimal, SI) gigabyte — what disk and model cards mean by "GB"
-GiB = 2**30  #: bytes in a gibibyte — what ``nvidia-smi`` / ``torch.cuda`` counts (often written "GB")
+GB = (
+    10**9
+)  #: bytes in a (decimal, SI) gigabyte — what disk and model cards mean by "GB"
+GiB = (
+    2**30
+)  #: bytes in a gibibyte — what ``nvidia-smi`` / ``torch.cuda`` counts (often written "GB")
 
 
 @dataclass(frozen=True)
@@ -49,7 +74,9 @@ class FloatFormat:
     mantissa_bits: int
     storage_bits: int
     ieee_specials: bool = True
-    torch_dtype: str | None = None  # attribute of ``torch`` (None: no storage dtype, e.g. tf32)
+    torch_dtype: str | None = (
+        None  # attribute of ``torch`` (None: no storage dtype, e.g. tf32)
+    )
 
     @property
     def bits(self) -> int:
@@ -101,11 +128,17 @@ class FloatFormat:
         """Bit pattern of the largest finite magnitude."""
         if self.ieee_specials:
             return ((2**self.exponent_bits - 1) << self.mantissa_bits) - 1
-        return (1 << (self.exponent_bits + self.mantissa_bits)) - 2  # S.1111.110 for E4M3
+        return (
+            1 << (self.exponent_bits + self.mantissa_bits)
+        ) - 2  # S.1111.110 for E4M3
 
     @property
     def inf_bits(self) -> int | None:
-        return (2**self.exponent_bits - 1) << self.mantissa_bits if self.ieee_specials else None
+        return (
+            (2**self.exponent_bits - 1) << self.mantissa_bits
+            if self.ieee_specials
+            else None
+        )
 
     @property
     def nan_bits(self) -> int:
@@ -118,7 +151,9 @@ class FloatFormat:
         import torch
 
         if self.torch_dtype is None:
-            raise ValueError(f"format {self.name!r} has no torch storage dtype (it is a compute mode)")
+            raise ValueError(
+                f"format {self.name!r} has no torch storage dtype (it is a compute mode)"
+            )
         return getattr(torch, self.torch_dtype)
 
 
@@ -132,11 +167,18 @@ FORMATS: dict[str, FloatFormat] = {
 }
 
 _ALIASES = {
-    "float32": "fp32", "float": "fp32", "single": "fp32",
-    "float16": "fp16", "half": "fp16",
+    "float32": "fp32",
+    "float": "fp32",
+    "single": "fp32",
+    "float16": "fp16",
+    "half": "fp16",
     "bfloat16": "bf16",
-    "e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "fp8e4m3": "fp8_e4m3",
-    "e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2", "fp8e5m2": "fp8_e5m2",
+    "e4m3": "fp8_e4m3",
+    "float8_e4m3fn": "fp8_e4m3",
+    "fp8e4m3": "fp8_e4m3",
+    "e5m2": "fp8_e5m2",
+    "float8_e5m2": "fp8_e5m2",
+    "fp8e5m2": "fp8_e5m2",
 }
 
 
@@ -151,7 +193,9 @@ def get_format(fmt: str | FloatFormat | Any) -> FloatFormat:
     key = str(fmt).lower().replace("torch.", "")
     key = _ALIASES.get(key, key)
     if key not in FORMATS:
-        raise ValueError(f"fmt must be one of {', '.join(FORMATS)} (or a torch float dtype), got {fmt!r}")
+        raise ValueError(
+            f"fmt must be one of {', '.join(FORMATS)} (or a torch float dtype), got {fmt!r}"
+        )
     return FORMATS[key]
 
 
@@ -177,16 +221,18 @@ def encode(x: float, fmt: str | FloatFormat, saturate: bool = False) -> int:
         if saturate:
             return sign | f.max_bits
         return sign | (f.inf_bits if f.ieee_specials else f.nan_bits)
-    if e64 == 0:  # zero, or a float64 subnormal (< 2.2e-308): far below every format here
+    if (
+        e64 == 0
+    ):  # zero, or a float64 subnormal (< 2.2e-308): far below every format here
         return sign
-    e = e64 - 1023                     # x = sig * 2**(e - 52), sig has 53 bits
+    e = e64 - 1023  # x = sig * 2**(e - 52), sig has 53 bits
     sig = (1 << 52) | m64
-    q = max(e, f.emin) - m             # exponent of the grid spacing (ulp) at x in fmt
-    shift = q - (e - 52)               # how many low bits of sig fall below the grid
+    q = max(e, f.emin) - m  # exponent of the grid spacing (ulp) at x in fmt
+    shift = q - (e - 52)  # how many low bits of sig fall below the grid
     n, rem = sig >> shift, sig & ((1 << shift) - 1)
     half = 1 << (shift - 1)
     if rem > half or (rem == half and n & 1):
-        n += 1                          # round to nearest, ties to even
+        n += 1  # round to nearest, ties to even
     # n counts grid steps of 2**q and includes the implicit 1, so adding it to the exponent
     # field's base carries naturally: subnormal → min normal, 1.11..1 → next binade.
     mag = ((max(e, f.emin) - f.emin) << m) + n
@@ -223,23 +269,28 @@ class Encoded:
     """A value stored in one format, split into its fields."""
 
     format: str
-    bits: int        # the whole pattern, unsigned
-    sign: int        # 0 or 1
-    exponent: int    # raw (biased) exponent field
-    mantissa: int    # raw mantissa field
-    value: float     # what the bits mean
-    kind: str        # "zero" | "subnormal" | "normal" | "inf" | "nan"
+    bits: int  # the whole pattern, unsigned
+    sign: int  # 0 or 1
+    exponent: int  # raw (biased) exponent field
+    mantissa: int  # raw mantissa field
+    value: float  # what the bits mean
+    kind: str  # "zero" | "subnormal" | "normal" | "inf" | "nan"
 
     def bit_string(self, sep: str = " ") -> str:
         """``"0 01110 0000000000"``: sign, exponent and mantissa fields in binary."""
         f = get_format(self.format)
-        return sep.join([str(self.sign), format(self.exponent, f"0{f.exponent_bits}b"),
-                         format(self.mantissa, f"0{f.mantissa_bits}b")])
+        return sep.join(
+            [
+                str(self.sign),
+                format(self.exponent, f"0{f.exponent_bits}b"),
+                format(self.mantissa, f"0{f.mantissa_bits}b"),
+            ]
+        )
 
     @property
     def unbiased_exponent(self) -> int:
         f = get_format(self.format)
-        return (f.emin if self.exponent == 0 else self.exponent - f.bias)
+        return f.emin if self.exponent == 0 else self.exponent - f.bias
 
 
 def decompose(x: float, fmt: str | FloatFormat, saturate: bool = False) -> Encoded:
@@ -339,6 +390,7 @@ def ulp(x: float, fmt: str | FloatFormat) -> float:
 def ulp_array(x: Any, fmt: str | FloatFormat) -> np.ndarray:
     """Vectorised :func:`ulp` over a numpy array (float64 result, same shape)."""
     import numpy as np
+
     f = get_format(fmt)
     a = np.abs(np.asarray(x, dtype=np.float64))
     e = np.frexp(a)[1].astype(np.int64) - 1
@@ -357,6 +409,7 @@ def round_array(x: Any, fmt: str | FloatFormat, saturate: bool = False) -> np.nd
     Overflow follows :func:`encode` (inf, NaN for E4M3, or ±max with ``saturate``).
     """
     import numpy as np
+
     f = get_format(fmt)
     a = np.asarray(x, dtype=np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -391,8 +444,15 @@ def round_tensor(t, fmt: str | FloatFormat, saturate: bool = False):
 # Memory: bytes per element (the number the chapter multiplies by a parameter count)
 # --------------------------------------------------------------------------------------------
 BYTES_PER_ELEMENT: dict[str, float] = {
-    "fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
-    "int8": 1, "int4": 0.5,
+    "fp32": 4,
+    "tf32": 4,
+    "fp16": 2,
+    "bf16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "int8": 1,
+    "int4": 0.5,
 }
 
 
@@ -400,7 +460,9 @@ def bytes_per_element(dtype: str) -> float:
     """Bytes one element of ``dtype`` occupies (int4: 0.5, two values packed per byte)."""
     key = _ALIASES.get(str(dtype).lower().replace("torch.", ""), str(dtype).lower())
     if key not in BYTES_PER_ELEMENT:
-        raise ValueError(f"dtype must be one of {', '.join(BYTES_PER_ELEMENT)}, got {dtype!r}")
+        raise ValueError(
+            f"dtype must be one of {', '.join(BYTES_PER_ELEMENT)}, got {dtype!r}"
+        )
     return BYTES_PER_ELEMENT[key]
 
 
@@ -418,8 +480,10 @@ def _g(v: float) -> str:
     return f"{v:.10g}"
 
 
-def describe_rows(x: float, formats: Iterable[str] = ("fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
-                  ) -> list[dict[str, str]]:
+def describe_rows(
+    x: float,
+    formats: Iterable[str] = ("fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"),
+) -> list[dict[str, str]]:
     """How ``x`` is stored in each format, one dict of display strings per format.
 
     Keys: ``format``, ``bits`` (sign exponent mantissa of the stored, rounded value), ``stored``,
@@ -436,13 +500,24 @@ def describe_rows(x: float, formats: Iterable[str] = ("fp32", "tf32", "bf16", "f
             err = f"{abs(d.value - x) / abs(x):.2e}"
         else:
             err = "0" if d.value == x else "-"
-        rows.append({"format": f.name, "bits": d.bit_string(), "stored": _g(d.value),
-                     "next below": _g(lo), "next above": _g(hi), "ulp": _g(ulp(x, f)),
-                     "rel.err": err})
+        rows.append(
+            {
+                "format": f.name,
+                "bits": d.bit_string(),
+                "stored": _g(d.value),
+                "next below": _g(lo),
+                "next above": _g(hi),
+                "ulp": _g(ulp(x, f)),
+                "rel.err": err,
+            }
+        )
     return rows
 
 
-def describe_value(x: float, formats: Iterable[str] = ("fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")) -> str:
+def describe_value(
+    x: float,
+    formats: Iterable[str] = ("fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"),
+) -> str:
     """A table: how ``x`` is stored in each format (plain text; :func:`describe_rows` as dicts).
 
     Columns: the bit fields of the stored (rounded) value, the stored value, the nearest
@@ -450,7 +525,17 @@ def describe_value(x: float, formats: Iterable[str] = ("fp32", "tf32", "bf16", "
     relative rounding error.
     """
     x = float(x)
-    rows = [("format", "sign exponent mantissa", "stored", "next below", "next above", "ulp", "rel.err")]
+    rows = [
+        (
+            "format",
+            "sign exponent mantissa",
+            "stored",
+            "next below",
+            "next above",
+            "ulp",
+            "rel.err",
+        )
+    ]
     rows += [tuple(r.values()) for r in describe_rows(x, formats)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

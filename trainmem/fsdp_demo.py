@@ -22,6 +22,7 @@ micro-batch (ZeRO/FSDP does not shard activations).
 Results come back as plain Python data (ints, floats, lists) so a notebook can print them and
 nbval can compare them. Sizes are in **bytes**; shapes are the parameters' global shapes.
 """
+
 from __future__ import annotations
 
 import os
@@ -68,8 +69,13 @@ def _saved_bytes(model, ids) -> int:
     stack: list[set[int]] = []
 
     def pre_hook(module, args):
-        stack.append({_local(p).untyped_storage().data_ptr()
-                      for p in module._parameters.values() if p is not None})
+        stack.append(
+            {
+                _local(p).untyped_storage().data_ptr()
+                for p in module._parameters.values()
+                if p is not None
+            }
+        )
 
     def post_hook(module, args, out):
         stack.pop()
@@ -77,7 +83,10 @@ def _saved_bytes(model, ids) -> int:
     handles = []
     for m in model.modules():
         if m._parameters:
-            handles += [m.register_forward_pre_hook(pre_hook), m.register_forward_hook(post_hook)]
+            handles += [
+                m.register_forward_pre_hook(pre_hook),
+                m.register_forward_hook(post_hook),
+            ]
     total = 0
 
     def pack(t):
@@ -106,7 +115,9 @@ def _shard(model, mesh):
     return model
 
 
-def _worker(rank: int, world_size: int, port: int, model_name: str, seed: int, lr: float, q) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, model_name: str, seed: int, lr: float, q
+) -> None:
     try:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
@@ -129,15 +140,26 @@ def _worker(rank: int, world_size: int, port: int, model_name: str, seed: int, l
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
-            changed_right = sum(not torch.equal(b, _local(p)) for b, p in zip(start, model.parameters()))
+            changed_right = sum(
+                not torch.equal(b, _local(p)) for b, p in zip(start, model.parameters())
+            )
             params = []
             for name, p in model.named_parameters():
                 st = opt.state[p]
-                params.append(dict(
-                    name=name, shape=list(p.shape), global_numel=p.numel(),
-                    local_numel=_local(p).numel(), param_bytes=_nbytes(p), grad_bytes=_nbytes(p.grad),
-                    optim_bytes=sum(_nbytes(v) for v in st.values() if torch.is_tensor(v)),
-                    optim_states=sorted(st)))
+                params.append(
+                    dict(
+                        name=name,
+                        shape=list(p.shape),
+                        global_numel=p.numel(),
+                        local_numel=_local(p).numel(),
+                        param_bytes=_nbytes(p),
+                        grad_bytes=_nbytes(p.grad),
+                        optim_bytes=sum(
+                            _nbytes(v) for v in st.values() if torch.is_tensor(v)
+                        ),
+                        optim_states=sorted(st),
+                    )
+                )
             loss_value = loss.detach().clone()
             dist.all_reduce(loss_value)  # mean loss over ranks, for a printout
 
@@ -148,28 +170,50 @@ def _worker(rank: int, world_size: int, port: int, model_name: str, seed: int, l
             before = [_local(p).detach().clone() for p in wrong.parameters()]
             wrong(input_ids=ids, labels=ids).loss.backward()
             wrong_opt.step()
-            changed_wrong = sum(not torch.equal(b, _local(p)) for b, p in zip(before, wrong.parameters()))
-            opt_sees_module_params = any(p is q_ for g in wrong_opt.param_groups for p in g["params"]
-                                         for q_ in wrong.parameters())
+            changed_wrong = sum(
+                not torch.equal(b, _local(p))
+                for b, p in zip(before, wrong.parameters())
+            )
+            opt_sees_module_params = any(
+                p is q_
+                for g in wrong_opt.param_groups
+                for p in g["params"]
+                for q_ in wrong.parameters()
+            )
 
             # --- pitfall: activations are not sharded ----------------------------------------
             saved_fsdp = _saved_bytes(_shard(build_model(cfg, seed=seed), mesh), ids)
             saved_plain = _saved_bytes(build_model(cfg, seed=seed), ids)
 
-            q.put(dict(rank=rank, params=params, loss=float(loss_value) / world_size,
-                       wrong_order_changed=int(changed_wrong), right_order_changed=int(changed_right),
-                       n_param_tensors=len(params),
-                       wrong_order_optimizer_sees_module_params=bool(opt_sees_module_params),
-                       saved_bytes_fsdp=int(saved_fsdp), saved_bytes_plain=int(saved_plain),
-                       backend=dist.get_backend()))
+            q.put(
+                dict(
+                    rank=rank,
+                    params=params,
+                    loss=float(loss_value) / world_size,
+                    wrong_order_changed=int(changed_wrong),
+                    right_order_changed=int(changed_right),
+                    n_param_tensors=len(params),
+                    wrong_order_optimizer_sees_module_params=bool(
+                        opt_sees_module_params
+                    ),
+                    saved_bytes_fsdp=int(saved_fsdp),
+                    saved_bytes_plain=int(saved_plain),
+                    backend=dist.get_backend(),
+                )
+            )
         finally:
             dist.destroy_process_group()
     except Exception:  # report, do not hang the parent
         q.put(dict(rank=rank, error=traceback.format_exc()))
 
 
-PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.device_mesh", "trainmem.models",
-           "transformers.models.llama.modeling_llama"]
+PRELOAD = [
+    "torch",
+    "torch.distributed.fsdp",
+    "torch.distributed.device_mesh",
+    "trainmem.models",
+    "transformers.models.llama.modeling_llama",
+]
 
 
 def _context(mp, start_method: str | None = None):
@@ -182,7 +226,9 @@ def _context(mp, start_method: str | None = None):
     torch) can deadlock.
     """
     if start_method not in (None, "spawn", "forkserver"):
-        raise ValueError(f"start_method must be None, 'spawn' or 'forkserver', got {start_method!r}")
+        raise ValueError(
+            f"start_method must be None, 'spawn' or 'forkserver', got {start_method!r}"
+        )
     if start_method == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -190,8 +236,14 @@ def _context(mp, start_method: str | None = None):
     return ctx
 
 
-def run(world_size: int = 2, model: str = "tiny", seed: int = 0, lr: float = 1e-2,
-        timeout: float = 120.0, start_method: str | None = None) -> list[dict]:
+def run(
+    world_size: int = 2,
+    model: str = "tiny",
+    seed: int = 0,
+    lr: float = 1e-2,
+    timeout: float = 120.0,
+    start_method: str | None = None,
+) -> list[dict]:
     """Run the FSDP2 demo on ``world_size`` CPU processes; return one result dict per rank.
 
     Each dict: ``rank``, ``params`` (per parameter: ``name``, global ``shape``, ``global_numel``,
@@ -209,8 +261,12 @@ def run(world_size: int = 2, model: str = "tiny", seed: int = 0, lr: float = 1e-
     ctx = _context(mp, start_method)
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, model, seed, lr, q), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, model, seed, lr, q), daemon=True
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results = []
@@ -219,9 +275,13 @@ def run(world_size: int = 2, model: str = "tiny", seed: int = 0, lr: float = 1e-
             try:
                 results.append(q.get(timeout=timeout))
             except queue_mod.Empty:
-                raise TimeoutError(f"FSDP demo: no result from a rank within {timeout} s") from None
+                raise TimeoutError(
+                    f"FSDP demo: no result from a rank within {timeout} s"
+                ) from None
             if "error" in results[-1]:
-                raise RuntimeError(f"FSDP demo rank {results[-1]['rank']} failed:\n{results[-1]['error']}")
+                raise RuntimeError(
+                    f"FSDP demo rank {results[-1]['rank']} failed:\n{results[-1]['error']}"
+                )
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -238,8 +298,12 @@ def expected(params: list[dict], world_size: int, rank: int) -> dict:
     scalar per parameter tensor (4 bytes), present on every rank.
     """
     local = sum(zero.fsdp_local_numel(p["shape"], world_size, rank) for p in params)
-    return dict(local_numel=local, param_bytes=4 * local, grad_bytes=4 * local,
-                optim_bytes=8 * local + 4 * len(params))
+    return dict(
+        local_numel=local,
+        param_bytes=4 * local,
+        grad_bytes=4 * local,
+        optim_bytes=8 * local + 4 * len(params),
+    )
 
 
 def summarize(results: list[dict]) -> list[dict]:
@@ -249,13 +313,17 @@ def summarize(results: list[dict]) -> list[dict]:
     for r in results:
         ps = r["params"]
         exp = expected(ps, world, r["rank"])
-        rows.append(dict(
-            rank=r["rank"],
-            local_numel=sum(p["local_numel"] for p in ps),
-            global_numel=sum(p["global_numel"] for p in ps),
-            param_bytes=sum(p["param_bytes"] for p in ps),
-            grad_bytes=sum(p["grad_bytes"] for p in ps),
-            optim_bytes=sum(p["optim_bytes"] for p in ps),
-            expected_param_bytes=exp["param_bytes"], expected_grad_bytes=exp["grad_bytes"],
-            expected_optim_bytes=exp["optim_bytes"]))
+        rows.append(
+            dict(
+                rank=r["rank"],
+                local_numel=sum(p["local_numel"] for p in ps),
+                global_numel=sum(p["global_numel"] for p in ps),
+                param_bytes=sum(p["param_bytes"] for p in ps),
+                grad_bytes=sum(p["grad_bytes"] for p in ps),
+                optim_bytes=sum(p["optim_bytes"] for p in ps),
+                expected_param_bytes=exp["param_bytes"],
+                expected_grad_bytes=exp["grad_bytes"],
+                expected_optim_bytes=exp["optim_bytes"],
+            )
+        )
     return rows

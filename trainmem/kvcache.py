@@ -7,6 +7,7 @@ cache shrinks by that factor. All results are ``int``/``float`` bytes; configs a
 ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``, ``vocab_size``,
 ``tie_word_embeddings``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,8 +37,18 @@ def param_count(cfg) -> int:
 def kv_cache_bytes(cfg, batch: int, context: int, bytes_per_element: float = 2) -> int:
     """Bytes of the K and V cache for ``batch`` sequences of ``context`` tokens."""
     if batch < 1 or context < 1:
-        raise ValueError(f"batch and context must be ≥ 1, got batch={batch}, context={context}")
-    return int(2 * cfg.num_hidden_layers * _kv_heads(cfg) * _head_dim(cfg) * context * batch * bytes_per_element)
+        raise ValueError(
+            f"batch and context must be ≥ 1, got batch={batch}, context={context}"
+        )
+    return int(
+        2
+        * cfg.num_hidden_layers
+        * _kv_heads(cfg)
+        * _head_dim(cfg)
+        * context
+        * batch
+        * bytes_per_element
+    )
 
 
 @dataclass(frozen=True)
@@ -56,11 +67,18 @@ class InferenceMemory:
         return self.total / self.weights
 
 
-def inference_memory(cfg, batch: int = 1, context: int = 2048, weight_bytes: float = 2,
-                     kv_bytes: float = 2) -> InferenceMemory:
+def inference_memory(
+    cfg,
+    batch: int = 1,
+    context: int = 2048,
+    weight_bytes: float = 2,
+    kv_bytes: float = 2,
+) -> InferenceMemory:
     """Weights at ``weight_bytes`` per parameter (2 = bf16, ≈0.52 = NF4) + KV cache at ``kv_bytes``.
 
     Activations of a forward pass at inference are transient and small next to these for
     decoding (one token at a time); they are not included.
     """
-    return InferenceMemory(param_count(cfg) * weight_bytes, kv_cache_bytes(cfg, batch, context, kv_bytes))
+    return InferenceMemory(
+        param_count(cfg) * weight_bytes, kv_cache_bytes(cfg, batch, context, kv_bytes)
+    )

@@ -14,6 +14,7 @@ the same seed draws the same random numbers in the same order and the two implem
 numerically (tests/test_lora.py). Parameter counts: :func:`lora_param_count` (one matrix),
 :func:`lora_param_count_for_config` (a whole Llama-shaped model, from its config only).
 """
+
 from __future__ import annotations
 
 import math
@@ -55,7 +56,9 @@ def lora_param_count_for_config(config, target_modules: Iterable[str], r: int) -
     targets = list(target_modules)
     unknown = [t for t in targets if t not in shapes]
     if unknown or not targets:
-        raise ValueError(f"target_modules must be a non-empty subset of {sorted(shapes)}, got {targets!r}")
+        raise ValueError(
+            f"target_modules must be a non-empty subset of {sorted(shapes)}, got {targets!r}"
+        )
     per_layer = sum(lora_param_count(*shapes[t], r) for t in targets)
     return per_layer * config.num_hidden_layers
 
@@ -82,15 +85,23 @@ class LoRALinear(nn.Module):
             (A ~ N(0, (1/r)²), peft's ``init_lora_weights="gaussian"``). B is always zeros.
     """
 
-    def __init__(self, base: nn.Linear, r: int, alpha: float = 1.0, dropout: float = 0.0,
-                 init: str = "kaiming"):
+    def __init__(
+        self,
+        base: nn.Linear,
+        r: int,
+        alpha: float = 1.0,
+        dropout: float = 0.0,
+        init: str = "kaiming",
+    ):
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"base must be an nn.Linear, got {type(base).__name__}")
         d_in, d_out = base.in_features, base.out_features
         if not isinstance(r, int) or not 1 <= r <= min(d_in, d_out):
-            raise ValueError(f"r (lora rank) must be an integer ≥ 1 and ≤ min(d_in, d_out)="
-                             f"{min(d_in, d_out)}, got {r!r}")
+            raise ValueError(
+                f"r (lora rank) must be an integer ≥ 1 and ≤ min(d_in, d_out)="
+                f"{min(d_in, d_out)}, got {r!r}"
+            )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         if init not in INITS:
@@ -101,8 +112,12 @@ class LoRALinear(nn.Module):
         self.r, self.alpha, self.scaling = r, alpha, alpha / r
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         dev, dt = base.weight.device, base.weight.dtype
-        self.lora_A = nn.Linear(d_in, r, bias=False, device=dev, dtype=dt)   # weight: (r, k)
-        self.lora_B = nn.Linear(r, d_out, bias=False, device=dev, dtype=dt)  # weight: (d, r)
+        self.lora_A = nn.Linear(
+            d_in, r, bias=False, device=dev, dtype=dt
+        )  # weight: (r, k)
+        self.lora_B = nn.Linear(
+            r, d_out, bias=False, device=dev, dtype=dt
+        )  # weight: (d, r)
         self.reset_parameters(init)
         self.merged = False
 
@@ -136,7 +151,9 @@ class LoRALinear(nn.Module):
     def merge(self) -> None:
         """Fold ΔW into the base weight (``W0 ← W0 + ΔW``) for inference with zero overhead."""
         if self.merged:
-            raise RuntimeError("merge() called on an already merged LoRALinear (would add ΔW twice)")
+            raise RuntimeError(
+                "merge() called on an already merged LoRALinear (would add ΔW twice)"
+            )
         self.base.weight += self.delta_weight().to(self.base.weight.dtype)
         self.merged = True
 
@@ -156,8 +173,14 @@ def _linear_names(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def inject_lora(model: nn.Module, target_modules: Iterable[str], r: int, alpha: float = 1.0,
-                dropout: float = 0.0, init: str = "kaiming") -> list[str]:
+def inject_lora(
+    model: nn.Module,
+    target_modules: Iterable[str],
+    r: int,
+    alpha: float = 1.0,
+    dropout: float = 0.0,
+    init: str = "kaiming",
+) -> list[str]:
     """Replace every ``nn.Linear`` whose name ends with a target by a :class:`LoRALinear`, in place.
 
     All other parameters are frozen (only A and B train), as peft does; adapters injected by an
@@ -166,17 +189,25 @@ def inject_lora(model: nn.Module, target_modules: Iterable[str], r: int, alpha: 
     Returns the replaced module names. Raises ``ValueError`` when a target matches no linear
     module (listing the available suffixes) or when ``target_modules`` is empty.
     """
-    targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    targets = (
+        [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    )
     if not targets:
         raise ValueError("target_modules must name at least one module suffix, got []")
     names = _linear_names(model)
     suffixes = sorted({n.rsplit(".", 1)[-1] for n in names})
-    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    missing = [
+        t for t in targets if not any(n == t or n.endswith("." + t) for n in names)
+    ]
     if missing:
-        raise ValueError(f"target_modules {missing} match no nn.Linear in the model; "
-                         f"allowed suffixes: {suffixes}")
+        raise ValueError(
+            f"target_modules {missing} match no nn.Linear in the model; "
+            f"allowed suffixes: {suffixes}"
+        )
     for pname, p in model.named_parameters():
-        if ".lora_A." not in pname and ".lora_B." not in pname:  # keep earlier adapters trainable
+        if (
+            ".lora_A." not in pname and ".lora_B." not in pname
+        ):  # keep earlier adapters trainable
             p.requires_grad_(False)
     replaced = []
     for name in names:
@@ -185,7 +216,11 @@ def inject_lora(model: nn.Module, target_modules: Iterable[str], r: int, alpha: 
         if any(name == t or name.endswith("." + t) for t in targets):
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, LoRALinear(getattr(parent, child), r, alpha, dropout, init))
+            setattr(
+                parent,
+                child,
+                LoRALinear(getattr(parent, child), r, alpha, dropout, init),
+            )
             replaced.append(name)
     return replaced
 
@@ -213,7 +248,11 @@ def unmerge_lora(model: nn.Module) -> int:
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Only the adapter tensors (``…lora_A.weight``, ``…lora_B.weight``): what needs saving."""
-    return {k: v for k, v in model.state_dict().items() if ".lora_A." in k or ".lora_B." in k}
+    return {
+        k: v
+        for k, v in model.state_dict().items()
+        if ".lora_A." in k or ".lora_B." in k
+    }
 
 
 def rank_sweep(delta: torch.Tensor, ranks: Iterable[int]) -> list[dict]:
@@ -231,14 +270,23 @@ def rank_sweep(delta: torch.Tensor, ranks: Iterable[int]) -> list[dict]:
     total = s2.sum().item()
     if total == 0:
         raise ValueError("delta is all zeros: its relative error is undefined")
-    tail = s2.flip(0).cumsum(0).flip(0)          # tail[i] = Σ_{j ≥ i} σ_j²
+    tail = s2.flip(0).cumsum(0).flip(0)  # tail[i] = Σ_{j ≥ i} σ_j²
     rows = []
     for r in ranks:
         if int(r) != r or not 1 <= r <= min(d, k):
-            raise ValueError(f"rank must be an integer in 1..min(d, k)={min(d, k)}, got {r!r}")
+            raise ValueError(
+                f"rank must be an integer in 1..min(d, k)={min(d, k)}, got {r!r}"
+            )
         r = int(r)
         rest = tail[r].item() if r < len(s2) else 0.0
         err = math.sqrt(max(rest, 0.0) / total)
-        rows.append({"r": r, "lora_params": lora_param_count(k, d, r), "full_params": d * k,
-                     "rel_error": err, "energy": 1 - err ** 2})
+        rows.append(
+            {
+                "r": r,
+                "lora_params": lora_param_count(k, d, r),
+                "full_params": d * k,
+                "rel_error": err,
+                "energy": 1 - err**2,
+            }
+        )
     return rows

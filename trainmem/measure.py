@@ -44,6 +44,7 @@ Trainer's default ``optim="adamw_torch_fused"`` runs; ``"for-loop"``) and is the
 device, so the scratch memory of the step is the one a GPU run has.  ``adamw8bit`` and ``qlora`` need ``bitsandbytes`` and a
 CUDA device and are estimated only.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,40 +64,48 @@ __all__ = ["measure", "Measurement", "build_training_setup"]
 @dataclass
 class Measurement:
     """Result of :func:`measure`. All sizes in bytes."""
-    total_bytes: int                       # peak of live storages during the 2nd step
-    breakdown: dict[str, int]              # categories at the peak (sum == total_bytes)
-    activation_bytes: int                  # forward-allocated bytes alive at the end of forward
-    phase_peaks: dict[str, int]            # peak within each phase (forward, backward, optimizer)
+
+    total_bytes: int  # peak of live storages during the 2nd step
+    breakdown: dict[str, int]  # categories at the peak (sum == total_bytes)
+    activation_bytes: int  # forward-allocated bytes alive at the end of forward
+    phase_peaks: dict[str, int]  # peak within each phase (forward, backward, optimizer)
     peak_phase: str
     n_params: int
     n_trainable: int
     device: str
     seconds: float
     extrapolated_from_layers: tuple[int, ...] | None = None
-    cuda: dict[str, int] | None = None     # max_memory_allocated / reserved / device_used
+    cuda: dict[str, int] | None = None  # max_memory_allocated / reserved / device_used
     options: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"total_bytes": int(self.total_bytes),
-             "breakdown": {k: int(self.breakdown[k]) for k in CATEGORIES},
-             "activation_bytes": int(self.activation_bytes),
-             "phase_peaks": {k: int(v) for k, v in self.phase_peaks.items()},
-             "peak_phase": self.peak_phase, "n_params": self.n_params,
-             "n_trainable": self.n_trainable, "device": self.device,
-             "seconds": round(self.seconds, 3),
-             "extrapolated_from_layers": list(self.extrapolated_from_layers)
-             if self.extrapolated_from_layers else None,
-             "options": self.options}
+        d = {
+            "total_bytes": int(self.total_bytes),
+            "breakdown": {k: int(self.breakdown[k]) for k in CATEGORIES},
+            "activation_bytes": int(self.activation_bytes),
+            "phase_peaks": {k: int(v) for k, v in self.phase_peaks.items()},
+            "peak_phase": self.peak_phase,
+            "n_params": self.n_params,
+            "n_trainable": self.n_trainable,
+            "device": self.device,
+            "seconds": round(self.seconds, 3),
+            "extrapolated_from_layers": list(self.extrapolated_from_layers)
+            if self.extrapolated_from_layers
+            else None,
+            "options": self.options,
+        }
         if self.cuda is not None:
             d["cuda"] = self.cuda
         return d
 
     def to_json(self, **kw) -> str:
         import json
+
         return json.dumps(self.to_dict(), **kw)
 
     def table(self) -> str:
         from .estimate import format_table
+
         rows = dict(self.breakdown)
         extra = {"activations at end of forward": self.activation_bytes}
         if self.cuda:
@@ -110,18 +119,37 @@ class Measurement:
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_training_setup(cfg, *, method="full", precision="fp32", optimizer="adamw", lora_rank=8,
-                         lora_alpha=16, lora_targets=("q_proj", "v_proj"), lora_dtype=None,
-                         checkpointing=False, attn="sdpa", device="cpu", lr=1e-4,
-                         optimizer_impl="foreach"):
+def build_training_setup(
+    cfg,
+    *,
+    method="full",
+    precision="fp32",
+    optimizer="adamw",
+    lora_rank=8,
+    lora_alpha=16,
+    lora_targets=("q_proj", "v_proj"),
+    lora_dtype=None,
+    checkpointing=False,
+    attn="sdpa",
+    device="cpu",
+    lr=1e-4,
+    optimizer_impl="foreach",
+):
     """Model (train mode) and optimizer exactly as :func:`measure` runs them."""
     model = build_model(cfg, device=device, attn_implementation=attn)
     if precision == "bf16":
         model = model.to(torch.bfloat16)
     if method == "lora":
         from peft import LoraConfig, get_peft_model
-        lcfg = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules=list(lora_targets),
-                          lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+
+        lcfg = LoraConfig(
+            r=lora_rank,
+            lora_alpha=lora_alpha,
+            target_modules=list(lora_targets),
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
         model = get_peft_model(model, lcfg)
         if lora_dtype is not None:
             dt = _DTYPES[lora_dtype]
@@ -129,7 +157,9 @@ def build_training_setup(cfg, *, method="full", precision="fp32", optimizer="ada
                 if "lora_" in n:
                     p.data = p.data.to(dt)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
     model.train()
     return model, make_optimizer(model, optimizer, lr, optimizer_impl)
 
@@ -142,6 +172,7 @@ def _real_mask_decisions(active: bool):
         yield
         return
     from transformers import masking_utils
+
     orig = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
     if orig is None:  # pragma: no cover - other transformers versions
         yield
@@ -149,13 +180,17 @@ def _real_mask_decisions(active: bool):
 
     def ignore(padding_mask, q_length, kv_length, *args, **kwargs):
         local = kwargs.get("local_attention_size", args[2] if len(args) > 2 else None)
-        if padding_mask is None and q_length == kv_length and (local is None or kv_length < local):
-            return True                      # what the real (non-fake) run decides
+        if (
+            padding_mask is None
+            and q_length == kv_length
+            and (local is None or kv_length < local)
+        ):
+            return True  # what the real (non-fake) run decides
         return orig(padding_mask, q_length, kv_length, *args, **kwargs)
 
     orig_packed = getattr(masking_utils, "find_packed_sequence_indices", None)
     masking_utils._ignore_causal_mask_sdpa = ignore
-    if orig_packed is not None:     # our position ids are a plain arange: never packed
+    if orig_packed is not None:  # our position ids are a plain arange: never packed
         masking_utils.find_packed_sequence_indices = lambda position_ids: None
     try:
         yield
@@ -170,12 +205,18 @@ def _to_fake(model, mode):
     from torch._subclasses.fake_tensor import FakeTensor
 
     def fake_of(t):
-        return FakeTensor(mode, torch.empty(t.shape, dtype=t.dtype, device="meta"), torch.device("cpu"))
+        return FakeTensor(
+            mode,
+            torch.empty(t.shape, dtype=t.dtype, device="meta"),
+            torch.device("cpu"),
+        )
 
     for mod in model.modules():
         for name, p in list(mod._parameters.items()):
             if p is not None:
-                mod._parameters[name] = torch.nn.Parameter(fake_of(p), requires_grad=p.requires_grad)
+                mod._parameters[name] = torch.nn.Parameter(
+                    fake_of(p), requires_grad=p.requires_grad
+                )
         for name, b in list(mod._buffers.items()):
             if b is not None:
                 mod._buffers[name] = fake_of(b)
@@ -188,7 +229,9 @@ def _impl_flags(optimizer_impl: str) -> dict:
     return {"foreach": optimizer_impl == "foreach"}
 
 
-def make_optimizer(model, optimizer: str, lr: float = 1e-4, optimizer_impl: str = "foreach"):
+def make_optimizer(
+    model, optimizer: str, lr: float = 1e-4, optimizer_impl: str = "foreach"
+):
     """The optimizer :func:`measure` uses, over the trainable parameters, with the implementation
     chosen explicitly (``foreach``, ``fused`` or ``for-loop``: the same on every device, so the
     CPU measurement holds the scratch memory a GPU run holds)."""
@@ -201,39 +244,77 @@ def make_optimizer(model, optimizer: str, lr: float = 1e-4, optimizer_impl: str 
     elif optimizer == "sgd-momentum":
         opt = torch.optim.SGD(params, lr=lr, momentum=0.9, **flags)
     else:
-        raise OptionError("optimizer", f"optimizer {optimizer!r} cannot be measured here (needs bitsandbytes on CUDA); "
-                         "allowed for measure: adamw, sgd, sgd-momentum")
+        raise OptionError(
+            "optimizer",
+            f"optimizer {optimizer!r} cannot be measured here (needs bitsandbytes on CUDA); "
+            "allowed for measure: adamw, sgd, sgd-momentum",
+        )
     return opt
 
 
-def _one_run(cfg, *, device, method, precision, optimizer, batch, seq, grad_accum, lora_rank,
-             lora_alpha, lora_targets, lora_dtype, checkpointing, attn, seed=0,
-             optimizer_impl="foreach"):
+def _one_run(
+    cfg,
+    *,
+    device,
+    method,
+    precision,
+    optimizer,
+    batch,
+    seq,
+    grad_accum,
+    lora_rank,
+    lora_alpha,
+    lora_targets,
+    lora_dtype,
+    checkpointing,
+    attn,
+    seed=0,
+    optimizer_impl="foreach",
+):
     """Run two steps, track the second one. Returns a dict of raw numbers."""
     fake = device == "fake"
     real_device = "cuda" if device == "cuda" else "cpu"
     outer = contextlib.nullcontext()
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
+
         outer = FakeTensorMode(allow_non_fake_inputs=True)
     torch.manual_seed(seed)
     if fake:
         # Build on the meta device (no memory), then turn every parameter and buffer into a
         # fake CPU tensor, so autocast and the CPU kernels' shape rules apply.
         model, _ = build_training_setup(
-            cfg, method=method, precision=precision, optimizer="sgd", lora_rank=lora_rank,
-            lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dtype=lora_dtype,
-            checkpointing=checkpointing, attn=attn, device="meta")
+            cfg,
+            method=method,
+            precision=precision,
+            optimizer="sgd",
+            lora_rank=lora_rank,
+            lora_alpha=lora_alpha,
+            lora_targets=lora_targets,
+            lora_dtype=lora_dtype,
+            checkpointing=checkpointing,
+            attn=attn,
+            device="meta",
+        )
     with outer, _real_mask_decisions(fake):
         if fake:
             _to_fake(model, outer)
             opt = make_optimizer(model, optimizer, optimizer_impl=optimizer_impl)
         else:
             model, opt = build_training_setup(
-                cfg, method=method, precision=precision, optimizer=optimizer, lora_rank=lora_rank,
-                lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dtype=lora_dtype,
-                checkpointing=checkpointing, attn=attn, device=real_device,
-                optimizer_impl=optimizer_impl)
+                cfg,
+                method=method,
+                precision=precision,
+                optimizer=optimizer,
+                lora_rank=lora_rank,
+                lora_alpha=lora_alpha,
+                lora_targets=lora_targets,
+                lora_dtype=lora_dtype,
+                checkpointing=checkpointing,
+                attn=attn,
+                device=real_device,
+                optimizer_impl=optimizer_impl,
+            )
         vocab = cfg.vocab_size
         g = torch.Generator(device="cpu").manual_seed(seed)
         if fake:
@@ -244,7 +325,7 @@ def _one_run(cfg, *, device, method, precision, optimizer, batch, seq, grad_accu
         amp = precision in ("fp16-amp", "bf16-amp")
         amp_dtype = torch.float16 if precision == "fp16-amp" else torch.bfloat16
         scaler = None
-        scale = 2.0 ** 16
+        scale = 2.0**16
         if precision == "fp16-amp" and not fake:
             scaler = torch.amp.GradScaler(real_device, init_scale=scale)
 
@@ -252,7 +333,7 @@ def _one_run(cfg, *, device, method, precision, optimizer, batch, seq, grad_accu
         trainable = [p for p in model.parameters() if p.requires_grad]
         for t in list(model.parameters()) + list(model.buffers()):
             tracker.register(t)
-        tracker.set_phase("forward")          # the batch is held for backward (embedding, loss)
+        tracker.set_phase("forward")  # the batch is held for backward (embedding, loss)
         tracker.register(x)
         tracker.register(y)
         tracker.set_phase("pre")
@@ -262,7 +343,11 @@ def _one_run(cfg, *, device, method, precision, optimizer, batch, seq, grad_accu
         def step(track: bool):
             for _ in range(grad_accum):
                 tracker.set_phase("forward")
-                ctx = torch.autocast(real_device, dtype=amp_dtype) if amp else contextlib.nullcontext()
+                ctx = (
+                    torch.autocast(real_device, dtype=amp_dtype)
+                    if amp
+                    else contextlib.nullcontext()
+                )
                 with ctx:
                     loss = model(input_ids=x, labels=y, use_cache=False).loss
                 if grad_accum > 1:
@@ -272,24 +357,34 @@ def _one_run(cfg, *, device, method, precision, optimizer, batch, seq, grad_accu
                 tracker.set_phase("backward")
                 if scaler is not None:
                     scaler.scale(loss).backward()
-                elif precision == "fp16-amp":      # fake mode: the scaler's arithmetic, no .item()
+                elif (
+                    precision == "fp16-amp"
+                ):  # fake mode: the scaler's arithmetic, no .item()
                     (loss * scale).backward()
                 else:
                     loss.backward()
                 del loss
             if track:
-                marks["grads"] = [tracker.record_of(p.grad) for p in trainable if p.grad is not None]
+                marks["grads"] = [
+                    tracker.record_of(p.grad) for p in trainable if p.grad is not None
+                ]
             tracker.set_phase("optimizer")
             if scaler is not None:
                 scaler.step(opt)
                 scaler.update()
             else:
                 if precision == "fp16-amp":
-                    torch._foreach_mul_([p.grad for p in trainable if p.grad is not None], 1.0 / scale)
+                    torch._foreach_mul_(
+                        [p.grad for p in trainable if p.grad is not None], 1.0 / scale
+                    )
                 opt.step()
             if track:
-                marks["states"] = [tracker.record_of(t) for st in opt.state.values()
-                                   for t in st.values() if isinstance(t, torch.Tensor)]
+                marks["states"] = [
+                    tracker.record_of(t)
+                    for st in opt.state.values()
+                    for t in st.values()
+                    if isinstance(t, torch.Tensor)
+                ]
             opt.zero_grad(set_to_none=True)
             tracker.set_phase("idle")
 
@@ -307,15 +402,22 @@ def _one_run(cfg, *, device, method, precision, optimizer, batch, seq, grad_accu
         if device == "cuda":
             torch.cuda.synchronize()
             free, total = torch.cuda.mem_get_info()
-            cuda_stats = {"max_memory_allocated": int(torch.cuda.max_memory_allocated()),
-                          "max_memory_reserved": int(torch.cuda.max_memory_reserved()),
-                          "device_used": int(total - free)}
+            cuda_stats = {
+                "max_memory_allocated": int(torch.cuda.max_memory_allocated()),
+                "max_memory_reserved": int(torch.cuda.max_memory_reserved()),
+                "device_used": int(total - free),
+            }
 
         # ---- classify the storages alive at each event of interest ----
-        weight_ids = {id(tracker.record_of(t)) for t in list(model.parameters()) + list(model.buffers())}
+        weight_ids = {
+            id(tracker.record_of(t))
+            for t in list(model.parameters()) + list(model.buffers())
+        }
         master_ids = set()
         if amp:
-            master_ids = {id(tracker.record_of(p)) for p in trainable if p.dtype == torch.float32}
+            master_ids = {
+                id(tracker.record_of(p)) for p in trainable if p.dtype == torch.float32
+            }
             weight_ids -= master_ids
         grad_ids = {id(r) for r in marks["grads"] if r is not None}
         state_ids = {id(r) for r in marks["states"] if r is not None}
@@ -344,27 +446,56 @@ def _one_run(cfg, *, device, method, precision, optimizer, batch, seq, grad_accu
         peak_bd = at(tracker.peak_event)
         fwd_end = at(marks["forward_end"])
         # Which phase holds the peak: the phase whose own peak equals the global peak.
-        phase_peaks = {k: v for k, v in tracker.phase_peaks.items() if k in ("forward", "backward", "optimizer")}
+        phase_peaks = {
+            k: v
+            for k, v in tracker.phase_peaks.items()
+            if k in ("forward", "backward", "optimizer")
+        }
         peak_phase = max(phase_peaks, key=lambda k: (phase_peaks[k], k))
         n_params = sum(p.numel() for p in model.parameters())
         n_trainable = sum(p.numel() for p in trainable)
-        res = dict(total=tracker.peak, breakdown=peak_bd, activations=fwd_end["activations"],
-                   phase_peaks=phase_peaks, peak_phase=peak_phase, n_params=n_params,
-                   n_trainable=n_trainable, cuda=cuda_stats)
+        res = dict(
+            total=tracker.peak,
+            breakdown=peak_bd,
+            activations=fwd_end["activations"],
+            phase_peaks=phase_peaks,
+            peak_phase=peak_phase,
+            n_params=n_params,
+            n_trainable=n_trainable,
+            cuda=cuda_stats,
+        )
         model = opt = tracker = None  # free the step's tensors before the next run
         return res
 
 
 def _n_layers_field(cfg) -> str:
-    return "n_layer" if hasattr(cfg, "n_layer") and not hasattr(cfg, "num_hidden_layers") else "num_hidden_layers"
+    return (
+        "n_layer"
+        if hasattr(cfg, "n_layer") and not hasattr(cfg, "num_hidden_layers")
+        else "num_hidden_layers"
+    )
 
 
-def measure(model: Any = "tiny", *, method: str = "full", precision: str = "fp32",
-            optimizer: str = "adamw", batch: int = 1, seq: int = 512, lora_rank: int = 8,
-            lora_alpha: int = 16, lora_targets=("q_proj", "v_proj"), lora_dtype: str | None = None,
-            checkpointing: bool = False, attn: str = "sdpa", grad_accum: int = 1,
-            device: str = "cpu", extrapolate: bool | None = None, seed: int = 0,
-            optimizer_impl: str = "foreach") -> Measurement:
+def measure(
+    model: Any = "tiny",
+    *,
+    method: str = "full",
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    batch: int = 1,
+    seq: int = 512,
+    lora_rank: int = 8,
+    lora_alpha: int = 16,
+    lora_targets=("q_proj", "v_proj"),
+    lora_dtype: str | None = None,
+    checkpointing: bool = False,
+    attn: str = "sdpa",
+    grad_accum: int = 1,
+    device: str = "cpu",
+    extrapolate: bool | None = None,
+    seed: int = 0,
+    optimizer_impl: str = "foreach",
+) -> Measurement:
     """Measure one training step of ``model`` (preset name, config .json path, or HF config).
 
     Returns a :class:`Measurement` (bytes). See the module docstring for the categories and the
@@ -374,21 +505,53 @@ def measure(model: Any = "tiny", *, method: str = "full", precision: str = "fp32
     implementation explicitly (see :data:`trainmem.estimate.OPTIMIZER_IMPLS`).
     """
     if device not in ("cpu", "fake", "cuda"):
-        raise OptionError("device", f"device must be one of cpu, fake, cuda, got {device!r}")
+        raise OptionError(
+            "device", f"device must be one of cpu, fake, cuda, got {device!r}"
+        )
     if device == "cuda" and not torch.cuda.is_available():
-        raise OptionError("device", "device 'cuda' requested but torch.cuda.is_available() is False; allowed: cpu, fake")
+        raise OptionError(
+            "device",
+            "device 'cuda' requested but torch.cuda.is_available() is False; allowed: cpu, fake",
+        )
     cfg = resolve_config(model)
-    check_options(cfg, method=method, precision=precision, optimizer=optimizer, batch=batch,
-                  seq=seq, lora_rank=lora_rank, lora_targets=lora_targets, attn=attn,
-                  grad_accum=grad_accum, zero=0, gpus=1, lora_dtype=lora_dtype,
-                  optimizer_impl=optimizer_impl)
+    check_options(
+        cfg,
+        method=method,
+        precision=precision,
+        optimizer=optimizer,
+        batch=batch,
+        seq=seq,
+        lora_rank=lora_rank,
+        lora_targets=lora_targets,
+        attn=attn,
+        grad_accum=grad_accum,
+        zero=0,
+        gpus=1,
+        lora_dtype=lora_dtype,
+        optimizer_impl=optimizer_impl,
+    )
     if method == "qlora":
-        raise OptionError("method", "method 'qlora' cannot be measured here (needs bitsandbytes on CUDA); "
-                         "allowed for measure: full, lora")
-    kw = dict(method=method, precision=precision, optimizer=optimizer, batch=batch, seq=seq,
-              grad_accum=grad_accum, lora_rank=lora_rank, lora_alpha=lora_alpha,
-              lora_targets=tuple(lora_targets), lora_dtype=lora_dtype, checkpointing=checkpointing,
-              attn=attn, seed=seed, optimizer_impl=optimizer_impl)
+        raise OptionError(
+            "method",
+            "method 'qlora' cannot be measured here (needs bitsandbytes on CUDA); "
+            "allowed for measure: full, lora",
+        )
+    kw = dict(
+        method=method,
+        precision=precision,
+        optimizer=optimizer,
+        batch=batch,
+        seq=seq,
+        grad_accum=grad_accum,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_targets=tuple(lora_targets),
+        lora_dtype=lora_dtype,
+        checkpointing=checkpointing,
+        attn=attn,
+        seed=seed,
+        optimizer_impl=optimizer_impl,
+    )
     options = dict(kw, device=device)
     options["lora_targets"] = list(kw["lora_targets"])
     options["model"] = getattr(cfg, "name_or_path", None) or "config"
@@ -401,9 +564,20 @@ def measure(model: Any = "tiny", *, method: str = "full", precision: str = "fp32
     t0 = time.perf_counter()
     if not extrapolate:
         r = _one_run(cfg, device=device, **kw)
-        return Measurement(r["total"], r["breakdown"], r["activations"], r["phase_peaks"],
-                           r["peak_phase"], r["n_params"], r["n_trainable"], device,
-                           time.perf_counter() - t0, None, r["cuda"], options)
+        return Measurement(
+            r["total"],
+            r["breakdown"],
+            r["activations"],
+            r["phase_peaks"],
+            r["peak_phase"],
+            r["n_params"],
+            r["n_trainable"],
+            device,
+            time.perf_counter() - t0,
+            None,
+            r["cuda"],
+            options,
+        )
     runs = {}
     for L in (2, 3):
         c = cfg.__class__.from_dict(cfg.to_dict())
@@ -415,23 +589,46 @@ def measure(model: Any = "tiny", *, method: str = "full", precision: str = "fp32
         return int(v2 + (v3 - v2) * (n_layers - 2))
 
     # Each phase's peak is affine in the layer count; the step's peak is the largest of them.
-    phase_peaks = {k: ext(a["phase_peaks"][k], b["phase_peaks"][k]) for k in a["phase_peaks"]}
+    phase_peaks = {
+        k: ext(a["phase_peaks"][k], b["phase_peaks"][k]) for k in a["phase_peaks"]
+    }
     peak_phase = max(phase_peaks, key=lambda k: (phase_peaks[k], k))
     if a["peak_phase"] == b["peak_phase"] == peak_phase:
         breakdown = {k: ext(a["breakdown"][k], b["breakdown"][k]) for k in CATEGORIES}
-    else:   # the peak moves to another phase at full depth: re-measure that phase's breakdown
+    else:  # the peak moves to another phase at full depth: re-measure that phase's breakdown
         breakdown = None
     total = phase_peaks[peak_phase]
     if breakdown is None or sum(breakdown.values()) != total:
         # fall back to the full run (correct, slower)
         r = _one_run(cfg, device=device, **kw)
-        return Measurement(r["total"], r["breakdown"], r["activations"], r["phase_peaks"],
-                           r["peak_phase"], r["n_params"], r["n_trainable"], device,
-                           time.perf_counter() - t0, None, r["cuda"], options)
-    return Measurement(total, breakdown, ext(a["activations"], b["activations"]), phase_peaks,
-                       peak_phase, ext(a["n_params"], b["n_params"]),
-                       ext(a["n_trainable"], b["n_trainable"]), device, time.perf_counter() - t0,
-                       (2, 3), None, options)
+        return Measurement(
+            r["total"],
+            r["breakdown"],
+            r["activations"],
+            r["phase_peaks"],
+            r["peak_phase"],
+            r["n_params"],
+            r["n_trainable"],
+            device,
+            time.perf_counter() - t0,
+            None,
+            r["cuda"],
+            options,
+        )
+    return Measurement(
+        total,
+        breakdown,
+        ext(a["activations"], b["activations"]),
+        phase_peaks,
+        peak_phase,
+        ext(a["n_params"], b["n_params"]),
+        ext(a["n_trainable"], b["n_trainable"]),
+        device,
+        time.perf_counter() - t0,
+        (2, 3),
+        None,
+        options,
+    )
 
 
 @contextlib.contextmanager
@@ -469,7 +666,9 @@ def _until_states_exist(step, opt, **kw) -> None:
         if opt.state or not opt.param_groups[0]["params"] or not _has_states(opt):
             return
         step(**kw)
-    raise RuntimeError("the optimizer never stepped in 32 warm-up steps (gradients overflow?)")
+    raise RuntimeError(
+        "the optimizer never stepped in 32 warm-up steps (gradients overflow?)"
+    )
 
 
 def _has_states(opt) -> bool:
@@ -486,12 +685,24 @@ class _NoHook:
         pass
 
 
-def measure_memtracker(model: Any = "tiny", *, method: str = "full", precision: str = "fp32",
-                       optimizer: str = "adamw", batch: int = 1, seq: int = 512,
-                       lora_rank: int = 8, lora_alpha: int = 16,
-                       lora_targets=("q_proj", "v_proj"), lora_dtype: str | None = None,
-                       checkpointing: bool = False, attn: str = "sdpa", grad_accum: int = 1,
-                       optimizer_impl: str = "foreach", seed: int = 0) -> int:
+def measure_memtracker(
+    model: Any = "tiny",
+    *,
+    method: str = "full",
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    batch: int = 1,
+    seq: int = 512,
+    lora_rank: int = 8,
+    lora_alpha: int = 16,
+    lora_targets=("q_proj", "v_proj"),
+    lora_dtype: str | None = None,
+    checkpointing: bool = False,
+    attn: str = "sdpa",
+    grad_accum: int = 1,
+    optimizer_impl: str = "foreach",
+    seed: int = 0,
+) -> int:
     """Peak bytes of the same training step measured by torch's own tracker instead of ours.
 
     ``torch.distributed._tools.mem_tracker.MemTracker`` (also a ``TorchDispatchMode``, written
@@ -513,28 +724,57 @@ def measure_memtracker(model: Any = "tiny", *, method: str = "full", precision: 
     from torch.distributed._tools.mem_tracker import MemTracker
 
     cfg = resolve_config(model)
-    check_options(cfg, method=method, precision=precision, optimizer=optimizer, batch=batch,
-                  seq=seq, lora_rank=lora_rank, lora_targets=lora_targets, attn=attn,
-                  grad_accum=grad_accum, zero=0, gpus=1, lora_dtype=lora_dtype,
-                  optimizer_impl=optimizer_impl)
+    check_options(
+        cfg,
+        method=method,
+        precision=precision,
+        optimizer=optimizer,
+        batch=batch,
+        seq=seq,
+        lora_rank=lora_rank,
+        lora_targets=lora_targets,
+        attn=attn,
+        grad_accum=grad_accum,
+        zero=0,
+        gpus=1,
+        lora_dtype=lora_dtype,
+        optimizer_impl=optimizer_impl,
+    )
     torch.manual_seed(seed)
-    net, opt = build_training_setup(cfg, method=method, precision=precision, optimizer=optimizer,
-                                    lora_rank=lora_rank, lora_alpha=lora_alpha,
-                                    lora_targets=tuple(lora_targets), lora_dtype=lora_dtype,
-                                    checkpointing=checkpointing, attn=attn, device="cpu",
-                                    optimizer_impl=optimizer_impl)
+    net, opt = build_training_setup(
+        cfg,
+        method=method,
+        precision=precision,
+        optimizer=optimizer,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_targets=tuple(lora_targets),
+        lora_dtype=lora_dtype,
+        checkpointing=checkpointing,
+        attn=attn,
+        device="cpu",
+        optimizer_impl=optimizer_impl,
+    )
     g = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
     y = x.clone()
     amp = precision in ("fp16-amp", "bf16-amp")
     amp_dtype = torch.float16 if precision == "fp16-amp" else torch.bfloat16
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if precision == "fp16-amp" else None
+    scaler = (
+        torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        if precision == "fp16-amp"
+        else None
+    )
 
     def step(tracker=None):
         for _ in range(grad_accum):
             if tracker is not None:
-                tracker.reset_mod_stats()      # MemTracker refuses a 2nd root forward otherwise
-            ctx = torch.autocast("cpu", dtype=amp_dtype) if amp else contextlib.nullcontext()
+                tracker.reset_mod_stats()  # MemTracker refuses a 2nd root forward otherwise
+            ctx = (
+                torch.autocast("cpu", dtype=amp_dtype)
+                if amp
+                else contextlib.nullcontext()
+            )
             with ctx:
                 loss = net(input_ids=x, labels=y, use_cache=False).loss
             if grad_accum > 1:

@@ -7,6 +7,7 @@ copy the master weights back into the FP16 model.
 
 Functions here are plain and CPU-friendly (FP16 matmuls run on the CPU in torch ≥ 2.1).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,14 +21,18 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 def _dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or a torch float dtype, got {dtype!r}")
+            raise ValueError(
+                f"dtype must be one of {', '.join(_DTYPES)} or a torch float dtype, got {dtype!r}"
+            )
         return _DTYPES[dtype]
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
     return dtype
 
 
-def spacing(x: float, dtype: torch.dtype | str = torch.float16, direction: str = "up") -> float:
+def spacing(
+    x: float, dtype: torch.dtype | str = torch.float16, direction: str = "up"
+) -> float:
     """Distance from ``x`` (representable in ``dtype``) to its neighbour ``"up"`` or ``"down"``.
 
     Example: ``spacing(0.5, fp16, "up") == 2**-11`` and ``spacing(0.5, fp16, "down") == 2**-12``
@@ -37,11 +42,15 @@ def spacing(x: float, dtype: torch.dtype | str = torch.float16, direction: str =
         raise ValueError(f"direction must be 'up' or 'down', got {direction!r}")
     dt = _dtype(dtype)
     t = torch.tensor(x, dtype=dt)
-    target = torch.tensor(float("inf") if direction == "up" else float("-inf"), dtype=dt)
+    target = torch.tensor(
+        float("inf") if direction == "up" else float("-inf"), dtype=dt
+    )
     return abs(float(torch.nextafter(t, target).double() - t.double()))
 
 
-def update_survives(w: float, delta: float, dtype: torch.dtype | str = torch.float16) -> bool:
+def update_survives(
+    w: float, delta: float, dtype: torch.dtype | str = torch.float16
+) -> bool:
     """True when ``w + delta`` computed and stored in ``dtype`` differs from ``w`` in ``dtype``."""
     dt = _dtype(dtype)
     wt = torch.tensor(w, dtype=dt)
@@ -56,17 +65,25 @@ class MasterWeights:
     by ``grad_scale``), optimizer step on the FP32 copies, copy them back into the model.
     """
 
-    def __init__(self, model: torch.nn.Module,
-                 optimizer_fn: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer_fn: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
+    ):
         self.model_params = [p for p in model.parameters() if p.requires_grad]
-        self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in self.model_params]
+        self.master = [
+            torch.nn.Parameter(p.detach().float().clone()) for p in self.model_params
+        ]
         self.optimizer = optimizer_fn(self.master)
 
     def step(self, grad_scale: float = 1.0) -> bool:
         """One update; returns False (and changes nothing) if any gradient is inf/NaN."""
         for mp, p in zip(self.master, self.model_params):
             mp.grad = None if p.grad is None else p.grad.float() / grad_scale
-        if any(mp.grad is not None and not torch.isfinite(mp.grad).all() for mp in self.master):
+        if any(
+            mp.grad is not None and not torch.isfinite(mp.grad).all()
+            for mp in self.master
+        ):
             return False
         self.optimizer.step()
         with torch.no_grad():
@@ -101,7 +118,9 @@ class RegressionTask:
         return X, X @ w_true
 
 
-def train_regression(mode: str, steps: int = 300, lr: float = 4e-3, task: RegressionTask | None = None) -> list[float]:
+def train_regression(
+    mode: str, steps: int = 300, lr: float = 4e-3, task: RegressionTask | None = None
+) -> list[float]:
     """FP32 loss after each SGD step of a linear model on :class:`RegressionTask`.
 
     ``mode``: ``"fp32"`` (reference), ``"fp16"`` (pure FP16 weights updated in place), or

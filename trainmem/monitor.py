@@ -13,6 +13,7 @@ record*, logged once per step:
 
 All byte counts are plain ``int`` bytes; convert with ``/ 2**20`` (MiB) or ``/ 2**30`` (GiB).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -61,7 +62,7 @@ class TensorMemoryTracker(MemoryTracker):
 
     def __init__(self, baseline: Iterable[torch.Tensor] = ()):
         super().__init__()
-        self._freed = 0                     # bytes freed since the last settlement
+        self._freed = 0  # bytes freed since the last settlement
         self.baseline_bytes = storage_bytes(baseline)
         self.current = self.peak = self.baseline_bytes
 
@@ -86,7 +87,11 @@ class TensorMemoryTracker(MemoryTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self._sweep()
-        inputs = {id(st) for st in map(self._storage, tree_flatten((args, kwargs))[0]) if st is not None}
+        inputs = {
+            id(st)
+            for st in map(self._storage, tree_flatten((args, kwargs))[0])
+            if st is not None
+        }
         for t in tree_flatten(out)[0]:
             st = self._storage(t)
             if st is not None and id(st) not in inputs and st.nbytes() > 0:
@@ -133,7 +138,9 @@ class PeakMemoryMonitor:
     def __post_init__(self):
         self.device = torch.device(self.device)
         if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device.type!r}")
+            raise ValueError(
+                f"device must be 'cpu' or 'cuda', got {self.device.type!r}"
+            )
         self._tracker: TensorMemoryTracker | None = None
 
     def __enter__(self) -> "PeakMemoryMonitor":

@@ -3,6 +3,7 @@
 Each function draws on a given ``ax`` (or a new figure) and returns the figure, so a notebook cell
 can ``plt.show()`` it and a widget can redraw it.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Sequence
@@ -12,8 +13,14 @@ import numpy as np
 from .formats import get_format, ulp_array
 
 DEFAULT_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8_e5m2", "fp8_e4m3")
-COLORS = {"fp32": "#1f77b4", "tf32": "#17becf", "bf16": "#2ca02c", "fp16": "#d62728",
-          "fp8_e5m2": "#9467bd", "fp8_e4m3": "#ff7f0e"}
+COLORS = {
+    "fp32": "#1f77b4",
+    "tf32": "#17becf",
+    "bf16": "#2ca02c",
+    "fp16": "#d62728",
+    "fp8_e5m2": "#9467bd",
+    "fp8_e4m3": "#ff7f0e",
+}
 
 
 def _axes(ax, figsize=(6.4, 3.6)):
@@ -24,7 +31,12 @@ def _axes(ax, figsize=(6.4, 3.6)):
     return ax.figure, ax
 
 
-def plot_spacing(formats: Iterable[str] = DEFAULT_FORMATS, ax=None, xlim=(1e-12, 1e6), points: int = 4000):
+def plot_spacing(
+    formats: Iterable[str] = DEFAULT_FORMATS,
+    ax=None,
+    xlim=(1e-12, 1e6),
+    points: int = 4000,
+):
     """Grid spacing (ulp) versus magnitude |x| on log-log axes, one staircase per format.
 
     A line stops at the format's largest finite value; where it turns flat on the left, the
@@ -35,10 +47,22 @@ def plot_spacing(formats: Iterable[str] = DEFAULT_FORMATS, ax=None, xlim=(1e-12,
     for name in formats:
         f = get_format(name)
         keep = (x <= f.max_normal) & (x >= f.min_subnormal)
-        ax.loglog(x[keep], ulp_array(x[keep], f), label=name, color=COLORS.get(name), lw=1.4,
-                  ls="--" if name == "tf32" else "-")
+        ax.loglog(
+            x[keep],
+            ulp_array(x[keep], f),
+            label=name,
+            color=COLORS.get(name),
+            lw=1.4,
+            ls="--" if name == "tf32" else "-",
+        )
         if f.max_normal < xlim[1]:
-            ax.plot([f.max_normal], [ulp_array([f.max_normal], f)[0]], "o", color=COLORS.get(name), ms=4)
+            ax.plot(
+                [f.max_normal],
+                [ulp_array([f.max_normal], f)[0]],
+                "o",
+                color=COLORS.get(name),
+                ms=4,
+            )
     ax.set_xlabel("|x|")
     ax.set_ylabel("spacing to next value (ulp)")
     ax.set_title("Precision: spacing grows with magnitude; dots = largest finite value")
@@ -56,7 +80,15 @@ def plot_ranges(formats: Iterable[str] = DEFAULT_FORMATS, ax=None):
         lo, mid, hi = np.log10([f.min_subnormal, f.min_normal, f.max_normal])
         ax.barh(i, mid - lo, left=lo, color=COLORS.get(name), alpha=0.3, height=0.6)
         ax.barh(i, hi - mid, left=mid, color=COLORS.get(name), height=0.6)
-        ax.text(hi + 0.5, i, f"max {f.max_normal:,.0f}" if f.max_normal < 1e6 else f"max {f.max_normal:.3g}", va="center", fontsize=8)
+        ax.text(
+            hi + 0.5,
+            i,
+            f"max {f.max_normal:,.0f}"
+            if f.max_normal < 1e6
+            else f"max {f.max_normal:.3g}",
+            va="center",
+            fontsize=8,
+        )
     ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()
     ax.set_xlim(-50, 48)
@@ -78,14 +110,18 @@ def format_overview(formats: Iterable[str] = DEFAULT_FORMATS):
     return fig
 
 
-def plot_magnitude_histogram(values, thresholds: Sequence[tuple[str, float]], ax=None, bins: int = 80):
+def plot_magnitude_histogram(
+    values, thresholds: Sequence[tuple[str, float]], ax=None, bins: int = 80
+):
     """Histogram of log10|values| with labelled vertical lines at ``thresholds`` (label, value)."""
     fig, ax = _axes(ax)
     v = np.abs(np.asarray(values, dtype=np.float64))
     v = v[v > 0]
     ax.hist(np.log10(v), bins=bins, color="#888888", alpha=0.7)
     for k, (label, t) in enumerate(thresholds):
-        ax.axvline(np.log10(t), color=f"C{k + 1}", ls="--", lw=1.2, label=f"{label} = {t:.3g}")
+        ax.axvline(
+            np.log10(t), color=f"C{k + 1}", ls="--", lw=1.2, label=f"{label} = {t:.3g}"
+        )
     ax.set_xlabel(r"$\log_{10}|g|$")
     ax.set_ylabel("count")
     ax.legend(fontsize=8)

@@ -9,6 +9,7 @@ Conventions
 * Byte counts are bytes (``float``, because constants are fractions of a byte per parameter).
 * Shapes: ``quantize_blockwise`` flattens its input; ``dequantize_blockwise`` restores the shape.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,10 +17,22 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "linear_code", "dynamic_code", "nf4_code", "Quantized", "quantize_blockwise",
-    "dequantize_blockwise", "double_quantize_absmax", "AdamW8bit", "optimizer_state_bytes",
-    "adam_state_bytes_per_param", "quantize_int8_absmax", "dequantize_int8", "int8_bytes_per_param",
-    "nf4_bytes_per_param", "quantize_nf4", "dequantize_nf4",
+    "linear_code",
+    "dynamic_code",
+    "nf4_code",
+    "Quantized",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "double_quantize_absmax",
+    "AdamW8bit",
+    "optimizer_state_bytes",
+    "adam_state_bytes_per_param",
+    "quantize_int8_absmax",
+    "dequantize_int8",
+    "int8_bytes_per_param",
+    "nf4_bytes_per_param",
+    "quantize_nf4",
+    "dequantize_nf4",
 ]
 
 
@@ -28,7 +41,7 @@ def linear_code(bits: int = 8, signed: bool = True) -> torch.Tensor:
     """Evenly spaced code: signed → 2^bits − 1 values in [-1, 1] (symmetric, 0 included); unsigned → 2^bits in [0, 1]."""
     if bits < 2 or bits > 8:
         raise ValueError(f"bits must be in 2..8, got {bits}")
-    n = 2 ** bits
+    n = 2**bits
     if signed:  # 2^bits - 1 values k/(2^(bits-1)-1): exactly symmetric INT absmax
         return torch.linspace(-1.0, 1.0, n - 1, dtype=torch.float32)
     return torch.linspace(0.0, 1.0, n, dtype=torch.float32)
@@ -43,7 +56,7 @@ def dynamic_code(signed: bool = True) -> torch.Tensor:
     """
     values = [0.0, 1.0]
     for i in range(7):  # decade 10^(i-6)
-        n = 2 ** i if signed else 2 ** (i + 1)
+        n = 2**i if signed else 2 ** (i + 1)
         edges = torch.linspace(0.1, 1.0, n + 1)
         mids = ((edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - 6)).tolist()
         values += mids
@@ -88,7 +101,9 @@ def _nearest(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(x, mids).to(torch.uint8)
 
 
-def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, block_size: int = 256) -> Quantized:
+def quantize_blockwise(
+    x: torch.Tensor, code: torch.Tensor, block_size: int = 256
+) -> Quantized:
     """Blockwise absmax quantisation of ``x`` (any shape) onto ``code``; last block may be short."""
     if block_size < 1:
         raise ValueError(f"block_size must be ≥ 1, got {block_size}")
@@ -102,16 +117,22 @@ def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, block_size: int = 25
     return Quantized(codes, absmax, code, x.shape, block_size)
 
 
-def dequantize_blockwise(qx: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_blockwise(
+    qx: Quantized, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Inverse of :func:`quantize_blockwise` (up to rounding): ``code[codes] * absmax``."""
     n = qx.codes.numel()
     vals = qx.code.to(qx.codes.device)[qx.codes.long()]
     pad = (-n) % qx.block_size
-    vals = torch.nn.functional.pad(vals, (0, pad)).view(-1, qx.block_size) * qx.absmax.unsqueeze(1)
+    vals = torch.nn.functional.pad(vals, (0, pad)).view(
+        -1, qx.block_size
+    ) * qx.absmax.unsqueeze(1)
     return vals.reshape(-1)[:n].reshape(qx.shape).to(dtype)
 
 
-def double_quantize_absmax(absmax: torch.Tensor, block_size: int = 256) -> tuple[torch.Tensor, float]:
+def double_quantize_absmax(
+    absmax: torch.Tensor, block_size: int = 256
+) -> tuple[torch.Tensor, float]:
     """QLoRA's double quantisation: the float32 absmax constants themselves → 8 bits.
 
     Subtract their mean (they are all positive), quantise blockwise with the signed dynamic code,
@@ -136,14 +157,24 @@ class AdamW8bit(torch.optim.Optimizer):
     to show why the dynamic code exists (small ``v`` entries round to zero → huge steps).
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, block_size: int = 256, min_8bit_size: int = 4096,
-                 code: str = "dynamic"):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        block_size: int = 256,
+        min_8bit_size: int = 4096,
+        code: str = "dynamic",
+    ):
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
         if code not in ("dynamic", "linear"):
             raise ValueError(f"code must be 'dynamic' or 'linear', got {code!r}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        super().__init__(
+            params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        )
         self.block_size, self.min_8bit_size = block_size, min_8bit_size
         if code == "dynamic":
             self._codes = (dynamic_code(signed=True), dynamic_code(signed=False))
@@ -163,8 +194,16 @@ class AdamW8bit(torch.optim.Optimizer):
                 if not st:
                     st["step"] = 0
                     z = torch.zeros_like(p, dtype=torch.float32)
-                    st["m"] = quantize_blockwise(z, self._codes[0], self.block_size) if quant else z
-                    st["v"] = quantize_blockwise(z, self._codes[1], self.block_size) if quant else z.clone()
+                    st["m"] = (
+                        quantize_blockwise(z, self._codes[0], self.block_size)
+                        if quant
+                        else z
+                    )
+                    st["v"] = (
+                        quantize_blockwise(z, self._codes[1], self.block_size)
+                        if quant
+                        else z.clone()
+                    )
                 st["step"] += 1
                 m = dequantize_blockwise(st["m"]) if quant else st["m"]
                 v = dequantize_blockwise(st["v"]) if quant else st["v"]
@@ -172,9 +211,11 @@ class AdamW8bit(torch.optim.Optimizer):
                 m.mul_(b1).add_(g, alpha=1 - b1)
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
                 t = st["step"]
-                denom = (v / (1 - b2 ** t)).sqrt_().add_(group["eps"])
+                denom = (v / (1 - b2**t)).sqrt_().add_(group["eps"])
                 p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.addcdiv_((m / (1 - b1 ** t)).to(p.dtype), denom.to(p.dtype), value=-group["lr"])
+                p.addcdiv_(
+                    (m / (1 - b1**t)).to(p.dtype), denom.to(p.dtype), value=-group["lr"]
+                )
                 if quant:
                     st["m"] = quantize_blockwise(m, self._codes[0], self.block_size)
                     st["v"] = quantize_blockwise(v, self._codes[1], self.block_size)
@@ -212,8 +253,9 @@ def adam_state_bytes_per_param(bits: int = 32, block_size: int = 256) -> float:
 GRANULARITIES = ("tensor", "channel", "group")
 
 
-def quantize_int8_absmax(w: torch.Tensor, granularity: str = "channel",
-                         group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8_absmax(
+    w: torch.Tensor, granularity: str = "channel", group_size: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax INT8 quantisation of a 2-D weight ``(out, in)``; returns (int8 q, scale).
 
     ``granularity``: ``"tensor"`` (one scale), ``"channel"`` (one per output row), ``"group"`` (one
@@ -223,7 +265,9 @@ def quantize_int8_absmax(w: torch.Tensor, granularity: str = "channel",
     if w.dim() != 2:
         raise ValueError(f"w must be 2-D (out, in), got shape {tuple(w.shape)}")
     if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        raise ValueError(
+            f"granularity must be one of {GRANULARITIES}, got {granularity!r}"
+        )
     w = w.detach().float()
     if granularity == "tensor":
         x, absmax = w, w.abs().amax()
@@ -231,7 +275,9 @@ def quantize_int8_absmax(w: torch.Tensor, granularity: str = "channel",
         x, absmax = w, w.abs().amax(dim=1, keepdim=True)
     else:
         if w.shape[1] % group_size:
-            raise ValueError(f"group_size must divide in_features={w.shape[1]}, got {group_size}")
+            raise ValueError(
+                f"group_size must divide in_features={w.shape[1]}, got {group_size}"
+            )
         x = w.view(w.shape[0], -1, group_size)
         absmax = x.abs().amax(dim=2, keepdim=True)
     scale = absmax.clamp_min(1e-30) / 127
@@ -239,30 +285,42 @@ def quantize_int8_absmax(w: torch.Tensor, granularity: str = "channel",
     return q, scale
 
 
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+def dequantize_int8(
+    q: torch.Tensor, scale: torch.Tensor, shape: torch.Size
+) -> torch.Tensor:
     """``q * scale`` reshaped to the original ``shape`` (float32)."""
     return (q.float() * scale).reshape(shape)
 
 
-def int8_bytes_per_param(granularity: str, shape: tuple[int, int], group_size: int = 128,
-                         scale_bytes: int = 4) -> float:
+def int8_bytes_per_param(
+    granularity: str,
+    shape: tuple[int, int],
+    group_size: int = 128,
+    scale_bytes: int = 4,
+) -> float:
     """INT8 storage per parameter of a ``(out, in)`` weight: 1 byte + its share of the scales."""
     out_f, in_f = shape
     n = out_f * in_f
     scales = {"tensor": 1, "channel": out_f, "group": n // group_size}.get(granularity)
     if scales is None:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        raise ValueError(
+            f"granularity must be one of {GRANULARITIES}, got {granularity!r}"
+        )
     return 1 + scales * scale_bytes / n
 
 
-def nf4_bytes_per_param(block_size: int = 64, double_quant: bool = True, dq_block_size: int = 256) -> float:
+def nf4_bytes_per_param(
+    block_size: int = 64, double_quant: bool = True, dq_block_size: int = 256
+) -> float:
     """NF4 storage per parameter: 4 bits + absmax constants (QLoRA §2).
 
     Without double quantisation: 0.5 + 4/64 = 0.5625 bytes (0.5 bit/param of constants).
     With it: 0.5 + 1/64 + 4/(64·256) ≈ 0.5159 bytes (≈0.127 bit/param of constants).
     """
     if block_size < 1 or dq_block_size < 1:
-        raise ValueError(f"block_size and dq_block_size must be ≥ 1, got {block_size}, {dq_block_size}")
+        raise ValueError(
+            f"block_size and dq_block_size must be ≥ 1, got {block_size}, {dq_block_size}"
+        )
     if not double_quant:
         return 0.5 + 4 / block_size
     return 0.5 + 1 / block_size + 4 / (block_size * dq_block_size)

@@ -9,16 +9,31 @@ Units: every ``*_bytes`` function returns bytes (int or float); ``GiB`` = 2**30,
 Each function states the conditions its number holds under — a memory number without them
 (batch, sequence length, attention implementation, precision) is not a number.
 """
+
 from __future__ import annotations
 
 from .estimate import GB, GiB, count_params, estimate
 from .quant import adam_state_bytes_per_param, nf4_bytes_per_param
 
 __all__ = [
-    "MODEL_7B", "GB", "GiB", "ADAM8_BLOCK", "ADAM8_PAPER_BLOCK", "ACT_CONDITIONS",
-    "n_params", "weights_bytes", "activation_bytes", "adam8_bytes_per_param", "adam8_saving",
-    "qlora_base_split", "qlora_base_bytes", "H100_HBM_BYTES_PER_S", "H100_BF16_DENSE_FLOPS",
-    "decode_seconds_per_token", "pipeline_bubble", "mfu",
+    "MODEL_7B",
+    "GB",
+    "GiB",
+    "ADAM8_BLOCK",
+    "ADAM8_PAPER_BLOCK",
+    "ACT_CONDITIONS",
+    "n_params",
+    "weights_bytes",
+    "activation_bytes",
+    "adam8_bytes_per_param",
+    "adam8_saving",
+    "qlora_base_split",
+    "qlora_base_bytes",
+    "H100_HBM_BYTES_PER_S",
+    "H100_BF16_DENSE_FLOPS",
+    "decode_seconds_per_token",
+    "pipeline_bubble",
+    "mfu",
 ]
 
 MODEL_7B = "llama-7b"
@@ -27,7 +42,9 @@ MODEL_7B = "llama-7b"
 ADAM8_BLOCK = 256
 ADAM8_PAPER_BLOCK = 2048
 # The conditions of the activation number every chapter quotes.
-ACT_CONDITIONS = dict(precision="bf16-amp", attn="sdpa", batch=1, seq=2048, checkpointing=False)
+ACT_CONDITIONS = dict(
+    precision="bf16-amp", attn="sdpa", batch=1, seq=2048, checkpointing=False
+)
 
 
 def n_params(model: str = MODEL_7B) -> int:
@@ -49,7 +66,9 @@ def activation_bytes(model: str = MODEL_7B, **conditions) -> int:
     """
     unknown = set(conditions) - set(ACT_CONDITIONS) - {"method"}
     if unknown:
-        raise ValueError(f"conditions must be among {sorted(ACT_CONDITIONS)} or 'method', got {sorted(unknown)}")
+        raise ValueError(
+            f"conditions must be among {sorted(ACT_CONDITIONS)} or 'method', got {sorted(unknown)}"
+        )
     return estimate(model, **{**ACT_CONDITIONS, **conditions}).activation_bytes
 
 
@@ -76,11 +95,18 @@ def qlora_base_split(model: str = MODEL_7B) -> tuple[int, int]:
     return linear, n_params(model) - linear
 
 
-def qlora_base_bytes(model: str = MODEL_7B, double_quant: bool = True, block_size: int = 64,
-                     other_bytes: float = 2) -> float:
+def qlora_base_bytes(
+    model: str = MODEL_7B,
+    double_quant: bool = True,
+    block_size: int = 64,
+    other_bytes: float = 2,
+) -> float:
     """Bytes of a QLoRA base model: NF4 decoder Linears (constants included) + 16-bit rest."""
     linear, rest = qlora_base_split(model)
-    return linear * nf4_bytes_per_param(block_size, double_quant=double_quant) + rest * other_bytes
+    return (
+        linear * nf4_bytes_per_param(block_size, double_quant=double_quant)
+        + rest * other_bytes
+    )
 
 
 # ------------------------------------------------------------------ throughput arithmetic
@@ -89,8 +115,11 @@ H100_HBM_BYTES_PER_S = 3.35e12
 H100_BF16_DENSE_FLOPS = 989e12
 
 
-def decode_seconds_per_token(model: str = MODEL_7B, bytes_per_param: float = 2,
-                             hbm_bytes_per_s: float = H100_HBM_BYTES_PER_S) -> float:
+def decode_seconds_per_token(
+    model: str = MODEL_7B,
+    bytes_per_param: float = 2,
+    hbm_bytes_per_s: float = H100_HBM_BYTES_PER_S,
+) -> float:
     """Lower bound of one decode step at batch 1: every weight is read once from memory.
 
     Decode does 2 FLOPs per weight per token, far below what the GPU needs to be compute-bound,
@@ -102,10 +131,16 @@ def decode_seconds_per_token(model: str = MODEL_7B, bytes_per_param: float = 2,
 def pipeline_bubble(stages: int, micro_batches: int) -> float:
     """Idle fraction of a GPipe/1F1B pipeline: (p - 1) / (m + p - 1)."""
     if stages < 1 or micro_batches < 1:
-        raise ValueError(f"stages and micro_batches must be ≥ 1, got {stages}, {micro_batches}")
+        raise ValueError(
+            f"stages and micro_batches must be ≥ 1, got {stages}, {micro_batches}"
+        )
     return (stages - 1) / (micro_batches + stages - 1)
 
 
-def mfu(tokens_per_s: float, model: str = MODEL_7B, peak_flops: float = H100_BF16_DENSE_FLOPS) -> float:
+def mfu(
+    tokens_per_s: float,
+    model: str = MODEL_7B,
+    peak_flops: float = H100_BF16_DENSE_FLOPS,
+) -> float:
     """Model FLOPs utilisation: 6 FLOPs per parameter per token (forward 2 + backward 4) / peak."""
     return 6 * n_params(model) * tokens_per_s / peak_flops

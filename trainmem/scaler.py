@@ -16,6 +16,7 @@ The dynamic rule (same defaults as ``torch.amp.GradScaler``):
 So the scale settles just below the largest value that does not overflow: it is probed upward
 every ``growth_interval`` steps and backed off whenever it overflows.
 """
+
 from __future__ import annotations
 
 import math
@@ -63,9 +64,16 @@ class DynamicLossScaler:
         if not self.growth_factor > 1:
             raise ValueError(f"growth_factor must be > 1, got {self.growth_factor}")
         if not 0 < self.backoff_factor < 1:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor}")
-        if int(self.growth_interval) != self.growth_interval or self.growth_interval < 1:
-            raise ValueError(f"growth_interval must be an integer ≥ 1, got {self.growth_interval}")
+            raise ValueError(
+                f"backoff_factor must be in (0, 1), got {self.backoff_factor}"
+            )
+        if (
+            int(self.growth_interval) != self.growth_interval
+            or self.growth_interval < 1
+        ):
+            raise ValueError(
+                f"growth_interval must be an integer ≥ 1, got {self.growth_interval}"
+            )
         self.scale = float(self.init_scale)
 
     # -- the three calls of a training step -------------------------------------------------
@@ -96,8 +104,14 @@ class DynamicLossScaler:
             if self.growth_tracker == self.growth_interval:
                 self.scale *= self.growth_factor
                 self.growth_tracker = 0
-        ev = ScalerEvent(len(self.history), bool(found_inf), used, not found_inf, self.scale,
-                         self.growth_tracker)
+        ev = ScalerEvent(
+            len(self.history),
+            bool(found_inf),
+            used,
+            not found_inf,
+            self.scale,
+            self.growth_tracker,
+        )
         self.history.append(ev)
         return ev
 
@@ -110,8 +124,13 @@ class DynamicLossScaler:
         return self.update(found_inf)
 
 
-def trace_scale(found_inf: Sequence[bool], init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                backoff_factor: float = 0.5, growth_interval: int = 2000) -> list[ScalerEvent]:
+def trace_scale(
+    found_inf: Sequence[bool],
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+) -> list[ScalerEvent]:
     """The scaler's events for a given sequence of overflow flags (one per step)."""
     s = DynamicLossScaler(init_scale, growth_factor, backoff_factor, growth_interval)
     for f in found_inf:
@@ -119,9 +138,15 @@ def trace_scale(found_inf: Sequence[bool], init_scale: float = 2.0**16, growth_f
     return s.history
 
 
-def simulate_overflow(max_grad: float, steps: int, init_scale: float = 2.0**16,
-                      growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                      growth_interval: int = 2000, limit: float = 65504.0) -> list[ScalerEvent]:
+def simulate_overflow(
+    max_grad: float,
+    steps: int,
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    limit: float = 65504.0,
+) -> list[ScalerEvent]:
     """Run the scaler against a toy model whose largest gradient is ``max_grad`` (unscaled).
 
     A step overflows when ``max_grad * scale > limit`` (FP16's largest finite value by default),

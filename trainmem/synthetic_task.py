@@ -9,6 +9,7 @@ changes what one rule token means (``FINETUNE_RULE`` → ``FINETUNE_STEP``), a s
 change — the setting LoRA was designed for. Token ids: numbers ``0 … N_NUMBERS-1``, rule tokens
 after them. Everything is seeded: the same call gives the same batches and the same losses.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,9 +20,9 @@ from torch import nn
 
 N_NUMBERS = 24
 PRETRAIN_STEPS = (1, 2, 3, 5)  # rule k means "add PRETRAIN_STEPS[k]"
-FINETUNE_RULE = 0              # fine-tuning re-defines rule 0 ...
-FINETUNE_STEP = -1             # ... to count down instead of up
-VOCAB_SIZE = 32                # numbers + rule tokens, rounded up
+FINETUNE_RULE = 0  # fine-tuning re-defines rule 0 ...
+FINETUNE_STEP = -1  # ... to count down instead of up
+VOCAB_SIZE = 32  # numbers + rule tokens, rounded up
 SEQ_LEN = 12
 
 
@@ -46,7 +47,9 @@ def make_batch(batch: int, rules: dict[int, int], seed: int, seq_len: int = SEQ_
     the first number (``x0``, unpredictable) is ``-100`` so the loss only counts learnable tokens.
     """
     if batch < 1 or seq_len < 3:
-        raise ValueError(f"batch must be ≥ 1 and seq_len ≥ 3, got batch={batch}, seq_len={seq_len}")
+        raise ValueError(
+            f"batch must be ≥ 1 and seq_len ≥ 3, got batch={batch}, seq_len={seq_len}"
+        )
     g = torch.Generator().manual_seed(seed)
     keys = torch.tensor(sorted(rules))
     steps = torch.tensor([rules[int(k)] for k in keys])
@@ -56,7 +59,9 @@ def make_batch(batch: int, rules: dict[int, int], seed: int, seq_len: int = SEQ_
     nums = (x0[:, None] + steps[pick][:, None] * pos[None, :]) % N_NUMBERS
     ids = torch.cat([(N_NUMBERS + keys[pick])[:, None], nums], dim=1)
     labels = ids.clone()
-    labels[:, :2] = -100  # the rule token and x0 are not predictable from what precedes them
+    labels[
+        :, :2
+    ] = -100  # the rule token and x0 are not predictable from what precedes them
     return ids, labels
 
 
@@ -84,8 +89,15 @@ class TrainResult:
         return sum(tail) / len(tail)
 
 
-def train(model: nn.Module, rules: dict[int, int], steps: int, lr: float, batch: int = 32,
-          seed: int = 0, weight_decay: float = 0.0) -> TrainResult:
+def train(
+    model: nn.Module,
+    rules: dict[int, int],
+    steps: int,
+    lr: float,
+    batch: int = 32,
+    seed: int = 0,
+    weight_decay: float = 0.0,
+) -> TrainResult:
     """AdamW on the parameters with ``requires_grad``; the batch for step ``i`` uses seed ``seed+i``."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -110,7 +122,9 @@ def train(model: nn.Module, rules: dict[int, int], steps: int, lr: float, batch:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, rules: dict[int, int], batch: int = 256, seed: int = 10_000) -> float:
+def evaluate(
+    model: nn.Module, rules: dict[int, int], batch: int = 256, seed: int = 10_000
+) -> float:
     """Mean loss on a fixed held-out batch."""
     model.eval()
     ids, labels = make_batch(batch, rules, seed)

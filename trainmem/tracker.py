@@ -11,6 +11,7 @@ Works identically on real CPU tensors and on ``FakeTensorMode`` tensors (whose s
 size but no memory), which is how a 7B-shaped model is "measured" without allocating it.
 Kernel-internal workspaces (e.g. inside a fused attention kernel) are invisible at this level.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -20,17 +21,24 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-CATEGORIES = ("weights", "gradients", "optimizer_states", "master_weights", "activations", "temporaries")
+CATEGORIES = (
+    "weights",
+    "gradients",
+    "optimizer_states",
+    "master_weights",
+    "activations",
+    "temporaries",
+)
 
 
 @dataclass
 class _Rec:
     nbytes: int
-    alloc: int            # event number of the allocation
-    phase: str            # phase in which it was allocated ("pre", "forward", "backward", "optimizer", ...)
+    alloc: int  # event number of the allocation
+    phase: str  # phase in which it was allocated ("pre", "forward", "backward", "optimizer", ...)
     free: int | None = None
     cast_of_param: bool = False
-    op: object = None      # the aten op that allocated it (None: registered by hand)
+    op: object = None  # the aten op that allocated it (None: registered by hand)
     shape: tuple = ()
     dtype: object = None
 
@@ -54,7 +62,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self._live: dict[int, tuple[_Rec, weakref.ref]] = {}   # id(storage) -> record
+        self._live: dict[int, tuple[_Rec, weakref.ref]] = {}  # id(storage) -> record
         self.records: list[_Rec] = []
         self.event = 0
         self.current = 0
@@ -62,7 +70,9 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_event = 0
         self.phase = "pre"
         self.phase_peaks: dict[str, int] = {}
-        self.param_storages: set[int] = set()   # id() of parameter storages, for autocast-cast detection
+        self.param_storages: set[int] = (
+            set()
+        )  # id() of parameter storages, for autocast-cast detection
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _storage(self, t):
@@ -85,8 +95,15 @@ class MemoryTracker(TorchDispatchMode):
         if hit is not None:
             return hit[0]
         self.event += 1
-        rec = _Rec(int(st.nbytes()), self.event, self.phase, cast_of_param=cast_of_param, op=op,
-                   shape=tuple(t.shape), dtype=t.dtype)
+        rec = _Rec(
+            int(st.nbytes()),
+            self.event,
+            self.phase,
+            cast_of_param=cast_of_param,
+            op=op,
+            shape=tuple(t.shape),
+            dtype=t.dtype,
+        )
         ref = weakref.ref(st, lambda _r, key=key, rec=rec: self._on_free(key, rec))
         self._live[key] = (rec, ref)
         if self.keep_records:
@@ -141,4 +158,3 @@ class MemoryTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.register(t, cast_of_param=cast, op=func)
         return out
-

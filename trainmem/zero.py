@@ -37,13 +37,22 @@ be added separately (``activation_bytes``).
 
 All sizes are in **bytes** unless a name says otherwise (``*_gib`` are GiB = 2**30 bytes).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
 STAGES = ("dp", "zero1", "zero2", "zero3", "fsdp")
-_STAGE_ALIASES = {0: "dp", 1: "zero1", 2: "zero2", 3: "zero3", "ddp": "dp", "zero0": "dp",
-                  "fsdp2": "fsdp", "full_shard": "fsdp"}
+_STAGE_ALIASES = {
+    0: "dp",
+    1: "zero1",
+    2: "zero2",
+    3: "zero3",
+    "ddp": "dp",
+    "zero0": "dp",
+    "fsdp2": "fsdp",
+    "full_shard": "fsdp",
+}
 OFFLOAD_DEVICES = ("none", "cpu")
 GIB = 2**30
 
@@ -56,7 +65,9 @@ def normalize_stage(stage) -> str:
     key = stage.lower() if isinstance(stage, str) else stage
     key = _STAGE_ALIASES.get(key, key)
     if key not in STAGES:
-        raise ValueError(f"stage must be one of {', '.join(STAGES)} or 0..3, got {stage!r}")
+        raise ValueError(
+            f"stage must be one of {', '.join(STAGES)} or 0..3, got {stage!r}"
+        )
     return key
 
 
@@ -103,10 +114,19 @@ class ZeroMemory:
         return d
 
 
-def per_gpu_memory(n_params: int, stage="dp", n_gpus: int = 1, *, weight_bytes: float = 2,
-                   grad_bytes: float = 2, k: float = 12, unit_params: int = 0,
-                   inflight_units: int = 2, activation_bytes: float = 0.0,
-                   offload_optimizer: str = "none") -> ZeroMemory:
+def per_gpu_memory(
+    n_params: int,
+    stage="dp",
+    n_gpus: int = 1,
+    *,
+    weight_bytes: float = 2,
+    grad_bytes: float = 2,
+    k: float = 12,
+    unit_params: int = 0,
+    inflight_units: int = 2,
+    activation_bytes: float = 0.0,
+    offload_optimizer: str = "none",
+) -> ZeroMemory:
     """Per-GPU memory (bytes) of training ``n_params`` parameters with ``stage`` on ``n_gpus``.
 
     ``weight_bytes``, ``grad_bytes`` and ``k`` are bytes per parameter of the compute weights,
@@ -125,7 +145,9 @@ def per_gpu_memory(n_params: int, stage="dp", n_gpus: int = 1, *, weight_bytes: 
     if not isinstance(n_params, int) or isinstance(n_params, bool) or n_params < 0:
         raise ValueError(f"n_params must be an integer ≥ 0, got {n_params!r}")
     if offload_optimizer not in OFFLOAD_DEVICES:
-        raise ValueError(f"offload_optimizer must be one of {', '.join(OFFLOAD_DEVICES)}, got {offload_optimizer!r}")
+        raise ValueError(
+            f"offload_optimizer must be one of {', '.join(OFFLOAD_DEVICES)}, got {offload_optimizer!r}"
+        )
     if min(weight_bytes, grad_bytes, k) < 0:
         raise ValueError("weight_bytes, grad_bytes and k must be ≥ 0")
     psi, n = n_params, n_gpus
@@ -145,11 +167,21 @@ def per_gpu_memory(n_params: int, stage="dp", n_gpus: int = 1, *, weight_bytes: 
     offloaded = 0.0
     if offload_optimizer == "cpu":
         offloaded, o = o, 0.0
-    return ZeroMemory(stage, n, float(w), float(g), float(o), float(working),
-                      float(activation_bytes), float(offloaded))
+    return ZeroMemory(
+        stage,
+        n,
+        float(w),
+        float(g),
+        float(o),
+        float(working),
+        float(activation_bytes),
+        float(offloaded),
+    )
 
 
-def comm_volume(n_params: int, stage="dp", n_gpus: int = 1, *, exact: bool = False) -> float:
+def comm_volume(
+    n_params: int, stage="dp", n_gpus: int = 1, *, exact: bool = False
+) -> float:
     """Elements each GPU sends per training step (multiply by bytes per element for bytes).
 
     DP, ZeRO-1 and ZeRO-2: 2Ψ (one all-reduce, or reduce-scatter + all-gather); ZeRO-3/FSDP: 3Ψ
@@ -173,16 +205,27 @@ def max_params_per_gpu(gpu_bytes: float, stage="dp", n_gpus: int = 1, **kw) -> i
     return int(gpu_bytes // per_param)
 
 
-def table(n_params_by_name: dict[str, int], gpus=(1, 2, 4, 8, 16, 32, 64),
-          stages=("dp", "zero1", "zero2", "zero3"), **kw) -> list[dict]:
+def table(
+    n_params_by_name: dict[str, int],
+    gpus=(1, 2, 4, 8, 16, 32, 64),
+    stages=("dp", "zero1", "zero2", "zero3"),
+    **kw,
+) -> list[dict]:
     """Rows ``{model, n_params, stage, n_gpus, gib}`` of per-GPU model-state memory in GiB."""
     rows = []
     for name, psi in n_params_by_name.items():
         for stage in stages:
             for n in gpus:
                 m = per_gpu_memory(psi, stage, n, **kw)
-                rows.append(dict(model=name, n_params=psi, stage=normalize_stage(stage), n_gpus=n,
-                                 gib=m.total / GIB))
+                rows.append(
+                    dict(
+                        model=name,
+                        n_params=psi,
+                        stage=normalize_stage(stage),
+                        n_gpus=n,
+                        gib=m.total / GIB,
+                    )
+                )
     return rows
 
 

@@ -5,6 +5,7 @@ weights that put the special cases the lab teaches on a par with the ordinary on
 computed here, in the grader's process, with numpy / torch casts (independent of the student's
 kernel and of the lab's own code).
 """
+
 from __future__ import annotations
 
 import math
@@ -18,7 +19,11 @@ CELL_TIMEOUT = 60
 NOTEBOOK_TIMEOUT = 180
 PROBE_TIMEOUT = 10
 
-FMT = {"fp32": (8, 23), "fp16": (5, 10), "bf16": (8, 7)}  # (exponent bits, mantissa bits)
+FMT = {
+    "fp32": (8, 23),
+    "fp16": (5, 10),
+    "bf16": (8, 7),
+}  # (exponent bits, mantissa bits)
 
 
 def ref_decode16(bits: list[int], dtype: str) -> list[float]:
@@ -47,15 +52,23 @@ def _zero(fmt):
 
 def _subnormal(fmt, n=16):
     e, m = FMT[fmt]
-    return lambda rng: [1, (1 << m) - 1] + [_pattern(rng, fmt, 0, rng.randrange(1, 1 << m))
-                                            for _ in range(n)]
+    return lambda rng: (
+        [1, (1 << m) - 1]
+        + [_pattern(rng, fmt, 0, rng.randrange(1, 1 << m)) for _ in range(n)]
+    )
 
 
 def _normal(fmt, n=40):
     e, m = FMT[fmt]
     top, bias = (1 << e) - 1, (1 << (e - 1)) - 1
-    edges = [1 << m, ((top - 1) << m) | ((1 << m) - 1), bias << m]  # min normal, max finite, 1.0
-    return lambda rng: edges + [_pattern(rng, fmt, rng.randrange(1, top)) for _ in range(n)]
+    edges = [
+        1 << m,
+        ((top - 1) << m) | ((1 << m) - 1),
+        bias << m,
+    ]  # min normal, max finite, 1.0
+    return lambda rng: (
+        edges + [_pattern(rng, fmt, rng.randrange(1, top)) for _ in range(n)]
+    )
 
 
 def _inf(fmt):
@@ -65,23 +78,50 @@ def _inf(fmt):
 
 def _nan(fmt, n=6):
     e, m = FMT[fmt]
-    return lambda rng: [_pattern(rng, fmt, (1 << e) - 1, rng.randrange(1, 1 << m)) for _ in range(n)]
+    return lambda rng: [
+        _pattern(rng, fmt, (1 << e) - 1, rng.randrange(1, 1 << m)) for _ in range(n)
+    ]
 
 
 def decode_types(fmt: str) -> list[CaseType]:
     e, m = FMT[fmt]
     bias = (1 << (e - 1)) - 1
     return [
-        CaseType("zero", "±0（指数段与尾数段全 0）", 1, _zero(fmt),
-                 fix="指数段为 0、尾数段为 0 时值是 ±0，符号位决定正负（-0.0 也要返回 -0.0）"),
-        CaseType("subnormal", "次正规数（指数段为 0）", 2, _subnormal(fmt),
-                 fix=f"指数段为 0 时没有隐含的 1：值 = (-1)^s · M · 2^({1 - bias}-{m})"),
-        CaseType("normal", "正规数", 2, _normal(fmt),
-                 fix=f"正规数：值 = (-1)^s · (2^{m} + M) · 2^(E-{bias}-{m})"),
-        CaseType("inf", "±inf（指数段全 1，尾数段为 0）", 1, _inf(fmt),
-                 fix="指数段全 1 且尾数段为 0 时返回 math.inf（带符号）"),
-        CaseType("nan", "NaN（指数段全 1，尾数段不为 0）", 1, _nan(fmt),
-                 fix="指数段全 1 且尾数段不为 0 时返回 math.nan"),
+        CaseType(
+            "zero",
+            "±0（指数段与尾数段全 0）",
+            1,
+            _zero(fmt),
+            fix="指数段为 0、尾数段为 0 时值是 ±0，符号位决定正负（-0.0 也要返回 -0.0）",
+        ),
+        CaseType(
+            "subnormal",
+            "次正规数（指数段为 0）",
+            2,
+            _subnormal(fmt),
+            fix=f"指数段为 0 时没有隐含的 1：值 = (-1)^s · M · 2^({1 - bias}-{m})",
+        ),
+        CaseType(
+            "normal",
+            "正规数",
+            2,
+            _normal(fmt),
+            fix=f"正规数：值 = (-1)^s · (2^{m} + M) · 2^(E-{bias}-{m})",
+        ),
+        CaseType(
+            "inf",
+            "±inf（指数段全 1，尾数段为 0）",
+            1,
+            _inf(fmt),
+            fix="指数段全 1 且尾数段为 0 时返回 math.inf（带符号）",
+        ),
+        CaseType(
+            "nan",
+            "NaN（指数段全 1，尾数段不为 0）",
+            1,
+            _nan(fmt),
+            fix="指数段全 1 且尾数段不为 0 时返回 math.nan",
+        ),
     ]
 
 
@@ -100,33 +140,49 @@ def _f32(bits: int) -> float:
 
 def _finite_high(rng) -> int:
     """A random upper half of a finite, normal fp32 pattern (exponent 1..254)."""
-    return (rng.getrandbits(1) << 15) | (rng.randrange(1, 255) << 7) | rng.getrandbits(7)
+    return (
+        (rng.getrandbits(1) << 15) | (rng.randrange(1, 255) << 7) | rng.getrandbits(7)
+    )
 
 
 def _round_down(rng):
-    return [_f32((_finite_high(rng) << 16) | rng.randrange(1, 0x8000)) for _ in range(20)]
+    return [
+        _f32((_finite_high(rng) << 16) | rng.randrange(1, 0x8000)) for _ in range(20)
+    ]
 
 
 def _round_up(rng):
-    return [_f32((_finite_high(rng) << 16) | rng.randrange(0x8001, 0x10000)) for _ in range(20)]
+    return [
+        _f32((_finite_high(rng) << 16) | rng.randrange(0x8001, 0x10000))
+        for _ in range(20)
+    ]
 
 
 def _ties(rng):
     highs = [_finite_high(rng) for _ in range(20)]
-    highs = [h & ~1 for h in highs[:10]] + [h | 1 for h in highs[10:]]  # even and odd last bits
+    highs = [h & ~1 for h in highs[:10]] + [
+        h | 1 for h in highs[10:]
+    ]  # even and odd last bits
     return [_f32((h << 16) | 0x8000) for h in highs]
 
 
 def _carry(rng):
     # the rounding carry runs into the exponent (next power of two) or overflows to inf
     pats = [0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8001]
-    pats += [(rng.getrandbits(1) << 31) | (rng.randrange(1, 254) << 23) | 0x7FFFFF
-             | rng.randrange(0x8001, 0x10000) for _ in range(7)]
+    pats += [
+        (rng.getrandbits(1) << 31)
+        | (rng.randrange(1, 254) << 23)
+        | 0x7FFFFF
+        | rng.randrange(0x8001, 0x10000)
+        for _ in range(7)
+    ]
     return [_f32(p) for p in pats]
 
 
 def _fp32_subnormal(rng):
-    return [_f32((rng.getrandbits(1) << 31) | rng.randrange(1, 1 << 23)) for _ in range(10)]
+    return [
+        _f32((rng.getrandbits(1) << 31) | rng.randrange(1, 1 << 23)) for _ in range(10)
+    ]
 
 
 def _fp32_special(rng):
@@ -138,7 +194,14 @@ def expect_fp32_to_bf16(x: float):
 
     if math.isnan(x):
         return "NaN"
-    return int(torch.tensor([x], dtype=torch.float32).to(torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
+    return (
+        int(
+            torch.tensor([x], dtype=torch.float32)
+            .to(torch.bfloat16)
+            .view(torch.int16)[0]
+        )
+        & 0xFFFF
+    )
 
 
 def compare_bf16_bits(got, want) -> bool:
@@ -180,30 +243,63 @@ def _ulp_cases(kind: str):
             if kind == "zero":
                 bits = [0, 1 << (e + m)]
             elif kind == "subnormal":
-                bits = [1] + [_pattern(rng, fmt, 0, rng.randrange(1, 1 << m)) for _ in range(3)]
+                bits = [1] + [
+                    _pattern(rng, fmt, 0, rng.randrange(1, 1 << m)) for _ in range(3)
+                ]
             elif kind == "power_of_two":
-                bits = [_pattern(rng, fmt, rng.randrange(1, top), 0) for _ in range(3)] + [bias << m]
+                bits = [
+                    _pattern(rng, fmt, rng.randrange(1, top), 0) for _ in range(3)
+                ] + [bias << m]
             elif kind == "edge":
-                bits = [1 << m, ((top - 1) << m) | ((1 << m) - 1)]   # min normal, max finite
+                bits = [
+                    1 << m,
+                    ((top - 1) << m) | ((1 << m) - 1),
+                ]  # min normal, max finite
             else:
                 bits = [_pattern(rng, fmt, rng.randrange(1, top)) for _ in range(8)]
             out += [[_value(fmt, b), fmt] for b in bits]
         return out
+
     return make
 
 
 ULP_TYPES = [
-    CaseType("zero", "x = ±0", 1, _ulp_cases("zero"),
-             fix="0 要单独处理：frexp(0) 的指数是 0，套公式会错；0 处的间距是最小次正规数 2^(1-bias-m)"),
-    CaseType("subnormal", "次正规数", 1, _ulp_cases("subnormal"),
-             fix="次正规数的间距固定为 2^(1-bias-m)：k 要与 1 - bias 取较大者"),
-    CaseType("power_of_two", "2 的整数次幂", 1, _ulp_cases("power_of_two"),
-             fix="math.frexp(|x|) 返回 (f, e)，|x| = f·2^e 且 0.5 ≤ f < 1，所以 |x| 在 [2^k, 2^(k+1)) "
-                 "时 k = e - 1（不是 e）"),
-    CaseType("edge", "最小正规数与最大有限数", 1, _ulp_cases("edge"),
-             fix="最小正规数 2^(1-bias) 与最大有限数都按正规数的公式 2^(k-m) 计算"),
-    CaseType("normal", "一般的正规数", 3, _ulp_cases("normal"),
-             fix="正规数 |x| ∈ [2^k, 2^(k+1)) 的间距是 2^(k-m)，m 是该格式的尾数位数"),
+    CaseType(
+        "zero",
+        "x = ±0",
+        1,
+        _ulp_cases("zero"),
+        fix="0 要单独处理：frexp(0) 的指数是 0，套公式会错；0 处的间距是最小次正规数 2^(1-bias-m)",
+    ),
+    CaseType(
+        "subnormal",
+        "次正规数",
+        1,
+        _ulp_cases("subnormal"),
+        fix="次正规数的间距固定为 2^(1-bias-m)：k 要与 1 - bias 取较大者",
+    ),
+    CaseType(
+        "power_of_two",
+        "2 的整数次幂",
+        1,
+        _ulp_cases("power_of_two"),
+        fix="math.frexp(|x|) 返回 (f, e)，|x| = f·2^e 且 0.5 ≤ f < 1，所以 |x| 在 [2^k, 2^(k+1)) "
+        "时 k = e - 1（不是 e）",
+    ),
+    CaseType(
+        "edge",
+        "最小正规数与最大有限数",
+        1,
+        _ulp_cases("edge"),
+        fix="最小正规数 2^(1-bias) 与最大有限数都按正规数的公式 2^(k-m) 计算",
+    ),
+    CaseType(
+        "normal",
+        "一般的正规数",
+        3,
+        _ulp_cases("normal"),
+        fix="正规数 |x| ∈ [2^k, 2^(k+1)) 的间距是 2^(k-m)，m 是该格式的尾数位数",
+    ),
 ]
 
 
@@ -212,34 +308,97 @@ def _show_ulp(case) -> str:
 
 
 QUESTIONS = [
-    Question("decode_fp16", points=3, cases=decode_types("fp16"), expect=_expect_fp16,
-             probe="CASE = decode_fp16", compare=same_float, show_input=hex16,
-             description="decode_fp16：16 位模式 → 数值（正规/次正规/±0/inf/NaN）"),
-    Question("decode_bf16", points=2, cases=decode_types("bf16"), expect=_expect_bf16,
-             probe="CASE = decode_bf16", compare=same_float, show_input=hex16,
-             description="decode_bf16：16 位模式 → 数值"),
-    Question("fp32_to_bf16_bits", points=3, probe="CASE = fp32_to_bf16_bits",
-             cases=[CaseType("round_up", "丢掉的低 16 位 > 0x8000（进位）", 2, _round_up,
-                             fix="低 16 位大于 0x8000 时要进位：直接截断（>> 16）是朝 0 舍入，不是就近舍入"),
-                    CaseType("round_down", "丢掉的低 16 位 < 0x8000（舍去）", 1, _round_down,
-                             fix="低 16 位小于 0x8000 时直接舍去"),
-                    CaseType("tie", "平局（低 16 位 = 0x8000）", 2, _ties,
-                             fix="平局取偶：结果最低位为 1 时进位，为 0 时舍去；"
-                                 "(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16"),
-                    CaseType("carry", "进位进入指数段或溢出成 inf", 1, _carry,
-                             fix="进位可以一路传进指数段（变成下一个 2 的幂）或溢出成 inf，这正是正确结果；"
-                                 "结果要 & 0xFFFF"),
-                    CaseType("subnormal", "fp32 次正规数", 1, _fp32_subnormal,
-                             fix="次正规数用同一个舍入公式，不需要特殊处理"),
-                    CaseType("special", "±0 与 ±inf", 1, _fp32_special,
-                             fix="±0 与 ±inf 的高 16 位就是结果（低 16 位全 0，不会进位）"),
-                    CaseType("nan", "NaN", 1, lambda rng: [math.nan],
-                             fix="NaN 要单独返回一个 NaN 模式（例如 0x7FC0），截断或进位可能把它变成 inf")],
-             expect=expect_fp32_to_bf16, compare=compare_bf16_bits, show_input=_show_fp32,
-             show_value=show_bf16_bits,
-             description="fp32_to_bf16_bits：就近舍入、平局取偶；溢出成 inf；NaN 保持 NaN"),
-    Question("ulp", points=2, cases=ULP_TYPES, expect=lambda c: ref_ulp(c[0], c[1]),
-             probe="CASE = lambda case: ulp(case[0], case[1])", compare=same_float,
-             show_input=_show_ulp,
-             description="ulp(x, fmt)：fp32/fp16/bf16 的最后一位单位（含 0、次正规数与 2 的幂）"),
+    Question(
+        "decode_fp16",
+        points=3,
+        cases=decode_types("fp16"),
+        expect=_expect_fp16,
+        probe="CASE = decode_fp16",
+        compare=same_float,
+        show_input=hex16,
+        description="decode_fp16：16 位模式 → 数值（正规/次正规/±0/inf/NaN）",
+    ),
+    Question(
+        "decode_bf16",
+        points=2,
+        cases=decode_types("bf16"),
+        expect=_expect_bf16,
+        probe="CASE = decode_bf16",
+        compare=same_float,
+        show_input=hex16,
+        description="decode_bf16：16 位模式 → 数值",
+    ),
+    Question(
+        "fp32_to_bf16_bits",
+        points=3,
+        probe="CASE = fp32_to_bf16_bits",
+        cases=[
+            CaseType(
+                "round_up",
+                "丢掉的低 16 位 > 0x8000（进位）",
+                2,
+                _round_up,
+                fix="低 16 位大于 0x8000 时要进位：直接截断（>> 16）是朝 0 舍入，不是就近舍入",
+            ),
+            CaseType(
+                "round_down",
+                "丢掉的低 16 位 < 0x8000（舍去）",
+                1,
+                _round_down,
+                fix="低 16 位小于 0x8000 时直接舍去",
+            ),
+            CaseType(
+                "tie",
+                "平局（低 16 位 = 0x8000）",
+                2,
+                _ties,
+                fix="平局取偶：结果最低位为 1 时进位，为 0 时舍去；"
+                "(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16",
+            ),
+            CaseType(
+                "carry",
+                "进位进入指数段或溢出成 inf",
+                1,
+                _carry,
+                fix="进位可以一路传进指数段（变成下一个 2 的幂）或溢出成 inf，这正是正确结果；"
+                "结果要 & 0xFFFF",
+            ),
+            CaseType(
+                "subnormal",
+                "fp32 次正规数",
+                1,
+                _fp32_subnormal,
+                fix="次正规数用同一个舍入公式，不需要特殊处理",
+            ),
+            CaseType(
+                "special",
+                "±0 与 ±inf",
+                1,
+                _fp32_special,
+                fix="±0 与 ±inf 的高 16 位就是结果（低 16 位全 0，不会进位）",
+            ),
+            CaseType(
+                "nan",
+                "NaN",
+                1,
+                lambda rng: [math.nan],
+                fix="NaN 要单独返回一个 NaN 模式（例如 0x7FC0），截断或进位可能把它变成 inf",
+            ),
+        ],
+        expect=expect_fp32_to_bf16,
+        compare=compare_bf16_bits,
+        show_input=_show_fp32,
+        show_value=show_bf16_bits,
+        description="fp32_to_bf16_bits：就近舍入、平局取偶；溢出成 inf；NaN 保持 NaN",
+    ),
+    Question(
+        "ulp",
+        points=2,
+        cases=ULP_TYPES,
+        expect=lambda c: ref_ulp(c[0], c[1]),
+        probe="CASE = lambda case: ulp(case[0], case[1])",
+        compare=same_float,
+        show_input=_show_ulp,
+        description="ulp(x, fmt)：fp32/fp16/bf16 的最后一位单位（含 0、次正规数与 2 的幂）",
+    ),
 ]

@@ -6,6 +6,7 @@ in this process (the check), so model, data and the reference never depend on to
 lab's own code. References are computed here: the big-batch gradient, autograd's saved tensors
 (counted with our own ``saved_tensors_hooks``), plain block outputs/gradients.
 """
+
 from __future__ import annotations
 
 from coursekit.grading import CaseType, Question
@@ -16,7 +17,10 @@ CELL_TIMEOUT = 60
 NOTEBOOK_TIMEOUT = 240
 PROBE_TIMEOUT = 30
 
-RTOL, ATOL = 1e-5, 1e-6  # the tolerance stated in the lab (fp32, only the summation order differs)
+RTOL, ATOL = (
+    1e-5,
+    1e-6,
+)  # the tolerance stated in the lab (fp32, only the summation order differs)
 
 # Builders shared by the probe (student's kernel) and the checks (this process).
 BUILD_SRC = r'''
@@ -125,8 +129,14 @@ def _close(got, want, rtol=RTOL, atol=ATOL) -> bool:
 
 
 def _grads_match(got, want: dict) -> bool:
-    return isinstance(got, dict) and set(got) == set(want) and all(
-        (w is None and got[n] is None) or (w is not None and _close(got[n], w)) for n, w in want.items())
+    return (
+        isinstance(got, dict)
+        and set(got) == set(want)
+        and all(
+            (w is None and got[n] is None) or (w is not None and _close(got[n], w))
+            for n, w in want.items()
+        )
+    )
 
 
 TOL = f"（rtol={RTOL}, atol={ATOL}）"
@@ -134,16 +144,28 @@ TOL = f"（rtol={RTOL}, atol={ATOL}）"
 
 # ---------------------------------------------------------------- accumulate_grads(_weighted)
 def _mlp_case(rng, n, **extra):
-    return dict(seed=rng.randrange(10**6), d_in=rng.randint(3, 10), d_hidden=rng.randint(4, 16),
-                n_classes=rng.randint(2, 6), n=n, **extra)
+    return dict(
+        seed=rng.randrange(10**6),
+        d_in=rng.randint(3, 10),
+        d_hidden=rng.randint(4, 16),
+        n_classes=rng.randint(2, 6),
+        n=n,
+        **extra,
+    )
 
 
 def _accum_type(kind):
     def make(rng):
         if kind == "bad":
-            return [_mlp_case(rng, a * rng.randint(2, 4) + 1, accum=a, bad=True) for a in (3, 4)]
-        return [_mlp_case(rng, a * rng.randint(1, 5), accum=a, bad=False)
-                for a in (rng.choice([2, 3, 4, 5]) for _ in range(4))]
+            return [
+                _mlp_case(rng, a * rng.randint(2, 4) + 1, accum=a, bad=True)
+                for a in (3, 4)
+            ]
+        return [
+            _mlp_case(rng, a * rng.randint(1, 5), accum=a, bad=False)
+            for a in (rng.choice([2, 3, 4, 5]) for _ in range(4))
+        ]
+
     return make
 
 
@@ -154,13 +176,18 @@ def _weighted_type(kind):
         cases = []
         for _ in range(4 if kind == "uneven" else 2):
             mbs = rng.randint(2, 6)
-            n = mbs * rng.randint(1, 4) + (rng.randint(1, mbs - 1) if kind == "uneven" else 0)
+            n = mbs * rng.randint(1, 4) + (
+                rng.randint(1, mbs - 1) if kind == "uneven" else 0
+            )
             cases.append(_mlp_case(rng, n, mbs=mbs, bad=False))
         return cases
+
     return make
 
 
-ACCUM_PROBE = BUILD_SRC + r'''
+ACCUM_PROBE = (
+    BUILD_SRC
+    + r"""
 def CASE(_case):
     _model = _lab04_mlp(_case)
     _x, _y = _lab04_data(_case)
@@ -177,10 +204,12 @@ def CASE(_case):
     _ret = accumulate_grads(_model, _loss, _x, _y, _case["accum"])   # the second must start from zero
     return {"sizes": _sizes, "returned": {k: v.detach().flatten().tolist() for k, v in dict(_ret).items()},
             "dot_grad": _lab04_grads(_model)}
-'''
+"""
+)
 
-WEIGHTED_PROBE = ACCUM_PROBE.replace("accumulate_grads(", "accumulate_grads_weighted(").replace(
-    '_case["accum"]', '_case["mbs"]')
+WEIGHTED_PROBE = ACCUM_PROBE.replace(
+    "accumulate_grads(", "accumulate_grads_weighted("
+).replace('_case["accum"]', '_case["mbs"]')
 
 
 def _sizes(case) -> list[int]:
@@ -206,19 +235,27 @@ def accum_compare(got, want):
     if not isinstance(got, dict):
         return False, "没有结果"
     if "raised" in want:
-        return got.get("raised") == "ValueError", f"应抛出 ValueError，得到 {got.get('raised')}"
+        return got.get(
+            "raised"
+        ) == "ValueError", f"应抛出 ValueError，得到 {got.get('raised')}"
     wrong = []
     if not _grads_match(got.get("returned"), want["grads"]):
         wrong.append("返回的 {name: grad} 与整批梯度不一致" + TOL)
     if not _grads_match(got.get("dot_grad"), want["grads"]):
         wrong.append("参数的 .grad 与整批梯度不一致（第二次调用要先清零）")
     if got.get("sizes") != want["sizes"]:
-        wrong.append(f"两次调用中模型看到的 micro-batch 大小应为 {want['sizes']}，得到 {got.get('sizes')}")
+        wrong.append(
+            f"两次调用中模型看到的 micro-batch 大小应为 {want['sizes']}，得到 {got.get('sizes')}"
+        )
     return not wrong, "；".join(wrong)
 
 
 def _show_mlp(case):
-    k = f"accum={case['accum']}" if "accum" in case else f"micro_batch_size={case['mbs']}"
+    k = (
+        f"accum={case['accum']}"
+        if "accum" in case
+        else f"micro_batch_size={case['mbs']}"
+    )
     return f"MLP({case['d_in']}→{case['d_hidden']}→{case['n_classes']})，N={case['n']}，{k}"
 
 
@@ -229,25 +266,55 @@ def _show_result(v):
 
 
 ACCUM_TYPES = [
-    CaseType("divisible", "N 能被 accum 整除：梯度与整批一致", 3, _accum_type("ok"),
-             fix="先 model.zero_grad()；把 (x, y) 切成 accum 块，每块 loss / accum 再 backward"),
-    CaseType("bad", "N 不能被 accum 整除：ValueError", 1, _accum_type("bad"),
-             fix="N % accum != 0 时 raise ValueError（在任何计算之前）"),
+    CaseType(
+        "divisible",
+        "N 能被 accum 整除：梯度与整批一致",
+        3,
+        _accum_type("ok"),
+        fix="先 model.zero_grad()；把 (x, y) 切成 accum 块，每块 loss / accum 再 backward",
+    ),
+    CaseType(
+        "bad",
+        "N 不能被 accum 整除：ValueError",
+        1,
+        _accum_type("bad"),
+        fix="N % accum != 0 时 raise ValueError（在任何计算之前）",
+    ),
 ]
 WEIGHTED_TYPES = [
-    CaseType("uneven", "最后一块更小：按 n_j / N 加权", 2, _weighted_type("uneven"),
-             fix="每块的平均 loss 乘以 n_j / N 再 backward，最后一块更小时权重也更小"),
-    CaseType("even", "N 是 micro_batch_size 的整数倍", 1, _weighted_type("even"),
-             fix="整除时每块权重都是 micro_batch_size / N"),
-    CaseType("bad", "micro_batch_size < 1：ValueError", 1, _weighted_type("bad"),
-             fix="micro_batch_size < 1 时 raise ValueError"),
+    CaseType(
+        "uneven",
+        "最后一块更小：按 n_j / N 加权",
+        2,
+        _weighted_type("uneven"),
+        fix="每块的平均 loss 乘以 n_j / N 再 backward，最后一块更小时权重也更小",
+    ),
+    CaseType(
+        "even",
+        "N 是 micro_batch_size 的整数倍",
+        1,
+        _weighted_type("even"),
+        fix="整除时每块权重都是 micro_batch_size / N",
+    ),
+    CaseType(
+        "bad",
+        "micro_batch_size < 1：ValueError",
+        1,
+        _weighted_type("bad"),
+        fix="micro_batch_size < 1 时 raise ValueError",
+    ),
 ]
 
 
 # ---------------------------------------------------------------- saved_activation_bytes
-KINDS = {"linear_nograd_input": "Linear，输入不需要梯度", "linear_grad_input": "Linear，输入需要梯度",
-         "linear_no_exclude": "Linear，exclude 为空（参数也计入）", "mlp_tanh": "Linear-Tanh-Linear",
-         "no_grad": "torch.no_grad() 下（什么都不保存）", "shared_view": "同一存储的两个视图（只计一次）"}
+KINDS = {
+    "linear_nograd_input": "Linear，输入不需要梯度",
+    "linear_grad_input": "Linear，输入需要梯度",
+    "linear_no_exclude": "Linear，exclude 为空（参数也计入）",
+    "mlp_tanh": "Linear-Tanh-Linear",
+    "no_grad": "torch.no_grad() 下（什么都不保存）",
+    "shared_view": "同一存储的两个视图（只计一次）",
+}
 KIND_FIX = {
     "linear_nograd_input": "用 torch.autograd.graph.saved_tensors_hooks 记录 pack 收到的张量；按存储去重",
     "linear_grad_input": "输入需要梯度时 autograd 也保存权重：exclude 里的存储不计",
@@ -259,15 +326,26 @@ KIND_FIX = {
 
 
 def _saved_type(kind):
-    return lambda rng: [dict(kind=kind, seed=rng.randrange(10**6), batch=rng.randint(2, 9),
-                             d_in=rng.randint(3, 12), d_out=rng.randint(3, 12)) for _ in range(2)]
+    return lambda rng: [
+        dict(
+            kind=kind,
+            seed=rng.randrange(10**6),
+            batch=rng.randint(2, 9),
+            d_in=rng.randint(3, 12),
+            d_out=rng.randint(3, 12),
+        )
+        for _ in range(2)
+    ]
 
 
-SAVED_PROBE = BUILD_SRC + r'''
+SAVED_PROBE = (
+    BUILD_SRC
+    + r"""
 def CASE(_case):
     _fn, _excl = _lab04_saved_cases(_case)
     return saved_activation_bytes(_fn, exclude=_excl)
-'''
+"""
+)
 
 
 def saved_expect(case):
@@ -279,16 +357,29 @@ def _int_equal(got, want):
     return isinstance(got, int) and not isinstance(got, bool) and got == want
 
 
-SAVED_TYPES = [CaseType(k, label, 1, _saved_type(k), fix=KIND_FIX[k]) for k, label in KINDS.items()]
+SAVED_TYPES = [
+    CaseType(k, label, 1, _saved_type(k), fix=KIND_FIX[k]) for k, label in KINDS.items()
+]
 
 
 # ---------------------------------------------------------------- run_blocks
 def _blocks_type(ck, x_grad):
-    return lambda rng: [dict(seed=rng.randrange(10**6), n_blocks=rng.randint(2, 5), d=rng.choice([4, 6, 8, 12]),
-                             batch=rng.randint(2, 6), x_requires_grad=x_grad, ck=ck) for _ in range(2)]
+    return lambda rng: [
+        dict(
+            seed=rng.randrange(10**6),
+            n_blocks=rng.randint(2, 5),
+            d=rng.choice([4, 6, 8, 12]),
+            batch=rng.randint(2, 6),
+            x_requires_grad=x_grad,
+            ck=ck,
+        )
+        for _ in range(2)
+    ]
 
 
-BLOCKS_PROBE = BUILD_SRC + r'''
+BLOCKS_PROBE = (
+    BUILD_SRC
+    + r"""
 def CASE(_case):
     _blocks = _lab04_blocks(_case)
     _count = [0]
@@ -304,7 +395,8 @@ def CASE(_case):
     return {"out": _out.detach().flatten().tolist(), "saved": _saved, "forwards": _count[0],
             "x_grad": _x.grad.flatten().tolist() if _x.grad is not None else None,
             "grads": _lab04_grads(_blocks)}
-'''
+"""
+)
 
 
 def blocks_expect(case):
@@ -312,13 +404,18 @@ def blocks_expect(case):
     blocks = ns["_lab04_blocks"](case)
     x = ns["_lab04_x"](case).requires_grad_(case["x_requires_grad"])
     box = []
-    plain_saved = ns["_lab04_saved"](lambda: box.append(_plain(blocks, x)), list(blocks.parameters()))
+    plain_saved = ns["_lab04_saved"](
+        lambda: box.append(_plain(blocks, x)), list(blocks.parameters())
+    )
     box[0].pow(2).mean().backward()
     L, B, d = case["n_blocks"], case["batch"], case["d"]
-    return {"out": box[0].detach().flatten().tolist(), "grads": ns["_lab04_grads"](blocks),
-            "x_grad": x.grad.flatten().tolist() if x.grad is not None else None,
-            "saved": L * B * d * 4 if case["ck"] else plain_saved,
-            "forwards": 2 * L if case["ck"] else L}
+    return {
+        "out": box[0].detach().flatten().tolist(),
+        "grads": ns["_lab04_grads"](blocks),
+        "x_grad": x.grad.flatten().tolist() if x.grad is not None else None,
+        "saved": L * B * d * 4 if case["ck"] else plain_saved,
+        "forwards": 2 * L if case["ck"] else L,
+    }
 
 
 def blocks_compare(got, want):
@@ -328,23 +425,33 @@ def blocks_compare(got, want):
     checks = {
         "输出": _close(got.get("out"), want["out"]),
         "参数梯度": _grads_match(got.get("grads"), want["grads"]),
-        "输入的梯度": (xg is None and wxg is None) or (wxg is not None and _close(xg, wxg)),
-        f"保存给反向的字节数（应为 {want['saved']}，得到 {got.get('saved')}）":
-            _int_equal(got.get("saved"), want["saved"]),
-        f"block 前向次数（应为 {want['forwards']}，得到 {got.get('forwards')}）":
-            got.get("forwards") == want["forwards"],
+        "输入的梯度": (xg is None and wxg is None)
+        or (wxg is not None and _close(xg, wxg)),
+        f"保存给反向的字节数（应为 {want['saved']}，得到 {got.get('saved')}）": _int_equal(
+            got.get("saved"), want["saved"]
+        ),
+        f"block 前向次数（应为 {want['forwards']}，得到 {got.get('forwards')}）": got.get(
+            "forwards"
+        )
+        == want["forwards"],
     }
     wrong = [k for k, ok in checks.items() if not ok]
     return not wrong, ("不对的是：" + "、".join(wrong)) if wrong else ""
 
 
 def _show_blocks(c):
-    return (f"{c['n_blocks']} 个 block，d={c['d']}，batch={c['batch']}，x.requires_grad={c['x_requires_grad']}，"
-            f"checkpointing={c['ck']}")
+    return (
+        f"{c['n_blocks']} 个 block，d={c['d']}，batch={c['batch']}，x.requires_grad={c['x_requires_grad']}，"
+        f"checkpointing={c['ck']}"
+    )
 
 
 def _show_blocks_value(v):
-    return f"saved={v.get('saved')}, forwards={v.get('forwards')}" if isinstance(v, dict) else repr(v)[:200]
+    return (
+        f"saved={v.get('saved')}, forwards={v.get('forwards')}"
+        if isinstance(v, dict)
+        else repr(v)[:200]
+    )
 
 
 def _plain(blocks, x):
@@ -355,30 +462,74 @@ def _plain(blocks, x):
 
 
 BLOCKS_TYPES = [
-    CaseType("plain", "不用检查点", 1, _blocks_type(False, True),
-             fix="checkpointing=False 时依次 h = block(h)"),
-    CaseType("checkpointed", "检查点：同样的输出与梯度，只保存每个 block 的输入、每个 block 重算一次", 3,
-             _blocks_type(True, True),
-             fix="h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)"),
-    CaseType("input_no_grad", "检查点，输入不需要梯度：参数仍有梯度", 1, _blocks_type(True, False),
-             fix="use_reentrant=False 时输入不需要梯度参数也有梯度（reentrant 版本会丢掉它们）"),
+    CaseType(
+        "plain",
+        "不用检查点",
+        1,
+        _blocks_type(False, True),
+        fix="checkpointing=False 时依次 h = block(h)",
+    ),
+    CaseType(
+        "checkpointed",
+        "检查点：同样的输出与梯度，只保存每个 block 的输入、每个 block 重算一次",
+        3,
+        _blocks_type(True, True),
+        fix="h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)",
+    ),
+    CaseType(
+        "input_no_grad",
+        "检查点，输入不需要梯度：参数仍有梯度",
+        1,
+        _blocks_type(True, False),
+        fix="use_reentrant=False 时输入不需要梯度参数也有梯度（reentrant 版本会丢掉它们）",
+    ),
 ]
 
 
 QUESTIONS = [
-    Question("accumulate_grads", points=3, cases=ACCUM_TYPES, expect=accum_expect, compare=accum_compare,
-             probe=ACCUM_PROBE, show_input=_show_mlp, show_value=_show_result,
-             description="accumulate_grads：loss/accum 的累积循环，梯度与整批一致（rtol=1e-5, atol=1e-6），"
-                         "先清零、按 micro-batch 前向、不整除时 ValueError"),
-    Question("accumulate_grads_weighted", points=2, cases=WEIGHTED_TYPES, expect=accum_expect,
-             compare=accum_compare, probe=WEIGHTED_PROBE, show_input=_show_mlp, show_value=_show_result,
-             description="accumulate_grads_weighted：最后一块更小时按 n_j/N 加权，梯度与整批一致；"
-                         "micro_batch_size<1 时 ValueError"),
-    Question("saved_activation_bytes", points=2, cases=SAVED_TYPES, expect=saved_expect, compare=_int_equal,
-             probe=SAVED_PROBE,
-             description="saved_activation_bytes：saved_tensors_hooks 计数，同一存储只计一次，排除 exclude 的存储"),
-    Question("run_blocks", points=3, cases=BLOCKS_TYPES, expect=blocks_expect, compare=blocks_compare,
-             probe=BLOCKS_PROBE, show_input=_show_blocks, show_value=_show_blocks_value,
-             description="run_blocks：checkpoint(..., use_reentrant=False) 包装每个 block；输出与梯度不变，"
-                         "只保存 block 输入，每个 block 重算一次（输入不需要梯度时参数仍有梯度）"),
+    Question(
+        "accumulate_grads",
+        points=3,
+        cases=ACCUM_TYPES,
+        expect=accum_expect,
+        compare=accum_compare,
+        probe=ACCUM_PROBE,
+        show_input=_show_mlp,
+        show_value=_show_result,
+        description="accumulate_grads：loss/accum 的累积循环，梯度与整批一致（rtol=1e-5, atol=1e-6），"
+        "先清零、按 micro-batch 前向、不整除时 ValueError",
+    ),
+    Question(
+        "accumulate_grads_weighted",
+        points=2,
+        cases=WEIGHTED_TYPES,
+        expect=accum_expect,
+        compare=accum_compare,
+        probe=WEIGHTED_PROBE,
+        show_input=_show_mlp,
+        show_value=_show_result,
+        description="accumulate_grads_weighted：最后一块更小时按 n_j/N 加权，梯度与整批一致；"
+        "micro_batch_size<1 时 ValueError",
+    ),
+    Question(
+        "saved_activation_bytes",
+        points=2,
+        cases=SAVED_TYPES,
+        expect=saved_expect,
+        compare=_int_equal,
+        probe=SAVED_PROBE,
+        description="saved_activation_bytes：saved_tensors_hooks 计数，同一存储只计一次，排除 exclude 的存储",
+    ),
+    Question(
+        "run_blocks",
+        points=3,
+        cases=BLOCKS_TYPES,
+        expect=blocks_expect,
+        compare=blocks_compare,
+        probe=BLOCKS_PROBE,
+        show_input=_show_blocks,
+        show_value=_show_blocks_value,
+        description="run_blocks：checkpoint(..., use_reentrant=False) 包装每个 block；输出与梯度不变，"
+        "只保存 block 输入，每个 block 重算一次（输入不需要梯度时参数仍有梯度）",
+    ),
 ]

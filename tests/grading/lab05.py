@@ -6,6 +6,7 @@ run here: the same base weights and the same A, B copied into ``peft``'s ``lora.
 same outputs, gradients and merged weights. The tiny Llama for ``inject_lora`` is built with
 ``trainmem.models.build_model(config, seed=...)`` on both sides (same seed → same weights).
 """
+
 from __future__ import annotations
 
 import math
@@ -22,7 +23,7 @@ PROBE_TIMEOUT = 60
 
 RTOL, ATOL = 1e-5, 1e-5
 
-BUILD_SRC = r'''
+BUILD_SRC = r"""
 import random as _random
 import zlib as _zlib
 import torch as _torch
@@ -72,7 +73,7 @@ def _lab05_fill_adapter(name, A, B, seed):
 def _lab05_ids(case):
     rng = _random.Random(case["seed"] + 2)
     return _torch.tensor([[rng.randrange(case["vocab"]) for _ in range(8)] for _ in range(2)])
-'''
+"""
 
 
 _NS: dict = {}
@@ -111,11 +112,14 @@ def _peft_layer(ns, case):
         def forward(self, x):
             return self.proj(x)
 
-    model = get_peft_model(Wrap(ns["_lab05_base"](case)),
-                           LoraConfig(r=case["r"], lora_alpha=case["alpha"], target_modules=["proj"]))
+    model = get_peft_model(
+        Wrap(ns["_lab05_base"](case)),
+        LoraConfig(r=case["r"], lora_alpha=case["alpha"], target_modules=["proj"]),
+    )
     layer = model.base_model.model.proj
     A, B, x, w = ns["_lab05_adapters"](case)
     import torch
+
     with torch.no_grad():
         layer.lora_A["default"].weight.copy_(A)
         layer.lora_B["default"].weight.copy_(B)
@@ -124,8 +128,14 @@ def _peft_layer(ns, case):
 
 def _layer_case(rng, **fixed):
     d_in, d_out = rng.randint(3, 24), rng.randint(3, 24)
-    case = dict(seed=rng.randrange(10**6), d_in=d_in, d_out=d_out, r=rng.randint(1, min(d_in, d_out)),
-                alpha=rng.choice([1, 2, 4, 8, 16, 3.5]), bias=rng.random() < 0.7)
+    case = dict(
+        seed=rng.randrange(10**6),
+        d_in=d_in,
+        d_out=d_out,
+        r=rng.randint(1, min(d_in, d_out)),
+        alpha=rng.choice([1, 2, 4, 8, 16, 3.5]),
+        bias=rng.random() < 0.7,
+    )
     case.update(fixed)
     return case
 
@@ -145,18 +155,39 @@ def _show_dict(v):
 # ---------------------------------------------------------------- __init__
 def _init_type(kind):
     def make(rng):
-        if kind == "stats":   # big enough to see Kaiming uniform's standard deviation
-            return [dict(seed=rng.randrange(10**6), d_in=256, d_out=64, r=16, alpha=32, bias=True)]
+        if kind == "stats":  # big enough to see Kaiming uniform's standard deviation
+            return [
+                dict(
+                    seed=rng.randrange(10**6),
+                    d_in=256,
+                    d_out=64,
+                    r=16,
+                    alpha=32,
+                    bias=True,
+                )
+            ]
         if kind == "bad":
             d_in, d_out = rng.randint(3, 12), rng.randint(3, 12)
-            return [dict(seed=1, d_in=d_in, d_out=d_out, r=0, alpha=4, bias=True, bad=True),
-                    dict(seed=2, d_in=d_in, d_out=d_out, r=min(d_in, d_out) + rng.randint(1, 3), alpha=4,
-                         bias=True, bad=True)]
+            return [
+                dict(seed=1, d_in=d_in, d_out=d_out, r=0, alpha=4, bias=True, bad=True),
+                dict(
+                    seed=2,
+                    d_in=d_in,
+                    d_out=d_out,
+                    r=min(d_in, d_out) + rng.randint(1, 3),
+                    alpha=4,
+                    bias=True,
+                    bad=True,
+                ),
+            ]
         return [_layer_case(rng) for _ in range(3)]
+
     return make
 
 
-INIT_PROBE = BUILD_SRC + r'''
+INIT_PROBE = (
+    BUILD_SRC
+    + r"""
 def CASE(_case):
     _base = _lab05_base(_case)
     if _case.get("bad"):
@@ -178,14 +209,20 @@ def CASE(_case):
         "trainable": sorted(n for n, p in _layer.named_parameters() if p.requires_grad),
         "base_is_same": _layer.base is _base,
         "out_diff": _diff}
-'''
+"""
+)
 
 
 def init_expect(case):
     if case.get("bad"):
         return {"raised": "ValueError"}
     k, d, r = case["d_in"], case["d_out"], case["r"]
-    want = {"A_shape": [r, k], "B_shape": [d, r], "bound": 1 / math.sqrt(k), "scaling": case["alpha"] / r}
+    want = {
+        "A_shape": [r, k],
+        "B_shape": [d, r],
+        "bound": 1 / math.sqrt(k),
+        "scaling": case["alpha"] / r,
+    }
     if r * k >= 1000:  # Kaiming uniform: std = bound / sqrt(3)
         want["A_std"] = want["bound"] / math.sqrt(3)
     return want
@@ -195,38 +232,62 @@ def init_compare(got, want):
     if not isinstance(got, dict):
         return False, "没有结果"
     if "raised" in want:
-        return got.get("raised") == "ValueError", f"应抛出 ValueError，得到 {got.get('raised')}"
+        return got.get(
+            "raised"
+        ) == "ValueError", f"应抛出 ValueError，得到 {got.get('raised')}"
     bound = want["bound"]
     checks = {
-        f"lora_A 的形状应为 (r, d_in)={tuple(want['A_shape'])}": got.get("A_shape") == want["A_shape"],
-        f"lora_B 的形状应为 (d_out, r)={tuple(want['B_shape'])}": got.get("B_shape") == want["B_shape"],
+        f"lora_A 的形状应为 (r, d_in)={tuple(want['A_shape'])}": got.get("A_shape")
+        == want["A_shape"],
+        f"lora_B 的形状应为 (d_out, r)={tuple(want['B_shape'])}": got.get("B_shape")
+        == want["B_shape"],
         "lora_B 应全为 0": got.get("B_zero") is True,
         f"|lora_A| ≤ 1/sqrt(d_in)={bound:.4f} 且不全为 0": _num(got.get("A_absmax"))
         and 0 < got["A_absmax"] <= bound * (1 + 1e-6),
         f"scaling 应为 alpha / r = {want['scaling']:g}": _num(got.get("scaling"))
         and abs(got["scaling"] - want["scaling"]) < 1e-9,
-        "只有 lora_A、lora_B 可训练（base 冻结）": got.get("trainable") == ["lora_A", "lora_B"],
+        "只有 lora_A、lora_B 可训练（base 冻结）": got.get("trainable")
+        == ["lora_A", "lora_B"],
         "self.base 应是传入的那一层": got.get("base_is_same") is True,
         "初始化时输出应与 base 完全相同": got.get("out_diff") == 0.0,
     }
     if "A_std" in want:
-        checks[f"std(lora_A) ≈ {want['A_std']:.4f}（Kaiming 均匀）"] = _num(got.get("A_std")) \
+        checks[f"std(lora_A) ≈ {want['A_std']:.4f}（Kaiming 均匀）"] = (
+            _num(got.get("A_std"))
             and abs(got["A_std"] - want["A_std"]) < 0.15 * want["A_std"]
+        )
     return _verdict(checks)
 
 
 INIT_TYPES = [
-    CaseType("layers", "随机形状的层", 3, _init_type("layers"),
-             fix="lora_A 形状 (r, d_in)，lora_B 形状 (d_out, r) 且为 0；scaling = alpha / r；base 的参数 requires_grad=False"),
-    CaseType("stats", "lora_A 的初始化分布（256 维输入）", 1, _init_type("stats"),
-             fix="nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))，与 nn.Linear 的默认初始化相同"),
-    CaseType("bad", "非法的 r（0 或大于 min(d_in, d_out)）：ValueError", 1, _init_type("bad"),
-             fix="r < 1 或 r > min(d_in, d_out) 时 raise ValueError"),
+    CaseType(
+        "layers",
+        "随机形状的层",
+        3,
+        _init_type("layers"),
+        fix="lora_A 形状 (r, d_in)，lora_B 形状 (d_out, r) 且为 0；scaling = alpha / r；base 的参数 requires_grad=False",
+    ),
+    CaseType(
+        "stats",
+        "lora_A 的初始化分布（256 维输入）",
+        1,
+        _init_type("stats"),
+        fix="nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))，与 nn.Linear 的默认初始化相同",
+    ),
+    CaseType(
+        "bad",
+        "非法的 r（0 或大于 min(d_in, d_out)）：ValueError",
+        1,
+        _init_type("bad"),
+        fix="r < 1 或 r > min(d_in, d_out) 时 raise ValueError",
+    ),
 ]
 
 
 # ---------------------------------------------------------------- forward
-FORWARD_PROBE = BUILD_SRC + r'''
+FORWARD_PROBE = (
+    BUILD_SRC
+    + r"""
 def CASE(_case):
     _layer = LoRALinear(_lab05_base(_case), _case["r"], _case["alpha"])
     _A, _B, _x, _w = _lab05_adapters(_case)
@@ -237,7 +298,8 @@ def CASE(_case):
     (_out * _w).sum().backward()
     return {"out": _out.detach().flatten().tolist(),
             "gA": _layer.lora_A.grad.flatten().tolist(), "gB": _layer.lora_B.grad.flatten().tolist()}
-'''
+"""
+)
 
 
 @_quiet
@@ -245,31 +307,54 @@ def forward_expect(case):
     model, layer, x, w = _peft_layer(_ns(), case)
     out = model(x)
     (out * w).sum().backward()
-    return {"out": out.detach().flatten().tolist(),
-            "gA": layer.lora_A["default"].weight.grad.flatten().tolist(),
-            "gB": layer.lora_B["default"].weight.grad.flatten().tolist()}
+    return {
+        "out": out.detach().flatten().tolist(),
+        "gA": layer.lora_A["default"].weight.grad.flatten().tolist(),
+        "gB": layer.lora_B["default"].weight.grad.flatten().tolist(),
+    }
 
 
 def forward_compare(got, want):
     if not isinstance(got, dict):
         return False, "没有结果"
-    return _verdict({"输出与 peft 不同": _close(got.get("out"), want["out"]),
-                     "lora_A 的梯度与 peft 不同": _close(got.get("gA"), want["gA"]),
-                     "lora_B 的梯度与 peft 不同": _close(got.get("gB"), want["gB"])})
+    return _verdict(
+        {
+            "输出与 peft 不同": _close(got.get("out"), want["out"]),
+            "lora_A 的梯度与 peft 不同": _close(got.get("gA"), want["gA"]),
+            "lora_B 的梯度与 peft 不同": _close(got.get("gB"), want["gB"]),
+        }
+    )
 
 
 FORWARD_TYPES = [
-    CaseType("bias", "base 有偏置", 1, _layers(2, bias=True),
-             fix="输出 = base(x) + (x @ A.T @ B.T) * scaling（base 的偏置只加一次）"),
-    CaseType("no_bias", "base 无偏置", 1, _layers(2, bias=False),
-             fix="输出 = base(x) + (x @ A.T @ B.T) * scaling"),
-    CaseType("rank_one", "r = 1、非整数 alpha", 1, _layers(2, r=1, alpha=3.5),
-             fix="scaling = alpha / r 是浮点数，不要用整数除法"),
+    CaseType(
+        "bias",
+        "base 有偏置",
+        1,
+        _layers(2, bias=True),
+        fix="输出 = base(x) + (x @ A.T @ B.T) * scaling（base 的偏置只加一次）",
+    ),
+    CaseType(
+        "no_bias",
+        "base 无偏置",
+        1,
+        _layers(2, bias=False),
+        fix="输出 = base(x) + (x @ A.T @ B.T) * scaling",
+    ),
+    CaseType(
+        "rank_one",
+        "r = 1、非整数 alpha",
+        1,
+        _layers(2, r=1, alpha=3.5),
+        fix="scaling = alpha / r 是浮点数，不要用整数除法",
+    ),
 ]
 
 
 # ---------------------------------------------------------------- merge
-MERGE_PROBE = BUILD_SRC + r'''
+MERGE_PROBE = (
+    BUILD_SRC
+    + r"""
 def CASE(_case):
     _base = _lab05_base(_case)
     _w0 = _base.weight.detach().clone()
@@ -283,54 +368,90 @@ def CASE(_case):
             "weight": _m.weight.detach().flatten().tolist(),
             "bias": _m.bias.detach().flatten().tolist() if getattr(_m, "bias", None) is not None else None,
             "base_untouched": bool(_torch.equal(_layer.base.weight, _w0))}
-'''
+"""
+)
 
 
 @_quiet
 def merge_expect(case):
     model, layer, x, w = _peft_layer(_ns(), case)
     merged = model.merge_and_unload().proj
-    return {"weight": merged.weight.detach().flatten().tolist(),
-            "bias": merged.bias.detach().flatten().tolist() if merged.bias is not None else None}
+    return {
+        "weight": merged.weight.detach().flatten().tolist(),
+        "bias": merged.bias.detach().flatten().tolist()
+        if merged.bias is not None
+        else None,
+    }
 
 
 def merge_compare(got, want):
     if not isinstance(got, dict):
         return False, "没有结果"
     wb, gb = want["bias"], got.get("bias")
-    return _verdict({"应返回一个 nn.Linear": got.get("is_linear") is True,
-                     "合并后的权重与 peft merge_and_unload() 不同": _close(got.get("weight"), want["weight"]),
-                     "偏置": (wb is None and gb is None) or (wb is not None and _close(gb, wb)),
-                     "self.base 不能被修改": got.get("base_untouched") is True})
+    return _verdict(
+        {
+            "应返回一个 nn.Linear": got.get("is_linear") is True,
+            "合并后的权重与 peft merge_and_unload() 不同": _close(
+                got.get("weight"), want["weight"]
+            ),
+            "偏置": (wb is None and gb is None) or (wb is not None and _close(gb, wb)),
+            "self.base 不能被修改": got.get("base_untouched") is True,
+        }
+    )
 
 
 MERGE_TYPES = [
-    CaseType("bias", "base 有偏置", 1, _layers(2, bias=True),
-             fix="新层的权重 = W + scaling · B @ A，偏置照抄；不要原地改 self.base"),
-    CaseType("no_bias", "base 无偏置", 1, _layers(2, bias=False),
-             fix="base 没有偏置时新层也没有偏置（bias=False）"),
+    CaseType(
+        "bias",
+        "base 有偏置",
+        1,
+        _layers(2, bias=True),
+        fix="新层的权重 = W + scaling · B @ A，偏置照抄；不要原地改 self.base",
+    ),
+    CaseType(
+        "no_bias",
+        "base 无偏置",
+        1,
+        _layers(2, bias=False),
+        fix="base 没有偏置时新层也没有偏置（bias=False）",
+    ),
 ]
 
 
 # ---------------------------------------------------------------- inject_lora
-TARGET_SETS = {"attention": [["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"]],
-               "mlp": [["o_proj", "down_proj"], ["gate_proj", "up_proj", "down_proj", "q_proj"]]}
+TARGET_SETS = {
+    "attention": [["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"]],
+    "mlp": [["o_proj", "down_proj"], ["gate_proj", "up_proj", "down_proj", "q_proj"]],
+}
 
 
 def _inject_type(kind):
     def make(rng):
         heads = rng.choice([2, 4])
-        case = dict(seed=rng.randrange(10**6), hidden=heads * rng.choice([8, 12]), heads=heads,
-                    inter=rng.choice([40, 56, 72]), layers=rng.randint(1, 2), vocab=rng.choice([48, 64, 96]),
-                    targets=rng.choice(TARGET_SETS.get(kind, [["q_proj"]])), r=rng.choice([2, 4, 8]),
-                    alpha=rng.choice([4, 8, 16]))
-        if kind == "bad":   # a name that exists nowhere, and a typo of a real one
-            return [dict(case, targets=t, layers=1, bad=True) for t in (["not_a_module"], ["q_projj", "v_prj"])]
+        case = dict(
+            seed=rng.randrange(10**6),
+            hidden=heads * rng.choice([8, 12]),
+            heads=heads,
+            inter=rng.choice([40, 56, 72]),
+            layers=rng.randint(1, 2),
+            vocab=rng.choice([48, 64, 96]),
+            targets=rng.choice(TARGET_SETS.get(kind, [["q_proj"]])),
+            r=rng.choice([2, 4, 8]),
+            alpha=rng.choice([4, 8, 16]),
+        )
+        if kind == "bad":  # a name that exists nowhere, and a typo of a real one
+            return [
+                dict(case, targets=t, layers=1, bad=True)
+                for t in (["not_a_module"], ["q_projj", "v_prj"])
+            ]
         return [case]
+
     return make
 
 
-INJECT_PROBE = BUILD_SRC + r'''
+INJECT_PROBE = (
+    BUILD_SRC
+    + r"""
 from trainmem.models import build_model as _build_model
 
 
@@ -354,7 +475,8 @@ def CASE(_case):
             "logits": _out.logits.detach().flatten().tolist(),
             "grads": {_n: [_model.get_submodule(_n).lora_A.grad.flatten().tolist(),
                            _model.get_submodule(_n).lora_B.grad.flatten().tolist()] for _n in _names}}
-'''
+"""
+)
 
 
 @_quiet
@@ -366,40 +488,75 @@ def inject_expect(case):
     from trainmem.models import build_model
 
     ns = _ns()
-    model = get_peft_model(build_model(ns["_lab05_llama_cfg"](case), seed=case["seed"]),
-                           LoraConfig(r=case["r"], lora_alpha=case["alpha"], target_modules=case["targets"]))
+    model = get_peft_model(
+        build_model(ns["_lab05_llama_cfg"](case), seed=case["seed"]),
+        LoraConfig(
+            r=case["r"], lora_alpha=case["alpha"], target_modules=case["targets"]
+        ),
+    )
     inner = model.base_model.model
-    names = [n for n, m in inner.named_modules() if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A", {})]
+    names = [
+        n
+        for n, m in inner.named_modules()
+        if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A", {})
+    ]
     for n in names:
         mod = inner.get_submodule(n)
-        ns["_lab05_fill_adapter"](n, mod.lora_A["default"].weight, mod.lora_B["default"].weight, case["seed"])
+        ns["_lab05_fill_adapter"](
+            n, mod.lora_A["default"].weight, mod.lora_B["default"].weight, case["seed"]
+        )
     ids = ns["_lab05_ids"](case)
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
-    return {"names": names, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "logits": out.logits.detach().flatten().tolist(),
-            "grads": {n: [inner.get_submodule(n).lora_A["default"].weight.grad.flatten().tolist(),
-                          inner.get_submodule(n).lora_B["default"].weight.grad.flatten().tolist()] for n in names}}
+    return {
+        "names": names,
+        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "logits": out.logits.detach().flatten().tolist(),
+        "grads": {
+            n: [
+                inner.get_submodule(n).lora_A["default"].weight.grad.flatten().tolist(),
+                inner.get_submodule(n).lora_B["default"].weight.grad.flatten().tolist(),
+            ]
+            for n in names
+        },
+    }
 
 
 def inject_compare(got, want):
     if not isinstance(got, dict):
         return False, "没有结果"
     if "raised" in want:
-        return got.get("raised") == "ValueError", f"目标一个都匹配不到时应抛出 ValueError，得到 {got.get('raised')}"
+        return (
+            got.get("raised") == "ValueError",
+            f"目标一个都匹配不到时应抛出 ValueError，得到 {got.get('raised')}",
+        )
     grads = got.get("grads") if isinstance(got.get("grads"), dict) else {}
     grads_ok = set(grads) == set(want["grads"]) and all(
-        isinstance(grads[n], list) and len(grads[n]) == 2 and _close(grads[n][0], w[0], 1e-4, 1e-6)
-        and _close(grads[n][1], w[1], 1e-4, 1e-6) for n, w in want["grads"].items())
-    return _verdict({f"替换的模块（应为 {len(want['names'])} 个，与 peft 同序）": got.get("names") == want["names"],
-                     f"可训练参数量（peft：{want['trainable']}）": got.get("trainable") == want["trainable"],
-                     "logits": _close(got.get("logits"), want["logits"], 1e-4, 1e-5),
-                     "LoRA 的梯度": grads_ok})
+        isinstance(grads[n], list)
+        and len(grads[n]) == 2
+        and _close(grads[n][0], w[0], 1e-4, 1e-6)
+        and _close(grads[n][1], w[1], 1e-4, 1e-6)
+        for n, w in want["grads"].items()
+    )
+    return _verdict(
+        {
+            f"替换的模块（应为 {len(want['names'])} 个，与 peft 同序）": got.get(
+                "names"
+            )
+            == want["names"],
+            f"可训练参数量（peft：{want['trainable']}）": got.get("trainable")
+            == want["trainable"],
+            "logits": _close(got.get("logits"), want["logits"], 1e-4, 1e-5),
+            "LoRA 的梯度": grads_ok,
+        }
+    )
 
 
 def _show_llama(c):
-    return (f"Llama hidden={c['hidden']}, layers={c['layers']}, targets={c['targets']}, "
-            f"r={c['r']}, alpha={c['alpha']}")
+    return (
+        f"Llama hidden={c['hidden']}, layers={c['layers']}, targets={c['targets']}, "
+        f"r={c['r']}, alpha={c['alpha']}"
+    )
 
 
 def _show_inject_value(v):
@@ -409,28 +566,75 @@ def _show_inject_value(v):
 
 
 INJECT_TYPES = [
-    CaseType("attention", "注意力投影（q/k/v/o_proj）", 1, _inject_type("attention"),
-             fix="遍历 model.named_modules()，名字的最后一段在 targets 里的 nn.Linear 换成 LoRALinear；"
-                 "先冻结整个模型"),
-    CaseType("mlp", "含 MLP 投影（gate/up/down_proj）", 1, _inject_type("mlp"),
-             fix="按名字的最后一段匹配（down_proj 也在 MLP 里）；返回替换过的完整模块名"),
-    CaseType("bad", "目标匹配不到任何模块：ValueError", 1, _inject_type("bad"),
-             fix="一个模块都没替换时 raise ValueError，说明哪些目标不存在"),
+    CaseType(
+        "attention",
+        "注意力投影（q/k/v/o_proj）",
+        1,
+        _inject_type("attention"),
+        fix="遍历 model.named_modules()，名字的最后一段在 targets 里的 nn.Linear 换成 LoRALinear；"
+        "先冻结整个模型",
+    ),
+    CaseType(
+        "mlp",
+        "含 MLP 投影（gate/up/down_proj）",
+        1,
+        _inject_type("mlp"),
+        fix="按名字的最后一段匹配（down_proj 也在 MLP 里）；返回替换过的完整模块名",
+    ),
+    CaseType(
+        "bad",
+        "目标匹配不到任何模块：ValueError",
+        1,
+        _inject_type("bad"),
+        fix="一个模块都没替换时 raise ValueError，说明哪些目标不存在",
+    ),
 ]
 
 
 QUESTIONS = [
-    Question("lora_init", points=2, cases=INIT_TYPES, expect=init_expect, compare=init_compare,
-             probe=INIT_PROBE, show_input=_show_layer, show_value=_show_dict,
-             description="LoRALinear.__init__：形状、B=0、A 为 Kaiming 均匀、scaling=alpha/r、冻结 base、非法 r 报 ValueError"),
-    Question("lora_forward", points=3, cases=FORWARD_TYPES, expect=forward_expect, compare=forward_compare,
-             probe=FORWARD_PROBE, show_input=_show_layer, show_value=lambda v: "（数值见上面的说明）",
-             description="LoRALinear.forward：输出与 A、B 的梯度与 peft 的 lora.Linear 一致"),
-    Question("lora_merge", points=2, cases=MERGE_TYPES, expect=merge_expect, compare=merge_compare,
-             probe=MERGE_PROBE, show_input=_show_layer, show_value=lambda v: "（数值见上面的说明）",
-             description="LoRALinear.merge：新的 nn.Linear，权重与 peft merge_and_unload() 一致，不改 base"),
-    Question("inject_lora", points=3, cases=INJECT_TYPES, expect=inject_expect, compare=inject_compare,
-             probe=INJECT_PROBE, show_input=_show_llama, show_value=_show_inject_value,
-             description="inject_lora：在小 Llama 上替换目标层，可训练参数量、logits 与梯度与 peft 一致；"
-                         "目标不存在时 ValueError"),
+    Question(
+        "lora_init",
+        points=2,
+        cases=INIT_TYPES,
+        expect=init_expect,
+        compare=init_compare,
+        probe=INIT_PROBE,
+        show_input=_show_layer,
+        show_value=_show_dict,
+        description="LoRALinear.__init__：形状、B=0、A 为 Kaiming 均匀、scaling=alpha/r、冻结 base、非法 r 报 ValueError",
+    ),
+    Question(
+        "lora_forward",
+        points=3,
+        cases=FORWARD_TYPES,
+        expect=forward_expect,
+        compare=forward_compare,
+        probe=FORWARD_PROBE,
+        show_input=_show_layer,
+        show_value=lambda v: "（数值见上面的说明）",
+        description="LoRALinear.forward：输出与 A、B 的梯度与 peft 的 lora.Linear 一致",
+    ),
+    Question(
+        "lora_merge",
+        points=2,
+        cases=MERGE_TYPES,
+        expect=merge_expect,
+        compare=merge_compare,
+        probe=MERGE_PROBE,
+        show_input=_show_layer,
+        show_value=lambda v: "（数值见上面的说明）",
+        description="LoRALinear.merge：新的 nn.Linear，权重与 peft merge_and_unload() 一致，不改 base",
+    ),
+    Question(
+        "inject_lora",
+        points=3,
+        cases=INJECT_TYPES,
+        expect=inject_expect,
+        compare=inject_compare,
+        probe=INJECT_PROBE,
+        show_input=_show_llama,
+        show_value=_show_inject_value,
+        description="inject_lora：在小 Llama 上替换目标层，可训练参数量、logits 与梯度与 peft 一致；"
+        "目标不存在时 ValueError",
+    ),
 ]

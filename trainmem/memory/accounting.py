@@ -4,12 +4,20 @@ A :class:`T` is a (shape, dtype) with a :class:`Buf` of ``numel * itemsize`` byt
 reference counting frees a buffer exactly when the last tensor (or saved slot) using it goes away,
 as for real tensors, and :class:`Sim` keeps the running total and the peak by category.
 """
+
 from __future__ import annotations
 
 import math
 from itertools import count
 
-CATS = ("weights", "gradients", "optimizer_states", "master_weights", "activations", "temporaries")
+CATS = (
+    "weights",
+    "gradients",
+    "optimizer_states",
+    "master_weights",
+    "activations",
+    "temporaries",
+)
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "i64": 8, "bool": 1}
 
 
@@ -24,15 +32,19 @@ class Sim:
         self.phase = "forward"
         self.phase_peaks: dict[str, int] = {}
         self.seq = count()
-        self.save = True               # False inside a checkpointed region's first forward
-        self.autocast = None           # lower-precision dtype name under torch.autocast
+        self.save = True  # False inside a checkpointed region's first forward
+        self.autocast = None  # lower-precision dtype name under torch.autocast
         self.grad_enabled = True
-        self.ckpt = None               # the active _CkptGroup while recording a checkpointed region
+        self.ckpt = None  # the active _CkptGroup while recording a checkpointed region
         self.marks: dict[str, dict] = {}
-        self.grad_scale = 1.0          # ZeRO >= 2: the fraction of each gradient kept locally
-        self.param_cast_scale = 1.0    # ZeRO-3: the fraction of each weight cast by autocast
+        self.grad_scale = 1.0  # ZeRO >= 2: the fraction of each gradient kept locally
+        self.param_cast_scale = (
+            1.0  # ZeRO-3: the fraction of each weight cast by autocast
+        )
         self.autocast_cache: list = []  # autocast's casts of trainable leaves, kept to its exit
-        self.last_alloc = None         # (buffer, peak, peak_by, phase peak) before the last alloc
+        self.last_alloc = (
+            None  # (buffer, peak, peak_by, phase peak) before the last alloc
+        )
 
     def alloc(self, nbytes: int, cat: str | None = None) -> "Buf":
         if cat is None:
@@ -95,10 +107,18 @@ class T:
     """A symbolic tensor: shape, dtype, buffer, autograd edge. ``phys`` names the physical
     layout of 4-D attention tensors: ``"bhsd"`` (contiguous) or ``"bshd"`` (a transposed view of
     a ``(b, s, h*d)`` projection)."""
+
     __slots__ = ("buf", "shape", "dt", "rg", "fn", "acc", "phys", "__weakref__")
 
     def __init__(self, buf, shape, dt, rg=False, fn=None, phys=None):
-        self.buf, self.shape, self.dt, self.rg, self.fn, self.phys = buf, tuple(shape), dt, rg, fn, phys
+        self.buf, self.shape, self.dt, self.rg, self.fn, self.phys = (
+            buf,
+            tuple(shape),
+            dt,
+            rg,
+            fn,
+            phys,
+        )
         self.acc = None
 
     @property

@@ -1,5 +1,6 @@
 """A small autograd for the replay: nodes with saved tensors, the backward pass in the engine's
 order, leaf gradient accumulation, and non-reentrant activation checkpointing."""
+
 from __future__ import annotations
 
 import heapq
@@ -7,12 +8,21 @@ import math
 
 from .accounting import T, Sim, new, shrink, view
 
+
 class Node:
     __slots__ = ("seq", "edges", "saved", "bwd", "group", "saves", "__weakref__")
 
     def __init__(self, seq, edges, saved, bwd, group=None, saves=False):
-        self.seq, self.edges, self.saved, self.bwd, self.group = seq, edges, saved, bwd, group
-        self.saves = saves      # autograd saved tensors for it (under checkpointing: placeholders)
+        self.seq, self.edges, self.saved, self.bwd, self.group = (
+            seq,
+            edges,
+            saved,
+            bwd,
+            group,
+        )
+        self.saves = (
+            saves  # autograd saved tensors for it (under checkpointing: placeholders)
+        )
 
     def __lt__(self, other):
         return self.seq > other.seq
@@ -20,6 +30,7 @@ class Node:
 
 class AccGrad:
     """AccumulateGrad of a leaf parameter: the first gradient is stolen, later ones added in place."""
+
     __slots__ = ("param", "grad", "seq", "sink", "__weakref__")
 
     def __init__(self, param: T):
@@ -32,7 +43,9 @@ class AccGrad:
         return self.seq > other.seq
 
 
-def record(sim: Sim, out: T, inputs: list, saved: list, bwd, save_out: bool = False) -> None:
+def record(
+    sim: Sim, out: T, inputs: list, saved: list, bwd, save_out: bool = False
+) -> None:
     """Attach a backward node to ``out`` if any input requires grad (and grad mode is on).
 
     ``saved`` are the tensors autograd keeps for this node; ``save_out`` adds the output itself.
@@ -45,12 +58,18 @@ def record(sim: Sim, out: T, inputs: list, saved: list, bwd, save_out: bool = Fa
         group.n_nodes += 1
         if saving:
             group.last_saving = group.n_nodes
-        saved, save_out = [], False      # checkpoint: nothing kept, recomputed in backward
+        saved, save_out = [], False  # checkpoint: nothing kept, recomputed in backward
     if not sim.save:
         saved, save_out = [], False
     bufs = [t.buf for t in saved] + ([out.buf] if save_out else [])
-    node = Node(next(sim.seq), [i.edge() if i is not None else None for i in inputs], bufs, bwd, group,
-                saves=saving)
+    node = Node(
+        next(sim.seq),
+        [i.edge() if i is not None else None for i in inputs],
+        bufs,
+        bwd,
+        group,
+        saves=saving,
+    )
     out.rg = True
     out.fn = node
     if group is not None and group.recording:
@@ -99,8 +118,12 @@ class _CkptGroup:
         prev_ac, prev_cache = sim.autocast, sim.autocast_cache
         sim.autocast, sim.autocast_cache = self.autocast, []
         try:
-            ins = [view(t, t.shape, t.phys) if t is not None else None for t in self.inputs]
-            for t in ins:       # same requires_grad as in the forward, so the node order matches
+            ins = [
+                view(t, t.shape, t.phys) if t is not None else None for t in self.inputs
+            ]
+            for (
+                t
+            ) in ins:  # same requires_grad as in the forward, so the node order matches
                 if t is not None:
                     t.fn, t.acc = (_DUMMY if t.rg else None), None
             try:
@@ -109,7 +132,10 @@ class _CkptGroup:
                 pass
         finally:
             sim.ckpt = prev
-            sim.autocast, sim.autocast_cache = prev_ac, prev_cache   # the recompute's autocast exits
+            sim.autocast, sim.autocast_cache = (
+                prev_ac,
+                prev_cache,
+            )  # the recompute's autocast exits
             self.replaying = None
             # the checkpoint keeps its inputs until the layer's backward is over (see backward())
 
@@ -161,7 +187,7 @@ def backward(sim: Sim, loss: T):
             if id(e) not in seen:
                 seen.add(id(e))
                 stack.append(e)
-    g0 = new(sim, (), "fp32")               # ones_like(loss)
+    g0 = new(sim, (), "fp32")  # ones_like(loss)
     buffers = {id(root): g0}
     del g0
     heap = [root]
@@ -170,7 +196,7 @@ def backward(sim: Sim, loss: T):
         g = buffers.pop(id(node))
         if isinstance(node, AccGrad):
             p = node.param
-            if node.sink:                   # a leaf that is not a parameter: grad discarded
+            if node.sink:  # a leaf that is not a parameter: grad discarded
                 del g
                 continue
             if p.buf is not None and getattr(p, "acc", None) is node:
@@ -194,15 +220,17 @@ def backward(sim: Sim, loss: T):
         if grp is not None:
             grp.executed += 1
             if grp.executed == len(grp.nodes):
-                grp.inputs = grp.fn = None      # release the kept inputs (and break the
-                grp.nodes = []                  # group <-> node reference cycle)
+                grp.inputs = grp.fn = None  # release the kept inputs (and break the
+                grp.nodes = []  # group <-> node reference cycle)
                 grp.executed = -1
         for e, gr in zip(node.edges, grads):
             if e is None or gr is None or e is _DUMMY:
                 continue
             k = id(e)
             if k in buffers:
-                old = buffers[k]      # a second gradient for the same node: old + new, a new tensor
+                old = buffers[
+                    k
+                ]  # a second gradient for the same node: old + new, a new tensor
                 buffers[k] = T(sim.alloc(old.nbytes), old.shape, old.dt)
                 del old
             else:

@@ -1,24 +1,45 @@
 """The Llama / Qwen2 / Mistral decoder as ``transformers`` runs it, op by op, and its parameters
 (including peft's LoRA adapters) as the measured model holds them."""
+
 from __future__ import annotations
 
 from .accounting import T, Sim, new, view
 from .autograd import AccGrad, checkpoint, param
-from .ops import (_promote, add, add_scalar, bmm, cast, clone_contig, embedding, linear,
-                  log_softmax, mean_last, mul, mul_scalar, nll_loss, pow2, repeat_kv, rotate_half,
-                  rsqrt, sdpa, silu, softmax_fp32)
+from .ops import (
+    _promote,
+    add,
+    add_scalar,
+    bmm,
+    cast,
+    clone_contig,
+    embedding,
+    linear,
+    log_softmax,
+    mean_last,
+    mul,
+    mul_scalar,
+    nll_loss,
+    pow2,
+    repeat_kv,
+    rotate_half,
+    rsqrt,
+    sdpa,
+    silu,
+    softmax_fp32,
+)
+
 
 # ----------------------------------------------------------------------------------------------
 # Llama / Qwen2 decoder (transformers' modeling_llama.py, op by op)
 # ----------------------------------------------------------------------------------------------
 def rmsnorm(sim: Sim, x: T, w: T) -> T:
-    xf = cast(sim, x, "fp32")                       # hidden_states.to(torch.float32)
+    xf = cast(sim, x, "fp32")  # hidden_states.to(torch.float32)
     var = mean_last(sim, pow2(sim, xf))
     r = rsqrt(sim, add_scalar(sim, var))
     del var
     xn = mul(sim, xf, r)
     del xf, r
-    return mul(sim, w, cast(sim, xn, x.dt))         # weight * hidden_states.to(input_dtype)
+    return mul(sim, w, cast(sim, xn, x.dt))  # weight * hidden_states.to(input_dtype)
 
 
 def lora_linear(sim: Sim, x: T, lin: dict) -> T:
@@ -27,7 +48,9 @@ def lora_linear(sim: Sim, x: T, lin: dict) -> T:
     if "A" not in lin:
         return result
     rdt = result.dt
-    x = cast(sim, x, lin["A"].dt)       # x = self._cast_input_dtype(x, ...): lives to the end
+    x = cast(
+        sim, x, lin["A"].dt
+    )  # x = self._cast_input_dtype(x, ...): lives to the end
     h = linear(sim, x, lin["A"])
     h2 = linear(sim, h, lin["B"])
     del h
@@ -64,7 +87,9 @@ def attention(sim: Sim, x: T, L: dict, cos: T, sin: T, cfg: dict, mask: T | None
         p = cast(sim, p, _q_dtype(sim, x, L))
         o = bmm(sim, p, v, (b, a, s, d))
         del p, v
-        o = clone_contig(sim, view(o, (b, s, a, d), "t"))   # transpose(1, 2).contiguous()
+        o = clone_contig(
+            sim, view(o, (b, s, a, d), "t")
+        )  # transpose(1, 2).contiguous()
     else:
         o = sdpa(sim, qe, ke, v)
         del qe, ke, v
@@ -112,7 +137,7 @@ def llama_loss(sim: Sim, M: dict, ids: T, labels: T, cfg: dict) -> T:
         h.rg = True
         h.acc = AccGrad(h)
         h.acc.sink = True
-        h.acc.param = None          # (no reference cycle: h is freed as usual)
+        h.acc.param = None  # (no reference cycle: h is freed as usual)
     dt = h.dt
     d = cfg["head_dim"]
     # rotary embedding (computed once per forward, in fp32, then cast to the activation dtype)
@@ -131,23 +156,33 @@ def llama_loss(sim: Sim, M: dict, ids: T, labels: T, cfg: dict) -> T:
     if not cfg["checkpointing"]:
         del pos
     else:
-        pos = view(pos, pos.shape)      # position_ids: kept by every checkpointed layer
+        pos = view(pos, pos.shape)  # position_ids: kept by every checkpointed layer
     for L in M["layers"]:
         if cfg["checkpointing"]:
-            h = checkpoint(sim, lambda h_, c_, s_, p_, L=L, m_=mask: decoder_layer(sim, h_, c_, s_, L, cfg, m_),
-                           h, cos, sin, pos)
+            h = checkpoint(
+                sim,
+                lambda h_, c_, s_, p_, L=L, m_=mask: decoder_layer(
+                    sim, h_, c_, s_, L, cfg, m_
+                ),
+                h,
+                cos,
+                sin,
+                pos,
+            )
         else:
             h = decoder_layer(sim, h, cos, sin, L, cfg, mask)
     del cos, sin
     if cfg["checkpointing"]:
         del pos
     h = rmsnorm(sim, h, M["norm"])
-    del mask                                      # LlamaModel.forward returns here
+    del mask  # LlamaModel.forward returns here
     logits = linear(sim, h, M["lm_head"])
     # (h, the model output's last_hidden_state, lives until the causal-LM forward returns)
     # ForCausalLMLoss: logits.float(); pad+shift labels; cross_entropy = log_softmax + nll_loss
     lf = cast(sim, logits, "fp32")
-    padded = new(sim, (b, s + 1), "i64")          # the padded labels live until the loss returns
+    padded = new(
+        sim, (b, s + 1), "i64"
+    )  # the padded labels live until the loss returns
     target = new(sim, (b * s,), "i64")
     logp = log_softmax(sim, view(lf, (b * s, lf.shape[-1])))
     del lf
@@ -156,9 +191,18 @@ def llama_loss(sim: Sim, M: dict, ids: T, labels: T, cfg: dict) -> T:
     return loss
 
 
-def build_params(sim: Sim, shape, *, method: str, precision: str, lora_rank: int, lora_targets,
-                 lora_dtype: str | None, param_dtype: str | None = None,
-                 base_dtype: str | None = None) -> dict:
+def build_params(
+    sim: Sim,
+    shape,
+    *,
+    method: str,
+    precision: str,
+    lora_rank: int,
+    lora_targets,
+    lora_dtype: str | None,
+    param_dtype: str | None = None,
+    base_dtype: str | None = None,
+) -> dict:
     """Parameters (and buffers) as the measured model holds them.
 
     ``param_dtype`` (``"bf16"``/``"fp16"``) overrides the dtype of every parameter, buffer and
@@ -180,13 +224,25 @@ def build_params(sim: Sim, shape, *, method: str, precision: str, lora_rank: int
     M = {"embed": P((shape.vocab, h), full)}
     # rotary buffers: inv_freq and original_inv_freq (head_dim/2 floats each)
     buf_dt = param_dtype or ("bf16" if precision == "bf16" else "fp32")
-    M["_buffers"] = [new(sim, (shape.head_dim // 2,), buf_dt, cat="weights") for _ in range(2)]
-    ldt = param_dtype or lora_dtype or "fp32"      # peft upcasts adapters to fp32 by default
+    M["_buffers"] = [
+        new(sim, (shape.head_dim // 2,), buf_dt, cat="weights") for _ in range(2)
+    ]
+    ldt = (
+        param_dtype or lora_dtype or "fp32"
+    )  # peft upcasts adapters to fp32 by default
     layers = []
     lin_shapes = shape.linear_shapes()
     for _ in range(shape.layers):
-        L = {}      # in torch's parameter order: self_attn, mlp, the two norms
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        L = {}  # in torch's parameter order: self_attn, mlp, the two norms
+        for name in (
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ):
             d_in, d_out = lin_shapes[name]
             lin = {"w": P((d_out, d_in), full)}
             if name in ("q_proj", "k_proj", "v_proj"):
@@ -196,10 +252,20 @@ def build_params(sim: Sim, shape, *, method: str, precision: str, lora_rank: int
             if has_bias:
                 lin["b"] = P((d_out,), full)
             if method != "full" and name in lora_targets:
-                lin["A"] = param(sim, (lora_rank, d_in), ldt, True,
-                                 "master_weights" if (amp and ldt == "fp32") else "weights")
-                lin["B"] = param(sim, (d_out, lora_rank), ldt, True,
-                                 "master_weights" if (amp and ldt == "fp32") else "weights")
+                lin["A"] = param(
+                    sim,
+                    (lora_rank, d_in),
+                    ldt,
+                    True,
+                    "master_weights" if (amp and ldt == "fp32") else "weights",
+                )
+                lin["B"] = param(
+                    sim,
+                    (d_out, lora_rank),
+                    ldt,
+                    True,
+                    "master_weights" if (amp and ldt == "fp32") else "weights",
+                )
             L[name] = lin
         L["input_layernorm"] = P((h,), full)
         L["post_attention_layernorm"] = P((h,), full)
@@ -225,5 +291,6 @@ def trainable_params(M: dict) -> list[T]:
         elif isinstance(o, list):
             for v in o:
                 walk(v)
+
     walk(M)
     return out

@@ -1,9 +1,11 @@
 """The ops of the Llama forward pass, each with PyTorch's autograd rule for what it saves and what
 its backward allocates (``derivatives.yaml``), and ``torch.autocast``'s casts."""
+
 from __future__ import annotations
 
 from .accounting import T, Sim, new, shrink, view
 from .autograd import record
+
 
 def _promote(a: str, b: str) -> str:
     if a == b:
@@ -27,7 +29,9 @@ def cast(sim: Sim, x: T, dt: str, cached_param=None) -> T:
     cat = "weights" if cached_param is not None else None
     out = new(sim, x.shape, dt, cat=cat, phys=x.phys)
     if cached_param is not None and sim.param_cast_scale != 1.0:
-        shrink(sim, out.buf, sim.param_cast_scale)   # ZeRO-3: only the local shard is cast
+        shrink(
+            sim, out.buf, sim.param_cast_scale
+        )  # ZeRO-3: only the local shard is cast
     if cached_param is not None and x.rg and x.fn is None:
         # autocast caches the cast of a leaf that requires grad until the autocast region exits,
         # whether or not autograd saves it (e.g. LoRA's A when its input needs no grad, or every
@@ -37,6 +41,7 @@ def cast(sim: Sim, x: T, dt: str, cached_param=None) -> T:
 
     def bwd(node, g):
         return [new(sim, shape, src_dt, phys=g.phys)]
+
     record(sim, out, [x], [], bwd)
     return out
 
@@ -56,7 +61,7 @@ def linear(sim: Sim, x: T, w: T, b: T | None = None, quant: bool = False) -> T:
     if quant:
         cdt = sim.autocast or x.dt
         xc = cast(sim, x, cdt) if x.dt != cdt else x
-        wd = new(sim, w.shape, cdt)                      # dequantized weight (temporary)
+        wd = new(sim, w.shape, cdt)  # dequantized weight (temporary)
         out = new(sim, x.shape[:-1] + (w.shape[0],), cdt)
         del wd
         xshape, xdt = xc.shape, xc.dt
@@ -67,6 +72,7 @@ def linear(sim: Sim, x: T, w: T, b: T | None = None, quant: bool = False) -> T:
             gx = new(sim, xshape, xdt)
             del wd2
             return [gx]
+
         record(sim, out, [xc], [], qbwd)
         return out
     xc = _ac(sim, x)
@@ -79,13 +85,21 @@ def linear(sim: Sim, x: T, w: T, b: T | None = None, quant: bool = False) -> T:
         saved.append(xc)
     if x.rg:
         saved.append(wc)
-    xshape, xdt, wdt, x_rg, w_rg, b_rg = xc.shape, xc.dt, wc.dt, xc.rg, wc.rg, bc is not None and bc.rg
+    xshape, xdt, wdt, x_rg, w_rg, b_rg = (
+        xc.shape,
+        xc.dt,
+        wc.dt,
+        xc.rg,
+        wc.rg,
+        bc is not None and bc.rg,
+    )
 
     def bwd(node, g):
         gw = new(sim, (d_out, d_in), wdt) if w_rg else None
         gx = new(sim, xshape, xdt) if x_rg else None
         gb = new(sim, (d_out,), wdt) if b_rg else None
         return [gx, gw, gb]
+
     record(sim, out, [xc, wc, bc], saved, bwd)
     return out
 
@@ -103,7 +117,9 @@ def add(sim: Sim, a: T, b: T) -> T:
             if d != g.dt:
                 return new(sim, sh, d)
             return g
+
         return [red(ash, adt) if a_rg else None, red(bsh, bdt) if b_rg else None]
+
     a_rg, b_rg = a.rg, b.rg
     record(sim, out, [a, b], [], bwd)
     return out
@@ -142,6 +158,7 @@ def mul(sim: Sim, a: T, b: T) -> T:
                 full = new(sim, sh, d)
             res.append(full)
         return res
+
     record(sim, out, [a, b], saved, bwd)
     return out
 
@@ -157,12 +174,13 @@ def pow2(sim: Sim, x: T) -> T:
     out = new(sim, x.shape, x.dt, phys=x.phys)
     shape, dt = x.shape, x.dt
 
-    def bwd(node, g):   # grad * 2 * x**1 : pow, mul.Scalar, mul.Tensor
+    def bwd(node, g):  # grad * 2 * x**1 : pow, mul.Scalar, mul.Tensor
         t1 = new(sim, shape, dt)
         t2 = new(sim, shape, dt)
         r = new(sim, shape, dt)
         del t1, t2
         return [r]
+
     record(sim, out, [x], [x], bwd)
     return out
 
@@ -178,12 +196,13 @@ def rsqrt(sim: Sim, x: T) -> T:
     out = new(sim, x.shape, x.dt)
     shape, dt = x.shape, x.dt
 
-    def bwd(node, g):   # -0.5 * grad * out**3 : pow, mul.Scalar, mul.Tensor
+    def bwd(node, g):  # -0.5 * grad * out**3 : pow, mul.Scalar, mul.Tensor
         t1 = new(sim, shape, dt)
         t2 = new(sim, shape, dt)
         r = new(sim, shape, dt)
         del t1, t2
         return [r]
+
     record(sim, out, [x], [], bwd, save_out=True)
     return out
 
@@ -211,8 +230,9 @@ def rotate_half(sim: Sim, x: T) -> T:
     out = new(sim, x.shape, x.dt)
     n_rg, x1_rg = nx2.rg, x1.rg
 
-    def bwd(node, g):   # cat backward: narrow views of g
+    def bwd(node, g):  # cat backward: narrow views of g
         return [view(g, half) if n_rg else None, view(g, half) if x1_rg else None]
+
     record(sim, out, [nx2, x1], [], bwd)
     return out
 
@@ -276,6 +296,7 @@ def bmm(sim: Sim, a: T, b: T, out_shape) -> T:
         gb = new(sim, bsh, dt, phys="bhsd") if b_rg else None
         ga = new(sim, ash, dt, phys="bhsd") if a_rg else None
         return [ga, gb]
+
     record(sim, out, [a, b], saved, bwd)
     return out
 
@@ -306,6 +327,7 @@ def sdpa(sim: Sim, q: T, k: T, v: T) -> T:
         gk = new(sim, ks, dt, phys="bshd")
         gv = new(sim, vs, dt, phys="bshd")
         return [gq if q_rg else None, gk if k_rg else None, gv if v_rg else None]
+
     record(sim, out, [q, k, v], [q, k, v, lse], bwd, save_out=True)
     return out
 
@@ -329,5 +351,7 @@ def nll_loss(sim: Sim, logp: T, target: T) -> T:
     out = new(sim, (), "fp32")
     total_weight = new(sim, (), "fp32")
     shape, dt = logp.shape, logp.dt
-    record(sim, out, [logp], [target, total_weight], lambda node, g: [new(sim, shape, dt)])
+    record(
+        sim, out, [logp], [target, total_weight], lambda node, g: [new(sim, shape, dt)]
+    )
     return out

@@ -1,5 +1,6 @@
 """One training step replayed: parameter layouts (full, LoRA, QLoRA, ZeRO stages, mixed precision),
 optimizer states and the optimizer's scratch, forward and backward per micro-batch."""
+
 from __future__ import annotations
 
 import math
@@ -8,6 +9,7 @@ from .accounting import ITEMSIZE, T, Sim, new, shrink
 from .autograd import backward
 from .llama import build_params, llama_loss, trainable_params
 from .ops import mul_scalar
+
 
 def adamw_step_scratch(sim: Sim, sizes: list[int], impl: str) -> None:
     """The scratch tensors torch's AdamW allocates in ``step()`` (``sizes``: bytes of each
@@ -35,10 +37,25 @@ def adamw_step_scratch(sim: Sim, sizes: list[int], impl: str) -> None:
         del denom
 
 
-def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", batch=1, seq=512,
-                  lora_rank=8, lora_targets=("q_proj", "v_proj"), lora_dtype=None,
-                  checkpointing=False, attn="sdpa", grad_accum=1, zero=0, gpus=1,
-                  qlora_double_quant=True, optimizer_impl="foreach") -> dict:
+def simulate_step(
+    shape,
+    *,
+    method="full",
+    precision="fp32",
+    optimizer="adamw",
+    batch=1,
+    seq=512,
+    lora_rank=8,
+    lora_targets=("q_proj", "v_proj"),
+    lora_dtype=None,
+    checkpointing=False,
+    attn="sdpa",
+    grad_accum=1,
+    zero=0,
+    gpus=1,
+    qlora_double_quant=True,
+    optimizer_impl="foreach",
+) -> dict:
     """Replay step 2 of training (states exist, grads start as None) and return bytes:
     ``peak``, ``breakdown`` (categories at the peak), ``activations`` (forward-allocated bytes alive
     at the end of the forward pass), ``model_states`` (weights + gradients + optimizer states +
@@ -50,15 +67,25 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
     # ZeRO >= 1 with mixed precision: DeepSpeed's layout (the ZeRO paper's), not torch AMP's. The
     # module is cast to the 16-bit dtype (weights, grads 2 B/param; no autocast), the optimizer
     # holds fp32 master weights and fp32 states for its shard only.
-    zero_mp = {"fp16-amp": "fp16", "bf16-amp": "bf16"}.get(precision) if zero >= 1 else None
+    zero_mp = (
+        {"fp16-amp": "fp16", "bf16-amp": "bf16"}.get(precision) if zero >= 1 else None
+    )
     # QLoRA (bitsandbytes ``load_in_4bit`` with a 16-bit ``torch_dtype``): only the Linear layers
     # inside the decoder blocks are NF4; embeddings, norms and lm_head stay in the 16-bit dtype.
     base16 = None
     if method == "qlora" and not zero_mp:
         base16 = "fp16" if precision == "fp16-amp" else "bf16"
-    M = build_params(sim, shape, method=method, precision=precision, lora_rank=lora_rank,
-                     lora_targets=tuple(lora_targets), lora_dtype=lora_dtype, param_dtype=zero_mp,
-                     base_dtype=base16)
+    M = build_params(
+        sim,
+        shape,
+        method=method,
+        precision=precision,
+        lora_rank=lora_rank,
+        lora_targets=tuple(lora_targets),
+        lora_dtype=lora_dtype,
+        param_dtype=zero_mp,
+        base_dtype=base16,
+    )
     params = trainable_params(M)
     if method == "qlora":
         # NF4: 4 bits per weight + one fp32 absmax per 64 weights, or (double quantization) an
@@ -82,15 +109,28 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
             if p.buf.cat == "master_weights":
                 shrink(sim, p.buf, shard)
     if zero >= 3:
-        for p in trainable_params(M) + [w for L in M["layers"] for lin in L.values()
-                                       if isinstance(lin, dict) for w in lin.values() if isinstance(w, T) and not w.rg]:
+        for p in trainable_params(M) + [
+            w
+            for L in M["layers"]
+            for lin in L.values()
+            if isinstance(lin, dict)
+            for w in lin.values()
+            if isinstance(w, T) and not w.rg
+        ]:
             if p.buf.cat == "weights":
                 shrink(sim, p.buf, shard)
         # the layer being computed is all-gathered (FSDP/ZeRO-3 prefetch ignored)
-        layer_bytes = sum(w.nbytes for lin in M["layers"][0].values() if isinstance(lin, dict)
-                          for w in lin.values() if isinstance(w, T))
-        layer_bytes += sum(t.nbytes for t in M["layers"][0].values() if isinstance(t, T))
-        gathered_layer = sim.alloc(layer_bytes, "weights")     # held until the step ends
+        layer_bytes = sum(
+            w.nbytes
+            for lin in M["layers"][0].values()
+            if isinstance(lin, dict)
+            for w in lin.values()
+            if isinstance(w, T)
+        )
+        layer_bytes += sum(
+            t.nbytes for t in M["layers"][0].values() if isinstance(t, T)
+        )
+        gathered_layer = sim.alloc(layer_bytes, "weights")  # held until the step ends
         sim.param_cast_scale = shard
     sim.grad_scale = shard if zero >= 2 else 1.0
     # optimizer states (created in step 1; fp32, like the master weights, under zero_mp)
@@ -98,18 +138,29 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
     sdt = "fp32" if zero_mp else None
     for p in params:
         if optimizer == "adamw8bit":
-            if p.numel >= 4096:     # bitsandbytes keeps small tensors in 32-bit states
-                states += [new(sim, p.shape, "bool", cat="optimizer_states"),
-                           new(sim, p.shape, "bool", cat="optimizer_states"),
-                           new(sim, (2 * math.ceil(p.numel / 256),), "fp32", cat="optimizer_states")]
+            if p.numel >= 4096:  # bitsandbytes keeps small tensors in 32-bit states
+                states += [
+                    new(sim, p.shape, "bool", cat="optimizer_states"),
+                    new(sim, p.shape, "bool", cat="optimizer_states"),
+                    new(
+                        sim,
+                        (2 * math.ceil(p.numel / 256),),
+                        "fp32",
+                        cat="optimizer_states",
+                    ),
+                ]
             else:
-                states += [new(sim, p.shape, "fp32", cat="optimizer_states"),
-                           new(sim, p.shape, "fp32", cat="optimizer_states")]
+                states += [
+                    new(sim, p.shape, "fp32", cat="optimizer_states"),
+                    new(sim, p.shape, "fp32", cat="optimizer_states"),
+                ]
             states.append(new(sim, (), "fp32", cat="optimizer_states"))
         elif optimizer == "adamw":
-            states += [new(sim, p.shape, sdt or p.dt, cat="optimizer_states"),
-                       new(sim, p.shape, sdt or p.dt, cat="optimizer_states")]
-            states.append(new(sim, (), "fp32", cat="optimizer_states"))      # step
+            states += [
+                new(sim, p.shape, sdt or p.dt, cat="optimizer_states"),
+                new(sim, p.shape, sdt or p.dt, cat="optimizer_states"),
+            ]
+            states.append(new(sim, (), "fp32", cat="optimizer_states"))  # step
         elif optimizer == "sgd-momentum":
             states.append(new(sim, p.shape, sdt or p.dt, cat="optimizer_states"))
     if zero >= 1:
@@ -120,8 +171,13 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
     sim.peak = sim.cur
     sim.peak_by = dict(sim.by)
     sim.phase_peaks = {}
-    cfg = {"heads": shape.heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
-           "attn": attn, "checkpointing": checkpointing}
+    cfg = {
+        "heads": shape.heads,
+        "kv_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "attn": attn,
+        "checkpointing": checkpointing,
+    }
     amp = None if zero_mp else {"fp16-amp": "fp16", "bf16-amp": "bf16"}.get(precision)
     act_end = 0
     for _ in range(grad_accum):
@@ -129,11 +185,11 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
         sim.autocast = amp
         loss = llama_loss(sim, M, ids, labels, cfg)
         sim.autocast = None
-        sim.autocast_cache = []         # leaving torch.autocast clears its cache
+        sim.autocast_cache = []  # leaving torch.autocast clears its cache
         if grad_accum > 1:
             loss = mul_scalar(sim, loss)
         if precision == "fp16-amp":
-            loss = mul_scalar(sim, loss)            # GradScaler.scale(loss)
+            loss = mul_scalar(sim, loss)  # GradScaler.scale(loss)
         sim.mark("forward_end")
         act_end = sim.marks["forward_end"]["activations"]
         sim.set_phase("backward")
@@ -148,8 +204,18 @@ def simulate_step(shape, *, method="full", precision="fp32", optimizer="adamw", 
     del masters, gathered_layer
     sim.set_phase("idle")
     at_step = sim.marks["optimizer_start"]
-    model_states = sum(at_step[k] for k in ("weights", "gradients", "optimizer_states", "master_weights"))
-    return {"peak": sim.peak, "breakdown": dict(sim.peak_by), "activations": act_end,
-            "model_states": model_states,
-            "phase_peaks": {k: v for k, v in sim.phase_peaks.items()
-                            if k in ("forward", "backward", "optimizer")}}
+    model_states = sum(
+        at_step[k]
+        for k in ("weights", "gradients", "optimizer_states", "master_weights")
+    )
+    return {
+        "peak": sim.peak,
+        "breakdown": dict(sim.peak_by),
+        "activations": act_end,
+        "model_states": model_states,
+        "phase_peaks": {
+            k: v
+            for k, v in sim.phase_peaks.items()
+            if k in ("forward", "backward", "optimizer")
+        },
+    }
