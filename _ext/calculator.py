@@ -1,21 +1,25 @@
-"""The in-page memory calculator: ``python -m trainmem estimate`` run by Pyodide in the reader's browser.
+"""The in-page memory calculator: ``python -m trainmem estimate`` run by Pyodide in the
+reader's browser.
 
 * ``{format-explorer}`` makes chapter 1's number-format explorer live the same way
-  (``trainmem.formats.describe_value``; ``trainmem.formats`` needs only the standard library).
-* The ``memory-calculator`` directive renders the form from the CLI's own argparse definitions
-  (``trainmem.cli.build_parser()``: every option of ``estimate`` with its choices and default), so
-  an option added to the CLI appears in the page without editing JavaScript.
+  (``trainmem.formats.describe_value``; ``trainmem.formats`` needs only the standard
+  library).
+* The ``memory-calculator`` directive renders the form from the CLI's own argparse
+  definitions (``trainmem.cli.build_parser()``: every option of ``estimate`` with its
+  choices and default), so an option added to the CLI appears in the page without
+  editing JavaScript.
 * The page's script and style (``_ext/calculator_static/calculator/``) go into
   ``_static/calculator/`` and onto the pages that hold a calculator.
-* At the end of an HTML build the Pyodide runtime (the npm package ``pyodide``, installed by
-  ``npm ci``; never a CDN) and the pure-Python modules the estimator needs are copied into
-  ``_static/calculator/``. Which modules: the import graph of ``trainmem.cli`` is walked (imports
-  inside functions too) and every module that needs a package outside the standard library at
-  import time (torch, numpy, transformers) is left out — together with every module that imports
-  such a module at import time. The list is written to ``_static/calculator/manifest.json``.
-* The page (``_static/calculator/calculator.js``) calls ``trainmem.cli.main(["estimate", ...,
-  "--json"])`` — the function the command line calls — so it shows the same bytes and the same
-  one-line error messages.
+* At the end of an HTML build the Pyodide runtime (the npm package ``pyodide``,
+  installed by ``npm ci``; never a CDN) and the pure-Python modules the estimator needs
+  are copied into ``_static/calculator/``. Which modules: the import graph of
+  ``trainmem.cli`` is walked (imports inside functions too) and every module that needs
+  a package outside the standard library at import time (torch, numpy, transformers) is
+  left out — together with every module that imports such a module at import time. The
+  list is written to ``_static/calculator/manifest.json``.
+* The page (``_static/calculator/calculator.js``) calls ``trainmem.cli.main(["estimate",
+  ..., "--json"])`` — the function the command line calls — so it shows the same bytes
+  and the same one-line error messages.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ PACKAGE = "trainmem"
 ENTRY = "trainmem.cli"  # the calculator: python -m trainmem estimate
 ENTRIES = (ENTRY, "trainmem.formats")  # + chapter 1's number-format explorer
 PYODIDE_NPM = ROOT / "node_modules" / "pyodide"
-# runtime files of the npm package that the browser loads (no source maps, typings, demos)
+# runtime files of the npm package that the browser loads (no source maps, typings,
+# demos)
 PYODIDE_FILES = (
     "pyodide.mjs",
     "pyodide.asm.mjs",
@@ -52,11 +57,13 @@ PYODIDE_FILES = (
     "package.json",
 )
 STATIC_DIR = "calculator"  # under _static/ of the built site
-# calculator.js/.css live here, not in the book's _static/: Jupyter Book puts every .js and .css
-# found in _static/ on every page, and the calculator's belong only on the pages that hold one.
+# calculator.js/.css live here, not in the book's _static/: Jupyter Book puts every .js
+# and .css found in _static/ on every page, and the calculator's belong only on the
+# pages that hold one.
 ASSETS = Path(__file__).resolve().parent / "calculator_static"
 
-# Chinese labels for the options the course discusses; an option without one shows its flag.
+# Chinese labels for the options the course discusses; an option without one shows its
+# flag.
 LABELS = {
     "model": "模型（model）",
     "method": "方法（method）",
@@ -80,9 +87,9 @@ SKIP = {"help", "json"}  # the page always asks for --json
 CONFIG_CHOICE = "config.json"  # model value that means: the pasted config.json
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # which modules go to the browser
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def _module_file(name: str, root: Path = ROOT) -> Path | None:
     base = root.joinpath(*name.split("."))
     if (base / "__init__.py").is_file():
@@ -99,7 +106,8 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 
 def _imports(name: str, path: Path):
-    """(module names imported at import time, module names imported lazily) by ``name``."""
+    """(module names imported at import time, module names imported lazily) by
+    ``name``."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     is_pkg = path.name == "__init__.py"
     pkg = name if is_pkg else name.rpartition(".")[0]
@@ -114,7 +122,8 @@ def _imports(name: str, path: Path):
         else:
             base = ""
         mod = ".".join(p for p in (base, node.module or "") if p)
-        # "from . import models" / "from .memory import ops": the names may be submodules
+        # "from . import models" / "from .memory import ops": the names may be
+        # submodules
         return [mod] + [f"{mod}.{a.name}" for a in node.names if a.name != "*"]
 
     def visit(node, at_import: bool):
@@ -138,7 +147,8 @@ def _imports(name: str, path: Path):
 
 
 def _optional_imports(path: Path) -> set[str]:
-    """Top-level names imported inside ``try: ... except ImportError`` (optional at import time)."""
+    """Top-level names imported inside ``try: ... except ImportError`` (optional at
+    import time)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Try) and any(
@@ -157,13 +167,14 @@ def _optional_imports(path: Path) -> set[str]:
 def browser_modules(
     entries: tuple[str, ...] = ENTRIES, root: Path = ROOT
 ) -> tuple[list[str], dict[str, str]]:
-    """The modules of ``trainmem`` reached from ``entries`` that import only the standard library
-    (and each other) at import time.
+    """The modules of ``trainmem`` reached from ``entries`` that import only the
+    standard library (and each other) at import time.
 
-    Returns ``(shipped, left_out)``: ``shipped`` are module names (packages included, sorted);
-    ``left_out`` maps each reached module that cannot run without a third-party package to the
-    reason. Imports inside functions are followed (the estimator imports lazily) but do not
-    disqualify a module: a function that needs torch is simply not called by ``estimate``.
+    Returns ``(shipped, left_out)``: ``shipped`` are module names (packages included,
+    sorted); ``left_out`` maps each reached module that cannot run without a third-party
+    package to the reason. Imports inside functions are followed (the estimator imports
+    lazily) but do not disqualify a module: a function that needs torch is simply not
+    called by ``estimate``.
     """
     stdlib = set(sys.stdlib_module_names)
     graph: dict[str, tuple[set[str], set[str]]] = {}
@@ -211,9 +222,9 @@ def browser_modules(
     return shipped, left_out
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # the form, from argparse
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def _estimate_parser() -> argparse.ArgumentParser:
     from trainmem.cli import build_parser
 
@@ -347,8 +358,9 @@ def _visit_format_html(self, node):
 
 
 class MemoryCalculator(Directive):
-    """``{memory-calculator}`` — the calculator. ``:load: visible`` starts Pyodide only when the
-    calculator scrolls into view (for a chapter page); the default ``immediate`` starts it at once."""
+    """``{memory-calculator}`` — the calculator. ``:load: visible`` starts Pyodide only
+    when the calculator scrolls into view (for a chapter page); the default
+    ``immediate`` starts it at once."""
 
     has_content = False
     option_spec = {"load": lambda v: directives.choice(v, ("immediate", "visible"))}
@@ -364,9 +376,9 @@ class MemoryCalculator(Directive):
 
 class FormatExplorer(Directive):
     """``{format-explorer}`` — chapter 1's number-format explorer, live: the table of
-    ``trainmem.formats.describe_value(float(x))`` for the number typed (what the ipywidgets demo
-    prints). ``:value:`` the first number (default 0.1); ``:load:`` as for the calculator
-    (default ``visible``)."""
+    ``trainmem.formats.describe_value(float(x))`` for the number typed (what the
+    ipywidgets demo prints). ``:value:`` the first number (default 0.1); ``:load:`` as
+    for the calculator (default ``visible``)."""
 
     has_content = False
     option_spec = {
@@ -383,11 +395,12 @@ class FormatExplorer(Directive):
         return [node]
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # build steps
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def ensure_pyodide() -> Path:
-    """``node_modules/pyodide`` (runs ``npm ci`` when it is missing, e.g. a fresh clone)."""
+    """``node_modules/pyodide`` (runs ``npm ci`` when it is missing, e.g. a fresh
+    clone)."""
     if not (PYODIDE_NPM / "pyodide.asm.wasm").is_file():
         npm = shutil.which("npm")
         if npm is None:
@@ -408,7 +421,8 @@ def ensure_pyodide() -> Path:
     return PYODIDE_NPM
 
 
-# CLI runs that decide which standard modules get bytecode: the page's first answer and an error
+# CLI runs that decide which standard modules get bytecode: the page's first answer and
+# an error
 BYTECODE_RUNS = (
     ["estimate", "--json"],
     ["estimate", "--method=lora", "--json"],
@@ -417,9 +431,10 @@ BYTECODE_RUNS = (
 
 
 def compiled_stdlib(npm: Path, lib: Path, cache: Path) -> dict:
-    """``python_stdlib.zip`` plus bytecode for the standard modules the estimator's page imports
-    (``_ext/calculator_stdlib.mjs``, run with Node.js by the very Pyodide the page loads; about
-    halves the time to the first answer). Cached under ``cache`` by the inputs' hash."""
+    """``python_stdlib.zip`` plus bytecode for the standard modules the estimator's page
+    imports (``_ext/calculator_stdlib.mjs``, run with Node.js by the very Pyodide the
+    page loads; about halves the time to the first answer). Cached under ``cache`` by
+    the inputs' hash."""
     script = Path(__file__).resolve().parent / "calculator_stdlib.mjs"
     h = hashlib.sha256()
     for f in [
@@ -459,8 +474,9 @@ def compiled_stdlib(npm: Path, lib: Path, cache: Path) -> dict:
 
 
 def _add_assets(app, pagename, templatename, context, doctree):
-    """The calculator's script and style on the pages that hold a calculator, and only there.
-    (``app.add_js_file`` would also register them in the global registry, i.e. on later pages.)"""
+    """The calculator's script and style on the pages that hold a calculator, and only
+    there. (``app.add_js_file`` would also register them in the global registry, i.e. on
+    later pages.)"""
     if doctree is None or not any(True for _ in doctree.findall(calculator_node)):
         return
     from sphinx.builders.html._assets import _CascadingStyleSheet, _JavaScript
@@ -480,8 +496,9 @@ def _copy_runtime(app, exception):
     if exception is not None or app.builder.format != "html":
         return
     dest = Path(app.outdir) / "_static" / STATIC_DIR
-    # the script and style once more: an incremental build that writes no page skips Sphinx's
-    # copy of the static files, so an edited calculator.js would otherwise not arrive
+    # the script and style once more: an incremental build that writes no page skips
+    # Sphinx's copy of the static files, so an edited calculator.js would otherwise not
+    # arrive
     shutil.copytree(ASSETS / STATIC_DIR, dest, dirs_exist_ok=True)
     npm = ensure_pyodide()
     version = json.loads((npm / "package.json").read_text(encoding="utf-8"))["version"]

@@ -1,22 +1,26 @@
-"""The book's interface in Chinese, working menus, and authoring plumbing kept off the page.
+"""The book's interface in Chinese, working menus, and authoring plumbing kept off the
+page.
 
-* **Chinese search.** Sphinx's Chinese index splitter uses ``jieba`` (a build dependency); the
-  course's own terms (``zh_terms.txt``: 显存, 混合精度, 梯度累积 …) are loaded as a user
-  dictionary so they are indexed as whole words as well as their parts. ``course-search.js``
-  cuts a Chinese query into the words the index knows.
-* **Menus.** ``course-nav.js`` makes the article header's ☰ / ≡ buttons work (see the file);
-  ``course.css`` hides the theme's extra top navbar, so the page has one search box.
+* **Chinese search.** Sphinx's Chinese index splitter uses ``jieba`` (a build
+  dependency); the course's own terms (``zh_terms.txt``: 显存, 混合精度, 梯度累积 …) are
+  loaded as a user dictionary so they are indexed as whole words as well as their parts.
+  ``course-search.js`` cuts a Chinese query into the words the index knows.
+* **Menus.** ``course-nav.js`` makes the article header's ☰ / ≡ buttons work (see the
+  file); ``course.css`` hides the theme's extra top navbar, so the page has one search
+  box.
 * **Interface strings.** Toggle prompts of hidden cells ("显示代码" / "隐藏输出"), the
-  togglebutton hint, and the tooltips and labels that the themes hard-code in English are given
-  in Chinese (rewritten in the rendered HTML: the themes have no catalog entry for them).
+  togglebutton hint, and the tooltips and labels that the themes hard-code in English
+  are given in Chinese (rewritten in the rendered HTML: the themes have no catalog entry
+  for them).
 * **Plumbing.** In the code a page shows, statements that only feed the prose
-  (``glue(...)`` calls, loops made only of them) and ``# nbval-ignore-output`` comment lines are
-  left out (``coursekit.tidy.visible_source``); the notebook itself is unchanged, and
-  ``python -m coursekit tidy`` moves such calls into removed cells for Jupyter and Colab readers.
-  A code cell with nothing left to show is dropped from the page.
-* **Alt text.** A figure printed by a code cell gets, when it has none, an alt text made of the
-  titles and axis labels its code writes ("图：…；横轴 …；纵轴 …"). Captioned figures set their
-  own (``{glue:figure}`` with ``:alt:``).
+  (``glue(...)`` calls, loops made only of them) and ``# nbval-ignore-output`` comment
+  lines are left out (``coursekit.tidy.visible_source``); the notebook itself is
+  unchanged, and ``python -m coursekit tidy`` moves such calls into removed cells for
+  Jupyter and Colab readers. A code cell with nothing left to show is dropped from the
+  page.
+* **Alt text.** A figure printed by a code cell gets, when it has none, an alt text made
+  of the titles and axis labels its code writes ("图：…；横轴 …；纵轴 …"). Captioned
+  figures set their own (``{glue:figure}`` with ``:alt:``).
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from sphinx.transforms.post_transforms import SphinxPostTransform
 HERE = Path(__file__).parent
 TERMS = HERE / "zh_terms.txt"
 
-# English strings the themes hard-code in attributes (title=, aria-label=, ...), and a few
-# Traditional-Chinese wordings of the zh_CN catalog.
+# English strings the themes hard-code in attributes (title=, aria-label=, ...), and a
+# few Traditional-Chinese wordings of the zh_CN catalog.
 UI_STRINGS = {
     "Toggle primary sidebar": "章节目录",
     "Toggle secondary sidebar": "本页目录",
@@ -76,7 +80,8 @@ def translate_attributes(html: str) -> str:
 
 
 class ChinesePrompts(SphinxPostTransform):
-    """Runs after myst-nb's ``HideInputCells`` (priority 199) has filled in ``{type}``."""
+    """Runs after myst-nb's ``HideInputCells`` (priority 199) has filled in
+    ``{type}``."""
 
     default_priority = 210
     formats = ("html",)
@@ -133,8 +138,8 @@ _TITLE_CALLS = {
 
 
 def figure_alt(source: str) -> str | None:
-    """Alt text for a figure drawn by ``source``: its titles and axis labels, as written in the
-    code (string literals only), or None when the code names none."""
+    """Alt text for a figure drawn by ``source``: its titles and axis labels, as written
+    in the code (string literals only), or None when the code names none."""
     import ast
 
     try:
@@ -175,7 +180,8 @@ def figure_alt(source: str) -> str | None:
 
 
 class FigureAlt(SphinxPostTransform):
-    """Runs after myst-nb has chosen each output's mime type (image nodes exist by then)."""
+    """Runs after myst-nb has chosen each output's mime type (image nodes exist by
+    then)."""
 
     default_priority = 900
     formats = ("html",)

@@ -1,16 +1,18 @@
-"""The in-page memory calculator: time to the first answer, time to answer a change, bytes added.
+"""The in-page memory calculator: time to the first answer, time to answer a change,
+bytes added.
 
-Needs a built book (``make book``) and Chromium. Serves _build/html on 127.0.0.1 with every other
-host blocked, opens book/calculator.html in a fresh browser context (cold cache) ``--runs`` times
-and prints:
+Needs a built book (``make book``) and Chromium. Serves _build/html on 127.0.0.1 with
+every other host blocked, opens book/calculator.html in a fresh browser context (cold
+cache) ``--runs`` times and prints:
 
-* the first answer: milliseconds from navigation start until the result is on screen, with the
-  stages (script started, Pyodide module imported, interpreter ready, estimator imported) —
-  with the site's python_stdlib.zip (bytecode added for the modules the page imports, see
-  _ext/calculator_stdlib.mjs) and, as the reference, the npm package's own zip (sources only),
-  alternating in the same run;
-* later changes: milliseconds from an edit of a field (an ``input`` event, as typing fires) until
-  the new result is rendered (includes the 120 ms the page waits for typing to pause);
+* the first answer: milliseconds from navigation start until the result is on screen,
+  with the stages (script started, Pyodide module imported, interpreter ready, estimator
+  imported) — with the site's python_stdlib.zip (bytecode added for the modules the page
+  imports, see _ext/calculator_stdlib.mjs) and, as the reference, the npm package's own
+  zip (sources only), alternating in the same run;
+* later changes: milliseconds from an edit of a field (an ``input`` event, as typing
+  fires) until the new result is rendered (includes the 120 ms the page waits for typing
+  to pause);
 * the bytes the calculator adds to the built site.
 
     python benchmarks/calculator_load.py [--runs 3] [--changes 10]

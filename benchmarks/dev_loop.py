@@ -1,9 +1,11 @@
 """Speed of the maintainer's loop: a printed table, not a timed test.
 
-    .venv/bin/python benchmarks/dev_loop.py [--skip-setup] [--skip-test] [--out benchmarks/results/dev_loop.md]
+    .venv/bin/python benchmarks/dev_loop.py [--skip-setup] [--skip-test] [--out
+        benchmarks/results/dev_loop.md]
 
 Measures, on this machine:
-  * fresh-clone set-up: ``git clone`` + ``make venv`` (pip from the registries / local wheels);
+  * fresh-clone set-up: ``git clone`` + ``make venv`` (pip from the registries / local
+    wheels);
   * the full test command (``make test``) in that clone;
   * the book build from stored outputs (``make book`` after ``rm -rf _build``);
   * the slowest five notebooks (each executed in a fresh kernel, outputs not written).

@@ -1,11 +1,13 @@
-"""Benchmark (not a test): grade N copies of a lab with ``--jobs J`` and print wall times as a table.
+"""Benchmark (not a test): grade N copies of a lab with ``--jobs J`` and print wall
+times as a table.
 
-    .venv/bin/python benchmarks/grading_bench.py                # 30 copies of lab01, --jobs 2
+    .venv/bin/python benchmarks/grading_bench.py # 30 copies of lab01, --jobs 2
     .venv/bin/python benchmarks/grading_bench.py --lab lab02 --copies 10 --jobs 1 2
 
-Half the copies are the reference solution, half the untouched generated lab (so both the full-marks
-and the all-NotImplementedError paths are timed). A second run over the same folder shows the cache
-(nothing changed → nothing regraded). Uses the real command line: ``python -m coursekit grade``.
+Half the copies are the reference solution, half the untouched generated lab (so both
+the full-marks and the all-NotImplementedError paths are timed). A second run over the
+same folder shows the cache (nothing changed → nothing regraded). Uses the real command
+line: ``python -m coursekit grade``.
 """
 
 from __future__ import annotations

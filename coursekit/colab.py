@@ -1,8 +1,9 @@
 """Colab support for labs: the Open-in-Colab badge and the setup cell.
 
-The repository URL and branch are read from ``_config.yml`` (``repository.url`` / ``repository.branch``)
-— the one place they are set. Nothing here runs on Colab itself: the setup cell is plain source
-text inserted into each generated lab by :mod:`coursekit.labs`.
+The repository URL and branch are read from ``_config.yml`` (``repository.url`` /
+``repository.branch``) — the one place they are set. Nothing here runs on Colab itself:
+the setup cell is plain source text inserted into each generated lab by
+:mod:`coursekit.labs`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ COLAB_METADATA = {
 
 @dataclass(frozen=True)
 class Repository:
-    """Where the course lives on GitHub: ``url`` (https://github.com/<org>/<repo>) and ``branch``."""
+    """Where the course lives on GitHub: ``url`` (https://github.com/<org>/<repo>) and
+    ``branch``."""
 
     url: str
     branch: str
@@ -43,7 +45,8 @@ class Repository:
 
 
 def read_repository(config: str | Path = "_config.yml") -> Repository:
-    """Read ``repository.url`` and ``repository.branch`` (default ``main``) from the book config."""
+    """Read ``repository.url`` and ``repository.branch`` (default ``main``) from the
+    book config."""
     import yaml
 
     path = Path(config)
@@ -58,12 +61,14 @@ def read_repository(config: str | Path = "_config.yml") -> Repository:
 
 
 def colab_url(repo: Repository, notebook: str) -> str:
-    """URL that opens ``notebook`` (a path inside the repository, e.g. ``labs/lab01_x.ipynb``) in Colab."""
+    """URL that opens ``notebook`` (a path inside the repository, e.g.
+    ``labs/lab01_x.ipynb``) in Colab."""
     return f"https://colab.research.google.com/github/{repo.slug}/blob/{repo.branch}/{notebook}"
 
 
 def badge_markdown(repo: Repository, notebook: str) -> str:
-    """Markdown source of the badge cell (raw HTML, so the book renders it without fetching at build)."""
+    """Markdown source of the badge cell (raw HTML, so the book renders it without
+    fetching at build)."""
     url = colab_url(repo, notebook)
     return (
         f'<a href="{url}" target="_blank" rel="noopener">'
@@ -73,8 +78,9 @@ def badge_markdown(repo: Repository, notebook: str) -> str:
     )
 
 
-# Lowest versions the course declares (pyproject.toml) and tests (`make floor`); the setup cell
-# upgrades an older Colab image to them, with torch pinned so pip can never replace it.
+# Lowest versions the course declares (pyproject.toml) and tests (`make floor`); the
+# setup cell upgrades an older Colab image to them, with torch pinned so pip can never
+# replace it.
 COLAB_FLOOR = {"transformers": "4.57.1", "peft": "0.17.1"}
 
 SETUP_TEMPLATE = """\
@@ -135,11 +141,12 @@ except ImportError:
 
 
 def setup_cell_source(repo: Repository) -> str:
-    """Source of the Colab setup cell (safe everywhere; installs only on Colab, only what is missing).
+    """Source of the Colab setup cell (safe everywhere; installs only on Colab, only
+    what is missing).
 
-    The same text opens every lab (inserted by :mod:`coursekit.labs`) and every chapter in
-    ``book/`` (its first code cell, tagged :data:`SETUP_TAG`); ``tests/test_colab_setup.py`` checks
-    both against this template.
+    The same text opens every lab (inserted by :mod:`coursekit.labs`) and every chapter
+    in ``book/`` (its first code cell, tagged :data:`SETUP_TAG`);
+    ``tests/test_colab_setup.py`` checks both against this template.
     """
     return SETUP_TEMPLATE.format(
         url=repo.url, branch=repo.branch, floor=json.dumps(COLAB_FLOOR)
@@ -150,12 +157,14 @@ SETUP_TAG = "colab-setup"
 
 
 def read_notebook(name: str) -> dict:
-    """The JSON of the notebook ``name`` (e.g. ``"10_summary.ipynb"``) from inside that notebook.
+    """The JSON of the notebook ``name`` (e.g. ``"10_summary.ipynb"``) from inside that
+    notebook.
 
-    On Colab the notebook is not a file on the runtime's disk: it is asked from the front end
-    (``google.colab._message``). Elsewhere it is looked up in the kernel's working directory, then
-    in ``book/`` of the repository this package was installed from (an editable install), so a
-    cell that reads its own notebook works whatever the current directory is.
+    On Colab the notebook is not a file on the runtime's disk: it is asked from the
+    front end (``google.colab._message``). Elsewhere it is looked up in the kernel's
+    working directory, then in ``book/`` of the repository this package was installed
+    from (an editable install), so a cell that reads its own notebook works whatever the
+    current directory is.
     """
     import json
     import sys

@@ -1,11 +1,12 @@
 """Re-execute notebooks in place so their stored outputs are fresh (``make nb NB=...``).
 
 Outputs are produced the way nbval will check them: a fresh kernel whose environment is
-:func:`kernel_env` — ``COURSE_GPU=auto`` with every GPU hidden (``CUDA_VISIBLE_DEVICES=""``), so
-GPU cells store their skip line even on a machine with a GPU; one BLAS/OpenMP thread;
-``PYTHONHASHSEED=0`` — and the notebook's own folder as working directory. The environment is
-handed to the kernel; the calling process's ``os.environ`` is never changed. Widget state is
-dropped from the metadata so the HTML book never pulls the widget manager from a CDN.
+:func:`kernel_env` — ``COURSE_GPU=auto`` with every GPU hidden
+(``CUDA_VISIBLE_DEVICES=""``), so GPU cells store their skip line even on a machine with
+a GPU; one BLAS/OpenMP thread; ``PYTHONHASHSEED=0`` — and the notebook's own folder as
+working directory. The environment is handed to the kernel; the calling process's
+``os.environ`` is never changed. Widget state is dropped from the metadata so the HTML
+book never pulls the widget manager from a CDN.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 import nbformat
 
 
-#: What every stored output is made with, and what nbval checks against (see module docstring).
+# : What every stored output is made with, and what nbval checks against (see module
+# docstring).
 REFERENCE_ENV = {
     "COURSE_GPU": "auto",
     "CUDA_VISIBLE_DEVICES": "",
@@ -29,9 +31,10 @@ REFERENCE_ENV = {
 
 
 def kernel_env(overrides: dict | None = None, base: dict | None = None) -> dict:
-    """The full environment for a notebook kernel: ``base`` (default: this process's environment),
-    then :data:`REFERENCE_ENV`, then ``overrides`` (e.g. ``{"COURSE_GPU": "cpu"}``, or another CPU
-    kernel path: ``{"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}``).
+    """The full environment for a notebook kernel: ``base`` (default: this process's
+    environment), then :data:`REFERENCE_ENV`, then ``overrides`` (e.g. ``{"COURSE_GPU":
+    "cpu"}``, or another CPU kernel path: ``{"ATEN_CPU_CAPABILITY": "default",
+    "MKL_CBWR": "COMPATIBLE"}``).
 
     A caller's own ``COURSE_GPU`` is deliberately not inherited: stored outputs are the
     ``auto``-without-GPU form. Pass it in ``overrides`` to run GPU cells.
@@ -60,7 +63,8 @@ def clean_metadata(nb: nbformat.NotebookNode) -> None:
 def execute_notebook(
     path: str | Path, timeout: int = 600, env: dict | None = None, write: bool = True
 ) -> float:
-    """Execute ``path`` in a fresh kernel; write outputs back when ``write``. Returns seconds.
+    """Execute ``path`` in a fresh kernel; write outputs back when ``write``. Returns
+    seconds.
 
     ``env`` overrides entries of :func:`kernel_env` for this kernel only."""
     from nbclient import NotebookClient

@@ -1,17 +1,19 @@
-"""The floor environment: the lowest library versions the course declares, built for testing.
+"""The floor environment: the lowest library versions the course declares, built for
+testing.
 
-``pyproject.toml`` declares a range for every library a notebook imports; its lower bounds are
-what older Colab images ship. ``make floor`` builds ``.venv-floor`` at exactly those lower bounds
-and runs every chapter and solution there (``tests/test_floor.py``). This module turns
-``pyproject.toml`` into that environment's pins, so the ranges and the tested versions come from
-one place:
+``pyproject.toml`` declares a range for every library a notebook imports; its lower
+bounds are what older Colab images ship. ``make floor`` builds ``.venv-floor`` at
+exactly those lower bounds and runs every chapter and solution there
+(``tests/test_floor.py``). This module turns ``pyproject.toml`` into that environment's
+pins, so the ranges and the tested versions come from one place:
 
     python -m coursekit.floor constraints          # name==lower-bound lines for pip -c
-    python -m coursekit.floor requirements         # what to install: the project + test tools
-    python -m coursekit.floor link-torch .venv-floor   # reuse this interpreter's CPU torch there
+    python -m coursekit.floor requirements # what to install: the project + test tools
+    python -m coursekit.floor link-torch .venv-floor # reuse this interpreter's CPU
+        torch there
 
-torch is the exception: the floor environment reuses the CPU torch of ``.venv`` (symlinked, never
-downloaded or rebuilt), as Colab keeps its preinstalled torch.
+torch is the exception: the floor environment reuses the CPU torch of ``.venv``
+(symlinked, never downloaded or rebuilt), as Colab keeps its preinstalled torch.
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ def _requirements(pyproject: Path) -> dict[str, str]:
 
 
 def floor_pins(pyproject: str | Path = ROOT / "pyproject.toml") -> dict[str, str]:
-    """``{package: version}``: the ``>=`` lower bound declared for each of :data:`FLOOR_PACKAGES`.
+    """``{package: version}``: the ``>=`` lower bound declared for each of
+    :data:`FLOOR_PACKAGES`.
 
-    Raises ``ValueError`` naming the package when one has no ``>=`` bound in ``pyproject.toml``.
+    Raises ``ValueError`` naming the package when one has no ``>=`` bound in
+    ``pyproject.toml``.
     """
     from packaging.requirements import Requirement
 
@@ -73,7 +77,8 @@ def constraints(pyproject: str | Path = ROOT / "pyproject.toml") -> list[str]:
 
 
 def requirements(pyproject: str | Path = ROOT / "pyproject.toml") -> list[str]:
-    """What the floor environment installs: the project (editable) and the test tools, as declared."""
+    """What the floor environment installs: the project (editable) and the test tools,
+    as declared."""
     reqs = _requirements(Path(pyproject))
     missing = [t for t in FLOOR_TOOLS if t not in reqs]
     if missing:
@@ -84,10 +89,12 @@ def requirements(pyproject: str | Path = ROOT / "pyproject.toml") -> list[str]:
 
 
 def link_torch(target_venv: str | Path) -> list[Path]:
-    """Symlink this interpreter's installed torch (package folders and dist-info) into ``target_venv``.
+    """Symlink this interpreter's installed torch (package folders and dist-info) into
+    ``target_venv``.
 
-    pip in the target then sees torch as installed and never downloads or replaces it. Returns the
-    links made. Raises ``FileNotFoundError`` when ``target_venv`` has no site-packages folder.
+    pip in the target then sees torch as installed and never downloads or replaces it.
+    Returns the links made. Raises ``FileNotFoundError`` when ``target_venv`` has no
+    site-packages folder.
     """
     from importlib import metadata
 
@@ -132,9 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["constraints"] and len(args) == 1:
         print("\n".join(constraints()))
     elif args[:1] == ["requirements"] and len(args) == 1:
-        print(
-            " ".join(requirements())
-        )  # no spaces inside one requirement: safe to word-split
+        # no spaces inside one requirement: safe to word-split
+        print(" ".join(requirements()))
     elif args[:1] == ["link-torch"] and len(args) == 2:
         for link in link_torch(args[1]):
             print(f"linked {link}")

@@ -1,9 +1,9 @@
 """Chinese text in matplotlib figures, when the machine has a CJK font.
 
-``setup()`` calls :func:`use_cjk_font`: if a CJK font is installed (the book's machine has
-``fonts-noto-cjk``, see the Makefile), figures use it for Chinese labels. Colab and bare machines
-have none, and a Chinese label would be drawn as empty boxes there, so a figure writes its labels
-with :func:`zh`::
+``setup()`` calls :func:`use_cjk_font`: if a CJK font is installed (the book's machine
+has ``fonts-noto-cjk``, see the Makefile), figures use it for Chinese labels. Colab and
+bare machines have none, and a Chinese label would be drawn as empty boxes there, so a
+figure writes its labels with :func:`zh`::
 
     ax.set_xlabel(zh("训练步数", "training step"))
 
@@ -50,8 +50,9 @@ def use_cjk_font() -> str | None:
         return None
     import matplotlib
 
-    # Latin text keeps matplotlib's default sans-serif (DejaVu Sans: every figure looks as before,
-    # math minus and superscripts included); glyphs it lacks (CJK) fall back to the CJK font.
+    # Latin text keeps matplotlib's default sans-serif (DejaVu Sans: every figure looks
+    # as before, math minus and superscripts included); glyphs it lacks (CJK) fall back
+    # to the CJK font.
     family = matplotlib.rcParams["font.family"]
     family = [family] if isinstance(family, str) else list(family)
     matplotlib.rcParams["font.family"] = [f for f in family if f != name] + [name]

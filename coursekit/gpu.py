@@ -19,8 +19,8 @@ A GPU cell in a notebook looks like::
     def fp16_loop(device, small):
         ...                      # real code; `small` is True when running on CPU
 
-``gpu_cell`` calls the function at once with ``device`` (a ``torch.device``) and ``small``
-(bool), or prints one fixed line and returns ``None``.
+``gpu_cell`` calls the function at once with ``device`` (a ``torch.device``) and
+``small`` (bool), or prints one fixed line and returns ``None``.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ class GPUUnavailableError(RuntimeError):
 def gpu_mode(value: str | None = None) -> str:
     """Normalised mode: one of ``"auto"``, ``"cpu"``, ``"on"``, ``"off"``.
 
-    ``value`` defaults to the ``COURSE_GPU`` environment variable (unset or empty → ``auto``).
-    Raises :class:`GPUFlagError` naming the allowed values for anything else.
+    ``value`` defaults to the ``COURSE_GPU`` environment variable (unset or empty →
+    ``auto``). Raises :class:`GPUFlagError` naming the allowed values for anything else.
     """
     raw = os.environ.get(ENV_VAR, "") if value is None else value
     v = raw.strip().lower()
@@ -80,7 +80,8 @@ def cuda_available() -> bool:
 
 @dataclass(frozen=True)
 class DeviceChoice:
-    """What a GPU cell should do: ``run`` it on ``device``; ``small`` asks for tiny sizes."""
+    """What a GPU cell should do: ``run`` it on ``device``; ``small`` asks for tiny
+    sizes."""
 
     mode: str
     run: bool
@@ -115,10 +116,11 @@ def choose_device(value: str | None = None) -> DeviceChoice:
 
 
 def gpu_cell(fn: Callable[..., T]) -> T | None:
-    """Run ``fn(device, small)`` now according to ``COURSE_GPU``; return its result or None.
+    """Run ``fn(device, small)`` now according to ``COURSE_GPU``; return its result or
+    None.
 
-    Used as a decorator on a notebook cell's function, so the cell's code is real code that a
-    student can run on Colab, and CI can run with ``COURSE_GPU=cpu``.
+    Used as a decorator on a notebook cell's function, so the cell's code is real code
+    that a student can run on Colab, and CI can run with ``COURSE_GPU=cpu``.
     """
     import torch
 
@@ -144,8 +146,8 @@ def bf16_supported(
     """True when bfloat16 runs natively on ``device``.
 
     CPU: True (torch implements bf16 on CPU). CUDA: compute capability ≥ 8.0 (Ampere+).
-    ``torch.cuda.is_bf16_supported()`` alone is not trusted: a T4 (sm_75) reports True through
-    emulation, which is slow and gives no Tensor Core speed-up.
+    ``torch.cuda.is_bf16_supported()`` alone is not trusted: a T4 (sm_75) reports True
+    through emulation, which is slow and gives no Tensor Core speed-up.
     """
     if capability is None:
         if device is None or str(device).startswith("cpu"):
@@ -157,7 +159,8 @@ def bf16_supported(
 
 
 def amp_dtype(device: str, capability: tuple[int, int] | None = None):
-    """The autocast dtype a course cell should use: bf16 where native, else fp16 (with a scaler)."""
+    """The autocast dtype a course cell should use: bf16 where native, else fp16 (with a
+    scaler)."""
     import torch
 
     return torch.bfloat16 if bf16_supported(device, capability) else torch.float16
@@ -180,11 +183,12 @@ def describe() -> str:
     return f"{ENV_VAR}={mode}; CUDA: none (GPU cells {'run on CPU at small size' if mode == 'cpu' else 'are skipped' if mode != 'on' else 'will fail'})"
 
 
-# --------------------------------------------------------------------------------------------
-# Decisions the GPU cells make. Each is a plain function of the compute capability (and, where
-# it matters, of the free memory), so tests fake sm_75 (T4), sm_80 (A100) and sm_90 (H100/H200)
-# on a CPU-only machine. ``capability=None`` on CUDA reads the real device.
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
+# Decisions the GPU cells make. Each is a plain function of the compute capability (and,
+# where it matters, of the free memory), so tests fake sm_75 (T4), sm_80 (A100) and
+# sm_90 (H100/H200) on a CPU-only machine. ``capability=None`` on CUDA reads the real
+# device.
+# --------------------------------------------------------------------------------------
 
 SM80 = (8, 0)
 
@@ -198,7 +202,8 @@ def _cap(
 
 
 def tf32_available(capability: tuple[int, int] | None) -> bool:
-    """TF32 Tensor Core matmuls exist from sm_80 (Ampere) on; below, the TF32 setting is a no-op."""
+    """TF32 Tensor Core matmuls exist from sm_80 (Ampere) on; below, the TF32 setting is
+    a no-op."""
     return capability is not None and tuple(capability) >= SM80
 
 
@@ -215,7 +220,8 @@ class AmpPlan:
 
 
 def amp_plan(device_type: str, capability: tuple[int, int] | None = None) -> AmpPlan:
-    """bf16 autocast where it is native (CPU, sm_80+); fp16 autocast + GradScaler below sm_80.
+    """bf16 autocast where it is native (CPU, sm_80+); fp16 autocast + GradScaler below
+    sm_80.
 
     >>> amp_plan("cuda", (7, 5)).precision
     'fp16-amp'
@@ -240,7 +246,8 @@ def amp_plan(device_type: str, capability: tuple[int, int] | None = None) -> Amp
 
 @dataclass(frozen=True)
 class MatmulRow:
-    """One row of chapter 1's matmul table: run with ``precision``/``dtype``, or report ``note``."""
+    """One row of chapter 1's matmul table: run with ``precision``/``dtype``, or report
+    ``note``."""
 
     label: str
     precision: str  # torch.set_float32_matmul_precision
@@ -252,7 +259,8 @@ class MatmulRow:
 def matmul_rows(
     device_type: str, capability: tuple[int, int] | None = None
 ) -> list[MatmulRow]:
-    """The fp32 / tf32 / bf16 / fp16 rows for ``device_type``, TF32 marked absent below sm_80."""
+    """The fp32 / tf32 / bf16 / fp16 rows for ``device_type``, TF32 marked absent below
+    sm_80."""
     import torch
 
     cap = _cap(device_type, capability)
@@ -293,11 +301,12 @@ FP16_MAX = 65504.0
 def loss_scale_demo(steps: int, tokens_per_batch: int) -> dict:
     """GradScaler settings that make a short fp16 run show both back-off and growth.
 
-    The gradient of the mean cross-entropy w.r.t. one logit is at most 1/N (N tokens per batch), so
-    the scaled gradient entering the fp16 ``lm_head`` backward overflows once ``S / N > 65504``.
-    Starting 4x above that guarantees overflows (back-off, step skipped) in the first steps; a
-    growth interval of a sixth of the run then lets the scale grow and overflow again several
-    times. (The default ``growth_interval=2000`` shows nothing in a 60-step demo.)
+    The gradient of the mean cross-entropy w.r.t. one logit is at most 1/N (N tokens per
+    batch), so the scaled gradient entering the fp16 ``lm_head`` backward overflows once
+    ``S / N > 65504``. Starting 4x above that guarantees overflows (back-off, step
+    skipped) in the first steps; a growth interval of a sixth of the run then lets the
+    scale grow and overflow again several times. (The default ``growth_interval=2000``
+    shows nothing in a 60-step demo.)
     """
     import math
 
@@ -311,18 +320,20 @@ def loss_scale_demo(steps: int, tokens_per_batch: int) -> dict:
 
 
 def scale_events(scales: list[float]) -> dict[str, int]:
-    """Count growths (scale went up) and back-offs (went down) in a per-step list of scales."""
+    """Count growths (scale went up) and back-offs (went down) in a per-step list of
+    scales."""
     ups = sum(b > a for a, b in zip(scales, scales[1:]))
     downs = sum(b < a for a, b in zip(scales, scales[1:]))
     return {"growth": ups, "backoff": downs}
 
 
 def fit_batch(free_bytes: int, need_bytes, want: int, margin: float = 0.85) -> int:
-    """Largest batch ``b <= want`` whose ``need_bytes(b)`` fits in ``margin * free_bytes``.
+    """Largest batch ``b <= want`` whose ``need_bytes(b)`` fits in ``margin *
+    free_bytes``.
 
-    ``need_bytes`` maps a batch size to the estimated peak (bytes); ``margin`` leaves room for the
-    caching allocator's rounding and fragmentation. Raises ``ValueError`` with both sizes in GiB
-    when not even one sample fits.
+    ``need_bytes`` maps a batch size to the estimated peak (bytes); ``margin`` leaves
+    room for the caching allocator's rounding and fragmentation. Raises ``ValueError``
+    with both sizes in GiB when not even one sample fits.
     """
     budget = margin * free_bytes
     for b in range(want, 0, -1):
@@ -335,7 +346,8 @@ def fit_batch(free_bytes: int, need_bytes, want: int, margin: float = 0.85) -> i
 
 
 def free_memory(device_type: str) -> int | None:
-    """Free bytes on the current CUDA device (``torch.cuda.mem_get_info``); None on CPU."""
+    """Free bytes on the current CUDA device (``torch.cuda.mem_get_info``); None on
+    CPU."""
     if device_type != "cuda":
         return None
     import torch
@@ -361,8 +373,9 @@ def estimate_check_plan(
     want_batch: int = 4,
     seq: int = 512,
 ) -> EstimateCheckPlan:
-    """Precision from the capability (fp16-amp below sm_80, where SDPA's memory-efficient kernel
-    runs and the estimate's ``attn="sdpa"`` holds), batch scaled to ``free_bytes``."""
+    """Precision from the capability (fp16-amp below sm_80, where SDPA's
+    memory-efficient kernel runs and the estimate's ``attn="sdpa"`` holds), batch scaled
+    to ``free_bytes``."""
     from trainmem.estimate import estimate
 
     plan = amp_plan(device_type, capability)
@@ -388,7 +401,8 @@ SDPA_OPS = {  # aten op seen by a TorchDispatchMode -> the SDPA backend that ran
 
 
 def sdpa_dtype(device_type: str, capability: tuple[int, int] | None = None):
-    """fp16 below sm_80 (bf16 there is accepted only by the math backend), bf16 from sm_80, fp32 on CPU."""
+    """fp16 below sm_80 (bf16 there is accepted only by the math backend), bf16 from
+    sm_80, fp32 on CPU."""
     import torch
 
     if device_type != "cuda":
@@ -401,9 +415,11 @@ def sdpa_dtype(device_type: str, capability: tuple[int, int] | None = None):
 
 
 def sdpa_eligible(capability: tuple[int, int], dtype) -> list[str]:
-    """SDPA CUDA backends that accept ``dtype`` on ``capability`` (head_dim 64, no mask).
+    """SDPA CUDA backends that accept ``dtype`` on ``capability`` (head_dim 64, no
+    mask).
 
-    flash: sm_80+ and fp16/bf16; memory-efficient: sm_50+, bf16 only from sm_80; math: always.
+    flash: sm_80+ and fp16/bf16; memory-efficient: sm_50+, bf16 only from sm_80; math:
+    always.
     """
     import torch
 
@@ -419,8 +435,9 @@ def sdpa_eligible(capability: tuple[int, int], dtype) -> list[str]:
 
 
 def sdpa_backend_from_ops(op_names) -> str:
-    """The SDPA backend named by the aten ops a call dispatched (``"math"``: no fused kernel ran,
-    the call decomposed into ``bmm``/``softmax``, materialising the scores)."""
+    """The SDPA backend named by the aten ops a call dispatched (``"math"``: no fused
+    kernel ran, the call decomposed into ``bmm``/``softmax``, materialising the scores).
+    """
     for name in op_names:
         if name in SDPA_OPS:
             return SDPA_OPS[name]
@@ -428,10 +445,12 @@ def sdpa_backend_from_ops(op_names) -> str:
 
 
 def sdpa_backend_ran(fn) -> str:
-    """Run ``fn()`` (a ``scaled_dot_product_attention`` call) and return the backend that ran.
+    """Run ``fn()`` (a ``scaled_dot_product_attention`` call) and return the backend
+    that ran.
 
-    A ``TorchDispatchMode`` records the aten ops the call dispatched to: SDPA's backend choice
-    happens before that, so the fused kernel's op (or the math backend's ``bmm``) is what is seen.
+    A ``TorchDispatchMode`` records the aten ops the call dispatched to: SDPA's backend
+    choice happens before that, so the fused kernel's op (or the math backend's ``bmm``)
+    is what is seen.
     """
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -449,8 +468,9 @@ def sdpa_backend_ran(fn) -> str:
     return sdpa_backend_from_ops(rec.ops)
 
 
-#: Memory a GPU reports (``torch.cuda.get_device_properties(0).total_memory / 2**30``, recent
-#: drivers, ECC on), not the marketing number: a "16 GB" T4 exposes about 14.6 GiB.
+# : Memory a GPU reports (``torch.cuda.get_device_properties(0).total_memory / 2**30``,
+# recent : drivers, ECC on), not the marketing number: a "16 GB" T4 exposes about 14.6
+# GiB.
 REPORTED_GIB = {
     "T4 16GB": 14.56,
     "A10 24GB": 22.06,
@@ -462,8 +482,8 @@ REPORTED_GIB = {
 
 
 def usable_capacities(include_current: bool = True) -> dict[str, float]:
-    """``{GPU: GiB}`` for the GPU picker: :data:`REPORTED_GIB`, plus this machine's GPU (its real
-    ``total_memory``) first when CUDA is present and ``include_current``."""
+    """``{GPU: GiB}`` for the GPU picker: :data:`REPORTED_GIB`, plus this machine's GPU
+    (its real ``total_memory``) first when CUDA is present and ``include_current``."""
     caps = {}
     if include_current and cuda_available():
         import torch
@@ -476,7 +496,8 @@ def usable_capacities(include_current: bool = True) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class QLoRAPlan:
-    """Chapter 7's QLoRA cell: the BitsAndBytesConfig arguments and the optimizer to use."""
+    """Chapter 7's QLoRA cell: the BitsAndBytesConfig arguments and the optimizer to
+    use."""
 
     quant_kwargs: dict  # for transformers.BitsAndBytesConfig
     compute_dtype: object
@@ -487,7 +508,8 @@ class QLoRAPlan:
 def qlora_plan(
     device_type: str, capability: tuple[int, int] | None = None
 ) -> QLoRAPlan:
-    """NF4 + double quantization; compute in bf16 (fp16 below sm_80); paged 8-bit AdamW."""
+    """NF4 + double quantization; compute in bf16 (fp16 below sm_80); paged 8-bit
+    AdamW."""
     plan = amp_plan(device_type, capability)
     kwargs = {
         "load_in_4bit": True,

@@ -1,13 +1,16 @@
-"""Lab generation: ``solutions/labNN_*.ipynb`` → ``labs/labNN_*.ipynb`` (format: tests/grading/README.md).
+"""Lab generation: ``solutions/labNN_*.ipynb`` → ``labs/labNN_*.ipynb`` (format:
+tests/grading/README.md).
 
 * code between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` → ``# TODO: <hint>`` +
-  ``raise NotImplementedError`` at the marker's indentation (hint from optional ``# HINT:`` lines,
-  joined: a long hint is wrapped over several);
-* markdown between ``<!-- BEGIN SOLUTION -->`` / ``<!-- END SOLUTION -->`` → a placeholder;
+  ``raise NotImplementedError`` at the marker's indentation (hint from optional ``#
+  HINT:`` lines, joined: a long hint is wrapped over several);
+* markdown between ``<!-- BEGIN SOLUTION -->`` / ``<!-- END SOLUTION -->`` → a
+  placeholder;
 * cells tagged ``solution-only`` dropped; outputs and execution counts cleared;
-* ``{glue:}`key``` roles in markdown replaced by the solution's stored value (a lab has no outputs);
-* Open-in-Colab badge after the title and the Colab setup cell before the first code cell
-  (:mod:`coursekit.colab`); notebook metadata asks Colab for a GPU runtime.
+* ``{glue:}`key``` roles in markdown replaced by the solution's stored value (a lab has
+  no outputs);
+* Open-in-Colab badge after the title and the Colab setup cell before the first code
+  cell (:mod:`coursekit.colab`); notebook metadata asks Colab for a GPU runtime.
 
 ``check_labs`` compares without writing (``python -m coursekit labs --check``).
 """
@@ -42,11 +45,13 @@ LAB_RE = re.compile(r"^(lab\d\d)_[a-z0-9_]+\.ipynb$")
 
 
 class LabFormatError(ValueError):
-    """A solution notebook breaks the lab format (unclosed/nested markers, bad file name)."""
+    """A solution notebook breaks the lab format (unclosed/nested markers, bad file
+    name)."""
 
 
 def find_root(start: str | Path | None = None) -> Path:
-    """The repository root: the nearest folder (from ``start`` or cwd) with ``_config.yml`` and ``solutions/``."""
+    """The repository root: the nearest folder (from ``start`` or cwd) with
+    ``_config.yml`` and ``solutions/``."""
     here = Path(start or Path.cwd()).resolve()
     for p in (here, *here.parents):
         if (p / "_config.yml").exists() and (p / "solutions").is_dir():
@@ -60,7 +65,8 @@ def find_root(start: str | Path | None = None) -> Path:
 
 
 def lab_id(path: str | Path) -> str:
-    """``labNN`` from ``.../labNN_slug.ipynb``; raises LabFormatError for other names."""
+    """``labNN`` from ``.../labNN_slug.ipynb``; raises LabFormatError for other
+    names."""
     m = LAB_RE.match(Path(path).name)
     if not m:
         raise LabFormatError(
@@ -70,8 +76,9 @@ def lab_id(path: str | Path) -> str:
 
 
 def _join_hint(pieces: list[str]) -> str:
-    """One hint from consecutive ``# HINT:`` lines (a long hint is wrapped to fit 88 columns):
-    no space where either side is a CJK character or punctuation, one space otherwise."""
+    """One hint from consecutive ``# HINT:`` lines (a long hint is wrapped to fit 88
+    columns): no space where either side is a CJK character or punctuation, one space
+    otherwise."""
     out = ""
     for piece in filter(None, pieces):
         if out and not (_is_cjk(out[-1]) or _is_cjk(piece[0])):
@@ -89,7 +96,8 @@ def _is_cjk(ch: str) -> bool:
 
 
 def strip_code(source: str, where: str = "") -> str:
-    """Replace every solution block in a code cell's source by a TODO stub (see module doc)."""
+    """Replace every solution block in a code cell's source by a TODO stub (see module
+    doc)."""
     out: list[str] = []
     lines = source.split("\n")
     i = 0
@@ -124,7 +132,8 @@ def strip_code(source: str, where: str = "") -> str:
 
 
 def strip_markdown(source: str, where: str = "") -> str:
-    """Replace ``<!-- BEGIN SOLUTION -->`` … ``<!-- END SOLUTION -->`` by a placeholder."""
+    """Replace ``<!-- BEGIN SOLUTION -->`` … ``<!-- END SOLUTION -->`` by a
+    placeholder."""
     pattern = re.compile(re.escape(MD_BEGIN) + r".*?" + re.escape(MD_END), re.S)
     result = pattern.sub(MD_PLACEHOLDER, source)
     if MD_BEGIN in result or MD_END in result:
@@ -148,7 +157,8 @@ def glued_values(nb: nbformat.NotebookNode) -> dict[str, str]:
 
 
 def inline_glue(source: str, values: dict[str, str], where: str = "") -> str:
-    """Replace ``{glue:}`key``` roles by the solution's stored value (labs have no outputs to glue from)."""
+    """Replace ``{glue:}`key``` roles by the solution's stored value (labs have no
+    outputs to glue from)."""
 
     def sub(m: re.Match) -> str:
         key = m.group(1).split(":")[0].strip()
@@ -164,7 +174,8 @@ def inline_glue(source: str, values: dict[str, str], where: str = "") -> str:
 def make_lab(
     solution: nbformat.NotebookNode, name: str, repo: Repository
 ) -> nbformat.NotebookNode:
-    """The student version of ``solution`` (not modified); ``name`` is the file name, e.g. lab01_x.ipynb."""
+    """The student version of ``solution`` (not modified); ``name`` is the file name,
+    e.g. lab01_x.ipynb."""
     lid = lab_id(name)
     nb = copy.deepcopy(solution)
     glued = glued_values(solution)
@@ -216,7 +227,8 @@ def make_lab(
 
 
 def render(nb: nbformat.NotebookNode) -> str:
-    """The exact text written to disk (stable: sorted keys, indent 1, trailing newline)."""
+    """The exact text written to disk (stable: sorted keys, indent 1, trailing
+    newline)."""
     text = nbformat.writes(nb)
     return text if text.endswith("\n") else text + "\n"
 
@@ -224,8 +236,8 @@ def render(nb: nbformat.NotebookNode) -> str:
 def generate(root: str | Path | None = None, check: bool = False) -> list[str]:
     """Generate every lab from ``solutions/``; with ``check`` write nothing.
 
-    Returns the lab paths (relative to root) that were written (or, with ``check``, that differ:
-    missing, stale, or without a solution).
+    Returns the lab paths (relative to root) that were written (or, with ``check``, that
+    differ: missing, stale, or without a solution).
     """
     root = find_root(root)
     repo = read_repository(root / "_config.yml")

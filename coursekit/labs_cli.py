@@ -1,4 +1,5 @@
-"""``python -m coursekit labs [--check]`` and ``python -m coursekit grade ...`` (registered by cli.py)."""
+"""``python -m coursekit labs [--check]`` and ``python -m coursekit grade ...``
+(registered by cli.py)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,16 @@
 """Notebook helpers shared by every chapter, lab and solution.
 
-* :func:`setup` — the first code cell of every notebook: seeds, versions, the GPU flag line.
-* :func:`glue` — myst-nb's ``glue`` without needing myst-nb installed (Colab has none): it emits the
-  very same display data (``application/papermill.record/...`` + ``scrapbook`` metadata), so the
-  book's ``{glue:}`` / ``{glue:text}`` roles find it, and nbval compares it like any output.
-  A measured float declares its tolerance: ``glue(name, x, fmt, rtol=..., atol=...)``.
-* :class:`measured` — ``with measured(rtol=...): print(...)``: printed measured floats, compared by
-  the nbval plugin within the tolerance (words and integers stay exact).
-* :func:`md_table` — a Markdown table; ``rtol``/``atol`` make it a table of measured floats.
+* :func:`setup` — the first code cell of every notebook: seeds, versions, the GPU flag
+  line.
+* :func:`glue` — myst-nb's ``glue`` without needing myst-nb installed (Colab has none):
+  it emits the very same display data (``application/papermill.record/...`` +
+  ``scrapbook`` metadata), so the book's ``{glue:}`` / ``{glue:text}`` roles find it,
+  and nbval compares it like any output. A measured float declares its tolerance:
+  ``glue(name, x, fmt, rtol=..., atol=...)``.
+* :class:`measured` — ``with measured(rtol=...): print(...)``: printed measured floats,
+  compared by the nbval plugin within the tolerance (words and integers stay exact).
+* :func:`md_table` — a Markdown table; ``rtol``/``atol`` make it a table of measured
+  floats.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ TOL_KEY = "coursekit"  # output metadata key: {"rtol": r, "atol": a[, "value": v
 
 
 def _float_value(value: Any) -> float | None:
-    """``value`` as a float when it is a real floating-point scalar (python, numpy, 0-d tensor)."""
+    """``value`` as a float when it is a real floating-point scalar (python, numpy, 0-d
+    tensor)."""
     if isinstance(value, bool) or isinstance(value, int):
         return None
     if isinstance(value, float):
@@ -51,7 +55,8 @@ def _float_value(value: Any) -> float | None:
 def tolerance(rtol: float | None = None, atol: float | None = None) -> dict:
     """The metadata that marks an output as a measured number with a declared tolerance.
 
-    Raises ValueError unless at least one of ``rtol``/``atol`` is given and both are >= 0.
+    Raises ValueError unless at least one of ``rtol``/``atol`` is given and both are >=
+    0.
     """
     if rtol is None and atol is None:
         raise ValueError(
@@ -74,19 +79,21 @@ def glue(
 ) -> None:
     """Store ``value`` under ``name`` for the book's ``{glue:}`` roles.
 
-    Returns None (like myst-nb): a value returned by the last line of a cell would be shown
-    again as ``Out[]`` — and IPython ignores a trailing ``;`` when nbval runs the cell.
+    Returns None (like myst-nb): a value returned by the last line of a cell would be
+    shown again as ``Out[]`` — and IPython ignores a trailing ``;`` when nbval runs the
+    cell.
 
-    ``fmt`` (a format spec such as ``",.0f"`` or ``".2%"``) turns the value into the exact text the
-    prose shows, so ``{glue:}`name``` needs no format of its own. Figures are glued as images.
+    ``fmt`` (a format spec such as ``",.0f"`` or ``".2%"``) turns the value into the
+    exact text the prose shows, so ``{glue:}`name``` needs no format of its own. Figures
+    are glued as images.
 
-    Exact numbers (integers, byte counts, bit patterns, values derived from exact inputs) are
-    glued without a tolerance and compared as text. A *measured* floating-point number (a
-    matmul error, a loss after training, a gradient statistic: it depends on the CPU's kernels)
-    declares its tolerance here: ``rtol``/``atol``. The raw value travels in the output's
-    metadata and the nbval plugin compares it numerically: ``|new - stored| <= atol +
-    rtol * max(|new|, |stored|)``. Choose ``fmt`` so the prose shows only the digits the
-    tolerance supports.
+    Exact numbers (integers, byte counts, bit patterns, values derived from exact
+    inputs) are glued without a tolerance and compared as text. A *measured*
+    floating-point number (a matmul error, a loss after training, a gradient statistic:
+    it depends on the CPU's kernels) declares its tolerance here: ``rtol``/``atol``. The
+    raw value travels in the output's metadata and the nbval plugin compares it
+    numerically: ``|new - stored| <= atol + rtol * max(|new|, |stored|)``. Choose
+    ``fmt`` so the prose shows only the digits the tolerance supports.
     """
     import IPython.core.formatters
     from IPython.display import display as ipy_display
@@ -112,27 +119,28 @@ def glue(
     if tol is not None:
         metadata[TOL_KEY] = tol
     elif _float_value(value) is not None:
-        metadata[TOL_KEY] = {
-            "float": True
-        }  # untoleranced float: the lint asks why it is exact
+        # untoleranced float: the lint asks why it is exact
+        metadata[TOL_KEY] = {"float": True}
     ipy_display(
         {prefix + k: v for k, v in mimebundle.items()}, raw=True, metadata=metadata
     )
 
 
 class measured:
-    """Print measured floats as one output that nbval compares within a declared tolerance.
+    """Print measured floats as one output that nbval compares within a declared
+    tolerance.
 
     ::
 
         with measured(rtol=0.05):
             print(f"loss after 300 steps {loss:.3e}")
 
-    Everything printed inside the block becomes one ``text/plain`` output carrying the tolerance
-    in its metadata. The plugin compares it token by token: words and punctuation exactly,
-    integers exactly, every number with a decimal point or an exponent within
-    ``atol + rtol * max(|a|, |b|)`` plus one unit in its last printed digit (the rounding of the
-    printed text). ``atol`` is in the printed unit (percentage points for ``"12.5%"``).
+    Everything printed inside the block becomes one ``text/plain`` output carrying the
+    tolerance in its metadata. The plugin compares it token by token: words and
+    punctuation exactly, integers exactly, every number with a decimal point or an
+    exponent within ``atol + rtol * max(|a|, |b|)`` plus one unit in its last printed
+    digit (the rounding of the printed text). ``atol`` is in the printed unit
+    (percentage points for ``"12.5%"``).
     """
 
     def __init__(self, rtol: float | None = None, atol: float | None = None):
@@ -178,7 +186,8 @@ def seed_everything(seed: int = 0) -> None:
 def versions(
     packages: tuple[str, ...] = ("torch", "transformers", "peft"),
 ) -> dict[str, str]:
-    """Installed versions of ``packages`` ("not installed" for missing ones), plus python."""
+    """Installed versions of ``packages`` ("not installed" for missing ones), plus
+    python."""
     from importlib import metadata
 
     out = {"python": platform.python_version()}
@@ -191,8 +200,9 @@ def versions(
 
 
 def _inline_figures() -> None:
-    """In a Jupyter kernel, store figures in the notebook (``%matplotlib inline``) even when the
-    environment says ``MPLBACKEND=Agg`` — with Agg, ``plt.show()`` stores nothing."""
+    """In a Jupyter kernel, store figures in the notebook (``%matplotlib inline``) even
+    when the environment says ``MPLBACKEND=Agg`` — with Agg, ``plt.show()`` stores
+    nothing."""
     try:
         from IPython import get_ipython
     except ImportError:  # pragma: no cover
@@ -208,9 +218,11 @@ def setup(
     threads: int | None = 1,
     quiet: bool = False,
 ) -> None:
-    """First cell of every notebook: seed, pin CPU threads (stable timings), print versions + GPU line.
+    """First cell of every notebook: seed, pin CPU threads (stable timings), print
+    versions + GPU line.
 
-    The printed lines are version-dependent, so this cell is tagged ``nbval-ignore-output``.
+    The printed lines are version-dependent, so this cell is tagged
+    ``nbval-ignore-output``.
     """
     import torch
 
@@ -228,7 +240,8 @@ def setup(
         )
         from .fonts import use_cjk_font
 
-        use_cjk_font()  # Chinese figure labels where a CJK font is installed (coursekit.fonts.zh)
+        # Chinese figure labels where a CJK font is installed (coursekit.fonts.zh)
+        use_cjk_font()
     except ImportError:  # pragma: no cover
         pass
     if not quiet:
@@ -237,7 +250,8 @@ def setup(
 
 
 class MeasuredTable:
-    """A Markdown table of measured floats: shown like ``md_table``, compared within a tolerance."""
+    """A Markdown table of measured floats: shown like ``md_table``, compared within a
+    tolerance."""
 
     def __init__(self, markdown: str, tol: dict):
         self.markdown, self.tol = markdown, tol
@@ -249,14 +263,16 @@ class MeasuredTable:
 
 
 def md_table(rows, headers=None, *, rtol=None, atol=None):
-    """Display ``rows`` (a list of dicts, or of sequences with ``headers``) as a Markdown table.
+    """Display ``rows`` (a list of dicts, or of sequences with ``headers``) as a
+    Markdown table.
 
-    The output is ``text/markdown`` (rendered as a real table in the book, compared by nbval) plus
-    a ``text/plain`` fallback. Cell values are shown with ``str``; format numbers before passing.
+    The output is ``text/markdown`` (rendered as a real table in the book, compared by
+    nbval) plus a ``text/plain`` fallback. Cell values are shown with ``str``; format
+    numbers before passing.
 
     A table of *measured* floats (losses, errors, statistics of a trained model) passes
-    ``rtol``/``atol``: nbval then compares its numbers within that tolerance, token by token,
-    like :class:`measured`; its words and integers stay exact.
+    ``rtol``/``atol``: nbval then compares its numbers within that tolerance, token by
+    token, like :class:`measured`; its words and integers stay exact.
     """
     from IPython.display import Markdown
 

@@ -1,25 +1,28 @@
 """``python -m coursekit tidy [paths]`` — keep authoring plumbing off the book's pages.
 
-The book renders every code cell, so the machinery a chapter needs (``glue`` calls that feed the
-prose, nbval markers, the setup cell) would otherwise be read as if it were part of the lesson.
-This tool rewrites notebooks so that plumbing lives where the HTML does not show it:
+The book renders every code cell, so the machinery a chapter needs (``glue`` calls that
+feed the prose, nbval markers, the setup cell) would otherwise be read as if it were
+part of the lesson. This tool rewrites notebooks so that plumbing lives where the HTML
+does not show it:
 
-* **glue calls.** A top-level ``glue(...)`` statement at the start or the end of a code cell is
-  moved, with its stored output, into a cell of its own tagged ``remove-cell`` (placed before or
-  after, so it runs at the very same moment). A cell made only of glue calls gets the tag itself.
-  myst-nb still reads glued values from removed cells. When the statement left last in the cell is
-  an expression, a ``;`` keeps it from being displayed (before the move it was not the last line,
-  so it was not displayed either). Glue calls in the middle of a cell, inside loops or functions,
-  and ``glue(..., display=True)`` (meant to be seen) are left where they are.
+* **glue calls.** A top-level ``glue(...)`` statement at the start or the end of a code
+  cell is moved, with its stored output, into a cell of its own tagged ``remove-cell``
+  (placed before or after, so it runs at the very same moment). A cell made only of glue
+  calls gets the tag itself. myst-nb still reads glued values from removed cells. When
+  the statement left last in the cell is an expression, a ``;`` keeps it from being
+  displayed (before the move it was not the last line, so it was not displayed either).
+  Glue calls in the middle of a cell, inside loops or functions, and ``glue(...,
+  display=True)`` (meant to be seen) are left where they are.
 * **nbval markers.** A ``# nbval-ignore-output: reason`` comment line becomes the
-  ``nbval-ignore-output`` cell tag; the reason is kept in ``metadata.nbval_ignore_reason``.
-* **the setup cell** (tag ``setup``: imports, seeds, warning filters, version banner) is tagged
-  ``hide-cell``: collapsed on the page behind a toggle labelled "显示准备代码…", still there in
-  Jupyter and Colab.
+  ``nbval-ignore-output`` cell tag; the reason is kept in
+  ``metadata.nbval_ignore_reason``.
+* **the setup cell** (tag ``setup``: imports, seeds, warning filters, version banner) is
+  tagged ``hide-cell``: collapsed on the page behind a toggle labelled "显示准备代码…",
+  still there in Jupyter and Colab.
 
-The tool is idempotent: a second run changes nothing. ``--check`` only reports (exit 1 when a
-notebook would change), for CI. Outputs are moved, never recomputed: re-execute (``make nb``)
-afterwards to refresh execution counts.
+The tool is idempotent: a second run changes nothing. ``--check`` only reports (exit 1
+when a notebook would change), for CI. Outputs are moved, never recomputed: re-execute
+(``make nb``) afterwards to refresh execution counts.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ GLUE_MIME = "application/papermill.record/"
 REMOVE = "remove-cell"
 HIDE_SETUP = "hide-cell"
 NBVAL_IGNORE = "nbval-ignore-output"
-# the toggle of the collapsed setup cell says what is behind it (myst-nb cell-level config)
+# the toggle of the collapsed setup cell says what is behind it (myst-nb cell-level
+# config)
 SETUP_PROMPTS = {
     "code_prompt_show": "显示准备代码（导入、随机种子、版本与 GPU 信息）",
     "code_prompt_hide": "隐藏准备代码",
@@ -91,12 +95,13 @@ def _is_glue_call(node: ast.AST) -> bool:
     return True
 
 
+# calls whose value Jupyter never shows
 _NONE_CALLS = {
     "print",
     "display",
     "show",
     "glue",
-}  # calls whose value Jupyter never shows
+}
 
 
 def _returns_none(node: ast.Expr) -> bool:
@@ -147,7 +152,8 @@ def _new_code_cell(source: str, outputs: list, tags: list[str], count):
     cell = nbformat.v4.new_code_cell(source=source)
     cell.metadata["tags"] = list(tags)
     cell.outputs = outputs
-    # it ran as part of the original cell: nbval refuses stored outputs of an "unrun" cell
+    # it ran as part of the original cell: nbval refuses stored outputs of an "unrun"
+    # cell
     cell.execution_count = count
     return cell
 
@@ -159,7 +165,8 @@ def _copy_reason(src, new) -> None:
 
 
 def _split_glue(cell, where: str, report: Report) -> list:
-    """Return the cells that replace ``cell`` (itself, possibly split into glue + rest)."""
+    """Return the cells that replace ``cell`` (itself, possibly split into glue +
+    rest)."""
     src = cell.source
     if REMOVE in _tags(cell) or src.lstrip().startswith("%%"):
         return [cell]
@@ -175,7 +182,8 @@ def _split_glue(cell, where: str, report: Report) -> list:
     if not body:
         return [cell]
     glue = [_is_glue_call(s) for s in body]
-    # a source line belongs to the glue part only if every statement on it is a glue call
+    # a source line belongs to the glue part only if every statement on it is a glue
+    # call
     owner: dict[int, set[bool]] = {}
     for s, g in zip(body, glue):
         for ln in range(s.lineno, s.end_lineno + 1):
@@ -231,9 +239,8 @@ def _split_glue(cell, where: str, report: Report) -> list:
         after = L[i][end.end_col_offset :]
         if not after.lstrip().startswith(";"):
             L[i] = L[i][: end.end_col_offset] + ";" + after
-    pre = L[
-        : body[0].lineno - 1
-    ]  # comments above the first statement stay with the code
+    # comments above the first statement stay with the code
+    pre = L[: body[0].lineno - 1]
     if lead:
         head = L[body[0].lineno - 1 : body[lead - 1].end_lineno]
         mid_start = body[lead - 1].end_lineno
@@ -246,7 +253,8 @@ def _split_glue(cell, where: str, report: Report) -> list:
     cell.outputs = [o for o in outputs if id(o) not in moved]
     cell.source = "\n".join(main).strip("\n")
     out, count = [], cell.get("execution_count")
-    # outputs that nbval does not compare in the original cell stay uncompared in the new ones
+    # outputs that nbval does not compare in the original cell stay uncompared in the
+    # new ones
     new_tags = [REMOVE] + [t for t in (NBVAL_IGNORE, "nbval-skip") if t in _tags(cell)]
     if head:
         out.append(
@@ -337,7 +345,8 @@ def notebooks_in(paths) -> list[Path]:
 
 
 def tidy_paths(paths, check: bool = False) -> list[Report]:
-    """Tidy every notebook under ``paths`` (files or folders); write unless ``check``."""
+    """Tidy every notebook under ``paths`` (files or folders); write unless
+    ``check``."""
     reports = []
     for path in notebooks_in(paths):
         try:
@@ -372,9 +381,10 @@ def _is_glue_name(stmt: ast.Expr) -> bool:
 
 
 def visible_source(src: str) -> str:
-    """The code of a cell as the book shows it: without ``# nbval-ignore-output`` comment lines
-    and without statements that only feed the prose (glue calls, and loops or ifs made only of
-    them) when they stand on lines of their own. The rest is kept verbatim."""
+    """The code of a cell as the book shows it: without ``# nbval-ignore-output``
+    comment lines and without statements that only feed the prose (glue calls, and loops
+    or ifs made only of them) when they stand on lines of their own. The rest is kept
+    verbatim."""
     lines = src.split("\n")
     drop = {i for i, line in enumerate(lines) if _NBVAL_COMMENT.match(line)}
     try:

@@ -1,7 +1,7 @@
 """Interactive demos (ipywidgets; only API shared by ipywidgets 7 and 8).
 
-Each demo has a static counterpart in the chapter (a figure or a printed table), because the HTML
-book shows no live widgets.
+Each demo has a static counterpart in the chapter (a figure or a printed table), because
+the HTML book shows no live widgets.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def format_explorer(
     out = w.Output(layout=w.Layout(overflow="auto"))
 
     def show(change=None):
-        # Set the Output's content directly (no print / clear_output messages), so the widget
-        # behaves the same in a live front end, under nbclient and under nbval.
+        # Set the Output's content directly (no print / clear_output messages), so the
+        # widget behaves the same in a live front end, under nbclient and under nbval.
         try:
             text = describe_value(float(box.value), formats)
         except ValueError:

@@ -1,19 +1,22 @@
 """pytest plugin loaded with ``-p tests.nbval_plugin`` for the nbval run.
 
-* Output types that only exist on Colab or in a live widget front end are never compared.
-* Glued figures/HTML (``application/papermill.record/image/png`` …) follow nbval's own rule
-  for images: not compared. Glued text — the worked numbers — always is.
-* **Exact by default, tolerant where declared.** Every output is compared as text, except an
-  output whose metadata carries a declared tolerance (``glue(..., rtol=...)``,
-  ``with measured(rtol=...)``, ``md_table(..., rtol=...)``; see ``coursekit.nb``): such an output
-  is compared numerically — the glued raw value, or the printed numbers token by token (words
-  and integers still exact). The tolerance is read from the freshly executed output (the code
-  declares it) and the stored output must carry one too, else the comparison stays textual.
-* Each notebook's kernel gets its environment from :func:`coursekit.execute.kernel_env` (the
-  same one ``make nb`` uses: ``COURSE_GPU=auto``, GPUs hidden, one thread, fixed hash seed) plus
-  ``--kernel-env KEY=VALUE`` options; the test process's own ``os.environ`` is not changed.
-  ``make test`` passes ``ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE`` this way, so the
-  stored outputs (made on the native kernel path) are checked on another one.
+* Output types that only exist on Colab or in a live widget front end are never
+  compared.
+* Glued figures/HTML (``application/papermill.record/image/png`` …) follow nbval's own
+  rule for images: not compared. Glued text — the worked numbers — always is.
+* **Exact by default, tolerant where declared.** Every output is compared as text,
+  except an output whose metadata carries a declared tolerance (``glue(..., rtol=...)``,
+  ``with measured(rtol=...)``, ``md_table(..., rtol=...)``; see ``coursekit.nb``): such
+  an output is compared numerically — the glued raw value, or the printed numbers token
+  by token (words and integers still exact). The tolerance is read from the freshly
+  executed output (the code declares it) and the stored output must carry one too, else
+  the comparison stays textual.
+* Each notebook's kernel gets its environment from :func:`coursekit.execute.kernel_env`
+  (the same one ``make nb`` uses: ``COURSE_GPU=auto``, GPUs hidden, one thread, fixed
+  hash seed) plus ``--kernel-env KEY=VALUE`` options; the test process's own
+  ``os.environ`` is not changed. ``make test`` passes ``ATEN_CPU_CAPABILITY=default
+  MKL_CBWR=COMPATIBLE`` this way, so the stored outputs (made on the native kernel path)
+  are checked on another one.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ IGNORED_MIME = (
     "image/svg+xml",
     "text/html",
 )
-TOL_KEY = "coursekit"  # same as coursekit.nb.TOL_KEY (kept literal: no import of the package here)
+# same as coursekit.nb.TOL_KEY (kept literal: no import of the package here)
+TOL_KEY = "coursekit"
 TEXT_MIME = ("text/plain", "text/markdown")
 
 NUMBER = re.compile(
@@ -84,7 +88,8 @@ def _value(token: str) -> float:
 
 
 def _last_digit(token: str) -> float:
-    """One unit in the last printed digit of ``token`` (``"0.027"`` -> 0.001, ``"2.9e-07"`` -> 1e-08)."""
+    """One unit in the last printed digit of ``token`` (``"0.027"`` -> 0.001,
+    ``"2.9e-07"`` -> 1e-08)."""
     t = token.replace(",", "").lstrip("+-").lower()
     mant, _, exp = t.partition("e")
     decimals = len(mant.partition(".")[2])
@@ -106,7 +111,8 @@ def numbers_close(
 
 
 def text_close(new: str, old: str, rtol: float, atol: float) -> str | None:
-    """None when ``new`` matches ``old`` within the tolerance, else why not (one line)."""
+    """None when ``new`` matches ``old`` within the tolerance, else why not (one
+    line)."""
     (lit_n, num_n), (lit_o, num_o) = _split(new), _split(old)
     if lit_n != lit_o or len(num_n) != len(num_o):
         return "the text around the numbers differs"
@@ -122,7 +128,8 @@ def text_close(new: str, old: str, rtol: float, atol: float) -> str | None:
 
 
 def output_close(new, old) -> str | None:
-    """Compare two tolerant outputs; None when they agree within the new output's tolerance."""
+    """Compare two tolerant outputs; None when they agree within the new output's
+    tolerance."""
     tol = tolerance_of(new)
     rtol, atol = float(tol.get("rtol", 0.0)), float(tol.get("atol", 0.0))
     stored = (old.get("metadata") or {}).get(TOL_KEY) or {}
@@ -144,11 +151,12 @@ def output_close(new, old) -> str | None:
 
 
 def reconcile(test: list, ref: list) -> tuple[list, list[str]]:
-    """``test`` with each tolerant output that agrees with its stored twin replaced by that twin.
+    """``test`` with each tolerant output that agrees with its stored twin replaced by
+    that twin.
 
-    Tolerant outputs are paired in order of appearance; the rest of the comparison (everything
-    not tolerant, and tolerant outputs that disagree) is left to nbval's strict text comparison.
-    Returns the new list and the reasons for each disagreement.
+    Tolerant outputs are paired in order of appearance; the rest of the comparison
+    (everything not tolerant, and tolerant outputs that disagree) is left to nbval's
+    strict text comparison. Returns the new list and the reasons for each disagreement.
     """
     new_tol = [i for i, o in enumerate(test) if tolerance_of(o) is not None]
     old_tol = [i for i, o in enumerate(ref) if tolerance_of(o) is not None]
@@ -194,9 +202,10 @@ def _kernel_env(config) -> dict:
 
 
 def _execute_like_jupyter(self, cell_input, allow_stdin=None):
-    """nbval runs cells with ``store_history=False``, and then IPython decides whether a trailing
-    ``;`` silences a cell by looking at the *previous* cell in its history. Jupyter, nbclient and
-    ``make nb`` store history, so run cells the same way here: a ``;`` means what it means there."""
+    """nbval runs cells with ``store_history=False``, and then IPython decides whether a
+    trailing ``;`` silences a cell by looking at the *previous* cell in its history.
+    Jupyter, nbclient and ``make nb`` store history, so run cells the same way here: a
+    ``;`` means what it means there."""
     return self.kc.execute(
         cell_input, store_history=True, allow_stdin=allow_stdin, stop_on_error=False
     )

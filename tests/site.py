@@ -1,4 +1,5 @@
-"""Build the book once per test session and serve it on 127.0.0.1 (helpers for tests/test_site.py)."""
+"""Build the book once per test session and serve it on 127.0.0.1 (helpers for
+tests/test_site.py)."""
 
 from __future__ import annotations
 
@@ -53,12 +54,14 @@ _BUILT: dict[str, subprocess.CompletedProcess] = {}
 
 
 def build_book() -> subprocess.CompletedProcess:
-    """``jupyter-book build . -W --keep-going`` (what ``make book`` runs), once per test run.
+    """``jupyter-book build . -W --keep-going`` (what ``make book`` runs), once per test
+    run.
 
-    Several test modules need the built site (tests/test_site.py, tests/test_calculator.py) and
-    pytest-xdist may run them in two processes at once: a lock file serialises the builds (two
-    builds writing _build/html at the same time corrupt each other) and the result of this run's
-    build is reused — in-process, and across the workers of one xdist run (same testrun uid).
+    Several test modules need the built site (tests/test_site.py,
+    tests/test_calculator.py) and pytest-xdist may run them in two processes at once: a
+    lock file serialises the builds (two builds writing _build/html at the same time
+    corrupt each other) and the result of this run's build is reused — in-process, and
+    across the workers of one xdist run (same testrun uid).
     """
     run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")
     if "book" in _BUILT:
@@ -79,8 +82,8 @@ def build_book() -> subprocess.CompletedProcess:
                     )
                     return _BUILT["book"]
             jb = Path(sys.executable).parent / "jupyter-book"
-            # --all: an incremental build re-reads only changed pages and would hide their
-            # earlier warnings
+            # --all: an incremental build re-reads only changed pages and would hide
+            # their earlier warnings
             r = subprocess.run(
                 [str(jb), "build", ".", "--all", "-W", "--keep-going"],
                 cwd=ROOT,
@@ -157,9 +160,10 @@ def open_offline(
 ):
     """Open ``base/path`` in a new context with every request to another host aborted.
 
-    ``serve``: optional ``{url suffix: local file}`` answered from those files instead of the
-    site (a benchmark swaps a file this way). Returns ``(page, problems)``; ``problems`` collects
-    external requests, console errors, page errors and failed or >= 400 responses from the site.
+    ``serve``: optional ``{url suffix: local file}`` answered from those files instead
+    of the site (a benchmark swaps a file this way). Returns ``(page, problems)``;
+    ``problems`` collects external requests, console errors, page errors and failed or
+    >= 400 responses from the site.
     """
     ctx = browser.new_context(viewport={"width": viewport[0], "height": viewport[1]})
     page = ctx.new_page()
@@ -200,7 +204,8 @@ def open_offline(
 
 @contextlib.contextmanager
 def served_browser(root: Path = HTML):
-    """Serve ``root`` on 127.0.0.1 and launch headless Chromium; yield ``(browser, base_url)``."""
+    """Serve ``root`` on 127.0.0.1 and launch headless Chromium; yield ``(browser,
+    base_url)``."""
     exe = chromium_path()
     if exe is None:
         raise RuntimeError("chromium is not installed (make browser-deps installs it)")

@@ -1,4 +1,5 @@
-"""trainmem.accum: accumulation equivalence, checkpointing placement, exact memory meters."""
+"""trainmem.accum: accumulation equivalence, checkpointing placement, exact memory
+meters."""
 
 import pytest
 import torch
@@ -60,9 +61,8 @@ def test_checkpoint_keeps_only_segment_inputs_same_grads():
     for k in (1, 2, 4):
         m = measure_step(model, x, segment=k, repeats=0)
         assert m.seconds != m.seconds  # nan: timing skipped
-        assert (
-            m.saved_bytes == (4 // k) * 2 * 8 * 16 * 4
-        )  # one fp32 (2, 8, 16) input per segment
+        # one fp32 (2, 8, 16) input per segment
+        assert m.saved_bytes == (4 // k) * 2 * 8 * 16 * 4
         assert m.saved_bytes < ref.saved_bytes and m.flops > ref.flops
         model.segment = k
         model(x).square().mean().backward()

@@ -1,5 +1,6 @@
-"""trainmem.adapter: adapter tensors, safetensors file size and the demo's cost row, checked
-against peft (meta-device counts, a real saved adapter) and safetensors itself."""
+"""trainmem.adapter: adapter tensors, safetensors file size and the demo's cost row,
+checked against peft (meta-device counts, a real saved adapter) and safetensors itself.
+"""
 
 import os
 
@@ -25,7 +26,8 @@ ALL = ATT + ["gate_proj", "up_proj", "down_proj"]
 
 
 def test_trainable_vs_peft_meta_qwen():
-    """Qwen2.5-0.5B (grouped-query attention, tied embeddings) on the meta device, all 7 linears."""
+    """Qwen2.5-0.5B (grouped-query attention, tied embeddings) on the meta device, all 7
+    linears."""
     cfg = get_config("qwen2.5-0.5b")
     p = peft.get_peft_model(
         build_model(cfg, "meta"), peft.LoraConfig(r=16, target_modules=ALL)
@@ -41,7 +43,8 @@ def test_trainable_vs_peft_meta_qwen():
 
 @pytest.mark.parametrize("targets,r", [(["q_proj", "v_proj"], 4), (ALL, 8)])
 def test_adapter_file_size_matches_peft_save(tmp_path, targets, r):
-    """The computed file size equals the bytes of the file peft's save_pretrained writes."""
+    """The computed file size equals the bytes of the file peft's save_pretrained
+    writes."""
     cfg = tiny_llama_config(num_key_value_heads=2)
     model = peft.get_peft_model(
         build_model(cfg, seed=0), peft.LoraConfig(r=r, target_modules=targets)

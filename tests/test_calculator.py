@@ -1,10 +1,12 @@
-"""The in-page memory calculator (book/calculator.md, chapter 3) against the command line.
+"""The in-page memory calculator (book/calculator.md, chapter 3) against the command
+line.
 
-The page runs ``trainmem.cli.main(["estimate", ..., "--json"])`` under Pyodide, served from the
-built site with every request to another host aborted. Each configuration of the grid is set in
-the form and its ``data-total-bytes`` (and the byte column of its table) compared with
-``python -m trainmem estimate ... --json`` run as a subprocess; bad input must give the CLI's
-stderr line. Screenshots (desktop 1280x800, phone 390x844) go to _build/screenshots/.
+The page runs ``trainmem.cli.main(["estimate", ..., "--json"])`` under Pyodide, served
+from the built site with every request to another host aborted. Each configuration of
+the grid is set in the form and its ``data-total-bytes`` (and the byte column of its
+table) compared with ``python -m trainmem estimate ... --json`` run as a subprocess; bad
+input must give the CLI's stderr line. Screenshots (desktop 1280x800, phone 390x844) go
+to _build/screenshots/.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from tests.site import (
 sys.path.insert(0, str(ROOT / "_ext"))
 import calculator as calc  # noqa: E402  (the Sphinx extension: module list and form fields)
 
-# config.json files a reader might paste (public shapes; the optional fields vary on purpose)
+# config.json files a reader might paste (public shapes; the optional fields vary on
+# purpose)
 MISTRAL_7B = {
     "architectures": ["MistralForCausalLM"],
     "model_type": "mistral",
@@ -204,8 +207,8 @@ ERRORS: list[tuple[dict, str | None]] = [
 
 
 def _coverage_grid() -> list[tuple[dict, None]]:
-    """Every preset and every value of every choice option of the CLI once (a preset or an option
-    added to the CLI is then compared too, without editing this file)."""
+    """Every preset and every value of every choice option of the CLI once (a preset or
+    an option added to the CLI is then compared too, without editing this file)."""
     out = []
     for f in calc.form_fields():
         if f["kind"] == "model":
@@ -227,7 +230,8 @@ def _coverage_grid() -> list[tuple[dict, None]]:
 def _cli(
     values: dict, config_text: str | None, tmp: Path
 ) -> subprocess.CompletedProcess:
-    """``python -m trainmem estimate ... --json`` with the options of ``values`` (cwd ``tmp``)."""
+    """``python -m trainmem estimate ... --json`` with the options of ``values`` (cwd
+    ``tmp``)."""
     argv = [sys.executable, "-m", "trainmem", "estimate"]
     for k, v in values.items():
         if v is True:
@@ -240,9 +244,9 @@ def _cli(
     return subprocess.run(argv, cwd=tmp, capture_output=True, text=True, timeout=300)
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # without a browser: what is shipped, and the form
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def test_shipped_modules_come_from_the_import_graph():
     shipped, left_out = calc.browser_modules()
     for m in (
@@ -258,9 +262,10 @@ def test_shipped_modules_come_from_the_import_graph():
 
 
 def test_shipped_modules_run_without_third_party_packages(tmp_path):
-    """The shipped files alone, on a Python without site-packages (no torch, numpy, transformers:
-    what Pyodide has), print the same JSON as the CLI of this environment — presets and pasted
-    config files, whose transformers-free reading must agree with transformers' defaults."""
+    """The shipped files alone, on a Python without site-packages (no torch, numpy,
+    transformers: what Pyodide has), print the same JSON as the CLI of this environment
+    — presets and pasted config files, whose transformers-free reading must agree with
+    transformers' defaults."""
     shipped, _ = calc.browser_modules()
     lib = tmp_path / "lib"
     for name in shipped:
@@ -331,9 +336,9 @@ def test_form_is_the_cli_estimate_options():
     assert fields["model"]["choices"] == preset_names() + ["config.json"]
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # in the browser
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def site():
     exe = chromium_path()
@@ -451,8 +456,8 @@ def test_bad_input_gets_the_cli_message(site, tmp_path):
 
 
 def test_typing_recomputes_and_screenshots(site, tmp_path):
-    """A reader's edit (typing into the field) is answered; desktop and phone screenshots of the
-    answered page; no horizontal overflow on a phone."""
+    """A reader's edit (typing into the field) is answered; desktop and phone
+    screenshots of the answered page; no horizontal overflow on a phone."""
     b, base = site
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     want = json.loads(
@@ -506,7 +511,8 @@ def test_chapter3_embeds_the_calculator(site, tmp_path):
     try:
         calc_el = page.locator(".tm-calc")
         assert calc_el.count() == 1
-        calc_el.scroll_into_view_if_needed()  # it starts Pyodide when it comes into view
+        # it starts Pyodide when it comes into view
+        calc_el.scroll_into_view_if_needed()
         _first_answer(page)
         ref = json.loads(_cli({}, None, tmp_path).stdout)
         assert page.get_attribute(".tm-calc-result", "data-total-bytes") == str(
@@ -518,8 +524,8 @@ def test_chapter3_embeds_the_calculator(site, tmp_path):
 
 
 def test_chapter1_format_explorer_is_live(site):
-    """Chapter 1's number-format explorer runs trainmem.formats in the page: the same table as
-    describe_value in this Python, for the first value and for typed ones."""
+    """Chapter 1's number-format explorer runs trainmem.formats in the page: the same
+    table as describe_value in this Python, for the first value and for typed ones."""
     from trainmem.formats import describe_value
 
     b, base = site

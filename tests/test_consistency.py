@@ -1,10 +1,12 @@
-"""The same quantity glued in two chapters agrees — with the other chapter and with its one source.
+"""The same quantity glued in two chapters agrees — with the other chapter and with its
+one source.
 
-Reads the glued values stored in the executed notebooks (no kernel), converts each to the unit of
-its reference function in :mod:`trainmem.reference` (bytes, bytes per parameter, a fraction) and
-asserts it equals the reference to within the rounding of its displayed digits. A chapter that
-was not re-executed after a change of the library, or that computes a shared number its own way,
-fails here with the chapter, the glue key and both values in the message.
+Reads the glued values stored in the executed notebooks (no kernel), converts each to
+the unit of its reference function in :mod:`trainmem.reference` (bytes, bytes per
+parameter, a fraction) and asserts it equals the reference to within the rounding of its
+displayed digits. A chapter that was not re-executed after a change of the library, or
+that computes a shared number its own way, fails here with the chapter, the glue key and
+both values in the message.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def _lora_states(r: int, targets) -> int:
     return 16 * lora_param_count_for_config(CFG7, targets, r)
 
 
-# quantity -> (reference value, [(chapter file prefix, glue key, unit of the glued number)])
+# quantity -> (reference value, [(chapter file prefix, glue key, unit of the glued
+# number)])
 QUANTITIES = {
     "7B parameters": (
         lambda: R.n_params(),
@@ -151,7 +154,8 @@ def _glued(prefix: str) -> dict[str, str]:
 
 
 def _parse(text: str) -> tuple[float, float]:
-    """(value, half a unit in the last displayed digit) of a glued number such as '1,234.5' or '74.6%'."""
+    """(value, half a unit in the last displayed digit) of a glued number such as
+    '1,234.5' or '74.6%'."""
     t = text.strip().replace(",", "")
     pct = t.endswith("%")
     t = t.rstrip("%")

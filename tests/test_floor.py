@@ -1,10 +1,12 @@
-"""The version matrix's second row: chapters and solutions at the declared floor versions.
+"""The version matrix's second row: chapters and solutions at the declared floor
+versions.
 
-``make floor`` builds ``.venv-floor`` (transformers, peft, numpy, IPython, ipykernel, ipywidgets at
-the lower bounds of ``pyproject.toml``; the CPU torch of ``.venv``) and runs this file there with
-``COURSE_FLOOR_RUN=1``: every chapter and solution is executed top to bottom in a fresh kernel,
-and any error outside a cell tagged ``raises-exception`` fails. Outputs are not compared (nbval
-does that in ``.venv``); timings and library reprs legitimately differ between versions.
+``make floor`` builds ``.venv-floor`` (transformers, peft, numpy, IPython, ipykernel,
+ipywidgets at the lower bounds of ``pyproject.toml``; the CPU torch of ``.venv``) and
+runs this file there with ``COURSE_FLOOR_RUN=1``: every chapter and solution is executed
+top to bottom in a fresh kernel, and any error outside a cell tagged
+``raises-exception`` fails. Outputs are not compared (nbval does that in ``.venv``);
+timings and library reprs legitimately differ between versions.
 
 In the ordinary run (``.venv``) only the bookkeeping tests run.
 """
@@ -22,7 +24,8 @@ from coursekit.floor import FLOOR_PACKAGES, constraints, floor_pins, requirement
 from tests.notebooks import ROOT, all_notebooks
 
 FLOOR_RUN = os.environ.get("COURSE_FLOOR_RUN") == "1"
-# Slowest first, so the two xdist workers finish together (measured: `make floor --durations`).
+# Slowest first, so the two xdist workers finish together (measured: `make floor
+# --durations`).
 SLOW_FIRST = (
     "06_lora_in_practice",
     "05_lora_principles",
@@ -100,7 +103,8 @@ def test_notebook_runs_at_floor(path):
     env_before = dict(os.environ)
     os.environ.update(COURSE_GPU="auto", PYTHONHASHSEED="0")
     try:
-        # errors stop the run (CellExecutionError) unless the cell is tagged raises-exception
+        # errors stop the run (CellExecutionError) unless the cell is tagged
+        # raises-exception
         NotebookClient(
             nb,
             timeout=600,
@@ -117,7 +121,8 @@ def test_notebook_runs_at_floor(path):
 
 
 def test_link_torch_reuses_the_cpu_torch(tmp_path):
-    """The floor venv gets this interpreter's torch by symlink: pip there sees it installed."""
+    """The floor venv gets this interpreter's torch by symlink: pip there sees it
+    installed."""
     import subprocess
     import sys
 

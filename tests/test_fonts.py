@@ -1,4 +1,5 @@
-"""coursekit.fonts: Chinese figure labels where a CJK font exists, English ones elsewhere."""
+"""coursekit.fonts: Chinese figure labels where a CJK font exists, English ones
+elsewhere."""
 
 from __future__ import annotations
 
@@ -29,9 +30,8 @@ def test_chinese_label_drawn_without_missing_glyphs():
     ax.set_title(fonts.zh("峰值显存（GiB）", "peak memory (GiB)") + " 2⁻¹⁰ −1 µs")
     ax.semilogy([-2, 2], [1e-8, 1e3])
     with warnings.catch_warnings():
-        warnings.simplefilter(
-            "error"
-        )  # "Glyph ... missing from font(s)" is a UserWarning
+        # "Glyph ... missing from font(s)" is a UserWarning
+        warnings.simplefilter("error")
         fig.canvas.draw()
     plt.close(fig)
     assert fonts.cjk_available() and fonts.zh("显存", "memory") == "显存"

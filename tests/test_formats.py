@@ -1,4 +1,5 @@
-"""trainmem.formats: bit-level encode/decode checked against torch's own casts and torch.finfo."""
+"""trainmem.formats: bit-level encode/decode checked against torch's own casts and
+torch.finfo."""
 
 import math
 
@@ -87,7 +88,8 @@ def test_encode_matches_torch_cast_on_random_fp32(name):
 
 
 def test_encode_matches_torch_cast_e4m3_in_range():
-    # torch's CPU cast saturates out-of-range E4M3 (a version/backend choice); compare in range.
+    # torch's CPU cast saturates out-of-range E4M3 (a version/backend choice); compare
+    # in range.
     rng = np.random.default_rng(2)
     x = np.concatenate(
         [
@@ -176,7 +178,8 @@ def test_spacing_and_neighbours():
         and F.next_down(-65504, "fp16") == -math.inf
     )
     assert F.next_up(-F.get_format("fp16").min_subnormal, "fp16") == 0.0
-    # an update smaller than half the spacing is lost: 0.5 + 1e-5 rounds back to 0.5 in fp16
+    # an update smaller than half the spacing is lost: 0.5 + 1e-5 rounds back to 0.5 in
+    # fp16
     assert (
         F.round_to(0.5 + 1e-5, "fp16") == 0.5 and F.round_to(0.5 + 1e-5, "fp32") != 0.5
     )
@@ -202,7 +205,8 @@ def test_round_array_matches_scalar(name):
 
 
 def test_round_tensor_tf32_equals_mantissa_mask():
-    # TF32 keeps 10 mantissa bits: rounding fp32 to nearest-even on the low 13 bits, by integer ops.
+    # TF32 keeps 10 mantissa bits: rounding fp32 to nearest-even on the low 13 bits, by
+    # integer ops.
     g = torch.Generator().manual_seed(0)
     a = torch.randn(1000, generator=g) * 100
     i = a.view(torch.int32)
@@ -230,9 +234,8 @@ def test_weight_bytes():
     assert F.weight_bytes(7 * 10**9, "fp32") == 28 * F.GB
     assert F.weight_bytes(7 * 10**9, "int4") == 3.5 * F.GB
     assert F.weight_bytes(6_738_415_616, "bf16") == 13_476_831_232
-    assert 28 * F.GB / F.GiB == pytest.approx(
-        26.077, abs=1e-3
-    )  # the same bytes, two units
+    # the same bytes, two units
+    assert 28 * F.GB / F.GiB == pytest.approx(26.077, abs=1e-3)
     assert F.bytes_per_element("torch.float16") == 2
 
 

@@ -1,4 +1,5 @@
-"""The FSDP2 demo really runs (2 gloo processes on CPU) and matches the sharding formula."""
+"""The FSDP2 demo really runs (2 gloo processes on CPU) and matches the sharding
+formula."""
 
 import pytest
 import torch

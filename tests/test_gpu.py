@@ -111,7 +111,8 @@ def test_on_without_cuda_in_a_real_process_is_one_clear_error():
     [((7, 5), False), ((8, 0), True), ((8, 6), True), ((9, 0), True), ((6, 1), False)],
 )
 def test_bf16_needs_sm80(cap, expected):
-    # A T4 is sm_75: torch.cuda.is_bf16_supported() may say True (emulation); we say False.
+    # A T4 is sm_75: torch.cuda.is_bf16_supported() may say True (emulation); we say
+    # False.
     assert gpu.bf16_supported("cuda", capability=cap) is expected
 
 

@@ -1,8 +1,9 @@
 """GPU cells: visibly labelled, and run once with COURSE_GPU=cpu.
 
-The stored outputs (checked by nbval) come from COURSE_GPU=auto on a machine without CUDA, where a
-GPU cell prints one skip line. Here every notebook's ``setup`` cell plus its ``gpu`` cells run in a
-fresh kernel with COURSE_GPU=cpu, so the real GPU code is executed at its smallest size.
+The stored outputs (checked by nbval) come from COURSE_GPU=auto on a machine without
+CUDA, where a GPU cell prints one skip line. Here every notebook's ``setup`` cell plus
+its ``gpu`` cells run in a fresh kernel with COURSE_GPU=cpu, so the real GPU code is
+executed at its smallest size.
 """
 
 import re
@@ -57,14 +58,13 @@ def test_gpu_cells_run_on_cpu(path, tmp_path):
     ]
     assert any("setup" in tags(c) for c in keep), f"{path.name}: no cell tagged 'setup'"
     sub = nbformat.v4.new_notebook(cells=keep, metadata=nb.metadata)
+    # the kernel's environment, not ours
     NotebookClient(
         sub,
         timeout=300,
         kernel_name="python3",
         resources={"metadata": {"path": str(path.parent)}},
-    ).execute(
-        env=kernel_env({"COURSE_GPU": "cpu"})
-    )  # the kernel's environment, not ours
+    ).execute(env=kernel_env({"COURSE_GPU": "cpu"}))
     for c in sub.cells:
         if "gpu" not in tags(c):
             continue
@@ -89,16 +89,17 @@ def test_gpu_cells_run_on_cpu(path, tmp_path):
             ), text
 
 
-# ------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Each GPU cell's decisions, on a CPU-only machine, with faked capabilities: T4 (sm_75),
 # A100 (sm_80), H100/H200 (sm_90). The cells call these functions (checked below).
-# ------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 
 T4, A100, H100 = (7, 5), (8, 0), (9, 0)
 CAPS = [T4, A100, H100]
 GiB = 2**30
 
-CELL_DECISIONS = {  # GPU cell (function name or marker) -> the decision calls it must make
+# GPU cell (function name or marker) -> the decision calls it must make
+CELL_DECISIONS = {
     "def matmul_precision(": ["matmul_rows("],
     "def fp16_scaler_loop(": ["loss_scale_demo(", "scale_events("],
     "def check_estimate_on_device(": ["estimate_check_plan(", "free_memory("],
@@ -166,7 +167,8 @@ def test_tf32_row_is_absent_below_sm80(cap):
 
 
 def _simulated_scaler(plan: dict, steps: int, tokens: int) -> list[float]:
-    """GradScaler's rules against the overflow point the plan assumes (S / tokens > fp16 max)."""
+    """GradScaler's rules against the overflow point the plan assumes (S / tokens > fp16
+    max)."""
     scale, good, out = plan["init_scale"], 0, []
     for _ in range(steps):
         if scale / tokens > gpu.FP16_MAX:
@@ -188,7 +190,8 @@ def test_loss_scale_demo_backs_off_and_grows_within_its_steps(steps, tokens):
         [plan["init_scale"], *_simulated_scaler(plan, steps, tokens)]
     )
     assert events["backoff"] >= 2 and events["growth"] >= 1, events
-    # the chapter's old settings: default init 2**16 and growth_interval 2000 show nothing in 60 steps
+    # the chapter's old settings: default init 2**16 and growth_interval 2000 show
+    # nothing in 60 steps
     old = gpu.scale_events(
         _simulated_scaler({"init_scale": 2.0**16, "growth_interval": 2000}, 60, 2048)
     )
@@ -234,7 +237,8 @@ def test_estimate_check_plan_on_each_gpu(cap, free_gib):
     assert 1 <= plan.batch <= 4 and plan.need_bytes <= 0.85 * free_gib * GiB
     if free_gib > 20:
         assert plan.batch == 4
-    else:  # the T4: b4 x s512 full fine-tuning of 0.5B does not fit in ~14 GiB with margin
+    # the T4: b4 x s512 full fine-tuning of 0.5B does not fit in ~14 GiB with margin
+    else:
         assert plan.batch < 4
 
 
@@ -245,9 +249,8 @@ def test_sdpa_dtype_is_one_a_fused_backend_accepts(cap):
     eligible = gpu.sdpa_eligible(cap, dtype)
     assert "memory-efficient" in eligible and eligible[-1] == "math"
     assert ("flash" in eligible) is (cap >= (8, 0))
-    assert gpu.sdpa_eligible(T4, torch.bfloat16) == [
-        "math"
-    ]  # the old cell's choice on a T4
+    # the old cell's choice on a T4
+    assert gpu.sdpa_eligible(T4, torch.bfloat16) == ["math"]
     assert gpu.sdpa_dtype("cpu") is torch.float32
 
 

@@ -1,10 +1,11 @@
-"""The grader: robustness cases, tamper-proofing, cache, fair scores (seed, case types, stub limit),
-Colab names, Chinese feedback, and every lab's solution/stub.
+"""The grader: robustness cases, tamper-proofing, cache, fair scores (seed, case types,
+stub limit), Colab names, Chinese feedback, and every lab's solution/stub.
 
-Robustness submissions are generated here (not stored as .ipynb under tests/, where the nbval run
-would collect them) against a tiny synthetic lab ``lab99`` whose hidden tests are written to a temp
-folder, so each kernel does almost nothing and the whole module stays fast. All robustness cases are
-graded in ONE run with ``jobs=2``, so each row also proves that no case disturbed another student.
+Robustness submissions are generated here (not stored as .ipynb under tests/, where the
+nbval run would collect them) against a tiny synthetic lab ``lab99`` whose hidden tests
+are written to a temp folder, so each kernel does almost nothing and the whole module
+stays fast. All robustness cases are graded in ONE run with ``jobs=2``, so each row also
+proves that no case disturbed another student.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ PARTIAL_ADD = "def add(a, b):\n    return a + b if abs(a) < 10 and abs(b) < 10 e
 
 
 def nb(*sources: str) -> str:
-    """A notebook of code cells; a source starting with "#" and a space is a markdown cell."""
+    """A notebook of code cells; a source starting with "#" and a space is a markdown
+    cell."""
     n = new_notebook()
     n.cells = [
         new_markdown_cell(s)
@@ -102,6 +104,7 @@ TAMPER_BUILTINS = textwrap.dedent(r"""
 """)
 
 # case -> (files written to the submissions folder, expected (add, mean, total, status))
+# add: small cases only
 CASES = {
     "good": (nb("import math", ADD, MEAN, CHECK), (2, 3, 5, "ok")),
     "malformed_json": ('{"cells": [ {"cell_type": "code", ', (0, 0, 0, "invalid")),
@@ -141,7 +144,7 @@ CASES = {
     "partial_a": (
         nb(PARTIAL_ADD, MEAN),
         (None, 3, None, "ok"),
-    ),  # add: small cases only
+    ),
     "Copy_of_partial_a": (nb(PARTIAL_ADD, MEAN), (None, 3, None, "ok")),
     "reordered_cells": (nb(CHECK, MEAN, ADD), (2, 3, 5, "ok")),
     "renamed_function": (
@@ -186,9 +189,8 @@ def graded(tmp_path_factory):
         p = subs / f"{name}.ipynb"
         p.write_bytes(content if isinstance(content, bytes) else content.encode())
     (subs / "tamper_outdir.ipynb").write_text(nb(STUB_ADD, STUB_MEAN, tamper_out(out)))
-    pidfile = (
-        base / "orphan.pid"
-    )  # a process that leaves the kernel's process group (new session)
+    # a process that leaves the kernel's process group (new session)
+    pidfile = base / "orphan.pid"
     (subs / "orphan_process.ipynb").write_text(
         nb(
             ADD,
@@ -200,9 +202,8 @@ def graded(tmp_path_factory):
             ),
         )
     )
-    carol = (
-        subs / "carol"
-    )  # Colab: a copy and a repeated download; the newer one counts
+    # Colab: a copy and a repeated download; the newer one counts
+    carol = subs / "carol"
     carol.mkdir()
     (carol / "Copy of lab99_toy.ipynb").write_text(nb(STUB_ADD, STUB_MEAN))
     (carol / "lab99_toy (1).ipynb").write_text(nb(ADD, MEAN))
@@ -251,7 +252,8 @@ def test_tamper_outdir_changes_nothing(graded):
 
 
 def test_escaped_processes_are_killed(graded):
-    """A child that left the kernel's process group (setsid) is found by the run's token and killed."""
+    """A child that left the kernel's process group (setsid) is found by the run's token
+    and killed."""
     assert graded["rows"]["orphan_process"]["total"] == "5"
     pid = int(graded["pidfile"].read_text())
     try:
@@ -278,7 +280,8 @@ def test_csv_and_feedback_content(graded):
 
 
 def test_feedback_names_cells_by_heading_and_shows_seed_and_policy(graded):
-    """Colab shows no cell numbers: an erroring cell is named by its heading and first line."""
+    """Colab shows no cell numbers: an erroring cell is named by its heading and first
+    line."""
     page = (graded["out"] / "feedback" / "deleted_cell.html").read_text()
     assert "「3. 检查平均数」下以 assert add(1, 2) == 3" in page and "NameError" in page
     assert f"<code>{graded['records']['good']['seed']}</code>" in page
@@ -286,8 +289,8 @@ def test_feedback_names_cells_by_heading_and_shows_seed_and_policy(graded):
 
 
 def test_feedback_first_failing_input_per_type_and_fix(graded):
-    """partial_a adds only small numbers: the big-number type reports its first failing input,
-    what was expected and what to fix; the passing type reports none."""
+    """partial_a adds only small numbers: the big-number type reports its first failing
+    input, what was expected and what to fix; the passing type reports none."""
     rec = graded["records"]["partial_a"]
     types = {t["name"]: t for t in rec["details"]["add"]["types"]}
     assert (
@@ -302,7 +305,8 @@ def test_feedback_first_failing_input_per_type_and_fix(graded):
 
 
 def test_identical_submissions_get_identical_scores(graded):
-    """Same code under different names in one run: every score and every message is identical."""
+    """Same code under different names in one run: every score and every message is
+    identical."""
     recs = graded["records"]
     a, b = recs["partial_a"], recs["Copy_of_partial_a"]
     assert (
@@ -319,8 +323,9 @@ def test_identical_submissions_get_identical_scores(graded):
 
 
 def test_rerun_reproduces_every_grade(graded, tmp_path):
-    """A second run, given the first run's (default) seed explicitly, reproduces its grades and
-    feedback exactly; another seed draws other inputs, and a right answer keeps full marks."""
+    """A second run, given the first run's (default) seed explicitly, reproduces its
+    grades and feedback exactly; another seed draws other inputs, and a right answer
+    keeps full marks."""
     seed = graded["records"]["good"]["seed"]
     for i, (names, s) in enumerate(
         ((("partial_a", "good"), seed), (("good",), seed + 1))
@@ -439,7 +444,8 @@ LAB_IDS = sorted(
 )
 
 
-# A mistake the self-checks must catch (they did not before): (lab, name, solution text, replacement)
+# A mistake the self-checks must catch (they did not before): (lab, name, solution text,
+# replacement)
 MISTAKES = {
     "lab01": (
         "ulp_without_zero",
@@ -464,7 +470,8 @@ def _with_mistake(sol: Path, old: str, new: str) -> str:
 
 @pytest.fixture(scope="session")
 def lab_runs(tmp_path_factory):
-    """Each lab's solution, untouched lab (and known mistake), graded once per test session."""
+    """Each lab's solution, untouched lab (and known mistake), graded once per test
+    session."""
     cache: dict[str, dict] = {}
 
     def run(lab: str) -> dict:
@@ -490,8 +497,8 @@ def lab_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("lab", sorted(MISTAKES))
 def test_self_check_catches_what_the_hidden_tests_grade(lab, lab_runs):
-    """A forgotten special case fails a self-check with a message saying what was expected,
-    and costs points in the hidden tests."""
+    """A forgotten special case fails a self-check with a message saying what was
+    expected, and costs points in the hidden tests."""
     name = MISTAKES[lab][0]
     runs = lab_runs(lab)
     rec = runs["records"][name]
@@ -512,7 +519,8 @@ def test_self_check_catches_what_the_hidden_tests_grade(lab, lab_runs):
 
 @pytest.mark.parametrize("lab", LAB_IDS)
 def test_solution_full_marks_untouched_lab_zero(lab, lab_runs):
-    """Grading the reference solution gives full marks; the untouched generated lab gives 0 with status ok."""
+    """Grading the reference solution gives full marks; the untouched generated lab
+    gives 0 with status ok."""
     from coursekit.grading import load_tests
 
     runs = lab_runs(lab)
@@ -531,12 +539,14 @@ def test_solution_full_marks_untouched_lab_zero(lab, lab_runs):
     ] == str(s["seed"])
 
 
-# ---------------------------------------------------------------- scoring policy, in-process
+# ---------------------------------------------------------------- scoring policy,
+# in-process
 ALL_LABS = sorted(p.stem for p in (ROOT / "tests" / "grading").glob("lab[0-9][0-9].py"))
 
 
 def _entries(fn, inputs) -> list[dict]:
-    """What the kernel's per-case harness hands back for ``fn`` (JSON round trip included)."""
+    """What the kernel's per-case harness hands back for ``fn`` (JSON round trip
+    included)."""
     out = []
     for x in inputs:
         try:
@@ -553,7 +563,8 @@ def _entries(fn, inputs) -> list[dict]:
 
 @functools.cache
 def _prepared(lab: str):
-    """A lab's questions with this run's inputs and references (default seed), built once."""
+    """A lab's questions with this run's inputs and references (default seed), built
+    once."""
     from coursekit.grading import load_tests, prepare
 
     tests = load_tests(lab, ROOT / "tests" / "grading")
@@ -579,9 +590,9 @@ def _not_implemented(x):
 
 @pytest.mark.parametrize("lab", ALL_LABS)
 def test_stub_share_within_stated_limit(lab):
-    """No stub earns more than STUB_LIMIT of any question: NotImplementedError, the input handed
-    back, and constants (0, False, None, …, and every reference answer shared by several inputs,
-    more of them than the correction itself tries)."""
+    """No stub earns more than STUB_LIMIT of any question: NotImplementedError, the
+    input handed back, and constants (0, False, None, …, and every reference answer
+    shared by several inputs, more of them than the correction itself tries)."""
     from coursekit.grading import STUB_LIMIT, score
     from coursekit.grading.scoring import CONSTANTS, TOP_WANTS
 
@@ -594,9 +605,8 @@ def test_stub_share_within_stated_limit(lab):
                 )
             continue
         counts = Counter(json.dumps(w, sort_keys=True) for w in p.wants)
-        shared = [
-            k for k, n in counts.most_common(TOP_WANTS + 4) if n > 1
-        ]  # answers a constant can hit
+        # answers a constant can hit
+        shared = [k for k, n in counts.most_common(TOP_WANTS + 4) if n > 1]
         stubs = [_not_implemented, lambda x: x] + [lambda x, c=c: c for c in CONSTANTS]
         stubs += [lambda x, k=k: json.loads(k) for k in shared]
         for stub in stubs:
@@ -605,8 +615,9 @@ def test_stub_share_within_stated_limit(lab):
 
 
 def test_lab01_special_cases_weigh_what_they_teach():
-    """The trial's lab01 submission: special cases ignored, truncation instead of rounding,
-    ulp without its zero case (or with frexp's exponent used as k) — each loses a real share."""
+    """The trial's lab01 submission: special cases ignored, truncation instead of
+    rounding, ulp without its zero case (or with frexp's exponent used as k) — each
+    loses a real share."""
     import math
 
     def decode_normal_only(bits, e=5, m=10):
@@ -643,8 +654,8 @@ def test_lab01_special_cases_weigh_what_they_teach():
 
 
 def test_lab02_answers_are_type_checked():
-    """has_inf_or_nan must return a bool: 0/1 answers earn nothing; catching inf but not NaN
-    earns half."""
+    """has_inf_or_nan must return a bool: 0/1 answers earn nothing; catching inf but not
+    NaN earns half."""
     import math
 
     def only_inf(case):

@@ -1,4 +1,5 @@
-"""Lab generation: solutions/ → labs/ is up to date, the stub format, Colab badge and setup cell."""
+"""Lab generation: solutions/ → labs/ is up to date, the stub format, Colab badge and
+setup cell."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ LABS = sorted((ROOT / "solutions").glob("lab*.ipynb"))
 
 
 def test_labs_check_passes():
-    """`python -m coursekit labs --check`: labs/ is exactly what the solutions generate."""
+    """`python -m coursekit labs --check`: labs/ is exactly what the solutions
+    generate."""
     assert generate(ROOT, check=True) == []
     r = subprocess.run(
         [sys.executable, "-m", "coursekit", "labs", "--check"],
@@ -215,14 +217,14 @@ def test_setup_cell_on_colab_installs_only_what_is_missing(monkeypatch, capsys):
         "--upgrade",
     ):
         assert banned not in joined
-    assert (
-        _run_setup_cell(monkeypatch, on_colab=True, missing=set()) == []
-    )  # everything present
+    # everything present
+    assert _run_setup_cell(monkeypatch, on_colab=True, missing=set()) == []
     assert "COURSE_GPU=" in capsys.readouterr().out
 
 
 def test_lab03_hidden_reference_matches_transformers():
-    """The count_params reference in tests/grading/lab03.py agrees with real (meta) models."""
+    """The count_params reference in tests/grading/lab03.py agrees with real (meta)
+    models."""
     import importlib.util as iu
 
     import torch

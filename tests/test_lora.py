@@ -1,4 +1,5 @@
-"""trainmem.lora against peft: same seed → same A/B, outputs, gradients, merged weights; counts."""
+"""trainmem.lora against peft: same seed → same A/B, outputs, gradients, merged weights;
+counts."""
 
 import peft
 import pytest
@@ -25,7 +26,8 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 
 
 def _pair(targets, r=4, alpha=8, dropout=0.0, init="kaiming", cfg=None, seed=1):
-    """Our model and a peft model, built from the same base weights with the same adapter seed."""
+    """Our model and a peft model, built from the same base weights with the same
+    adapter seed."""
     cfg = cfg or tiny_llama_config()
     ours, theirs = build_model(cfg, seed=0), build_model(cfg, seed=0)
     torch.manual_seed(seed)
@@ -51,7 +53,8 @@ def _adapters(model):
 
 
 def _randomise_B(ours, theirs, seed=2):
-    """B = 0 at init makes A's gradient 0; give both the same non-zero B to test gradients."""
+    """B = 0 at init makes A's gradient 0; give both the same non-zero B to test
+    gradients."""
     g = torch.Generator().manual_seed(seed)
     a, b = _adapters(ours), _adapters(theirs)
     for k in a:
@@ -208,6 +211,7 @@ def test_param_count_formula():
         lora_param_count_for_config(tiny_llama_config(), ["qkv"], 8)
 
 
+# grouped-query attention: k/v are narrower
 @pytest.mark.parametrize(
     "cfg_kw,targets,r",
     [
@@ -218,7 +222,7 @@ def test_param_count_formula():
             {"num_key_value_heads": 2},
             ATT + MLP,
             8,
-        ),  # grouped-query attention: k/v are narrower
+        ),
         (
             {"num_key_value_heads": 1, "head_dim": 32},
             ["k_proj", "o_proj", "down_proj"],
@@ -268,7 +272,8 @@ def test_two_injections_different_ranks():
 
 
 def test_rank_sweep_exact_on_known_spectrum():
-    """diag(3, 2, 1) padded into a 3×5 matrix, rotated: errors are sqrt of the tail energy."""
+    """diag(3, 2, 1) padded into a 3×5 matrix, rotated: errors are sqrt of the tail
+    energy."""
     from trainmem.lora import rank_sweep
 
     g = torch.Generator().manual_seed(0)

@@ -1,10 +1,11 @@
 """The validation itself is tested.
 
-* An exact worked number that no longer matches its code fails nbval (changed by one: 16 -> 17).
-* A measured number declared with a tolerance passes inside it and fails outside it — for a glued
-  value, a ``measured`` printout and a tolerant ``md_table``.
-* Lint: every glued float in book/ and solutions/ is exact by construction (listed, with the
-  reason, in ``tests/exact_glue.txt``) or carries a declared tolerance.
+* An exact worked number that no longer matches its code fails nbval (changed by one: 16
+  -> 17).
+* A measured number declared with a tolerance passes inside it and fails outside it —
+  for a glued value, a ``measured`` printout and a tolerant ``md_table``.
+* Lint: every glued float in book/ and solutions/ is exact by construction (listed, with
+  the reason, in ``tests/exact_glue.txt``) or carries a declared tolerance.
 * The comparison helpers of ``tests/nbval_plugin.py`` on their own.
 """
 
@@ -25,7 +26,8 @@ TOL = plugin.TOL_KEY
 
 
 def _kernel_output(code: str) -> list:
-    """Run ``code`` in this process's IPython machinery and return the outputs it displays."""
+    """Run ``code`` in this process's IPython machinery and return the outputs it
+    displays."""
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
@@ -96,8 +98,9 @@ def _loss(stored):
     )
 
 
-# (id, code, stored outputs, passes?) — every case is one cell of one notebook, validated by one
-# nbval run (each case imports what it needs, so the cells are independent).
+# (id, code, stored outputs, passes?) — every case is one cell of one notebook,
+# validated by one nbval run (each case imports what it needs, so the cells are
+# independent). rtol = 10 %
 CASES = [
     ("exact-int-same", EXACT_CODE, [_glue_output("bytes_per_param", "16")], True),
     ("exact-int-plus-one", EXACT_CODE, [_glue_output("bytes_per_param", "17")], False),
@@ -117,7 +120,7 @@ CASES = [
         MEASURED_CODE,
         [_matmul("fp32", 512, "2.7e-07")],
         True,
-    ),  # rtol = 10 %
+    ),
     ("measured-outside", MEASURED_CODE, [_matmul("fp32", 512, "2.4e-07")], False),
     ("measured-integer", MEASURED_CODE, [_matmul("fp32", 513, "2.9e-07")], False),
     ("measured-words", MEASURED_CODE, [_matmul("fp16", 512, "2.9e-07")], False),
@@ -150,7 +153,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def nbval_results(tmp_path_factory):
-    """Validate one notebook holding every case; return {case id: (passed, failure text)}."""
+    """Validate one notebook holding every case; return {case id: (passed, failure
+    text)}."""
     import xml.etree.ElementTree as ET
 
     tmp = tmp_path_factory.mktemp("nbval_cases")
@@ -214,7 +218,8 @@ def test_nbval_case(nbval_results, case):
         assert "outside rtol=" in why
 
 
-# ------------------------------------------------------------------ the helpers themselves
+# ------------------------------------------------------------------ the helpers
+# themselves
 
 
 def test_text_close_rules():
@@ -267,7 +272,8 @@ FLOAT_TEXT = re.compile(r"^[-+]?(?:\d[\d,]*)?(?:\.\d+)?(?:[eE][-+]?\d+)?%?$")
 
 
 def _exact_registry() -> list[tuple[str, str]]:
-    """``(notebook glob, key glob)`` pairs of tests/exact_glue.txt (``# why`` comments allowed)."""
+    """``(notebook glob, key glob)`` pairs of tests/exact_glue.txt (``# why`` comments
+    allowed)."""
     pairs = []
     for line in (
         (ROOT / "tests/exact_glue.txt").read_text(encoding="utf-8").splitlines()
@@ -280,8 +286,9 @@ def _exact_registry() -> list[tuple[str, str]]:
 
 
 def glued_floats(nb) -> list[tuple[str, bool]]:
-    """``(key, has_tolerance)`` for every compared glued value of ``nb`` that is a float (by type or
-    text). Cells tagged ``nbval-ignore-output`` (timings) are not compared, so not linted."""
+    """``(key, has_tolerance)`` for every compared glued value of ``nb`` that is a float
+    (by type or text). Cells tagged ``nbval-ignore-output`` (timings) are not compared,
+    so not linted."""
     out = []
     for cell in nb.cells:
         if "nbval-ignore-output" in cell.get("metadata", {}).get("tags", []):
@@ -304,7 +311,8 @@ def glued_floats(nb) -> list[tuple[str, bool]]:
 
 
 def loose_floats(nb, rel: str) -> list[str]:
-    """Glued floats of notebook ``rel`` with neither a tolerance nor an exact_glue.txt entry."""
+    """Glued floats of notebook ``rel`` with neither a tolerance nor an exact_glue.txt
+    entry."""
     registry = [k for n, k in _exact_registry() if fnmatch.fnmatch(rel, n)]
     return [
         key
@@ -316,13 +324,14 @@ def loose_floats(nb, rel: str) -> list[str]:
 def test_lint_catches_an_undeclared_float():
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("glue(...)")
+    # listed for book/01
     cell.outputs = [
         _glue_output("new_loss", "3.81", {"float": True}),  # a float, no tolerance
         _glue_output("tol_loss", "3.81", {"rtol": 0.05, "atol": 0.0, "value": 3.81}),
         _glue_output("pct", "12.5%"),  # a float by its text
         _glue_output("count", "16"),  # an integer
         _glue_output("fp16_max", "65,504", {"float": True}),
-    ]  # listed for book/01
+    ]
     nb.cells = [cell]
     assert loose_floats(nb, "book/01_number_formats.ipynb") == ["new_loss", "pct"]
     cell.metadata["tags"] = ["nbval-ignore-output"]  # not compared: not linted
@@ -341,7 +350,8 @@ def test_every_glued_float_is_exact_or_tolerant(path):
 
 
 def test_exact_registry_names_existing_keys():
-    """A stale entry in tests/exact_glue.txt (the key is gone or became tolerant) is reported."""
+    """A stale entry in tests/exact_glue.txt (the key is gone or became tolerant) is
+    reported."""
     floats = {}
     for p in all_notebooks():
         floats[str(p.relative_to(ROOT))] = dict(
@@ -374,12 +384,10 @@ def test_kernel_env_is_the_reference_plus_overrides():
         {"ATEN_CPU_CAPABILITY": "default", "DROP_ME": None},
         base={"COURSE_GPU": "cpu", "DROP_ME": "x", "PATH": "/bin"},
     )
-    assert (
-        env["COURSE_GPU"] == "auto"
-    )  # a caller's COURSE_GPU does not leak into stored outputs
-    assert (
-        env["CUDA_VISIBLE_DEVICES"] == ""
-    )  # GPUs hidden: GPU cells store their skip line
+    # a caller's COURSE_GPU does not leak into stored outputs
+    assert env["COURSE_GPU"] == "auto"
+    # GPUs hidden: GPU cells store their skip line
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
     assert (
         env["ATEN_CPU_CAPABILITY"] == "default"
         and env["PATH"] == "/bin"
@@ -392,7 +400,8 @@ def test_kernel_env_is_the_reference_plus_overrides():
 
 
 def test_execute_gives_the_kernel_its_environment(tmp_path):
-    """The kernel sees the reference environment; this process's os.environ is untouched."""
+    """The kernel sees the reference environment; this process's os.environ is
+    untouched."""
     import os
 
     from coursekit.execute import execute_notebook

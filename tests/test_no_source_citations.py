@@ -1,9 +1,11 @@
-"""Reader-facing prose never cites the source documents, and no heading carries a typed number.
+"""Reader-facing prose never cites the source documents, and no heading carries a typed
+number.
 
-The course grew from two Chinese documents that readers never see. The introduction names them once;
-everywhere else a wrong claim is quoted as a common claim ("常见说法：… / 实际：…"), never as "种子 17.3"
-or "实战指南 2.5". Sphinx numbers the sections of the numbered chapters, so a heading such as
-"## 1. 两种配方" would read "2.1. 1. 两种配方", and "第 2 节" / "§4" in prose are typed numbers that go stale.
+The course grew from two Chinese documents that readers never see. The introduction
+names them once; everywhere else a wrong claim is quoted as a common claim ("常见说法：…
+/ 实际：…"), never as "种子 17.3" or "实战指南 2.5". Sphinx numbers the sections of the
+numbered chapters, so a heading such as "## 1. 两种配方" would read "2.1. 1. 两种配方",
+and "第 2 节" / "§4" in prose are typed numbers that go stale.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import yaml
 from tests.notebooks import ROOT
 
 INTRO = ROOT / "book" / "intro.md"
-# The one place the source documents are named (at most this many mentions of each word).
+# The one place the source documents are named (at most this many mentions of each
+# word).
 INTRO_ALLOWED = {"种子": 1, "实战指南": 1}
 
-# "随机种子" (random seed), "种子数" (number of seeds) and "种子（seed…" are a different word.
+# "随机种子" (random seed), "种子数" (number of seeds) and "种子（seed…" are a different
+# word.
 SEED_OK = re.compile(r"随机种子|种子数|种子\s*[（(]\s*seed", re.IGNORECASE)
 CITATION = re.compile(r"(?:种子|大纲|实战指南|指南|原文)\s*(?:第\s*)?\d+(?:\.\d+)*")
 NUMBERED_HEADING = re.compile(
@@ -32,7 +36,8 @@ FENCE = re.compile(r"^\s*(```|~~~)")
 
 
 def markdown_of(path: Path) -> list[tuple[str, str]]:
-    """(where, text) for every markdown cell of a notebook, or the whole file for .md."""
+    """(where, text) for every markdown cell of a notebook, or the whole file for
+    .md."""
     if path.suffix == ".md":
         return [(path.relative_to(ROOT).as_posix(), path.read_text(encoding="utf-8"))]
     nb = nbformat.read(path, as_version=4)

@@ -1,4 +1,5 @@
-"""trainmem.plots: the chapter-1 figures draw one artist per format, with the right extents."""
+"""trainmem.plots: the chapter-1 figures draw one artist per format, with the right
+extents."""
 
 import matplotlib
 

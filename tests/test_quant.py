@@ -73,9 +73,8 @@ def test_blockwise_error_bound_and_padding():
 def test_bytes_per_param_formulas():
     assert Q.adam_state_bytes_per_param(32) == 8.0
     assert Q.adam_state_bytes_per_param(8, 2048) == 2 * (1 + 4 / 2048)
-    assert (
-        Q.adam_state_bytes_per_param(8) == 2 * (1 + 4 / 256) == 2.03125
-    )  # bitsandbytes >= 0.44
+    # bitsandbytes >= 0.44
+    assert Q.adam_state_bytes_per_param(8) == 2 * (1 + 4 / 256) == 2.03125
     assert Q.nf4_bytes_per_param(64, double_quant=False) == 0.5625
     assert Q.nf4_bytes_per_param(64, True, 256) == 0.5 + 1 / 64 + 4 / (64 * 256)
     assert Q.int8_bytes_per_param("tensor", (4, 8)) == 1 + 4 / 32
@@ -133,7 +132,8 @@ def test_adamw8bit_tracks_fp32_adamw_and_saves_memory():
     w32, o32, l32 = run(lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01))
     w8, o8, l8 = run(lambda p: Q.AdamW8bit(p, lr=1e-2, weight_decay=0.01))
     assert abs(l8 - l32) / l32 < 0.02
-    # the 8-bit run moves the weights along nearly the same path (relative difference < 10 %)
+    # the 8-bit run moves the weights along nearly the same path (relative difference <
+    # 10 %)
     assert (w8 - w32).norm() / w32.norm() < 0.1
     # weight (8192 values) quantised in blocks of 256: 2 × (8192 + 32 blocks × 4 B);
     # bias (64) stays fp32: 2 × 256 B

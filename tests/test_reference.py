@@ -1,4 +1,5 @@
-"""trainmem.reference: the shared cross-chapter numbers, each checked by an independent count."""
+"""trainmem.reference: the shared cross-chapter numbers, each checked by an independent
+count."""
 
 import pytest
 import torch
@@ -23,16 +24,14 @@ def test_qlora_base_keeps_embeddings_head_and_norms_16bit():
     )
     rest = sum(p.numel() for p in model.parameters()) - linear
     assert R.qlora_base_split() == (linear, rest)
-    nf4_dq = (
-        0.5 + 1 / 64 + 4 / (64 * 256)
-    )  # 4 bits + 8-bit absmax + fp32 per 256 absmax
+    # 4 bits + 8-bit absmax + fp32 per 256 absmax
+    nf4_dq = 0.5 + 1 / 64 + 4 / (64 * 256)
     assert R.qlora_base_bytes() == pytest.approx(linear * nf4_dq + 2 * rest)
     assert R.qlora_base_bytes(double_quant=False) == pytest.approx(
         linear * (0.5 + 4 / 64) + 2 * rest
     )
-    assert (
-        round(R.qlora_base_bytes() / 1e9, 2) == 3.87
-    )  # not 3.48: not every parameter is NF4
+    # not 3.48: not every parameter is NF4
+    assert round(R.qlora_base_bytes() / 1e9, 2) == 3.87
 
 
 def test_adam8_block_256_and_paper_2048():

@@ -1,8 +1,9 @@
-"""The repository stands alone: no pointer to documents or trackers a reader does not have.
+"""The repository stands alone: no pointer to documents or trackers a reader does not
+have.
 
-Design notes, style guides and issue numbers live outside the repository; a comment that says
-"see DESIGN.md §4" or "(issue 7)" sends a newcomer nowhere. What a contributor needs is in
-CONTRIBUTING.md.
+Design notes, style guides and issue numbers live outside the repository; a comment that
+says "see DESIGN.md §4" or "(issue 7)" sends a newcomer nowhere. What a contributor
+needs is in CONTRIBUTING.md.
 """
 
 import re

@@ -1,4 +1,5 @@
-"""trainmem.scaler follows torch.amp.GradScaler step by step (growth, backoff, skipped steps)."""
+"""trainmem.scaler follows torch.amp.GradScaler step by step (growth, backoff, skipped
+steps)."""
 
 import math
 
@@ -82,9 +83,8 @@ def test_simulated_overflow_settles_at_equilibrium():
     )
     eq = equilibrium_scale(10.0)
     assert eq == 4096.0
-    assert (
-        max(e.scale_used for e in h[20:]) == 2 * eq
-    )  # probes one step above, then backs off
+    # probes one step above, then backs off
+    assert max(e.scale_used for e in h[20:]) == 2 * eq
     assert min(e.scale_next for e in h[20:]) == eq
 
 

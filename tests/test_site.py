@@ -1,8 +1,9 @@
 """The book as a reader meets it: built with -W, then loaded in headless Chromium.
 
-The site is served from 127.0.0.1; every other host is cut off, so nothing may depend on a CDN.
-Full-page screenshots of every chapter and lab (desktop 1280×800, phone 390×844) are written to
-_build/screenshots/ (``python -m tests.screenshots`` writes them for every page without the tests).
+The site is served from 127.0.0.1; every other host is cut off, so nothing may depend on
+a CDN. Full-page screenshots of every chapter and lab (desktop 1280×800, phone 390×844)
+are written to _build/screenshots/ (``python -m tests.screenshots`` writes them for
+every page without the tests).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def test_page_loads_offline_and_renders(browser, doc):
         assert not problems, "\n".join(problems)
         body = page.inner_text("article")
         if _has_math(doc):
-            # wait for MathJax itself to finish typesetting (slow on a loaded CI machine)
+            # wait for MathJax itself to finish typesetting (slow on a loaded CI
+            # machine)
             page.wait_for_function(
                 "() => window.MathJax && MathJax.startup && MathJax.startup.promise",
                 timeout=120000,
@@ -220,7 +222,8 @@ def test_search_finds(browser, term):
 
 
 def test_chinese_words_in_search_index(build):
-    """jieba is installed and used: the index holds the course's Chinese terms as words."""
+    """jieba is installed and used: the index holds the course's Chinese terms as
+    words."""
     text = (HTML / "searchindex.js").read_text(encoding="utf-8")
     index = json.loads(text[text.index("(") + 1 : text.rindex(")")])
     for word in ("显存", "梯度累积", "混合精度", "主权重", "梯度"):
@@ -253,11 +256,12 @@ def test_phone_menu_opens_chapter_list(browser, doc):
             "#pst-primary-sidebar-modal[open]", state="detached", timeout=5000
         )
         # the theme moves the list back into the sidebar after the drawer's close event
+        # "list not restored" otherwise
         page.wait_for_function(
             "n => document.querySelectorAll('#pst-primary-sidebar nav a').length >= n",
             arg=len(CHAPTERS),
             timeout=10000,
-        )  # "list not restored" otherwise
+        )
         # the page-contents button opens this page's sections
         toc = page.locator(".bd-header-article .secondary-toggle")
         if toc.is_visible():
@@ -308,7 +312,8 @@ def test_one_search_box(browser, viewport):
         assert not page.locator("#pst-header").is_visible(), (
             "the extra top navbar is shown"
         )
-        # the reader's path: click it, type a Chinese word, press Enter, land on the results
+        # the reader's path: click it, type a Chinese word, press Enter, land on the
+        # results
         page.locator(
             ".search-button-field:visible, .search-button:visible"
         ).first.click()
@@ -362,7 +367,8 @@ def test_interface_in_chinese(browser, doc):
 
 
 def _article_text(doc: str) -> str:
-    """All text of a built page's article, collapsed parts included (what a reader can open)."""
+    """All text of a built page's article, collapsed parts included (what a reader can
+    open)."""
     from html.parser import HTMLParser
 
     class P(HTMLParser):
@@ -389,7 +395,8 @@ def _article_text(doc: str) -> str:
 
 @pytest.mark.parametrize("doc", [d for d in DOCS if d.startswith(("book/", "labs/"))])
 def test_no_authoring_plumbing_on_pages(build, doc):
-    """glue calls and nbval markers are machinery: no page shows them (open or collapsed)."""
+    """glue calls and nbval markers are machinery: no page shows them (open or
+    collapsed)."""
     text = _article_text(doc)
     lines = [line.strip() for line in text.splitlines()]
     glue = [line for line in lines if re.search(r"\bglue\(", line)]
@@ -400,13 +407,14 @@ def test_no_authoring_plumbing_on_pages(build, doc):
     )
 
 
-# "## 1. 标题", "### 2.1 标题", "## 3、标题" — not "## 8 位优化器" (a quantity, not a number)
+# "## 1. 标题", "### 2.1 标题", "## 3、标题" — not "## 8 位优化器" (a quantity, not a
+# number)
 HAND_NUMBER = re.compile(r"^#{1,6}\s+(\d+(\.\d+)+\.?|\d+[.、．)）])\s*\S")
 
 
 def test_no_hand_typed_heading_numbers():
-    """Sphinx numbers chapters and sections (``numbered: true``); a heading that starts with its
-    own number is shown twice-numbered ("2.1. 1. 两种配方")."""
+    """Sphinx numbers chapters and sections (``numbered: true``); a heading that starts
+    with its own number is shown twice-numbered ("2.1. 1. 两种配方")."""
     bad = []
     for path in sorted((ROOT / "book").glob("*.ipynb")):
         nb = nbformat.read(path, as_version=4)
@@ -487,8 +495,9 @@ def test_screenshots_and_phone_layout(browser, doc):
 
 @pytest.mark.parametrize("doc", CHAPTERS)
 def test_figures_have_alt_text(build, doc):
-    """Every figure has alt text: its own (``{glue:figure}`` ``:alt:``) or one made from the titles
-    and axis labels its code writes (_ext/course_ui.py). A bare file name is not alt text."""
+    """Every figure has alt text: its own (``{glue:figure}`` ``:alt:``) or one made from
+    the titles and axis labels its code writes (_ext/course_ui.py). A bare file name is
+    not alt text."""
     html = (HTML / f"{doc}.html").read_text(encoding="utf-8")
     imgs = re.findall(r"<img\b[^>]*>", html)
     bare = [

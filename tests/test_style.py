@@ -1,5 +1,6 @@
-"""Code in the book and the lab solutions fits the page: ruff's formatter at 88 columns and ruff's
-checks (configured in pyproject.toml), and no authoring plumbing left for `coursekit tidy` to move.
+"""Code in the book and the lab solutions fits the page: ruff's formatter at 88 columns
+and ruff's checks (configured in pyproject.toml), and no authoring plumbing left for
+`coursekit tidy` to move.
 
 Fix everything at once with (CONTRIBUTING.md)::
 
@@ -69,9 +70,10 @@ LIBRARY = ["trainmem", "coursekit", "tests", "benchmarks", "_ext"]
 
 
 def test_ruff_check_library():
-    """The Python packages: pyflakes (unused or undefined names, redefinitions) and pycodestyle's
-    error classes. Line length is enforced on the code the reader sees (book/, solutions/ above);
-    the library's long docstrings and comments are not yet wrapped to 88 columns."""
+    """The Python packages: pyflakes (unused or undefined names, redefinitions) and
+    pycodestyle's error classes. Line length is enforced on the code the reader sees
+    (book/, solutions/ above); the library's long docstrings and comments are not yet
+    wrapped to 88 columns."""
     r = subprocess.run(
         [
             _ruff(),

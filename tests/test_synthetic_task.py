@@ -1,4 +1,5 @@
-"""trainmem.synthetic_task: deterministic batches that follow the rules; training lowers the loss."""
+"""trainmem.synthetic_task: deterministic batches that follow the rules; training lowers
+the loss."""
 
 import pytest
 import torch

@@ -1,4 +1,5 @@
-"""`python -m coursekit tidy`: plumbing moves off the page, the code that runs does not change."""
+"""`python -m coursekit tidy`: plumbing moves off the page, the code that runs does not
+change."""
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def test_trailing_glue_moves_with_its_outputs():
 
 
 def test_expression_left_last_is_not_displayed():
-    """Before the move `md_table(rows)` was not the last line, so Jupyter did not display it."""
+    """Before the move `md_table(rows)` was not the last line, so Jupyter did not
+    display it."""
     nb = nb_of(code('rows = [1]\nmd_table(rows)  # a table\nglue("n", len(rows))'))
     tidy_notebook(nb)
     assert nb.cells[0].source == "rows = [1]\nmd_table(rows);  # a table"
@@ -100,9 +102,8 @@ def test_glue_only_cell_is_tagged_not_split():
     assert nb.cells[0].metadata["tags"] == [REMOVE] and nb.cells[2].metadata[
         "tags"
     ] == [REMOVE]
-    assert (
-        "tags" not in nb.cells[1].metadata
-    )  # a loop is not a glue call: it stays in view
+    # a loop is not a glue call: it stays in view
+    assert "tags" not in nb.cells[1].metadata
 
 
 def test_glue_in_the_middle_is_left_and_reported():
@@ -149,7 +150,8 @@ def test_nbval_comment_becomes_a_tag_and_setup_is_collapsed():
 
 
 def _program(nb) -> str:
-    """The code the notebook runs, as an AST dump (comments and a trailing `;` do not count)."""
+    """The code the notebook runs, as an AST dump (comments and a trailing `;` do not
+    count)."""
     srcs = []
     for c in nb.cells:
         if c.cell_type == "code":
@@ -174,8 +176,9 @@ NOTEBOOKS = sorted((ROOT / "book").glob("*.ipynb")) + sorted(
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_real_notebooks_run_the_same_code_after_tidy(path):
-    """On every notebook of the course (in memory): same statements in the same order, every
-    glued output kept, glue calls no longer shown, and a second run changes nothing."""
+    """On every notebook of the course (in memory): same statements in the same order,
+    every glued output kept, glue calls no longer shown, and a second run changes
+    nothing."""
     nb = nbformat.read(path, as_version=4)
     program, glued = _program(nb), _glue_outputs(nb)
     tidy_notebook(nb, path)
@@ -206,9 +209,8 @@ def test_visible_source_hides_only_plumbing():
         'if x:\n    glue("c", 3)\nelse:\n    foo()\n'
         'y = 2; glue("d", y)\npaper'
     )
-    assert (
-        visible_source("%time f()\nglue('a', 1)") == "%time f()\nglue('a', 1)"
-    )  # not Python
+    # not Python
+    assert visible_source("%time f()\nglue('a', 1)") == "%time f()\nglue('a', 1)"
 
 
 def _cli(*args, cwd):
@@ -222,7 +224,8 @@ def _cli(*args, cwd):
 
 
 def test_cli_check_then_tidy_then_clean(tmp_path):
-    # an untidied cell: computation and its glue call together (book/ itself is already tidy)
+    # an untidied cell: computation and its glue call together (book/ itself is already
+    # tidy)
     nb = nb_of(
         code(
             "x = 2 ** -11\nprint(x)\nglue('x', x)",
@@ -241,7 +244,8 @@ def test_cli_check_then_tidy_then_clean(tmp_path):
 
 
 def test_moved_glue_of_an_uncompared_cell_stays_uncompared():
-    """A timing cell's glued value varies by machine: nbval must not start comparing it."""
+    """A timing cell's glued value varies by machine: nbval must not start comparing
+    it."""
     nb = nb_of(
         code(
             "# nbval-ignore-output: wall-clock time\nt = run()\nprint(t)\nglue('t', t)",

@@ -1,4 +1,5 @@
-"""coursekit.widgets.format_explorer: typing a value updates the table; bad input says so."""
+"""coursekit.widgets.format_explorer: typing a value updates the table; bad input says
+so."""
 
 from coursekit.widgets import format_explorer  # noqa: E402
 

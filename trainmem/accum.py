@@ -1,14 +1,17 @@
-"""Gradient accumulation and activation checkpointing: helpers to check and to measure them.
+"""Gradient accumulation and activation checkpointing: helpers to check and to measure
+them.
 
 * :func:`grads`, :func:`max_abs_diff` — snapshot and compare ``.grad`` of a model.
-* :class:`Stack` — a tiny residual MLP/attention-free stack of ``n_layers`` blocks whose forward can
-  checkpoint segments of ``segment`` consecutive layers (``torch.utils.checkpoint``).
-* :class:`SavedTensorBytes` — bytes autograd keeps for backward (saved-tensor hooks), deduplicated
-  by storage, parameters excluded: the activation memory, exactly.
+* :class:`Stack` — a tiny residual MLP/attention-free stack of ``n_layers`` blocks whose
+  forward can checkpoint segments of ``segment`` consecutive layers
+  (``torch.utils.checkpoint``).
+* :class:`SavedTensorBytes` — bytes autograd keeps for backward (saved-tensor hooks),
+  deduplicated by storage, parameters excluded: the activation memory, exactly.
 * :class:`PeakLiveBytes` — peak bytes of tensors alive during a region (the
-  :class:`trainmem.tracker.MemoryTracker` dispatch mode watching every op's outputs; freed storages
-  are subtracted by weak-reference callbacks).
-* :func:`measure_step` — one forward+backward of a :class:`Stack` under both meters, plus time.
+  :class:`trainmem.tracker.MemoryTracker` dispatch mode watching every op's outputs;
+  freed storages are subtracted by weak-reference callbacks).
+* :func:`measure_step` — one forward+backward of a :class:`Stack` under both meters,
+  plus time.
 
 All byte counts are bytes (not MiB/GiB); shapes are stated in each docstring.
 """
@@ -26,7 +29,8 @@ from .tracker import MemoryTracker
 
 
 def grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A detached copy of every parameter's ``.grad`` (None → zeros), keyed by parameter name."""
+    """A detached copy of every parameter's ``.grad`` (None → zeros), keyed by parameter
+    name."""
     return {
         n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
         for n, p in model.named_parameters()
@@ -34,13 +38,14 @@ def grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Largest absolute element difference between two :func:`grads` snapshots (same keys)."""
+    """Largest absolute element difference between two :func:`grads` snapshots (same
+    keys)."""
     if a.keys() != b.keys():
         raise ValueError("a and b must have the same parameter names")
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-# ---------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 class Block(nn.Module):
     """Pre-norm residual MLP block: ``x + W2·gelu(W1·LN(x))``; x: (batch, seq, d)."""
 
@@ -55,13 +60,15 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    """``n_layers`` :class:`Block` s with two ways to place checkpoints (both 0 = off, the default).
+    """``n_layers`` :class:`Block` s with two ways to place checkpoints (both 0 = off,
+    the default).
 
-    * ``segment=k``: layers ``[0..k), [k..2k), …`` each run inside one
-      ``checkpoint(..., use_reentrant=False)``: only the segment inputs (batch, seq, d) are kept, and
+    * ``segment=k``: layers ``[0..k), [k..2k), …`` each run inside one ``checkpoint(...,
+      use_reentrant=False)``: only the segment inputs (batch, seq, d) are kept, and
       every layer is recomputed once in backward (whatever ``k`` is).
-    * ``every=n``: only layers ``0, n, 2n, …`` are checkpointed (one layer each), the others keep
-      their activations — what ``transformers``' ``every_n_layers`` does: less recompute, more memory.
+    * ``every=n``: only layers ``0, n, 2n, …`` are checkpointed (one layer each), the
+      others keep their activations — what ``transformers``' ``every_n_layers`` does:
+      less recompute, more memory.
     """
 
     def __init__(
@@ -132,14 +139,16 @@ class Stack(nn.Module):
         return x
 
 
-# ---------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 class SavedTensorBytes:
-    """Context manager: bytes of tensors autograd saves for backward inside the ``with`` block.
+    """Context manager: bytes of tensors autograd saves for backward inside the ``with``
+    block.
 
-    Each storage counts once (views share storage); parameters are excluded (they exist anyway).
-    With non-reentrant checkpointing, tensors saved inside a checkpointed segment are handled by the
-    checkpoint's own hooks and are not kept — only the segment inputs reach these hooks.
-    ``.bytes`` is the total (int, bytes); ``.count`` the number of distinct storages.
+    Each storage counts once (views share storage); parameters are excluded (they exist
+    anyway). With non-reentrant checkpointing, tensors saved inside a checkpointed
+    segment are handled by the checkpoint's own hooks and are not kept — only the
+    segment inputs reach these hooks. ``.bytes`` is the total (int, bytes); ``.count``
+    the number of distinct storages.
     """
 
     def __init__(self, exclude: nn.Module | None = None):
@@ -177,13 +186,14 @@ class SavedTensorBytes:
 
 
 class PeakLiveBytes(MemoryTracker):
-    """Context manager: current and peak bytes of storages created by ops inside the block.
+    """Context manager: current and peak bytes of storages created by ops inside the
+    block.
 
-    A :class:`trainmem.tracker.MemoryTracker` with nothing registered by hand: every op output's
-    storage counts once, from its creation until it is freed (a weak-reference callback on the
-    storage subtracts it); ``meta`` tensors are ignored. Tensors that existed before the block
-    (parameters, inputs) are not counted until an op returns a view of them.
-    ``.peak`` and ``.current`` are ints in bytes.
+    A :class:`trainmem.tracker.MemoryTracker` with nothing registered by hand: every op
+    output's storage counts once, from its creation until it is freed (a weak-reference
+    callback on the storage subtracts it); ``meta`` tensors are ignored. Tensors that
+    existed before the block (parameters, inputs) are not counted until an op returns a
+    view of them. ``.peak`` and ``.current`` are ints in bytes.
     """
 
     skip_meta = True
@@ -192,9 +202,10 @@ class PeakLiveBytes(MemoryTracker):
 
 @dataclass
 class StepMeasurement:
-    """One forward+backward: ``saved_bytes`` (kept for backward after the forward, bytes),
-    ``peak_bytes`` (peak of tensors alive during forward+backward, bytes), ``flops`` (matmul FLOPs
-    of forward+backward, recomputation included, from ``torch.utils.flop_counter``), ``seconds``."""
+    """One forward+backward: ``saved_bytes`` (kept for backward after the forward,
+    bytes), ``peak_bytes`` (peak of tensors alive during forward+backward, bytes),
+    ``flops`` (matmul FLOPs of forward+backward, recomputation included, from
+    ``torch.utils.flop_counter``), ``seconds``."""
 
     segment: int
     every: int
@@ -207,11 +218,12 @@ class StepMeasurement:
 def measure_step(
     model: Stack, x: torch.Tensor, segment: int = 0, every: int = 0, repeats: int = 3
 ) -> StepMeasurement:
-    """Measure one training step of a :class:`Stack` with the given checkpoint placement.
+    """Measure one training step of a :class:`Stack` with the given checkpoint
+    placement.
 
-    ``x``: (batch, seq, d); the loss is ``out.square().mean()``. Memory and FLOPs are measured once
-    (they are deterministic); ``seconds`` is the median of ``repeats`` plain, uninstrumented runs
-    (``repeats=0`` skips timing and returns ``nan``).
+    ``x``: (batch, seq, d); the loss is ``out.square().mean()``. Memory and FLOPs are
+    measured once (they are deterministic); ``seconds`` is the median of ``repeats``
+    plain, uninstrumented runs (``repeats=0`` skips timing and returns ``nan``).
     """
     from torch.utils.flop_counter import FlopCounterMode
 

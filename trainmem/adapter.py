@@ -1,11 +1,14 @@
-"""What a LoRA configuration costs, from a model's config alone: trainable parameters, the
-size of the saved adapter file, and the training memory the estimator predicts.
+"""What a LoRA configuration costs, from a model's config alone: trainable parameters,
+the size of the saved adapter file, and the training memory the estimator predicts.
 
-* :func:`adapter_tensors` — the tensors peft's ``save_pretrained`` writes for a Llama-shaped
-  model (names as peft saves them, shapes ``A: (r, d_in)``, ``B: (d_out, r)``);
-* :func:`safetensors_bytes` — the exact size of a ``.safetensors`` file holding given tensors:
-  8 bytes (header length) + the JSON header (padded with spaces to a multiple of 8) + the data;
-* :func:`lora_costs` — one row of the chapter-6 demo (parameters, file bytes, estimated peak).
+* :func:`adapter_tensors` — the tensors peft's ``save_pretrained`` writes for a
+  Llama-shaped model (names as peft saves them, shapes ``A: (r, d_in)``, ``B: (d_out,
+  r)``);
+* :func:`safetensors_bytes` — the exact size of a ``.safetensors`` file holding given
+  tensors: 8 bytes (header length) + the JSON header (padded with spaces to a multiple
+  of 8) + the data;
+* :func:`lora_costs` — one row of the chapter-6 demo (parameters, file bytes, estimated
+  peak).
 
 Nothing is built or allocated: shapes come from :func:`trainmem.estimate.model_shape`.
 """
@@ -25,7 +28,8 @@ DTYPES: dict[str, tuple[int, str]] = {
     "fp16": (2, "F16"),
 }
 
-#: where each Llama linear sits inside one decoder layer (``model.layers.{i}.<parent>.<name>``)
+# : where each Llama linear sits inside one decoder layer
+# (``model.layers.{i}.<parent>.<name>``)
 _PARENT = {
     "q_proj": "self_attn",
     "k_proj": "self_attn",
@@ -52,13 +56,13 @@ def _dtype(dtype: str) -> tuple[int, str]:
 def adapter_tensors(
     model: Any, targets: Iterable[str] | str, rank: int
 ) -> dict[str, tuple[int, int]]:
-    """``{name: shape}`` of the LoRA tensors peft saves for ``model`` (a preset name, config
-    ``.json`` path or transformers config of a Llama-shaped model).
+    """``{name: shape}`` of the LoRA tensors peft saves for ``model`` (a preset name,
+    config ``.json`` path or transformers config of a Llama-shaped model).
 
     Names follow ``PeftModel.save_pretrained``:
-    ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` (shape ``(r, d_in)``) and
-    ``...lora_B.weight`` (shape ``(d_out, r)``). Raises ``ValueError`` for a GPT-2 model, an
-    unknown target or a rank outside ``1..min(d_in, d_out)``.
+    ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` (shape ``(r,
+    d_in)``) and ``...lora_B.weight`` (shape ``(d_out, r)``). Raises ``ValueError`` for
+    a GPT-2 model, an unknown target or a rank outside ``1..min(d_in, d_out)``.
     """
     s = model_shape(model)
     if s.arch != "llama":
@@ -67,9 +71,8 @@ def adapter_tensors(
             f"got arch {s.arch!r}"
         )
     targets = _targets(targets)
-    lora_trainable_params(
-        s, rank, targets
-    )  # validates targets and rank (one error line)
+    # validates targets and rank (one error line)
+    lora_trainable_params(s, rank, targets)
     shapes = s.linear_shapes()
     out: dict[str, tuple[int, int]] = {}
     for i in range(s.layers):
@@ -86,9 +89,10 @@ def safetensors_header(
     dtype: str = "fp32",
     metadata: dict[str, str] | None = None,
 ) -> bytes:
-    """The JSON header a ``.safetensors`` file of ``tensors`` (all of ``dtype``) starts with,
-    as the ``safetensors`` library writes it: ``__metadata__`` first, then the tensors in name
-    order with their byte ``data_offsets``, no spaces, padded with spaces to a multiple of 8."""
+    """The JSON header a ``.safetensors`` file of ``tensors`` (all of ``dtype``) starts
+    with, as the ``safetensors`` library writes it: ``__metadata__`` first, then the
+    tensors in name order with their byte ``data_offsets``, no spaces, padded with
+    spaces to a multiple of 8."""
     size, tag = _dtype(dtype)
     header: dict[str, Any] = {}
     if metadata:
@@ -114,7 +118,8 @@ def safetensors_bytes(
     dtype: str = "fp32",
     metadata: dict[str, str] | None = None,
 ) -> int:
-    """Size in bytes of a ``.safetensors`` file of ``tensors``: 8 + header + elements × dtype size."""
+    """Size in bytes of a ``.safetensors`` file of ``tensors``: 8 + header + elements ×
+    dtype size."""
     size, _ = _dtype(dtype)
     data = 0
     for shape in tensors.values():
@@ -132,7 +137,8 @@ PEFT_METADATA = {"format": "pt"}
 def adapter_file_bytes(
     model: Any, targets: Iterable[str] | str, rank: int, dtype: str = "fp32"
 ) -> int:
-    """Size of peft's ``adapter_model.safetensors`` for this LoRA configuration (bytes)."""
+    """Size of peft's ``adapter_model.safetensors`` for this LoRA configuration
+    (bytes)."""
     return safetensors_bytes(
         adapter_tensors(model, targets, rank), dtype, PEFT_METADATA
     )
@@ -149,9 +155,9 @@ def lora_costs(
 ) -> dict[str, Any]:
     """One configuration's costs (counts and bytes, all exact):
 
-    ``trainable`` (LoRA parameters), ``total`` (base parameters), ``adapter_bytes`` (the saved
-    file), ``data_bytes`` (``trainable`` × dtype size, the file without its header),
-    ``lora_peak_bytes`` / ``full_peak_bytes`` (estimated training peak per GPU,
+    ``trainable`` (LoRA parameters), ``total`` (base parameters), ``adapter_bytes`` (the
+    saved file), ``data_bytes`` (``trainable`` × dtype size, the file without its
+    header), ``lora_peak_bytes`` / ``full_peak_bytes`` (estimated training peak per GPU,
     :func:`trainmem.estimate.estimate` with ``precision``, AdamW, ``batch`` × ``seq``).
     """
     targets = _targets(targets)

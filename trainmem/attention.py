@@ -1,10 +1,11 @@
-"""Attention three ways: eager (materialises the s×s score matrix), tiled with online softmax
-(the FlashAttention idea in plain torch), and the memory each needs.
+"""Attention three ways: eager (materialises the s×s score matrix), tiled with online
+softmax (the FlashAttention idea in plain torch), and the memory each needs.
 
-Shapes: ``q`` is ``(batch, heads, s_q, d)``, ``k`` and ``v`` are ``(batch, heads, s_k, d)``; the
-output has the shape of ``q``. ``causal=True`` masks key ``j > i`` for query ``i`` (queries and keys
-aligned at the end, like ``F.scaled_dot_product_attention(is_causal=True)`` when ``s_q == s_k``).
-Byte counts are ``int`` bytes.
+Shapes: ``q`` is ``(batch, heads, s_q, d)``, ``k`` and ``v`` are ``(batch, heads, s_k,
+d)``; the output has the shape of ``q``. ``causal=True`` masks key ``j > i`` for query
+``i`` (queries and keys aligned at the end, like
+``F.scaled_dot_product_attention(is_causal=True)`` when ``s_q == s_k``). Byte counts are
+``int`` bytes.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 def eager_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False
 ) -> torch.Tensor:
-    """softmax(q kᵀ / √d) v, materialising the ``(batch, heads, s_q, s_k)`` score matrix."""
+    """softmax(q kᵀ / √d) v, materialising the ``(batch, heads, s_q, s_k)`` score
+    matrix."""
     _check(q, k, v)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     if causal:
@@ -61,7 +63,8 @@ def tiled_attention(
     For each tile of ``block_q`` queries, keep a running row maximum ``m``, a running
     denominator ``l`` and an unnormalised output ``acc``; each key tile rescales them by
     ``exp(m_old - m_new)``. Extra memory is O(block_q · block_k + s·d) instead of O(s²).
-    Same FLOPs as eager attention (the point of FlashAttention is memory traffic, not FLOPs).
+    Same FLOPs as eager attention (the point of FlashAttention is memory traffic, not
+    FLOPs).
     """
     _check(q, k, v)
     if block_q < 1 or block_k < 1:
@@ -101,10 +104,12 @@ def eager_score_bytes(batch: int, heads: int, seq: int, dtype_bytes: int = 2) ->
 
 
 def peak_extra_bytes(fn: Callable[..., torch.Tensor], *args, **kwargs) -> int:
-    """Peak bytes allocated while running ``fn(*args, **kwargs)``, beyond its inputs (CPU or CUDA).
+    """Peak bytes allocated while running ``fn(*args, **kwargs)``, beyond its inputs
+    (CPU or CUDA).
 
-    CUDA: ``max_memory_allocated`` delta. CPU: :class:`trainmem.monitor.TensorMemoryTracker`
-    (operator outputs only; kernels' internal scratch is not seen). The output tensor counts.
+    CUDA: ``max_memory_allocated`` delta. CPU:
+    :class:`trainmem.monitor.TensorMemoryTracker` (operator outputs only; kernels'
+    internal scratch is not seen). The output tensor counts.
     """
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if tensors and tensors[0].is_cuda:

@@ -1,4 +1,5 @@
-"""Tiny deterministic data for CPU demos: no downloads, same tensors on every machine."""
+"""Tiny deterministic data for CPU demos: no downloads, same tensors on every
+machine."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ def counting_batches(
     seed: int = 0,
     device: str | torch.device = "cpu",
 ) -> list[torch.Tensor]:
-    """Token sequences that count upward: ``x[t+1] = (x[t] + step) % vocab``, step ∈ {1, 2, 3}.
+    """Token sequences that count upward: ``x[t+1] = (x[t] + step) % vocab``, step ∈ {1,
+    2, 3}.
 
-    A language model learns this quickly (loss drops within a few dozen steps), which makes it a
-    good smoke test for a training loop. Returns ``n_batches`` LongTensors of shape (batch, seq_len);
-    use each as both ``input_ids`` and ``labels`` for a Hugging Face causal LM.
+    A language model learns this quickly (loss drops within a few dozen steps), which
+    makes it a good smoke test for a training loop. Returns ``n_batches`` LongTensors of
+    shape (batch, seq_len); use each as both ``input_ids`` and ``labels`` for a Hugging
+    Face causal LM.
     """
     for name, v in (
         ("n_batches", n_batches),

@@ -1,16 +1,19 @@
-"""Floating-point number formats, by bit manipulation: FP32, TF32, FP16, BF16, FP8 E4M3 / E5M2.
+"""Floating-point number formats, by bit manipulation: FP32, TF32, FP16, BF16, FP8 E4M3
+/ E5M2.
 
-A binary floating-point format is three fields — sign (1 bit), exponent (``e`` bits, stored with a
-bias ``2**(e-1) - 1``) and mantissa (``m`` bits, the fraction after an implicit leading 1):
+A binary floating-point format is three fields — sign (1 bit), exponent (``e`` bits,
+stored with a bias ``2**(e-1) - 1``) and mantissa (``m`` bits, the fraction after an
+implicit leading 1):
 
 * normal    (exponent field ``E`` not 0):  ``(-1)**s * 2**(E - bias) * (1 + M / 2**m)``
 * subnormal (exponent field 0):            ``(-1)**s * 2**(1 - bias) * (M / 2**m)``
 
 Everything here is derived from ``(e, m)`` and the way the all-ones exponent is used
-(IEEE-style ``inf``/``NaN``, or the FP8 "fn" = finite-only convention of E4M3, whose only NaN is
-``S.1111.111``). Scalars are encoded exactly from Python floats (float64) with integer arithmetic
-on the float64 bit pattern (``struct``), rounding to nearest, ties to even — the rounding torch and
-the hardware use when casting. :func:`round_array` does the same for numpy arrays / torch tensors.
+(IEEE-style ``inf``/``NaN``, or the FP8 "fn" = finite-only convention of E4M3, whose
+only NaN is ``S.1111.111``). Scalars are encoded exactly from Python floats (float64)
+with integer arithmetic on the float64 bit pattern (``struct``), rounding to nearest,
+ties to even — the rounding torch and the hardware use when casting. :func:`round_array`
+does the same for numpy arrays / torch tensors.
 
 Values are plain numbers (no unit); memory helpers at the end return **bytes**.
 """
@@ -25,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 if (
     TYPE_CHECKING
 ):  # numpy is imported where arrays are used: the scalar functions need only the
-    import numpy as np  # standard library (they also run in the book's page, under Pyodide)
+    # standard library (they also run in the book's page, under Pyodide)
+    import numpy as np
 
 __all__ = [
     "FloatFormat",
@@ -52,21 +56,21 @@ __all__ = [
     "describe_value",
 ]
 
-GB = (
-    10**9
-)  #: bytes in a (decimal, SI) gigabyte — what disk and model cards mean by "GB"
-GiB = (
-    2**30
-)  #: bytes in a gibibyte — what ``nvidia-smi`` / ``torch.cuda`` counts (often written "GB")
+#: bytes in a (decimal, SI) gigabyte — what disk and model cards mean by "GB"
+GB = 10**9
+# : bytes in a gibibyte — what ``nvidia-smi`` / ``torch.cuda`` counts (often written
+# "GB")
+GiB = 2**30
 
 
 @dataclass(frozen=True)
 class FloatFormat:
     """One binary floating-point format.
 
-    ``storage_bits`` is what one element occupies in memory (TF32 has 19 meaningful bits but lives
-    in a 32-bit register). ``ieee_specials``: True when the all-ones exponent encodes inf/NaN
-    (FP32, FP16, BF16, TF32, E5M2); False for E4M3 "fn" (finite only: no inf, one NaN pattern).
+    ``storage_bits`` is what one element occupies in memory (TF32 has 19 meaningful bits
+    but lives in a 32-bit register). ``ieee_specials``: True when the all-ones exponent
+    encodes inf/NaN (FP32, FP16, BF16, TF32, E5M2); False for E4M3 "fn" (finite only: no
+    inf, one NaN pattern).
     """
 
     name: str
@@ -115,10 +119,11 @@ class FloatFormat:
 
     @property
     def eps(self) -> float:
-        """Machine epsilon: the gap between 1 and the next value, ``2**-mantissa_bits``."""
+        """Machine epsilon: the gap between 1 and the next value,
+        ``2**-mantissa_bits``."""
         return math.ldexp(1.0, -self.mantissa_bits)
 
-    # --- bit patterns (magnitude part; OR the sign bit in) -------------------------------------
+    # --- bit patterns (magnitude part; OR the sign bit in) ----------------------------
     @property
     def sign_bit(self) -> int:
         return 1 << (self.exponent_bits + self.mantissa_bits)
@@ -147,7 +152,8 @@ class FloatFormat:
         return (1 << (self.exponent_bits + self.mantissa_bits)) - 1
 
     def torch(self):
-        """The torch dtype of this format (raises ValueError for tf32, which has none)."""
+        """The torch dtype of this format (raises ValueError for tf32, which has
+        none)."""
         import torch
 
         if self.torch_dtype is None:
@@ -187,7 +193,8 @@ def format_names() -> list[str]:
 
 
 def get_format(fmt: str | FloatFormat | Any) -> FloatFormat:
-    """A :class:`FloatFormat` from its name (``"fp16"``, ``"bfloat16"``, ``"e4m3"`` …) or a torch dtype."""
+    """A :class:`FloatFormat` from its name (``"fp16"``, ``"bfloat16"``, ``"e4m3"`` …)
+    or a torch dtype."""
     if isinstance(fmt, FloatFormat):
         return fmt
     key = str(fmt).lower().replace("torch.", "")
@@ -199,15 +206,16 @@ def get_format(fmt: str | FloatFormat | Any) -> FloatFormat:
     return FORMATS[key]
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Scalars: encode / decode with integer arithmetic on the bit patterns
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def encode(x: float, fmt: str | FloatFormat, saturate: bool = False) -> int:
     """Bit pattern (an unsigned int of ``fmt.bits`` bits) of ``x`` rounded to ``fmt``.
 
-    Round to nearest, ties to even, directly from the float64 value (one rounding). A magnitude
-    above the largest finite value becomes inf (IEEE formats) or NaN (E4M3, which has no inf) —
-    or the largest finite value when ``saturate=True`` (what FP8 training recipes do on purpose).
+    Round to nearest, ties to even, directly from the float64 value (one rounding). A
+    magnitude above the largest finite value becomes inf (IEEE formats) or NaN (E4M3,
+    which has no inf) — or the largest finite value when ``saturate=True`` (what FP8
+    training recipes do on purpose).
     """
     f = get_format(fmt)
     m = f.mantissa_bits
@@ -233,8 +241,9 @@ def encode(x: float, fmt: str | FloatFormat, saturate: bool = False) -> int:
     half = 1 << (shift - 1)
     if rem > half or (rem == half and n & 1):
         n += 1  # round to nearest, ties to even
-    # n counts grid steps of 2**q and includes the implicit 1, so adding it to the exponent
-    # field's base carries naturally: subnormal → min normal, 1.11..1 → next binade.
+    # n counts grid steps of 2**q and includes the implicit 1, so adding it to the
+    # exponent field's base carries naturally: subnormal → min normal, 1.11..1 → next
+    # binade.
     mag = ((max(e, f.emin) - f.emin) << m) + n
     if mag > f.max_bits:
         if saturate:
@@ -294,7 +303,8 @@ class Encoded:
 
 
 def decompose(x: float, fmt: str | FloatFormat, saturate: bool = False) -> Encoded:
-    """Round ``x`` to ``fmt`` and split the result into sign / exponent / mantissa fields."""
+    """Round ``x`` to ``fmt`` and split the result into sign / exponent / mantissa
+    fields."""
     f = get_format(fmt)
     bits = encode(x, f, saturate)
     m = f.mantissa_bits
@@ -313,7 +323,8 @@ def decompose(x: float, fmt: str | FloatFormat, saturate: bool = False) -> Encod
 
 
 def round_to(x: float, fmt: str | FloatFormat, saturate: bool = False) -> float:
-    """``x`` rounded to the nearest value of ``fmt`` (ties to even), as a Python float."""
+    """``x`` rounded to the nearest value of ``fmt`` (ties to even), as a Python
+    float."""
     return decode(encode(x, fmt, saturate), fmt)
 
 
@@ -337,7 +348,8 @@ def _step(v: float, f: FloatFormat, up: bool) -> float:
 
 
 def next_up(x: float, fmt: str | FloatFormat) -> float:
-    """Smallest value of ``fmt`` strictly greater than ``x`` (inf at or above the largest finite)."""
+    """Smallest value of ``fmt`` strictly greater than ``x`` (inf at or above the
+    largest finite)."""
     f = get_format(fmt)
     x = float(x)
     if math.isnan(x):
@@ -351,15 +363,16 @@ def next_up(x: float, fmt: str | FloatFormat) -> float:
 
 
 def next_down(x: float, fmt: str | FloatFormat) -> float:
-    """Largest value of ``fmt`` strictly less than ``x`` (-inf below the most negative finite)."""
+    """Largest value of ``fmt`` strictly less than ``x`` (-inf below the most negative
+    finite)."""
     return -next_up(-float(x), fmt)
 
 
 def neighbours(x: float, fmt: str | FloatFormat) -> tuple[float, float]:
     """``(below, above)``: the representable values of ``fmt`` around ``x``.
 
-    ``below <= x <= above``; both equal ``x`` when ``x`` is representable. Outside the finite range
-    the missing side is ``±inf``.
+    ``below <= x <= above``; both equal ``x`` when ``x`` is representable. Outside the
+    finite range the missing side is ``±inf``.
     """
     f = get_format(fmt)
     x = float(x)
@@ -374,10 +387,12 @@ def neighbours(x: float, fmt: str | FloatFormat) -> tuple[float, float]:
 
 
 def ulp(x: float, fmt: str | FloatFormat) -> float:
-    """Spacing of ``fmt``'s grid at ``x``: the gap from ``|x|``'s binade start to the next value.
+    """Spacing of ``fmt``'s grid at ``x``: the gap from ``|x|``'s binade start to the
+    next value.
 
-    ``2**(max(floor(log2|x|), emin) - mantissa_bits)``; at an exact power of two this is the gap
-    *above* it (the gap below is half as large). ``ulp(0)`` is the smallest subnormal.
+    ``2**(max(floor(log2|x|), emin) - mantissa_bits)``; at an exact power of two this is
+    the gap *above* it (the gap below is half as large). ``ulp(0)`` is the smallest
+    subnormal.
     """
     f = get_format(fmt)
     x = abs(float(x))
@@ -398,15 +413,17 @@ def ulp_array(x: Any, fmt: str | FloatFormat) -> np.ndarray:
     return np.ldexp(1.0, np.maximum(e, f.emin) - f.mantissa_bits)
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Arrays and tensors
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def round_array(x: Any, fmt: str | FloatFormat, saturate: bool = False) -> np.ndarray:
-    """Round every element of ``x`` to ``fmt`` (ties to even); float64 array of the same shape.
+    """Round every element of ``x`` to ``fmt`` (ties to even); float64 array of the same
+    shape.
 
-    Exact: the value is scaled by a power of two so the grid becomes the integers, rounded with
-    ``np.rint`` (ties to even), and scaled back — power-of-two scaling loses nothing in float64.
-    Overflow follows :func:`encode` (inf, NaN for E4M3, or ±max with ``saturate``).
+    Exact: the value is scaled by a power of two so the grid becomes the integers,
+    rounded with ``np.rint`` (ties to even), and scaled back — power-of-two scaling
+    loses nothing in float64. Overflow follows :func:`encode` (inf, NaN for E4M3, or
+    ±max with ``saturate``).
     """
     import numpy as np
 
@@ -429,10 +446,11 @@ def round_array(x: Any, fmt: str | FloatFormat, saturate: bool = False) -> np.nd
 
 
 def round_tensor(t, fmt: str | FloatFormat, saturate: bool = False):
-    """:func:`round_array` for a torch tensor; returns a tensor of ``t``'s dtype and device.
+    """:func:`round_array` for a torch tensor; returns a tensor of ``t``'s dtype and
+    device.
 
-    Used to emulate TF32 on a CPU: ``round_tensor(A, "tf32") @ round_tensor(B, "tf32")`` is what a
-    TF32 matmul computes, up to accumulation order.
+    Used to emulate TF32 on a CPU: ``round_tensor(A, "tf32") @ round_tensor(B, "tf32")``
+    is what a TF32 matmul computes, up to accumulation order.
     """
     import torch
 
@@ -440,9 +458,9 @@ def round_tensor(t, fmt: str | FloatFormat, saturate: bool = False):
     return torch.from_numpy(r).to(device=t.device, dtype=t.dtype)
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Memory: bytes per element (the number the chapter multiplies by a parameter count)
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 BYTES_PER_ELEMENT: dict[str, float] = {
     "fp32": 4,
     "tf32": 4,
@@ -457,7 +475,8 @@ BYTES_PER_ELEMENT: dict[str, float] = {
 
 
 def bytes_per_element(dtype: str) -> float:
-    """Bytes one element of ``dtype`` occupies (int4: 0.5, two values packed per byte)."""
+    """Bytes one element of ``dtype`` occupies (int4: 0.5, two values packed per
+    byte)."""
     key = _ALIASES.get(str(dtype).lower().replace("torch.", ""), str(dtype).lower())
     if key not in BYTES_PER_ELEMENT:
         raise ValueError(
@@ -467,15 +486,16 @@ def bytes_per_element(dtype: str) -> float:
 
 
 def weight_bytes(n_params: int, dtype: str) -> float:
-    """Bytes to store ``n_params`` weights in ``dtype`` (no quantization scales, no padding)."""
+    """Bytes to store ``n_params`` weights in ``dtype`` (no quantization scales, no
+    padding)."""
     if n_params < 0:
         raise ValueError(f"n_params must be >= 0, got {n_params}")
     return n_params * bytes_per_element(dtype)
 
 
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # A text report: what the widget and the book print for one value
-# --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def _g(v: float) -> str:
     return f"{v:.10g}"
 
@@ -486,9 +506,10 @@ def describe_rows(
 ) -> list[dict[str, str]]:
     """How ``x`` is stored in each format, one dict of display strings per format.
 
-    Keys: ``format``, ``bits`` (sign exponent mantissa of the stored, rounded value), ``stored``,
-    ``next below`` / ``next above`` (nearest representable values strictly below and above
-    ``x``), ``ulp`` (the spacing at ``x``) and ``rel.err`` (relative rounding error).
+    Keys: ``format``, ``bits`` (sign exponent mantissa of the stored, rounded value),
+    ``stored``, ``next below`` / ``next above`` (nearest representable values strictly
+    below and above ``x``), ``ulp`` (the spacing at ``x``) and ``rel.err`` (relative
+    rounding error).
     """
     x = float(x)
     rows = []
@@ -518,11 +539,12 @@ def describe_value(
     x: float,
     formats: Iterable[str] = ("fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"),
 ) -> str:
-    """A table: how ``x`` is stored in each format (plain text; :func:`describe_rows` as dicts).
+    """A table: how ``x`` is stored in each format (plain text; :func:`describe_rows` as
+    dicts).
 
     Columns: the bit fields of the stored (rounded) value, the stored value, the nearest
-    representable values strictly below and above ``x``, the spacing (ulp) at ``x`` and the
-    relative rounding error.
+    representable values strictly below and above ``x``, the spacing (ulp) at ``x`` and
+    the relative rounding error.
     """
     x = float(x)
     rows = [

@@ -1,26 +1,30 @@
-"""A runnable FSDP2 (``fully_shard``) demo on the CPU: 2 processes, gloo, a tiny Llama (chapter 09).
+"""A runnable FSDP2 (``fully_shard``) demo on the CPU: 2 processes, gloo, a tiny Llama
+(chapter 09).
 
-:func:`run` spawns ``world_size`` processes with ``torch.multiprocessing`` (``spawn``), which
-rendezvous on 127.0.0.1 at a free port with the **gloo** backend (NCCL is GPU-only). Every rank:
+:func:`run` spawns ``world_size`` processes with ``torch.multiprocessing`` (``spawn``),
+which rendezvous on 127.0.0.1 at a free port with the **gloo** backend (NCCL is
+GPU-only). Every rank:
 
-(Ranks are forked from a ``forkserver`` that imported torch and transformers once; ``spawn``
-where forkserver does not exist.)
+(Ranks are forked from a ``forkserver`` that imported torch and transformers once;
+``spawn`` where forkserver does not exist.)
 
 1. builds the same tiny Llama (:func:`trainmem.models.build_model`, fp32, seed 0);
-2. applies ``fully_shard`` to each decoder layer, then to the root (bottom-up, as the FSDP2 docs
-   ask), and only **then** builds AdamW — the optimizer must see the sharded DTensor parameters;
+2. applies ``fully_shard`` to each decoder layer, then to the root (bottom-up, as the
+   FSDP2 docs ask), and only **then** builds AdamW — the optimizer must see the sharded
+   DTensor parameters;
 3. runs one training step on its own micro-batch (seed = ``seed + rank``);
-4. measures, from the local shards (``DTensor.to_local()``), the bytes of parameters, gradients
-   and optimizer states it holds, and — to show a pitfall — the *global* ``numel()`` the DTensors
-   report.
+4. measures, from the local shards (``DTensor.to_local()``), the bytes of parameters,
+   gradients and optimizer states it holds, and — to show a pitfall — the *global*
+   ``numel()`` the DTensors report.
 
 It also runs two pitfall checks inside the same processes: an optimizer built *before*
-``fully_shard`` (its parameters are no longer the module's, so the step changes nothing), and the
-bytes autograd saves for backward (activations) per rank, with and without FSDP, for the same
-micro-batch (ZeRO/FSDP does not shard activations).
+``fully_shard`` (its parameters are no longer the module's, so the step changes
+nothing), and the bytes autograd saves for backward (activations) per rank, with and
+without FSDP, for the same micro-batch (ZeRO/FSDP does not shard activations).
 
-Results come back as plain Python data (ints, floats, lists) so a notebook can print them and
-nbval can compare them. Sizes are in **bytes**; shapes are the parameters' global shapes.
+Results come back as plain Python data (ints, floats, lists) so a notebook can print
+them and nbval can compare them. Sizes are in **bytes**; shapes are the parameters'
+global shapes.
 """
 
 from __future__ import annotations
@@ -60,11 +64,13 @@ def _batch(vocab: int, seed: int, batch=DEFAULT_BATCH):
 
 
 def _saved_bytes(model, ids) -> int:
-    """Bytes of tensors autograd saves for backward during ``model(ids)``, weights excluded.
+    """Bytes of tensors autograd saves for backward during ``model(ids)``, weights
+    excluded.
 
-    While a module runs, the storages of its own weights (under FSDP: the all-gathered, unsharded
-    ones) are on a stack kept by forward pre-/post-hooks; a saved tensor sharing one of those live
-    storages is a weight, not an activation, and is not counted.
+    While a module runs, the storages of its own weights (under FSDP: the all-gathered,
+    unsharded ones) are on a stack kept by forward pre-/post-hooks; a saved tensor
+    sharing one of those live storages is a weight, not an activation, and is not
+    counted.
     """
     stack: list[set[int]] = []
 
@@ -133,7 +139,7 @@ def _worker(
             cfg = get_config(model_name)
             ids = _batch(cfg.vocab_size, seed + rank)
 
-            # --- the right order: shard, then build the optimizer ---------------------------
+            # --- the right order: shard, then build the optimizer ---------------------
             model = _shard(build_model(cfg, seed=seed), mesh)
             opt = torch.optim.AdamW(model.parameters(), lr=lr)
             start = [_local(p).detach().clone() for p in model.parameters()]
@@ -163,7 +169,7 @@ def _worker(
             loss_value = loss.detach().clone()
             dist.all_reduce(loss_value)  # mean loss over ranks, for a printout
 
-            # --- pitfall: optimizer built before fully_shard ---------------------------------
+            # --- pitfall: optimizer built before fully_shard --------------------------
             wrong = build_model(cfg, seed=seed)
             wrong_opt = torch.optim.AdamW(wrong.parameters(), lr=lr)
             _shard(wrong, mesh)
@@ -181,7 +187,7 @@ def _worker(
                 for q_ in wrong.parameters()
             )
 
-            # --- pitfall: activations are not sharded ----------------------------------------
+            # --- pitfall: activations are not sharded ---------------------------------
             saved_fsdp = _saved_bytes(_shard(build_model(cfg, seed=seed), mesh), ids)
             saved_plain = _saved_bytes(build_model(cfg, seed=seed), ids)
 
@@ -217,13 +223,13 @@ PRELOAD = [
 
 
 def _context(mp, start_method: str | None = None):
-    """A ``forkserver`` context that has imported :data:`PRELOAD` once (where the platform has
-    forkserver), else ``spawn``.
+    """A ``forkserver`` context that has imported :data:`PRELOAD` once (where the
+    platform has forkserver), else ``spawn``.
 
-    Each rank is then forked from a clean, single-threaded server process that already holds
-    torch and transformers, instead of importing them again in every rank (a few CPU-seconds each).
-    Never plain ``fork``: forking a process that has used OpenMP threads (a Jupyter kernel that ran
-    torch) can deadlock.
+    Each rank is then forked from a clean, single-threaded server process that already
+    holds torch and transformers, instead of importing them again in every rank (a few
+    CPU-seconds each). Never plain ``fork``: forking a process that has used OpenMP
+    threads (a Jupyter kernel that ran torch) can deadlock.
     """
     if start_method not in (None, "spawn", "forkserver"):
         raise ValueError(
@@ -244,15 +250,17 @@ def run(
     timeout: float = 120.0,
     start_method: str | None = None,
 ) -> list[dict]:
-    """Run the FSDP2 demo on ``world_size`` CPU processes; return one result dict per rank.
+    """Run the FSDP2 demo on ``world_size`` CPU processes; return one result dict per
+    rank.
 
-    Each dict: ``rank``, ``params`` (per parameter: ``name``, global ``shape``, ``global_numel``,
-    ``local_numel``, ``param_bytes``, ``grad_bytes``, ``optim_bytes``), the mean ``loss``, and the
-    pitfall measurements (``right_order_changed``/``wrong_order_changed``: parameter tensors the
-    step changed on this rank, ``saved_bytes_fsdp``, ``saved_bytes_plain``).
-    ``start_method``: ``None`` (forkserver where available, else spawn), ``"spawn"`` or
-    ``"forkserver"``. Raises ``RuntimeError`` with the worker's traceback if a rank fails, ``TimeoutError`` if the
-    ranks do not report within ``timeout`` seconds.
+    Each dict: ``rank``, ``params`` (per parameter: ``name``, global ``shape``,
+    ``global_numel``, ``local_numel``, ``param_bytes``, ``grad_bytes``,
+    ``optim_bytes``), the mean ``loss``, and the pitfall measurements
+    (``right_order_changed``/``wrong_order_changed``: parameter tensors the step changed
+    on this rank, ``saved_bytes_fsdp``, ``saved_bytes_plain``). ``start_method``:
+    ``None`` (forkserver where available, else spawn), ``"spawn"`` or ``"forkserver"``.
+    Raises ``RuntimeError`` with the worker's traceback if a rank fails,
+    ``TimeoutError`` if the ranks do not report within ``timeout`` seconds.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer ≥ 1, got {world_size!r}")
@@ -292,10 +300,11 @@ def run(
 
 
 def expected(params: list[dict], world_size: int, rank: int) -> dict:
-    """Per-rank bytes the formula predicts for fp32 weights + fp32 grads + AdamW (2 fp32 states).
+    """Per-rank bytes the formula predicts for fp32 weights + fp32 grads + AdamW (2 fp32
+    states).
 
-    Local elements follow :func:`trainmem.zero.fsdp_local_numel`; AdamW's ``step`` is one fp32
-    scalar per parameter tensor (4 bytes), present on every rank.
+    Local elements follow :func:`trainmem.zero.fsdp_local_numel`; AdamW's ``step`` is
+    one fp32 scalar per parameter tensor (4 bytes), present on every rank.
     """
     local = sum(zero.fsdp_local_numel(p["shape"], world_size, rank) for p in params)
     return dict(

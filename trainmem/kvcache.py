@@ -1,9 +1,10 @@
 """Inference memory: weights + KV cache, for MHA and GQA models (Llama-style configs).
 
-KV cache bytes = 2 (K and V) × layers × kv_heads × head_dim × context × batch × bytes/element.
-GQA shares each K/V head among ``num_attention_heads / num_key_value_heads`` query heads, so the
-cache shrinks by that factor. All results are ``int``/``float`` bytes; configs are the
-``transformers`` configs of :mod:`trainmem.models` (fields ``hidden_size``, ``num_hidden_layers``,
+KV cache bytes = 2 (K and V) × layers × kv_heads × head_dim × context × batch ×
+bytes/element. GQA shares each K/V head among ``num_attention_heads /
+num_key_value_heads`` query heads, so the cache shrinks by that factor. All results are
+``int``/``float`` bytes; configs are the ``transformers`` configs of
+:mod:`trainmem.models` (fields ``hidden_size``, ``num_hidden_layers``,
 ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``, ``vocab_size``,
 ``tie_word_embeddings``).
 """
@@ -26,10 +27,12 @@ def _head_dim(cfg) -> int:
 
 
 def param_count(cfg) -> int:
-    """Parameters of the decoder described by ``cfg`` (a ``transformers`` config or preset name).
+    """Parameters of the decoder described by ``cfg`` (a ``transformers`` config or
+    preset name).
 
-    The library's one config-based count, :func:`trainmem.estimate.count_params` (Qwen2's q/k/v
-    biases, tied embeddings and GPT-2 included), under the name this module has always used.
+    The library's one config-based count, :func:`trainmem.estimate.count_params`
+    (Qwen2's q/k/v biases, tied embeddings and GPT-2 included), under the name this
+    module has always used.
     """
     return count_params(cfg)
 
@@ -53,7 +56,8 @@ def kv_cache_bytes(cfg, batch: int, context: int, bytes_per_element: float = 2) 
 
 @dataclass(frozen=True)
 class InferenceMemory:
-    """Bytes of weights and KV cache; ``ratio`` = total / weights (the "1.2× weights" check)."""
+    """Bytes of weights and KV cache; ``ratio`` = total / weights (the "1.2× weights"
+    check)."""
 
     weights: float
     kv_cache: float
@@ -74,7 +78,8 @@ def inference_memory(
     weight_bytes: float = 2,
     kv_bytes: float = 2,
 ) -> InferenceMemory:
-    """Weights at ``weight_bytes`` per parameter (2 = bf16, ≈0.52 = NF4) + KV cache at ``kv_bytes``.
+    """Weights at ``weight_bytes`` per parameter (2 = bf16, ≈0.52 = NF4) + KV cache at
+    ``kv_bytes``.
 
     Activations of a forward pass at inference are transient and small next to these for
     decoding (one token at a time); they are not included.

@@ -2,17 +2,21 @@
 
     h = W0 x + (alpha / r) * B (A (dropout(x)))
 
-Shapes (PyTorch convention, ``nn.Linear`` stores ``weight`` as ``(out_features, in_features)``):
+Shapes (PyTorch convention, ``nn.Linear`` stores ``weight`` as ``(out_features,
+in_features)``):
 
 * ``W0``: ``(d, k)`` = ``(out_features, in_features)``, frozen;
-* ``A`` : ``(r, k)``, Kaiming-uniform (default, as loralib/peft) or Gaussian ``N(0, 1/r^2)``;
-* ``B`` : ``(d, r)``, zeros, so ``ΔW = B A = 0`` at step 0 and the model starts unchanged;
+* ``A`` : ``(r, k)``, Kaiming-uniform (default, as loralib/peft) or Gaussian ``N(0,
+  1/r^2)``;
+* ``B`` : ``(d, r)``, zeros, so ``ΔW = B A = 0`` at step 0 and the model starts
+  unchanged;
 * ``x`` : ``(..., k)`` → ``h``: ``(..., d)``.
 
-The layer stores ``lora_A`` / ``lora_B`` as bias-free ``nn.Linear`` modules, the way peft does, so
-the same seed draws the same random numbers in the same order and the two implementations agree
-numerically (tests/test_lora.py). Parameter counts: :func:`lora_param_count` (one matrix),
-:func:`lora_param_count_for_config` (a whole Llama-shaped model, from its config only).
+The layer stores ``lora_A`` / ``lora_B`` as bias-free ``nn.Linear`` modules, the way
+peft does, so the same seed draws the same random numbers in the same order and the two
+implementations agree numerically (tests/test_lora.py). Parameter counts:
+:func:`lora_param_count` (one matrix), :func:`lora_param_count_for_config` (a whole
+Llama-shaped model, from its config only).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ INITS = ("kaiming", "gaussian")
 
 
 def lora_param_count(d_in: int, d_out: int, r: int) -> int:
-    """Trainable parameters of one LoRA adapter on a ``d_out × d_in`` weight: ``r·(d_in + d_out)``."""
+    """Trainable parameters of one LoRA adapter on a ``d_out × d_in`` weight: ``r·(d_in
+    + d_out)``."""
     for name, v in (("d_in", d_in), ("d_out", d_out), ("r", r)):
         if int(v) != v or v < 1:
             raise ValueError(f"{name} must be an integer ≥ 1, got {v!r}")
@@ -35,11 +40,13 @@ def lora_param_count(d_in: int, d_out: int, r: int) -> int:
 
 
 def llama_linear_shapes(config) -> dict[str, tuple[int, int]]:
-    """``{module_suffix: (in_features, out_features)}`` of one Llama decoder layer, from its config.
+    """``{module_suffix: (in_features, out_features)}`` of one Llama decoder layer, from
+    its config.
 
-    ``k_proj``/``v_proj`` have ``num_key_value_heads · head_dim`` outputs (grouped-query attention).
-    The shapes come from the library's one reading of a config,
-    ``trainmem.estimate.model_shape(config).linear_shapes()`` (a GPT-2 config gives GPT-2's names).
+    ``k_proj``/``v_proj`` have ``num_key_value_heads · head_dim`` outputs (grouped-query
+    attention). The shapes come from the library's one reading of a config,
+    ``trainmem.estimate.model_shape(config).linear_shapes()`` (a GPT-2 config gives
+    GPT-2's names).
     """
     from .estimate import model_shape
 
@@ -47,10 +54,12 @@ def llama_linear_shapes(config) -> dict[str, tuple[int, int]]:
 
 
 def lora_param_count_for_config(config, target_modules: Iterable[str], r: int) -> int:
-    """Trainable LoRA parameters for a Llama-shaped ``config`` (formula only, nothing is built).
+    """Trainable LoRA parameters for a Llama-shaped ``config`` (formula only, nothing is
+    built).
 
-    Sum over layers and targets of ``r·(in + out)``. ``target_modules`` are module-name suffixes
-    from :func:`llama_linear_shapes`; an unknown name raises ``ValueError`` listing the allowed ones.
+    Sum over layers and targets of ``r·(in + out)``. ``target_modules`` are module-name
+    suffixes from :func:`llama_linear_shapes`; an unknown name raises ``ValueError``
+    listing the allowed ones.
     """
     shapes = llama_linear_shapes(config)
     targets = list(target_modules)
@@ -64,7 +73,8 @@ def lora_param_count_for_config(config, target_modules: Iterable[str], r: int) -
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """``(trainable, total)`` parameter counts (elements, not bytes); works on the meta device."""
+    """``(trainable, total)`` parameter counts (elements, not bytes); works on the meta
+    device."""
     trainable = total = 0
     for p in model.parameters():
         total += p.numel()
@@ -77,12 +87,14 @@ class LoRALinear(nn.Module):
     """``h = base(x) + (alpha / r) · lora_B(lora_A(dropout(x)))`` with ``base`` frozen.
 
     Args:
-        base: the ``nn.Linear`` to adapt; its weight (and bias) get ``requires_grad=False``.
-        r: rank, ``1 ≤ r ≤ min(in_features, out_features)``.
+        base: the ``nn.Linear`` to adapt; its weight (and bias) get
+        ``requires_grad=False``. r: rank, ``1 ≤ r ≤ min(in_features, out_features)``.
         alpha: scaling numerator; the adapter output is multiplied by ``alpha / r``.
-        dropout: dropout probability on the adapter input only (the base path never drops).
-        init: ``"kaiming"`` (A ~ Kaiming-uniform, a=√5, as nn.Linear/peft) or ``"gaussian"``
-            (A ~ N(0, (1/r)²), peft's ``init_lora_weights="gaussian"``). B is always zeros.
+        dropout: dropout probability on the adapter input only (the base path never
+        drops). init: ``"kaiming"`` (A ~ Kaiming-uniform, a=√5, as nn.Linear/peft) or
+        ``"gaussian"``
+            (A ~ N(0, (1/r)²), peft's ``init_lora_weights="gaussian"``). B is always
+            zeros.
     """
 
     def __init__(
@@ -112,12 +124,10 @@ class LoRALinear(nn.Module):
         self.r, self.alpha, self.scaling = r, alpha, alpha / r
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         dev, dt = base.weight.device, base.weight.dtype
-        self.lora_A = nn.Linear(
-            d_in, r, bias=False, device=dev, dtype=dt
-        )  # weight: (r, k)
-        self.lora_B = nn.Linear(
-            r, d_out, bias=False, device=dev, dtype=dt
-        )  # weight: (d, r)
+        # weight: (r, k)
+        self.lora_A = nn.Linear(d_in, r, bias=False, device=dev, dtype=dt)
+        # weight: (d, r)
+        self.lora_B = nn.Linear(r, d_out, bias=False, device=dev, dtype=dt)
         self.reset_parameters(init)
         self.merged = False
 
@@ -130,7 +140,8 @@ class LoRALinear(nn.Module):
         return self.base.out_features
 
     def reset_parameters(self, init: str = "kaiming") -> None:
-        """A random (``init``), B zero → ΔW = 0: the adapted model starts as the base model."""
+        """A random (``init``), B zero → ΔW = 0: the adapted model starts as the base
+        model."""
         if init == "kaiming":
             nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         else:
@@ -149,7 +160,8 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merge(self) -> None:
-        """Fold ΔW into the base weight (``W0 ← W0 + ΔW``) for inference with zero overhead."""
+        """Fold ΔW into the base weight (``W0 ← W0 + ΔW``) for inference with zero
+        overhead."""
         if self.merged:
             raise RuntimeError(
                 "merge() called on an already merged LoRALinear (would add ΔW twice)"
@@ -159,7 +171,8 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def unmerge(self) -> None:
-        """Undo :meth:`merge` (``W0 ← W0 − ΔW``); exact up to floating-point rounding."""
+        """Undo :meth:`merge` (``W0 ← W0 − ΔW``); exact up to floating-point
+        rounding."""
         if not self.merged:
             raise RuntimeError("unmerge() called on a LoRALinear that is not merged")
         self.base.weight -= self.delta_weight().to(self.base.weight.dtype)
@@ -181,13 +194,15 @@ def inject_lora(
     dropout: float = 0.0,
     init: str = "kaiming",
 ) -> list[str]:
-    """Replace every ``nn.Linear`` whose name ends with a target by a :class:`LoRALinear`, in place.
+    """Replace every ``nn.Linear`` whose name ends with a target by a
+    :class:`LoRALinear`, in place.
 
-    All other parameters are frozen (only A and B train), as peft does; adapters injected by an
-    earlier call stay trainable, so two calls can give different ranks to different modules. Modules are visited in
-    ``model.named_modules()`` order, like peft, so the same seed gives the same A matrices.
-    Returns the replaced module names. Raises ``ValueError`` when a target matches no linear
-    module (listing the available suffixes) or when ``target_modules`` is empty.
+    All other parameters are frozen (only A and B train), as peft does; adapters
+    injected by an earlier call stay trainable, so two calls can give different ranks to
+    different modules. Modules are visited in ``model.named_modules()`` order, like
+    peft, so the same seed gives the same A matrices. Returns the replaced module names.
+    Raises ``ValueError`` when a target matches no linear module (listing the available
+    suffixes) or when ``target_modules`` is empty.
     """
     targets = (
         [target_modules] if isinstance(target_modules, str) else list(target_modules)
@@ -247,7 +262,8 @@ def unmerge_lora(model: nn.Module) -> int:
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Only the adapter tensors (``…lora_A.weight``, ``…lora_B.weight``): what needs saving."""
+    """Only the adapter tensors (``…lora_A.weight``, ``…lora_B.weight``): what needs
+    saving."""
     return {
         k: v
         for k, v in model.state_dict().items()
@@ -256,12 +272,14 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def rank_sweep(delta: torch.Tensor, ranks: Iterable[int]) -> list[dict]:
-    """How well a rank-``r`` LoRA *could* represent a weight change ``delta`` (``d × k``).
+    """How well a rank-``r`` LoRA *could* represent a weight change ``delta`` (``d ×
+    k``).
 
-    For each ``r`` the best rank-``r`` approximation is the truncated SVD (Eckart–Young), so
-    ``rel_error = ‖ΔW − ΔW_r‖_F / ‖ΔW‖_F = sqrt(Σ_{i>r} σ_i² / Σ_i σ_i²)`` is the smallest error any
-    ``B A`` of rank ``r`` reaches. Rows: ``{"r", "lora_params" (r·(d+k)), "full_params" (d·k),
-    "rel_error", "energy" (1 − rel_error²)}``. ``r`` must be an integer in ``1..min(d, k)``.
+    For each ``r`` the best rank-``r`` approximation is the truncated SVD
+    (Eckart–Young), so ``rel_error = ‖ΔW − ΔW_r‖_F / ‖ΔW‖_F = sqrt(Σ_{i>r} σ_i² / Σ_i
+    σ_i²)`` is the smallest error any ``B A`` of rank ``r`` reaches. Rows: ``{"r",
+    "lora_params" (r·(d+k)), "full_params" (d·k), "rel_error", "energy" (1 −
+    rel_error²)}``. ``r`` must be an integer in ``1..min(d, k)``.
     """
     if delta.ndim != 2:
         raise ValueError(f"delta must be a 2-D matrix, got shape {tuple(delta.shape)}")

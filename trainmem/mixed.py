@@ -1,9 +1,10 @@
-"""FP32 master weights for an FP16 model, and the rounding facts that make them necessary.
+"""FP32 master weights for an FP16 model, and the rounding facts that make them
+necessary.
 
-The classic mixed-precision recipe (Micikevicius et al., 2018) keeps the model in FP16 for the
-forward and backward passes, and a separate FP32 copy of every parameter (the *master weights*)
-that the optimizer updates. Each step: FP16 grads → FP32 → optimizer step on the master copy →
-copy the master weights back into the FP16 model.
+The classic mixed-precision recipe (Micikevicius et al., 2018) keeps the model in FP16
+for the forward and backward passes, and a separate FP32 copy of every parameter (the
+*master weights*) that the optimizer updates. Each step: FP16 grads → FP32 → optimizer
+step on the master copy → copy the master weights back into the FP16 model.
 
 Functions here are plain and CPU-friendly (FP16 matmuls run on the CPU in torch ≥ 2.1).
 """
@@ -33,10 +34,11 @@ def _dtype(dtype: torch.dtype | str) -> torch.dtype:
 def spacing(
     x: float, dtype: torch.dtype | str = torch.float16, direction: str = "up"
 ) -> float:
-    """Distance from ``x`` (representable in ``dtype``) to its neighbour ``"up"`` or ``"down"``.
+    """Distance from ``x`` (representable in ``dtype``) to its neighbour ``"up"`` or
+    ``"down"``.
 
-    Example: ``spacing(0.5, fp16, "up") == 2**-11`` and ``spacing(0.5, fp16, "down") == 2**-12``
-    (0.5 is a power of two, so the grid below it is twice as fine).
+    Example: ``spacing(0.5, fp16, "up") == 2**-11`` and ``spacing(0.5, fp16, "down") ==
+    2**-12`` (0.5 is a power of two, so the grid below it is twice as fine).
     """
     if direction not in ("up", "down"):
         raise ValueError(f"direction must be 'up' or 'down', got {direction!r}")
@@ -51,18 +53,21 @@ def spacing(
 def update_survives(
     w: float, delta: float, dtype: torch.dtype | str = torch.float16
 ) -> bool:
-    """True when ``w + delta`` computed and stored in ``dtype`` differs from ``w`` in ``dtype``."""
+    """True when ``w + delta`` computed and stored in ``dtype`` differs from ``w`` in
+    ``dtype``."""
     dt = _dtype(dtype)
     wt = torch.tensor(w, dtype=dt)
     return bool((wt + torch.tensor(delta, dtype=dt)) != wt)
 
 
 class MasterWeights:
-    """FP32 master copies of a low-precision model's parameters, and the step that uses them.
+    """FP32 master copies of a low-precision model's parameters, and the step that uses
+    them.
 
-    ``model`` holds FP16 (or BF16) parameters; ``optimizer_fn`` builds the optimizer over the FP32
-    copies (so Adam's m and v are FP32 too). ``step()``: copy grads (low precision → FP32, divided
-    by ``grad_scale``), optimizer step on the FP32 copies, copy them back into the model.
+    ``model`` holds FP16 (or BF16) parameters; ``optimizer_fn`` builds the optimizer
+    over the FP32 copies (so Adam's m and v are FP32 too). ``step()``: copy grads (low
+    precision → FP32, divided by ``grad_scale``), optimizer step on the FP32 copies,
+    copy them back into the model.
     """
 
     def __init__(
@@ -77,7 +82,8 @@ class MasterWeights:
         self.optimizer = optimizer_fn(self.master)
 
     def step(self, grad_scale: float = 1.0) -> bool:
-        """One update; returns False (and changes nothing) if any gradient is inf/NaN."""
+        """One update; returns False (and changes nothing) if any gradient is
+        inf/NaN."""
         for mp, p in zip(self.master, self.model_params):
             mp.grad = None if p.grad is None else p.grad.float() / grad_scale
         if any(
@@ -100,9 +106,11 @@ class MasterWeights:
 
 @dataclass
 class RegressionTask:
-    """y = X @ w_true with small targeted steps: the FP16 weight update is below half a spacing.
+    """y = X @ w_true with small targeted steps: the FP16 weight update is below half a
+    spacing.
 
-    ``X``: (n, d) standard normal; weights start at ``w0`` (0.5 everywhere, the seed's example).
+    ``X``: (n, d) standard normal; weights start at ``w0`` (0.5 everywhere, the seed's
+    example).
     """
 
     n: int = 64
@@ -123,9 +131,10 @@ def train_regression(
 ) -> list[float]:
     """FP32 loss after each SGD step of a linear model on :class:`RegressionTask`.
 
-    ``mode``: ``"fp32"`` (reference), ``"fp16"`` (pure FP16 weights updated in place), or
-    ``"fp16_master"`` (FP16 forward/backward, FP32 master weights). Returns ``steps + 1`` losses
-    (before the first step and after each), computed in FP32 from the weights the model holds.
+    ``mode``: ``"fp32"`` (reference), ``"fp16"`` (pure FP16 weights updated in place),
+    or ``"fp16_master"`` (FP16 forward/backward, FP32 master weights). Returns ``steps +
+    1`` losses (before the first step and after each), computed in FP32 from the weights
+    the model holds.
     """
     if mode not in ("fp32", "fp16", "fp16_master"):
         raise ValueError(f"mode must be one of fp32, fp16, fp16_master, got {mode!r}")

@@ -1,9 +1,10 @@
-"""Model configs and builders: named presets (no downloads) and tiny models for CPU runs.
+"""Model configs and builders: named presets (no downloads) and tiny models for CPU
+runs.
 
-Every preset is a plain ``transformers`` config with the published shape of that model, so a
-model can be built with random weights (``build_model``), on the meta device (no memory at all),
-or measured under fake tensors. Numbers that matter (hidden size, layers, vocab) are those of the
-public config files of each model.
+Every preset is a plain ``transformers`` config with the published shape of that model,
+so a model can be built with random weights (``build_model``), on the meta device (no
+memory at all), or measured under fake tensors. Numbers that matter (hidden size,
+layers, vocab) are those of the public config files of each model.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported lazily: the estimator needs no torch
     import torch
 
-# Published shapes (config.json of each model). Only fields that change memory are listed.
+# Published shapes (config.json of each model). Only fields that change memory are
+# listed.
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-7b": dict(
         arch="llama",
@@ -135,7 +137,8 @@ def preset_names() -> list[str]:
 
 
 def get_config(name: str, **overrides: Any):
-    """A ``transformers`` config for preset ``name`` (see :data:`PRESETS`), with ``overrides``.
+    """A ``transformers`` config for preset ``name`` (see :data:`PRESETS`), with
+    ``overrides``.
 
     Raises ``ValueError`` naming the allowed presets for an unknown name.
     """
@@ -177,7 +180,8 @@ def build_model(
     seed: int = 0,
     attn_implementation: str | None = None,
 ):
-    """A causal LM from ``config`` with random weights (seeded), on ``device`` (``"meta"`` allowed)."""
+    """A causal LM from ``config`` with random weights (seeded), on ``device``
+    (``"meta"`` allowed)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -194,9 +198,10 @@ def build_model(
 
 _ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gpt2": "gpt2"}
 
-# Where transformers is not installed (Pyodide in the book's calculator) a config file becomes a
-# PlainConfig: its own fields plus the defaults that the transformers config class of its
-# model_type gives the fields the estimator reads (tests/test_calculator.py compares the two).
+# Where transformers is not installed (Pyodide in the book's calculator) a config file
+# becomes a PlainConfig: its own fields plus the defaults that the transformers config
+# class of its model_type gives the fields the estimator reads (tests/test_calculator.py
+# compares the two).
 _PLAIN_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(
         num_key_value_heads=None,
@@ -212,18 +217,20 @@ _PLAIN_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 class PlainConfig(SimpleNamespace):
-    """The fields of a config.json as attributes (a stand-in for a transformers config)."""
+    """The fields of a config.json as attributes (a stand-in for a transformers
+    config)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
 
 
 def load_config_file(path: str):
-    """A ``transformers`` config built from an HF-style ``config.json`` file (no download).
+    """A ``transformers`` config built from an HF-style ``config.json`` file (no
+    download).
 
-    Supported ``model_type`` values: llama, mistral, qwen2, gpt2. Raises ``ValueError`` with one
-    line naming the file and what is wrong (missing, not JSON, not an object, unknown model_type,
-    missing size fields).
+    Supported ``model_type`` values: llama, mistral, qwen2, gpt2. Raises ``ValueError``
+    with one line naming the file and what is wrong (missing, not JSON, not an object,
+    unknown model_type, missing size fields).
     """
     from .estimate import OptionError
 

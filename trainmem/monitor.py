@@ -1,17 +1,21 @@
-"""Peak-memory monitoring per training step (the guide's "每30秒记录一次显存", done properly).
+"""Peak-memory monitoring per training step (the guide's "每30秒记录一次显存", done
+properly).
 
-Sampling memory on a wall-clock timer misses the peak: the peak of a training step lasts a few
-milliseconds (end of forward / start of backward). What you want is the *peak since the last
-record*, logged once per step:
+Sampling memory on a wall-clock timer misses the peak: the peak of a training step lasts
+a few milliseconds (end of forward / start of backward). What you want is the *peak
+since the last record*, logged once per step:
 
-* CUDA: ``torch.cuda.max_memory_allocated()`` then ``torch.cuda.reset_peak_memory_stats()``.
+* CUDA: ``torch.cuda.max_memory_allocated()`` then
+  ``torch.cuda.reset_peak_memory_stats()``.
 * CPU (this course's CI machine): :class:`TensorMemoryTracker` (a
-  :class:`trainmem.tracker.MemoryTracker`) counts the bytes of every tensor storage created by an
-  operator while it is active and notices when a storage is freed, so it
-  knows the live bytes and the peak at operator granularity. It is exact for tensors; it does not
-  see temporaries that a kernel allocates and frees inside one operator, nor allocator rounding.
+  :class:`trainmem.tracker.MemoryTracker`) counts the bytes of every tensor storage
+  created by an operator while it is active and notices when a storage is freed, so it
+  knows the live bytes and the peak at operator granularity. It is exact for tensors; it
+  does not see temporaries that a kernel allocates and frees inside one operator, nor
+  allocator rounding.
 
-All byte counts are plain ``int`` bytes; convert with ``/ 2**20`` (MiB) or ``/ 2**30`` (GiB).
+All byte counts are plain ``int`` bytes; convert with ``/ 2**20`` (MiB) or ``/ 2**30``
+(GiB).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ __all__ = ["TensorMemoryTracker", "PeakMemoryMonitor", "StepRecord", "storage_by
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count
+    once)."""
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
@@ -38,17 +43,19 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 class TensorMemoryTracker(MemoryTracker):
-    """Live and peak bytes of tensor storages created by operators inside the ``with`` block.
+    """Live and peak bytes of tensor storages created by operators inside the ``with``
+    block.
 
     A :class:`trainmem.tracker.MemoryTracker` with three rules of its own:
 
-    * an op output whose storage is one of the op's inputs (in-place ops, views) is not new memory;
-      storages of size 0 and ``meta`` tensors are ignored;
-    * ``baseline`` tensors (e.g. ``model.parameters()``) that existed before are added to the
-      count once, as a constant, so ``peak_bytes`` is comparable with
+    * an op output whose storage is one of the op's inputs (in-place ops, views) is not
+      new memory; storages of size 0 and ``meta`` tensors are ignored;
+    * ``baseline`` tensors (e.g. ``model.parameters()``) that existed before are added
+      to the count once, as a constant, so ``peak_bytes`` is comparable with
       ``torch.cuda.max_memory_allocated`` (minus rounding);
-    * frees are settled at the next operator (and by :meth:`reset_peak`), so ``current_bytes``
-      read between operators still includes storages freed since the last one.
+    * frees are settled at the next operator (and by :meth:`reset_peak`), so
+      ``current_bytes`` read between operators still includes storages freed since the
+      last one.
 
     >>> with TensorMemoryTracker() as tr:
     ...     x = torch.zeros(1024)            # 4096 bytes
@@ -68,12 +75,14 @@ class TensorMemoryTracker(MemoryTracker):
 
     @property
     def current_bytes(self) -> int:
-        """Live bytes (baseline included) as of the last operator or :meth:`reset_peak`."""
+        """Live bytes (baseline included) as of the last operator or
+        :meth:`reset_peak`."""
         return self.current
 
     @property
     def peak_bytes(self) -> int:
-        """Peak of ``current_bytes`` since entering the block or the last :meth:`reset_peak`."""
+        """Peak of ``current_bytes`` since entering the block or the last
+        :meth:`reset_peak`."""
         return self.peak
 
     def _release(self, nbytes: int) -> None:
@@ -99,14 +108,16 @@ class TensorMemoryTracker(MemoryTracker):
         return out
 
     def reset_peak(self) -> None:
-        """Start a new peak window at the current live bytes (like ``reset_peak_memory_stats``)."""
+        """Start a new peak window at the current live bytes (like
+        ``reset_peak_memory_stats``)."""
         self._sweep()
         super().reset_peak()
 
 
 @dataclass
 class StepRecord:
-    """One logged step: ``peak_bytes`` since the previous record, ``live_bytes`` at its end."""
+    """One logged step: ``peak_bytes`` since the previous record, ``live_bytes`` at its
+    end."""
 
     step: int
     peak_bytes: int
@@ -115,7 +126,8 @@ class StepRecord:
 
 @dataclass
 class PeakMemoryMonitor:
-    """Log peak memory once per step, on CUDA or (via :class:`TensorMemoryTracker`) on CPU.
+    """Log peak memory once per step, on CUDA or (via :class:`TensorMemoryTracker`) on
+    CPU.
 
     Use as a context manager around the training loop and call :meth:`step` after each
     optimizer step::
@@ -126,7 +138,8 @@ class PeakMemoryMonitor:
                 mon.step(i)
         mon.records   # [StepRecord(step=0, peak_bytes=..., live_bytes=...), ...]
 
-    ``warn_bytes``: when a step's peak exceeds it, ``warnings`` gets that step (a budget check).
+    ``warn_bytes``: when a step's peak exceeds it, ``warnings`` gets that step (a budget
+    check).
     """
 
     device: str | torch.device = "cpu"

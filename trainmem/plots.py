@@ -1,7 +1,8 @@
-"""Static figures for the number-format chapter (matplotlib; figure text in English/math only).
+"""Static figures for the number-format chapter (matplotlib; figure text in English/math
+only).
 
-Each function draws on a given ``ax`` (or a new figure) and returns the figure, so a notebook cell
-can ``plt.show()`` it and a widget can redraw it.
+Each function draws on a given ``ax`` (or a new figure) and returns the figure, so a
+notebook cell can ``plt.show()`` it and a widget can redraw it.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ def plot_spacing(
     xlim=(1e-12, 1e6),
     points: int = 4000,
 ):
-    """Grid spacing (ulp) versus magnitude |x| on log-log axes, one staircase per format.
+    """Grid spacing (ulp) versus magnitude |x| on log-log axes, one staircase per
+    format.
 
-    A line stops at the format's largest finite value; where it turns flat on the left, the
-    format has entered its subnormal range (constant spacing = smallest subnormal).
+    A line stops at the format's largest finite value; where it turns flat on the left,
+    the format has entered its subnormal range (constant spacing = smallest subnormal).
     """
     fig, ax = _axes(ax)
     x = np.logspace(np.log10(xlim[0]), np.log10(xlim[1]), points)
@@ -72,7 +74,8 @@ def plot_spacing(
 
 
 def plot_ranges(formats: Iterable[str] = DEFAULT_FORMATS, ax=None):
-    """Representable positive range per format: subnormals (light) and normals (solid), log scale."""
+    """Representable positive range per format: subnormals (light) and normals (solid),
+    log scale."""
     fig, ax = _axes(ax)
     names = list(formats)
     for i, name in enumerate(names):
@@ -113,7 +116,8 @@ def format_overview(formats: Iterable[str] = DEFAULT_FORMATS):
 def plot_magnitude_histogram(
     values, thresholds: Sequence[tuple[str, float]], ax=None, bins: int = 80
 ):
-    """Histogram of log10|values| with labelled vertical lines at ``thresholds`` (label, value)."""
+    """Histogram of log10|values| with labelled vertical lines at ``thresholds`` (label,
+    value)."""
     fig, ax = _axes(ax)
     v = np.abs(np.asarray(values, dtype=np.float64))
     v = v[v > 0]

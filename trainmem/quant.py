@@ -1,13 +1,16 @@
-"""Quantisation in a few lines of torch: blockwise 8-bit Adam states, INT8/NF4 weights, and the
-bytes per parameter each really costs (quantisation constants included).
+"""Quantisation in a few lines of torch: blockwise 8-bit Adam states, INT8/NF4 weights,
+and the bytes per parameter each really costs (quantisation constants included).
 
 Conventions
 -----------
-* A *code* is a sorted 1-D float32 tensor of representable values in [-1, 1] (256 entries for
-  8 bits, 16 for 4 bits). Quantising ``x`` means: split into blocks, divide each block by its
-  absolute maximum (``absmax``, one float32 per block), store the index of the nearest code value.
-* Byte counts are bytes (``float``, because constants are fractions of a byte per parameter).
-* Shapes: ``quantize_blockwise`` flattens its input; ``dequantize_blockwise`` restores the shape.
+* A *code* is a sorted 1-D float32 tensor of representable values in [-1, 1] (256
+  entries for 8 bits, 16 for 4 bits). Quantising ``x`` means: split into blocks, divide
+  each block by its absolute maximum (``absmax``, one float32 per block), store the
+  index of the nearest code value.
+* Byte counts are bytes (``float``, because constants are fractions of a byte per
+  parameter).
+* Shapes: ``quantize_blockwise`` flattens its input; ``dequantize_blockwise`` restores
+  the shape.
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------------- codes
+# ----------------------------------------------------------------------------------
+# codes
 def linear_code(bits: int = 8, signed: bool = True) -> torch.Tensor:
-    """Evenly spaced code: signed → 2^bits − 1 values in [-1, 1] (symmetric, 0 included); unsigned → 2^bits in [0, 1]."""
+    """Evenly spaced code: signed → 2^bits − 1 values in [-1, 1] (symmetric, 0
+    included); unsigned → 2^bits in [0, 1]."""
     if bits < 2 or bits > 8:
         raise ValueError(f"bits must be in 2..8, got {bits}")
     n = 2**bits
@@ -48,11 +53,13 @@ def linear_code(bits: int = 8, signed: bool = True) -> torch.Tensor:
 
 
 def dynamic_code(signed: bool = True) -> torch.Tensor:
-    """The 8-bit *dynamic* code of 8-bit optimizers (Dettmers et al. 2022, "dynamic tree").
+    """The 8-bit *dynamic* code of 8-bit optimizers (Dettmers et al. 2022, "dynamic
+    tree").
 
-    Values are ``10^-e · fraction``: exponent ``e`` spans 7 decades, the fraction gets more bits
-    for larger values. Small magnitudes (typical of Adam's second moment) keep relative precision,
-    which a linear code would flush to zero. 256 sorted values in [-1, 1] (signed) or [0, 1].
+    Values are ``10^-e · fraction``: exponent ``e`` spans 7 decades, the fraction gets
+    more bits for larger values. Small magnitudes (typical of Adam's second moment) keep
+    relative precision, which a linear code would flush to zero. 256 sorted values in
+    [-1, 1] (signed) or [0, 1].
     """
     values = [0.0, 1.0]
     for i in range(7):  # decade 10^(i-6)
@@ -67,10 +74,11 @@ def dynamic_code(signed: bool = True) -> torch.Tensor:
 
 
 def nf4_code() -> torch.Tensor:
-    """The 16 NormalFloat-4 values (Dettmers et al. 2023, QLoRA): quantiles of N(0, 1), scaled to [-1, 1].
+    """The 16 NormalFloat-4 values (Dettmers et al. 2023, QLoRA): quantiles of N(0, 1),
+    scaled to [-1, 1].
 
-    Eight positive and seven negative quantiles plus an exact zero (asymmetric so that 0 is
-    representable). Matches the table in bitsandbytes to ~1e-7.
+    Eight positive and seven negative quantiles plus an exact zero (asymmetric so that 0
+    is representable). Matches the table in bitsandbytes to ~1e-7.
     """
     normal = torch.distributions.Normal(0.0, 1.0)
     offset = 0.9677083
@@ -80,10 +88,12 @@ def nf4_code() -> torch.Tensor:
     return (v / v.abs().max()).to(torch.float32)
 
 
-# ---------------------------------------------------------------------- blockwise quantiser
+# ---------------------------------------------------------------------- blockwise
+# quantiser
 @dataclass
 class Quantized:
-    """``codes`` (uint8 indices into ``code``), ``absmax`` (float32, one per block), original shape."""
+    """``codes`` (uint8 indices into ``code``), ``absmax`` (float32, one per block),
+    original shape."""
 
     codes: torch.Tensor
     absmax: torch.Tensor
@@ -92,7 +102,8 @@ class Quantized:
     block_size: int
 
     def nbytes(self, index_bits: int = 8) -> float:
-        """Storage in bytes: indices at ``index_bits`` each + 4 bytes per absmax (code table not counted)."""
+        """Storage in bytes: indices at ``index_bits`` each + 4 bytes per absmax (code
+        table not counted)."""
         return self.codes.numel() * index_bits / 8 + self.absmax.numel() * 4
 
 
@@ -104,7 +115,8 @@ def _nearest(x: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
 def quantize_blockwise(
     x: torch.Tensor, code: torch.Tensor, block_size: int = 256
 ) -> Quantized:
-    """Blockwise absmax quantisation of ``x`` (any shape) onto ``code``; last block may be short."""
+    """Blockwise absmax quantisation of ``x`` (any shape) onto ``code``; last block may
+    be short."""
     if block_size < 1:
         raise ValueError(f"block_size must be ≥ 1, got {block_size}")
     flat = x.detach().reshape(-1).float()
@@ -120,7 +132,8 @@ def quantize_blockwise(
 def dequantize_blockwise(
     qx: Quantized, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_blockwise` (up to rounding): ``code[codes] * absmax``."""
+    """Inverse of :func:`quantize_blockwise` (up to rounding): ``code[codes] *
+    absmax``."""
     n = qx.codes.numel()
     vals = qx.code.to(qx.codes.device)[qx.codes.long()]
     pad = (-n) % qx.block_size
@@ -135,26 +148,29 @@ def double_quantize_absmax(
 ) -> tuple[torch.Tensor, float]:
     """QLoRA's double quantisation: the float32 absmax constants themselves → 8 bits.
 
-    Subtract their mean (they are all positive), quantise blockwise with the signed dynamic code,
-    one float32 constant per ``block_size`` constants. Returns (dequantised absmax, bytes per
-    original constant), the latter being ``1 + 4 / block_size``.
+    Subtract their mean (they are all positive), quantise blockwise with the signed
+    dynamic code, one float32 constant per ``block_size`` constants. Returns
+    (dequantised absmax, bytes per original constant), the latter being ``1 + 4 /
+    block_size``.
     """
     mean = absmax.mean()
     q = quantize_blockwise(absmax - mean, dynamic_code(signed=True), block_size)
     return dequantize_blockwise(q) + mean, 1 + 4 / block_size
 
 
-# --------------------------------------------------------------------------- 8-bit AdamW
+# --------------------------------------------------------------------------- 8-bit
+# AdamW
 class AdamW8bit(torch.optim.Optimizer):
     """AdamW whose two moment tensors are stored blockwise-quantised to 8 bits.
 
-    Each step: dequantise m and v (float32), do the ordinary AdamW update, quantise them back.
-    ``m`` uses the signed dynamic code, ``v`` (never negative) the unsigned one; each block of
-    ``block_size`` values carries one float32 absmax (256 as in bitsandbytes since 0.44; the
-    8-bit optimizers paper used 2048). Tensors with fewer than ``min_8bit_size``
-    elements keep float32 states (as bitsandbytes does, default 4096).
-    ``code="linear"`` uses evenly spaced codes instead — a deliberately bad choice the book uses
-    to show why the dynamic code exists (small ``v`` entries round to zero → huge steps).
+    Each step: dequantise m and v (float32), do the ordinary AdamW update, quantise them
+    back. ``m`` uses the signed dynamic code, ``v`` (never negative) the unsigned one;
+    each block of ``block_size`` values carries one float32 absmax (256 as in
+    bitsandbytes since 0.44; the 8-bit optimizers paper used 2048). Tensors with fewer
+    than ``min_8bit_size`` elements keep float32 states (as bitsandbytes does, default
+    4096). ``code="linear"`` uses evenly spaced codes instead — a deliberately bad
+    choice the book uses to show why the dynamic code exists (small ``v`` entries round
+    to zero → huge steps).
     """
 
     def __init__(
@@ -223,7 +239,8 @@ class AdamW8bit(torch.optim.Optimizer):
 
 
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> float:
-    """Bytes held by an optimizer's state: tensors at their size, :class:`Quantized` via ``nbytes``."""
+    """Bytes held by an optimizer's state: tensors at their size, :class:`Quantized` via
+    ``nbytes``."""
     total = 0.0
     for st in opt.state.values():
         for val in st.values():
@@ -235,10 +252,11 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> float:
 
 
 def adam_state_bytes_per_param(bits: int = 32, block_size: int = 256) -> float:
-    """Adam(W) state bytes per parameter: two moments at ``bits`` + one float32 absmax per block each.
+    """Adam(W) state bytes per parameter: two moments at ``bits`` + one float32 absmax
+    per block each.
 
-    ``bits=32`` → 8.0; ``bits=8`` with bitsandbytes' block of 256 (since 0.44) → 2 × (1 + 4/256)
-    = 2.03125; with the paper's 2048 → 2.00390625.
+    ``bits=32`` → 8.0; ``bits=8`` with bitsandbytes' block of 256 (since 0.44) → 2 × (1
+    + 4/256) = 2.03125; with the paper's 2048 → 2.00390625.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be ≥ 1, got {block_size}")
@@ -249,18 +267,21 @@ def adam_state_bytes_per_param(bits: int = 32, block_size: int = 256) -> float:
     return 2 * (1 + 4 / block_size)
 
 
-# -------------------------------------------------------------------- weight quantisation
+# -------------------------------------------------------------------- weight
+# quantisation
 GRANULARITIES = ("tensor", "channel", "group")
 
 
 def quantize_int8_absmax(
     w: torch.Tensor, granularity: str = "channel", group_size: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric absmax INT8 quantisation of a 2-D weight ``(out, in)``; returns (int8 q, scale).
+    """Symmetric absmax INT8 quantisation of a 2-D weight ``(out, in)``; returns (int8
+    q, scale).
 
-    ``granularity``: ``"tensor"`` (one scale), ``"channel"`` (one per output row), ``"group"`` (one
-    per ``group_size`` consecutive inputs of a row). ``w ≈ q * scale`` with ``scale`` broadcastable
-    after reshaping to ``(out, in // group_size, group_size)`` for groups. Use :func:`dequantize_int8`.
+    ``granularity``: ``"tensor"`` (one scale), ``"channel"`` (one per output row),
+    ``"group"`` (one per ``group_size`` consecutive inputs of a row). ``w ≈ q * scale``
+    with ``scale`` broadcastable after reshaping to ``(out, in // group_size,
+    group_size)`` for groups. Use :func:`dequantize_int8`.
     """
     if w.dim() != 2:
         raise ValueError(f"w must be 2-D (out, in), got shape {tuple(w.shape)}")
@@ -298,7 +319,8 @@ def int8_bytes_per_param(
     group_size: int = 128,
     scale_bytes: int = 4,
 ) -> float:
-    """INT8 storage per parameter of a ``(out, in)`` weight: 1 byte + its share of the scales."""
+    """INT8 storage per parameter of a ``(out, in)`` weight: 1 byte + its share of the
+    scales."""
     out_f, in_f = shape
     n = out_f * in_f
     scales = {"tensor": 1, "channel": out_f, "group": n // group_size}.get(granularity)
@@ -327,10 +349,12 @@ def nf4_bytes_per_param(
 
 
 def quantize_nf4(w: torch.Tensor, block_size: int = 64) -> Quantized:
-    """NF4 quantisation of ``w`` with one float32 absmax per ``block_size`` values (no packing)."""
+    """NF4 quantisation of ``w`` with one float32 absmax per ``block_size`` values (no
+    packing)."""
     return quantize_blockwise(w, nf4_code(), block_size)
 
 
 def dequantize_nf4(qw: Quantized, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Back to ``dtype`` — what a QLoRA layer does to each base weight at every forward *and* backward."""
+    """Back to ``dtype`` — what a QLoRA layer does to each base weight at every forward
+    *and* backward."""
     return dequantize_blockwise(qw, dtype)

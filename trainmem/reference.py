@@ -1,13 +1,14 @@
 """Numbers that several chapters quote, each computed in exactly one place.
 
-A quantity that appears in two chapters (the 7B weights, the 7B activations at 2048 tokens, the
-bytes per parameter of 8-bit Adam, the NF4 QLoRA base ...) comes from a function here, so the
-chapters cannot drift apart; ``tests/test_consistency.py`` checks the glued values of the stored
-notebooks against these functions.
+A quantity that appears in two chapters (the 7B weights, the 7B activations at 2048
+tokens, the bytes per parameter of 8-bit Adam, the NF4 QLoRA base ...) comes from a
+function here, so the chapters cannot drift apart; ``tests/test_consistency.py`` checks
+the glued values of the stored notebooks against these functions.
 
-Units: every ``*_bytes`` function returns bytes (int or float); ``GiB`` = 2**30, ``GB`` = 10**9.
-Each function states the conditions its number holds under — a memory number without them
-(batch, sequence length, attention implementation, precision) is not a number.
+Units: every ``*_bytes`` function returns bytes (int or float); ``GiB`` = 2**30, ``GB``
+= 10**9. Each function states the conditions its number holds under — a memory number
+without them (batch, sequence length, attention implementation, precision) is not a
+number.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ __all__ = [
 ]
 
 MODEL_7B = "llama-7b"
-# bitsandbytes quantises Adam's states in blocks of 256 values since 0.44 (2024); the 8-bit
-# optimizers paper (Dettmers et al., 2022) used 2048.
+# bitsandbytes quantises Adam's states in blocks of 256 values since 0.44 (2024); the
+# 8-bit optimizers paper (Dettmers et al., 2022) used 2048.
 ADAM8_BLOCK = 256
 ADAM8_PAPER_BLOCK = 2048
 # The conditions of the activation number every chapter quotes.
@@ -60,9 +61,9 @@ def weights_bytes(model: str = MODEL_7B, bytes_per_param: float = 2) -> float:
 def activation_bytes(model: str = MODEL_7B, **conditions) -> int:
     """Bytes held for backward at the end of the forward pass (the estimator's replay).
 
-    Defaults: :data:`ACT_CONDITIONS` (bf16 autocast over fp32 parameters, SDPA attention, batch 1,
-    2048 tokens, no checkpointing, full fine-tuning); any of them can be overridden, e.g.
-    ``attn="eager"`` or ``checkpointing=True``.
+    Defaults: :data:`ACT_CONDITIONS` (bf16 autocast over fp32 parameters, SDPA
+    attention, batch 1, 2048 tokens, no checkpointing, full fine-tuning); any of them
+    can be overridden, e.g. ``attn="eager"`` or ``checkpointing=True``.
     """
     unknown = set(conditions) - set(ACT_CONDITIONS) - {"method"}
     if unknown:
@@ -73,7 +74,8 @@ def activation_bytes(model: str = MODEL_7B, **conditions) -> int:
 
 
 def adam8_bytes_per_param(block_size: int = ADAM8_BLOCK) -> float:
-    """Bytes per parameter of 8-bit AdamW's m and v: 2 × (1 + 4/block) (one fp32 absmax per block)."""
+    """Bytes per parameter of 8-bit AdamW's m and v: 2 × (1 + 4/block) (one fp32 absmax
+    per block)."""
     return adam_state_bytes_per_param(8, block_size=block_size)
 
 
@@ -83,10 +85,11 @@ def adam8_saving(block_size: int = ADAM8_BLOCK) -> float:
 
 
 def qlora_base_split(model: str = MODEL_7B) -> tuple[int, int]:
-    """(parameters in decoder Linear layers, all other parameters) of a Llama-family model.
+    """(parameters in decoder Linear layers, all other parameters) of a Llama-family
+    model.
 
-    bitsandbytes/transformers quantise the ``nn.Linear`` modules of the decoder layers to 4 bits and
-    keep the embeddings, ``lm_head`` and the norms in 16 bits.
+    bitsandbytes/transformers quantise the ``nn.Linear`` modules of the decoder layers
+    to 4 bits and keep the embeddings, ``lm_head`` and the norms in 16 bits.
     """
     from .estimate import model_shape
 
@@ -101,7 +104,8 @@ def qlora_base_bytes(
     block_size: int = 64,
     other_bytes: float = 2,
 ) -> float:
-    """Bytes of a QLoRA base model: NF4 decoder Linears (constants included) + 16-bit rest."""
+    """Bytes of a QLoRA base model: NF4 decoder Linears (constants included) + 16-bit
+    rest."""
     linear, rest = qlora_base_split(model)
     return (
         linear * nf4_bytes_per_param(block_size, double_quant=double_quant)
@@ -109,8 +113,9 @@ def qlora_base_bytes(
     )
 
 
-# ------------------------------------------------------------------ throughput arithmetic
-# NVIDIA H100 SXM datasheet: HBM3 bandwidth and dense (no sparsity) BF16 tensor-core peak.
+# ------------------------------------------------------------------ throughput
+# arithmetic NVIDIA H100 SXM datasheet: HBM3 bandwidth and dense (no sparsity) BF16
+# tensor-core peak.
 H100_HBM_BYTES_PER_S = 3.35e12
 H100_BF16_DENSE_FLOPS = 989e12
 
@@ -122,8 +127,9 @@ def decode_seconds_per_token(
 ) -> float:
     """Lower bound of one decode step at batch 1: every weight is read once from memory.
 
-    Decode does 2 FLOPs per weight per token, far below what the GPU needs to be compute-bound,
-    so the time is the weight bytes over the memory bandwidth (KV cache and kernels ignored).
+    Decode does 2 FLOPs per weight per token, far below what the GPU needs to be
+    compute-bound, so the time is the weight bytes over the memory bandwidth (KV cache
+    and kernels ignored).
     """
     return n_params(model) * bytes_per_param / hbm_bytes_per_s
 
@@ -142,5 +148,6 @@ def mfu(
     model: str = MODEL_7B,
     peak_flops: float = H100_BF16_DENSE_FLOPS,
 ) -> float:
-    """Model FLOPs utilisation: 6 FLOPs per parameter per token (forward 2 + backward 4) / peak."""
+    """Model FLOPs utilisation: 6 FLOPs per parameter per token (forward 2 + backward 4)
+    / peak."""
     return 6 * n_params(model) * tokens_per_s / peak_flops

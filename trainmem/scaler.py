@@ -1,20 +1,22 @@
-"""A readable dynamic loss scaler: the rules ``torch.amp.GradScaler`` follows, written out.
+"""A readable dynamic loss scaler: the rules ``torch.amp.GradScaler`` follows, written
+out.
 
-Why it exists: FP16 gradients smaller than about 6e-8 (the smallest subnormal, 2**-24) become 0.
-Multiplying the loss by a large ``scale`` multiplies every gradient by the same factor (the chain
-rule is linear), lifting small gradients into FP16's range; the optimizer must then see the
-gradients divided by ``scale`` again ("unscale").
+Why it exists: FP16 gradients smaller than about 6e-8 (the smallest subnormal, 2**-24)
+become 0. Multiplying the loss by a large ``scale`` multiplies every gradient by the
+same factor (the chain rule is linear), lifting small gradients into FP16's range; the
+optimizer must then see the gradients divided by ``scale`` again ("unscale").
 
 The dynamic rule (same defaults as ``torch.amp.GradScaler``):
 
 * start at ``init_scale`` (2**16 = 65536);
 * after each backward pass, check the unscaled gradients for inf/NaN;
-* inf/NaN found → **skip** the optimizer step, ``scale *= backoff_factor`` (0.5), reset the counter;
+* inf/NaN found → **skip** the optimizer step, ``scale *= backoff_factor`` (0.5), reset
+  the counter;
 * otherwise take the step; after ``growth_interval`` (2000) consecutive clean steps,
   ``scale *= growth_factor`` (2.0) and reset the counter.
 
-So the scale settles just below the largest value that does not overflow: it is probed upward
-every ``growth_interval`` steps and backed off whenever it overflows.
+So the scale settles just below the largest value that does not overflow: it is probed
+upward every ``growth_interval`` steps and backed off whenever it overflows.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import torch
 class ScalerEvent:
     """One optimizer step as the scaler saw it.
 
-    ``scale_used`` is the scale the loss was multiplied by; ``scale_next`` the scale for the next
-    step; ``stepped`` False means the optimizer step was skipped because of inf/NaN gradients.
+    ``scale_used`` is the scale the loss was multiplied by; ``scale_next`` the scale for
+    the next step; ``stepped`` False means the optimizer step was skipped because of
+    inf/NaN gradients.
     """
 
     step: int
@@ -46,8 +49,9 @@ class ScalerEvent:
 class DynamicLossScaler:
     """Dynamic loss scaling, step by step (no fused kernels, no per-device bookkeeping).
 
-    Parameters mirror ``torch.amp.GradScaler``: ``init_scale`` (> 0), ``growth_factor`` (> 1),
-    ``backoff_factor`` (in (0, 1)), ``growth_interval`` (≥ 1 clean steps before growing).
+    Parameters mirror ``torch.amp.GradScaler``: ``init_scale`` (> 0), ``growth_factor``
+    (> 1), ``backoff_factor`` (in (0, 1)), ``growth_interval`` (≥ 1 clean steps before
+    growing).
     """
 
     init_scale: float = 2.0**16
@@ -76,13 +80,15 @@ class DynamicLossScaler:
             )
         self.scale = float(self.init_scale)
 
-    # -- the three calls of a training step -------------------------------------------------
+    # -- the three calls of a training step --------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * scale`` (backward of this gives gradients multiplied by ``scale``)."""
+        """``loss * scale`` (backward of this gives gradients multiplied by
+        ``scale``)."""
         return loss * self.scale
 
     def unscale_(self, params: Iterable[torch.nn.Parameter]) -> bool:
-        """Divide every ``.grad`` by ``scale`` in place; return True if any is inf/NaN."""
+        """Divide every ``.grad`` by ``scale`` in place; return True if any is
+        inf/NaN."""
         found_inf = False
         inv = 1.0 / self.scale
         for p in params:
@@ -116,7 +122,8 @@ class DynamicLossScaler:
         return ev
 
     def step(self, optimizer: torch.optim.Optimizer) -> ScalerEvent:
-        """Unscale the optimizer's gradients, step only if all are finite, then update the scale."""
+        """Unscale the optimizer's gradients, step only if all are finite, then update
+        the scale."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
         found_inf = self.unscale_(params)
         if not found_inf:
@@ -147,10 +154,12 @@ def simulate_overflow(
     growth_interval: int = 2000,
     limit: float = 65504.0,
 ) -> list[ScalerEvent]:
-    """Run the scaler against a toy model whose largest gradient is ``max_grad`` (unscaled).
+    """Run the scaler against a toy model whose largest gradient is ``max_grad``
+    (unscaled).
 
-    A step overflows when ``max_grad * scale > limit`` (FP16's largest finite value by default),
-    which is what makes the scaled FP16 gradient inf. Returns one event per step.
+    A step overflows when ``max_grad * scale > limit`` (FP16's largest finite value by
+    default), which is what makes the scaled FP16 gradient inf. Returns one event per
+    step.
     """
     if not max_grad > 0:
         raise ValueError(f"max_grad must be > 0, got {max_grad}")
@@ -161,7 +170,8 @@ def simulate_overflow(
 
 
 def equilibrium_scale(max_grad: float, limit: float = 65504.0) -> float:
-    """The largest power of two ``s`` with ``max_grad * s <= limit`` (where the scale hovers)."""
+    """The largest power of two ``s`` with ``max_grad * s <= limit`` (where the scale
+    hovers)."""
     if not max_grad > 0:
         raise ValueError(f"max_grad must be > 0, got {max_grad}")
     return 2.0 ** math.floor(math.log2(limit / max_grad))

@@ -1,13 +1,15 @@
 """A tiny, deterministic fine-tuning task that shows its effect on a CPU in seconds.
 
-The "language": a rule token followed by an arithmetic progression modulo ``N_NUMBERS``::
+The "language": a rule token followed by an arithmetic progression modulo
+``N_NUMBERS``::
 
     [R_k, x0, x0 + s_k, x0 + 2 s_k, ...]   (mod N_NUMBERS)
 
-Pre-training teaches rules ``PRETRAIN_STEPS`` (rule token ``k`` → step ``s_k``). Fine-tuning
-changes what one rule token means (``FINETUNE_RULE`` → ``FINETUNE_STEP``), a small, targeted
-change — the setting LoRA was designed for. Token ids: numbers ``0 … N_NUMBERS-1``, rule tokens
-after them. Everything is seeded: the same call gives the same batches and the same losses.
+Pre-training teaches rules ``PRETRAIN_STEPS`` (rule token ``k`` → step ``s_k``).
+Fine-tuning changes what one rule token means (``FINETUNE_RULE`` → ``FINETUNE_STEP``), a
+small, targeted change — the setting LoRA was designed for. Token ids: numbers ``0 …
+N_NUMBERS-1``, rule tokens after them. Everything is seeded: the same call gives the
+same batches and the same losses.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ def task_config(**overrides):
 def make_batch(batch: int, rules: dict[int, int], seed: int, seq_len: int = SEQ_LEN):
     """``(input_ids, labels)``, both ``(batch, seq_len)`` int64.
 
-    ``rules`` maps rule index → step. Rule and start are drawn uniformly (seeded). The label of
-    the first number (``x0``, unpredictable) is ``-100`` so the loss only counts learnable tokens.
+    ``rules`` maps rule index → step. Rule and start are drawn uniformly (seeded). The
+    label of the first number (``x0``, unpredictable) is ``-100`` so the loss only
+    counts learnable tokens.
     """
     if batch < 1 or seq_len < 3:
         raise ValueError(
@@ -76,7 +79,8 @@ def finetune_rules() -> dict[int, int]:
 
 @dataclass
 class TrainResult:
-    """Losses per step (float), seconds per step (median, wall clock), trainable parameter count."""
+    """Losses per step (float), seconds per step (median, wall clock), trainable
+    parameter count."""
 
     losses: list[float] = field(default_factory=list)
     step_seconds: float = 0.0
@@ -98,7 +102,8 @@ def train(
     seed: int = 0,
     weight_decay: float = 0.0,
 ) -> TrainResult:
-    """AdamW on the parameters with ``requires_grad``; the batch for step ``i`` uses seed ``seed+i``."""
+    """AdamW on the parameters with ``requires_grad``; the batch for step ``i`` uses
+    seed ``seed+i``."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("model has no trainable parameters (all requires_grad=False)")

@@ -1,14 +1,15 @@
 """Per-GPU memory and communication of data parallel, ZeRO-1/2/3 and FSDP (chapter 09).
 
-The model-state formulas are those of the ZeRO paper (Rajbhandari et al., 2020, §3 and §5):
-with Ψ parameters, mixed-precision Adam keeps
+The model-state formulas are those of the ZeRO paper (Rajbhandari et al., 2020, §3 and
+§5): with Ψ parameters, mixed-precision Adam keeps
 
 * 2Ψ bytes of fp16/bf16 weights,
 * 2Ψ bytes of fp16/bf16 gradients,
-* KΨ bytes of optimizer states, K = 12 for Adam (fp32 master weights 4 + momentum 4 + variance 4).
+* KΨ bytes of optimizer states, K = 12 for Adam (fp32 master weights 4 + momentum 4 +
+  variance 4).
 
-Data parallel (DP) replicates all three on every GPU: (2 + 2 + K)Ψ. ZeRO shards them over the
-N_d data-parallel GPUs one after another:
+Data parallel (DP) replicates all three on every GPU: (2 + 2 + K)Ψ. ZeRO shards them
+over the N_d data-parallel GPUs one after another:
 
 ==========  ===========================  ======================
 stage       per-GPU model states         communication / step
@@ -20,22 +21,25 @@ stage       per-GPU model states         communication / step
 ``fsdp``    (4 + 4 + 8)Ψ/N_d (+ units)   3Ψ
 ==========  ===========================  ======================
 
-``fsdp`` is PyTorch FSDP/FSDP2 ``FULL_SHARD`` (= ZeRO-3) as it is usually run: the *sharded*
-parameters and gradients are fp32 (a mixed-precision policy casts to bf16 only for the
-all-gathered copies used in compute), AdamW keeps two fp32 states, so the sharded part is 16 bytes
-per parameter; on top, the all-gathered (unsharded) parameters and gradients of the FSDP units in
-flight take ``inflight_units × unit_params × 2 × param_bytes`` bytes (unsharded weights and their
-gradients, before reduce-scatter). That working set is what ``unit_params`` adds.
+``fsdp`` is PyTorch FSDP/FSDP2 ``FULL_SHARD`` (= ZeRO-3) as it is usually run: the
+*sharded* parameters and gradients are fp32 (a mixed-precision policy casts to bf16 only
+for the all-gathered copies used in compute), AdamW keeps two fp32 states, so the
+sharded part is 16 bytes per parameter; on top, the all-gathered (unsharded) parameters
+and gradients of the FSDP units in flight take ``inflight_units × unit_params × 2 ×
+param_bytes`` bytes (unsharded weights and their gradients, before reduce-scatter). That
+working set is what ``unit_params`` adds.
 
-Communication is counted in *elements* (multiply by bytes per element of the communicated
-dtype): an all-reduce of Ψ elements is a reduce-scatter plus an all-gather, each moving Ψ
-elements per GPU (exactly (N_d − 1)/N_d · Ψ with a ring); ZeRO-3/FSDP all-gathers the weights
-twice (forward, and again in backward) and reduce-scatters the gradients once: 3Ψ.
+Communication is counted in *elements* (multiply by bytes per element of the
+communicated dtype): an all-reduce of Ψ elements is a reduce-scatter plus an all-gather,
+each moving Ψ elements per GPU (exactly (N_d − 1)/N_d · Ψ with a ring); ZeRO-3/FSDP
+all-gathers the weights twice (forward, and again in backward) and reduce-scatters the
+gradients once: 3Ψ.
 
-Nothing here shards activations: they are per-GPU, proportional to the local micro-batch, and must
-be added separately (``activation_bytes``).
+Nothing here shards activations: they are per-GPU, proportional to the local
+micro-batch, and must be added separately (``activation_bytes``).
 
-All sizes are in **bytes** unless a name says otherwise (``*_gib`` are GiB = 2**30 bytes).
+All sizes are in **bytes** unless a name says otherwise (``*_gib`` are GiB = 2**30
+bytes).
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ ZERO_PAPER_BYTES = (2, 2, 12)
 
 
 def normalize_stage(stage) -> str:
-    """Return one of :data:`STAGES` for ``stage`` (``0..3``, ``"dp"``, ``"zero1"`` …, ``"fsdp"``)."""
+    """Return one of :data:`STAGES` for ``stage`` (``0..3``, ``"dp"``, ``"zero1"`` …,
+    ``"fsdp"``)."""
     key = stage.lower() if isinstance(stage, str) else stage
     key = _STAGE_ALIASES.get(key, key)
     if key not in STAGES:
@@ -80,9 +85,10 @@ def _check_positive_int(name: str, value) -> None:
 class ZeroMemory:
     """Per-GPU model-state memory, in bytes, of one (stage, n_gpus) choice.
 
-    ``weights``/``grads``/``optimizer`` are what each GPU holds for its shard (or full copy);
-    ``working`` is the unsharded working set (FSDP units in flight), ``activations`` what the
-    caller passed in (never sharded), ``offloaded`` what lives in CPU memory instead of the GPU.
+    ``weights``/``grads``/``optimizer`` are what each GPU holds for its shard (or full
+    copy); ``working`` is the unsharded working set (FSDP units in flight),
+    ``activations`` what the caller passed in (never sharded), ``offloaded`` what lives
+    in CPU memory instead of the GPU.
     """
 
     stage: str
@@ -127,18 +133,20 @@ def per_gpu_memory(
     activation_bytes: float = 0.0,
     offload_optimizer: str = "none",
 ) -> ZeroMemory:
-    """Per-GPU memory (bytes) of training ``n_params`` parameters with ``stage`` on ``n_gpus``.
+    """Per-GPU memory (bytes) of training ``n_params`` parameters with ``stage`` on
+    ``n_gpus``.
 
-    ``weight_bytes``, ``grad_bytes`` and ``k`` are bytes per parameter of the compute weights,
-    the gradients and the optimizer states (ZeRO paper: 2, 2, 12). For ``stage="fsdp"`` they are
-    ignored: sharded fp32 weights 4, fp32 grads 4, AdamW states 8, and the working set is
-    ``inflight_units × unit_params × 2 × 2`` bytes (bf16 unsharded weights + grads of the units
-    being all-gathered/computed; pass ``unit_params`` = parameters of the largest FSDP unit, e.g.
-    one decoder layer). ``activation_bytes`` (per GPU) is added unsharded.
-    ``offload_optimizer="cpu"`` moves the optimizer states (the K part, fp32 master weights
-    included) to CPU memory, where the optimizer step then runs (ZeRO-Offload); they are reported
-    in ``offloaded``. (ZeRO-Offload also streams the gradients to the CPU; that traffic is not
-    modelled here.)
+    ``weight_bytes``, ``grad_bytes`` and ``k`` are bytes per parameter of the compute
+    weights, the gradients and the optimizer states (ZeRO paper: 2, 2, 12). For
+    ``stage="fsdp"`` they are ignored: sharded fp32 weights 4, fp32 grads 4, AdamW
+    states 8, and the working set is ``inflight_units × unit_params × 2 × 2`` bytes
+    (bf16 unsharded weights + grads of the units being all-gathered/computed; pass
+    ``unit_params`` = parameters of the largest FSDP unit, e.g. one decoder layer).
+    ``activation_bytes`` (per GPU) is added unsharded. ``offload_optimizer="cpu"`` moves
+    the optimizer states (the K part, fp32 master weights included) to CPU memory, where
+    the optimizer step then runs (ZeRO-Offload); they are reported in ``offloaded``.
+    (ZeRO-Offload also streams the gradients to the CPU; that traffic is not modelled
+    here.)
     """
     stage = normalize_stage(stage)
     _check_positive_int("n_gpus", n_gpus)
@@ -182,11 +190,13 @@ def per_gpu_memory(
 def comm_volume(
     n_params: int, stage="dp", n_gpus: int = 1, *, exact: bool = False
 ) -> float:
-    """Elements each GPU sends per training step (multiply by bytes per element for bytes).
+    """Elements each GPU sends per training step (multiply by bytes per element for
+    bytes).
 
-    DP, ZeRO-1 and ZeRO-2: 2Ψ (one all-reduce, or reduce-scatter + all-gather); ZeRO-3/FSDP: 3Ψ
-    (all-gather in forward, all-gather in backward, reduce-scatter of gradients). ``exact=True``
-    applies the ring factor (N_d − 1)/N_d, so one GPU communicates nothing.
+    DP, ZeRO-1 and ZeRO-2: 2Ψ (one all-reduce, or reduce-scatter + all-gather);
+    ZeRO-3/FSDP: 3Ψ (all-gather in forward, all-gather in backward, reduce-scatter of
+    gradients). ``exact=True`` applies the ring factor (N_d − 1)/N_d, so one GPU
+    communicates nothing.
     """
     stage = normalize_stage(stage)
     _check_positive_int("n_gpus", n_gpus)
@@ -211,7 +221,8 @@ def table(
     stages=("dp", "zero1", "zero2", "zero3"),
     **kw,
 ) -> list[dict]:
-    """Rows ``{model, n_params, stage, n_gpus, gib}`` of per-GPU model-state memory in GiB."""
+    """Rows ``{model, n_params, stage, n_gpus, gib}`` of per-GPU model-state memory in
+    GiB."""
     rows = []
     for name, psi in n_params_by_name.items():
         for stage in stages:
@@ -232,8 +243,9 @@ def table(
 def fsdp_local_rows(dim0: int, world_size: int, rank: int) -> int:
     """Rows of a ``dim0``-row parameter held by ``rank`` under FSDP2's dim-0 sharding.
 
-    FSDP2 splits dim 0 like ``torch.chunk``: chunks of ``ceil(dim0 / world_size)`` rows, the last
-    non-empty chunk shorter, trailing ranks possibly empty (storage is padded to the chunk size).
+    FSDP2 splits dim 0 like ``torch.chunk``: chunks of ``ceil(dim0 / world_size)`` rows,
+    the last non-empty chunk shorter, trailing ranks possibly empty (storage is padded
+    to the chunk size).
     """
     _check_positive_int("world_size", world_size)
     if not 0 <= rank < world_size:
@@ -243,7 +255,8 @@ def fsdp_local_rows(dim0: int, world_size: int, rank: int) -> int:
 
 
 def fsdp_local_numel(shape, world_size: int, rank: int) -> int:
-    """Elements of a parameter of ``shape`` held by ``rank`` (see :func:`fsdp_local_rows`)."""
+    """Elements of a parameter of ``shape`` held by ``rank`` (see
+    :func:`fsdp_local_rows`)."""
     shape = tuple(shape)
     if not shape:
         return 1 if rank == 0 else 0

@@ -1,14 +1,16 @@
-"""What a hidden-test module (``tests/grading/labNN.py``) declares, and how it is loaded.
+"""What a hidden-test module (``tests/grading/labNN.py``) declares, and how it is
+loaded.
 
-A lab author writes :class:`Question` objects. The preferred form grades **case types**: each
-:class:`CaseType` draws a fixed quota of inputs and carries a weight; the probe defines
-``CASE(x)``, which the kernel calls once per input; :attr:`Question.expect` gives the reference
-answer, computed in the grader's process; :attr:`Question.compare` type-checks and compares.
-The older form (``make_inputs`` + ``check`` over the whole result) is still accepted for
-questions whose cases are whole models (labs 04–06 use it).
+A lab author writes :class:`Question` objects. The preferred form grades **case types**:
+each :class:`CaseType` draws a fixed quota of inputs and carries a weight; the probe
+defines ``CASE(x)``, which the kernel calls once per input; :attr:`Question.expect`
+gives the reference answer, computed in the grader's process; :attr:`Question.compare`
+type-checks and compares. The older form (``make_inputs`` + ``check`` over the whole
+result) is still accepted for questions whose cases are whole models (labs 04–06 use
+it).
 
-The partial-credit policy these declarations feed is in :mod:`coursekit.grading.scoring` and
-tests/grading/README.md.
+The partial-credit policy these declarations feed is in :mod:`coursekit.grading.scoring`
+and tests/grading/README.md.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from .checks import equal
 
 NAME_RE = re.compile(r"^[a-z0-9_]+$")
 DEFAULTS = dict(CELL_TIMEOUT=30, NOTEBOOK_TIMEOUT=300, PROBE_TIMEOUT=10, MEMORY_MB=4096)
-# The most a stub (NotImplementedError, a constant, the input handed back) may earn on any
-# question, as a share of its points; tests/test_grader.py checks every lab against it.
+# The most a stub (NotImplementedError, a constant, the input handed back) may earn on
+# any question, as a share of its points; tests/test_grader.py checks every lab against
+# it.
 STUB_LIMIT = 0.10
 
 
@@ -34,9 +37,10 @@ STUB_LIMIT = 0.10
 class CaseType:
     """One kind of input a question grades, with a fixed quota drawn per grading run.
 
-    ``make(rng)`` returns the list of inputs of this type (JSON data); ``weight`` is its share
-    of the question (relative to the other types); ``label`` names it in the feedback and
-    ``fix`` tells a student what to change when a case of this type fails (both Chinese).
+    ``make(rng)`` returns the list of inputs of this type (JSON data); ``weight`` is its
+    share of the question (relative to the other types); ``label`` names it in the
+    feedback and ``fix`` tells a student what to change when a case of this type fails
+    (both Chinese).
     """
 
     name: str
@@ -99,8 +103,9 @@ class Question:
         return bool(self.cases)
 
     def draw(self, seed: int) -> list[tuple[str, Any]]:
-        """``(case type, input)`` pairs for this run: every type draws its own quota from its own
-        generator seeded by (seed, question, type), so adding a type never shifts the others."""
+        """``(case type, input)`` pairs for this run: every type draws its own quota
+        from its own generator seeded by (seed, question, type), so adding a type never
+        shifts the others."""
         if not self.typed:
             return [("", self.make_inputs(random.Random(f"{seed}:{self.name}")))]
         out = []

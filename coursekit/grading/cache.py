@@ -1,7 +1,8 @@
-"""The content-hash cache in ``OUT_DIR/.grade_cache.json``: unchanged submissions are not regraded.
+"""The content-hash cache in ``OUT_DIR/.grade_cache.json``: unchanged submissions are
+not regraded.
 
-A submission's key covers its bytes (or why it has none), the grader's own code, the hidden-test
-module, the settings and the seed; any change to one of them regrades it.
+A submission's key covers its bytes (or why it has none), the grader's own code, the
+hidden-test module, the settings and the seed; any change to one of them regrades it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ GRADER_VERSION = "2"
 
 
 def code_digest() -> str:
-    """Hash of the grader's own code and template: a changed grader regrades everything."""
+    """Hash of the grader's own code and template: a changed grader regrades
+    everything."""
     h = hashlib.sha256()
     here = Path(__file__).resolve().parent
     for p in sorted([*here.glob("*.py"), *here.glob("templates/*")]):

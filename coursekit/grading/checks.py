@@ -1,8 +1,9 @@
-"""Comparisons and helpers shared by the hidden tests (they run in the grader's process).
+"""Comparisons and helpers shared by the hidden tests (they run in the grader's
+process).
 
-Every comparison type-checks what a kernel handed back: a bool is not an int, an int is not a
-bool, NaN equals NaN only where the reference is NaN, and signed zeros differ. Anything a
-comparison does not recognise is simply unequal (never an exception).
+Every comparison type-checks what a kernel handed back: a bool is not an int, an int is
+not a bool, NaN equals NaN only where the reference is NaN, and signed zeros differ.
+Anything a comparison does not recognise is simply unequal (never an exception).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def equal(got: Any, want: Any) -> bool:
 
 
 def same_float(got: Any, want: float) -> bool:
-    """Equal floats, NaN == NaN, ``+0.0 != -0.0``; ``got`` must be a number, not a bool."""
+    """Equal floats, NaN == NaN, ``+0.0 != -0.0``; ``got`` must be a number, not a
+    bool."""
     if not _is_number(got):
         return False
     got = float(got)
@@ -58,13 +60,15 @@ def same_bool(got: Any, want: bool) -> bool:
 
 
 def hex16(x: Any) -> str:
-    """A 16-bit pattern as ``0x7e14`` (non-ints as their repr) — both sides of a message in hex."""
+    """A 16-bit pattern as ``0x7e14`` (non-ints as their repr) — both sides of a message
+    in hex."""
     return f"{x:#06x}" if isinstance(x, int) and not isinstance(x, bool) else repr(x)
 
 
 def close_floats(got, want, rtol: float, atol: float) -> bool:
-    """True when ``got`` is a list of finite real numbers (not bools) of ``want``'s length, each
-    within ``atol + rtol * |w|`` of its reference. Anything else a kernel hands back is False."""
+    """True when ``got`` is a list of finite real numbers (not bools) of ``want``'s
+    length, each within ``atol + rtol * |w|`` of its reference. Anything else a kernel
+    hands back is False."""
     if not isinstance(got, list) or len(got) != len(want):
         return False
     for g, w in zip(got, want):
@@ -76,15 +80,17 @@ def close_floats(got, want, rtol: float, atol: float) -> bool:
 
 
 def exec_source(src: str) -> dict:
-    """Run a hidden test's builder source (the same text the probe sends into the student's
-    kernel) in a fresh namespace here, so the check rebuilds exactly what the probe built."""
+    """Run a hidden test's builder source (the same text the probe sends into the
+    student's kernel) in a fresh namespace here, so the check rebuilds exactly what the
+    probe built."""
     ns: dict = {}
     exec(src, ns)
     return ns
 
 
 def quiet_warnings(fn):
-    """Run a check without transformers/peft deprecation chatter in the grader's output."""
+    """Run a check without transformers/peft deprecation chatter in the grader's
+    output."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

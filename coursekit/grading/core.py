@@ -1,4 +1,5 @@
-"""``grade()``: one grading run over a folder of submissions (the ``grade`` command calls it)."""
+"""``grade()``: one grading run over a folder of submissions (the ``grade`` command
+calls it)."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ def grade(
     gpu: str = "off",
     log: Callable[[str], None] | None = print,
 ) -> list[dict]:
-    """Grade every submission of ``lab``; write grades.csv + feedback/; return the records
-    (sorted by student). ``seed`` defaults to :attr:`LabTests.default_seed`."""
+    """Grade every submission of ``lab``; write grades.csv + feedback/; return the
+    records (sorted by student). ``seed`` defaults to :attr:`LabTests.default_seed`."""
     if tests_dir is None:
         from ..labs import find_root
 
@@ -87,8 +88,9 @@ def grade(
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for student, rec in pool.map(work, todo):
             records[student] = rec
-    # Everything below is written from this process's memory, after every worker is gone, so
-    # files a submission wrote into OUT_DIR while it ran are overwritten or removed.
+    # Everything below is written from this process's memory, after every worker is
+    # gone, so files a submission wrote into OUT_DIR while it ran are overwritten or
+    # removed.
     ordered = [records[s.student] for s in subs]
     write_outputs(
         out,

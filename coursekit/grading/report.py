@@ -1,4 +1,5 @@
-"""What the grader writes: ``grades.csv`` and one Chinese feedback page per student (Jinja2)."""
+"""What the grader writes: ``grades.csv`` and one Chinese feedback page per student
+(Jinja2)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def _env():
 def feedback_html(
     rec: dict, tests: LabTests, submissions_root: Path | None = None
 ) -> str:
-    """One self-contained HTML page: per question points, per case type the first failing
-    input with what was expected and what to fix; cell errors; status; seed; graded file."""
+    """One self-contained HTML page: per question points, per case type the first
+    failing input with what was expected and what to fix; cell errors; status; seed;
+    graded file."""
     graded = rec.get("file") or ""
     if graded and submissions_root is not None:
         try:
@@ -132,7 +134,8 @@ def write_outputs(
     cache_name: str,
     submissions_root: Path,
 ) -> None:
-    """Rewrite everything in ``out`` from memory; remove whatever else a submission left there."""
+    """Rewrite everything in ``out`` from memory; remove whatever else a submission left
+    there."""
     atomic_write(out / cache_name, cache_text)
     atomic_write(out / "grades.csv", grades_csv(ordered, tests))
     fb = out / "feedback"

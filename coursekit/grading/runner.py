@@ -1,9 +1,10 @@
-"""Running one submission: check the notebook, start the worker, collect and score its result.
+"""Running one submission: check the notebook, start the worker, collect and score its
+result.
 
-The worker (:mod:`coursekit.grading.worker`) runs in its own session with a run token in its
-environment; when it ends — normally, by time limit or by error — its whole process tree, its
-process group and any process still carrying the token (a child that escaped with ``setsid``)
-are killed through psutil.
+The worker (:mod:`coursekit.grading.worker`) runs in its own session with a run token in
+its environment; when it ends — normally, by time limit or by error — its whole process
+tree, its process group and any process still carrying the token (a child that escaped
+with ``setsid``) are killed through psutil.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ MAX_CELL_OUTPUT = 200_000
 
 
 def kill_token(token: str) -> None:
-    """SIGKILL every process whose environment carries ``token`` (escapees from the groups)."""
+    """SIGKILL every process whose environment carries ``token`` (escapees from the
+    groups)."""
     import psutil
 
     for proc in psutil.process_iter():
@@ -40,7 +42,8 @@ def kill_token(token: str) -> None:
 
 
 def read_notebook(path: Path):
-    """The submission as an nbformat 4 notebook, or ValueError saying why it is not one."""
+    """The submission as an nbformat 4 notebook, or ValueError saying why it is not
+    one."""
     import nbformat
 
     nb = nbformat.reads(path.read_bytes().decode("utf-8"), as_version=4)
@@ -56,8 +59,8 @@ def read_notebook(path: Path):
 
 
 def cell_labels(nb) -> list[str]:
-    """A name per code cell that a student can find in Colab: the heading above it and its
-    first line (Colab shows no cell numbers)."""
+    """A name per code cell that a student can find in Colab: the heading above it and
+    its first line (Colab shows no cell numbers)."""
     labels, heading = [], "开头"
     for c in nb.cells:
         src = str(c.get("source", ""))

@@ -1,16 +1,20 @@
-"""Scoring: inputs drawn once per run, per-type credit, and the correction for constant answers.
+"""Scoring: inputs drawn once per run, per-type credit, and the correction for constant
+answers.
 
 Policy (also in tests/grading/README.md and on every feedback page):
 
-1. One seed per grading run; every submission gets the same inputs, so the same code gets the
-   same score, and a re-run with the same seed reproduces every grade.
-2. A question's cases come in types, each with a fixed quota and a weight set by the lab author.
-   A type earns ``weight × passed / drawn``; the raw share is the weighted mean over types.
-3. ``c`` is the best raw share any *constant* answer would get (the answer returned for every
-   input: ``0``, ``False``, ``None``, …, and every reference answer shared by several inputs). The share
-   awarded is ``max(0, (raw − c) / (1 − c))``: a constant answer earns 0, a right answer 1.
-4. Points = ``round(points × share, 2)``. An exception, a timeout or a result that is not plain
-   data fails that case (typed questions) or the question (whole-result questions).
+1. One seed per grading run; every submission gets the same inputs, so the same code
+   gets the same score, and a re-run with the same seed reproduces every grade.
+2. A question's cases come in types, each with a fixed quota and a weight set by the lab
+   author. A type earns ``weight × passed / drawn``; the raw share is the weighted mean
+   over types.
+3. ``c`` is the best raw share any *constant* answer would get (the answer returned for
+   every input: ``0``, ``False``, ``None``, …, and every reference answer shared by
+   several inputs). The share awarded is ``max(0, (raw − c) / (1 − c))``: a constant
+   answer earns 0, a right answer 1.
+4. Points = ``round(points × share, 2)``. An exception, a timeout or a result that is
+   not plain data fails that case (typed questions) or the question (whole-result
+   questions).
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ def constant_baseline(q: Question, drawn, wants) -> float:
 
 
 def prepare(tests: LabTests, seed: int) -> list[Prepared]:
-    """Draw every question's inputs for this run and compute the references (grader process)."""
+    """Draw every question's inputs for this run and compute the references (grader
+    process)."""
     out = []
     for q in tests.questions:
         drawn = q.draw(seed)
@@ -186,7 +191,8 @@ def score_legacy(p: Prepared, value: Any) -> dict:
 
 
 def score(p: Prepared, probe: dict) -> dict:
-    """Score one question from the worker's probe record; adds ``points`` and ``max``."""
+    """Score one question from the worker's probe record; adds ``points`` and
+    ``max``."""
     q = p.question
     if not probe.get("ok"):
         out = {

@@ -1,8 +1,9 @@
 """Finding the submissions in a folder, Colab's download names included.
 
-``<student>.ipynb`` files and ``<student>/`` folders. In a folder, the notebook named like the lab
-is graded; Colab's names for copies and repeated downloads ("Copy of X.ipynb", "X 的副本.ipynb",
-"X (1).ipynb") count as that name, and among several the newest file (modification time) wins.
+``<student>.ipynb`` files and ``<student>/`` folders. In a folder, the notebook named
+like the lab is graded; Colab's names for copies and repeated downloads ("Copy of
+X.ipynb", "X 的副本.ipynb", "X (1).ipynb") count as that name, and among several the
+newest file (modification time) wins.
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ class Submission:
 
 
 def safe_name(name: str) -> str:
-    """A student name usable as a file name (letters, digits, ``._-``; anything else → ``_``)."""
+    """A student name usable as a file name (letters, digits, ``._-``; anything else →
+    ``_``)."""
     s = re.sub(r"[^\w.-]", "_", name).strip(".") or "_"
     return s[:100]
 
 
 def colab_base(filename: str) -> str:
-    """The notebook name behind Colab's copy/download names: "Copy of lab01_x (2).ipynb" →
-    "lab01_x.ipynb"."""
+    """The notebook name behind Colab's copy/download names: "Copy of lab01_x (2).ipynb"
+    → "lab01_x.ipynb"."""
     stem = filename[:-6] if filename.endswith(".ipynb") else filename
     stem = COPY_SUFFIX.sub("", COPY_PREFIX.sub("", stem.strip())).strip()
     return stem + ".ipynb"
@@ -71,7 +73,8 @@ def pick_notebook(folder: Path, notebook_name: str, student: str) -> Submission:
 
 
 def discover(submissions: str | Path, notebook_name: str = "") -> list[Submission]:
-    """Every ``<student>.ipynb`` and ``<student>/`` folder of ``submissions``, sorted by student."""
+    """Every ``<student>.ipynb`` and ``<student>/`` folder of ``submissions``, sorted by
+    student."""
     root = Path(submissions)
     if not root.is_dir():
         raise FileNotFoundError(f"submissions folder not found: {root}")

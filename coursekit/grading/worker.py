@@ -1,16 +1,19 @@
-"""Grade ONE submission in this process: run its code cells, then the hidden-test probes, in a kernel.
+"""Grade ONE submission in this process: run its code cells, then the hidden-test
+probes, in a kernel.
 
-Started by :mod:`coursekit.grading.runner` as ``python -m coursekit.grading.worker`` in its own
-session (process group). It reads a JSON spec on stdin and writes one JSON result on the stdout it
-was given; before starting the kernel it caps its own address space / file sizes (the kernel
-inherits the caps), points fds 1 and 2 at /dev/null (so the kernel cannot write to the grader's
-pipe through them), and at the end kills the kernel's process tree. It never scores anything:
-probe results are plain data that the parent checks against the reference in its own process.
+Started by :mod:`coursekit.grading.runner` as ``python -m coursekit.grading.worker`` in
+its own session (process group). It reads a JSON spec on stdin and writes one JSON
+result on the stdout it was given; before starting the kernel it caps its own address
+space / file sizes (the kernel inherits the caps), points fds 1 and 2 at /dev/null (so
+the kernel cannot write to the grader's pipe through them), and at the end kills the
+kernel's process tree. It never scores anything: probe results are plain data that the
+parent checks against the reference in its own process.
 
-Spec keys: notebook (path), workdir, cell_timeout, notebook_timeout (s), memory_mb, max_output
-(bytes kept per student cell), env (dict), labels (a name per code cell, for messages), probes: [{name, source, per_case, inputs_json, timeout}].
-Result keys: status (ok|timeout|kernel_died|grader_error), message, cells: [{index, error,
-timeout}] (index: 1-based among code cells), probes: {name: {ok, value | error, timeout}}, seconds.
+Spec keys: notebook (path), workdir, cell_timeout, notebook_timeout (s), memory_mb,
+max_output (bytes kept per student cell), env (dict), labels (a name per code cell, for
+messages), probes: [{name, source, per_case, inputs_json, timeout}]. Result keys: status
+(ok|timeout|kernel_died|grader_error), message, cells: [{index, error, timeout}] (index:
+1-based among code cells), probes: {name: {ok, value | error, timeout}}, seconds.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ import signal
 import sys
 import time
 
-# The probe cell: runs the hidden test's source in a copy of the student's namespace and prints
-# its result as JSON between two nonces. A per-case probe defines CASE(x); every input is tried on
-# its own, so one exception or one non-JSON value fails that case only.
+# The probe cell: runs the hidden test's source in a copy of the student's namespace and
+# prints its result as JSON between two nonces. A per-case probe defines CASE(x); every
+# input is tried on its own, so one exception or one non-JSON value fails that case
+# only.
 PROBE_TEMPLATE = """\
 def _grader_probe_{fid}():
     import json as _j, sys as _s, traceback as _tb
@@ -109,7 +113,8 @@ def _error_text(cell) -> str | None:
 
 
 def _read_probe(cell, nonce: str, err: str | None) -> dict:
-    """The probe's JSON record from its stdout (between the nonces), or why there is none."""
+    """The probe's JSON record from its stdout (between the nonces), or why there is
+    none."""
     text = "".join(
         o.get("text", "")
         for o in cell.outputs
@@ -132,7 +137,8 @@ def _read_probe(cell, nonce: str, err: str | None) -> dict:
 
 
 class Session:
-    """One kernel running one submission: student cells first, then one probe per question."""
+    """One kernel running one submission: student cells first, then one probe per
+    question."""
 
     def __init__(self, spec: dict):
         import nbformat
@@ -185,8 +191,8 @@ class Session:
             "evalue": "cell time limit exceeded",
             "traceback": ["CellTimeoutError: cell time limit exceeded"],
         }
-        # output of a cell can trail its execute_reply on a loaded machine; waiting ends at the
-        # kernel's idle message, so a generous iopub bound costs nothing normally
+        # output of a cell can trail its execute_reply on a loaded machine; waiting ends
+        # at the kernel's idle message, so a generous iopub bound costs nothing normally
         return CappedClient(
             self.nb,
             timeout=int(self.spec["cell_timeout"]),
@@ -208,7 +214,8 @@ class Session:
     def _execute(
         self, idx: int, limit: float, what: str
     ) -> tuple[str, str | None, bool]:
-        """Run cell ``idx``; returns (outcome, error text, timed out); outcome is "ran" or "dead"."""
+        """Run cell ``idx``; returns (outcome, error text, timed out); outcome is "ran"
+        or "dead"."""
         from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
         cell = self.nb.cells[idx]
@@ -239,7 +246,8 @@ class Session:
         return "ran", err, timed_out
 
     def kernel_stuck(self, idx: int) -> bool:
-        """After a time limit: a trivial cell must answer quickly, else the kernel is killed."""
+        """After a time limit: a trivial cell must answer quickly, else the kernel is
+        killed."""
         import nbformat
 
         self.client.timeout = 5
@@ -264,7 +272,8 @@ class Session:
         return True
 
     def student_cell(self, idx: int) -> str:
-        """Run one student cell; returns "ok", "stop" (kernel gone or stuck) or "skip"."""
+        """Run one student cell; returns "ok", "stop" (kernel gone or stuck) or
+        "skip"."""
         if self.out_of_time():
             return "skip"
         labels = self.spec.get("labels") or []
@@ -357,7 +366,8 @@ def run(spec: dict) -> dict:
 
 
 def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the grader dies (Ctrl-C, kill), so no worker outlives the run."""
+    """Linux: get SIGKILL when the grader dies (Ctrl-C, kill), so no worker outlives the
+    run."""
     try:
         import ctypes
 

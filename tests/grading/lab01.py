@@ -1,9 +1,10 @@
-"""Hidden tests for lab01 (number formats by bit manipulation). Format: tests/grading/README.md.
+"""Hidden tests for lab01 (number formats by bit manipulation). Format:
+tests/grading/README.md.
 
-Every question grades fixed quotas of case types (zero, subnormal, normal, inf, NaN, ties …) with
-weights that put the special cases the lab teaches on a par with the ordinary ones. References are
-computed here, in the grader's process, with numpy / torch casts (independent of the student's
-kernel and of the lab's own code).
+Every question grades fixed quotas of case types (zero, subnormal, normal, inf, NaN,
+ties …) with weights that put the special cases the lab teaches on a par with the
+ordinary ones. References are computed here, in the grader's process, with numpy / torch
+casts (independent of the student's kernel and of the lab's own code).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ CELL_TIMEOUT = 60
 NOTEBOOK_TIMEOUT = 180
 PROBE_TIMEOUT = 10
 
+# (exponent bits, mantissa bits)
 FMT = {
     "fp32": (8, 23),
     "fp16": (5, 10),
     "bf16": (8, 7),
-}  # (exponent bits, mantissa bits)
+}
 
 
 def ref_decode16(bits: list[int], dtype: str) -> list[float]:
@@ -37,7 +39,8 @@ def ref_decode16(bits: list[int], dtype: str) -> list[float]:
     return t.double().tolist()
 
 
-# ---------------------------------------------------------------- bit patterns by case type
+# ---------------------------------------------------------------- bit patterns by case
+# type
 def _pattern(rng, fmt: str, exponent: int, mantissa: int | None = None) -> int:
     e, m = FMT[fmt]
     if mantissa is None:
@@ -61,11 +64,12 @@ def _subnormal(fmt, n=16):
 def _normal(fmt, n=40):
     e, m = FMT[fmt]
     top, bias = (1 << e) - 1, (1 << (e - 1)) - 1
+    # min normal, max finite, 1.0
     edges = [
         1 << m,
         ((top - 1) << m) | ((1 << m) - 1),
         bias << m,
-    ]  # min normal, max finite, 1.0
+    ]
     return lambda rng: (
         edges + [_pattern(rng, fmt, rng.randrange(1, top)) for _ in range(n)]
     )
@@ -160,9 +164,8 @@ def _round_up(rng):
 
 def _ties(rng):
     highs = [_finite_high(rng) for _ in range(20)]
-    highs = [h & ~1 for h in highs[:10]] + [
-        h | 1 for h in highs[10:]
-    ]  # even and odd last bits
+    # even and odd last bits
+    highs = [h & ~1 for h in highs[:10]] + [h | 1 for h in highs[10:]]
     return [_f32((h << 16) | 0x8000) for h in highs]
 
 
@@ -251,10 +254,11 @@ def _ulp_cases(kind: str):
                     _pattern(rng, fmt, rng.randrange(1, top), 0) for _ in range(3)
                 ] + [bias << m]
             elif kind == "edge":
+                # min normal, max finite
                 bits = [
                     1 << m,
                     ((top - 1) << m) | ((1 << m) - 1),
-                ]  # min normal, max finite
+                ]
             else:
                 bits = [_pattern(rng, fmt, rng.randrange(1, top)) for _ in range(8)]
             out += [[_value(fmt, b), fmt] for b in bits]

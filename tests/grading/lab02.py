@@ -1,4 +1,5 @@
-"""Hidden tests for lab02 (dynamic loss scaling + fp32 master weights). Format: tests/grading/README.md.
+"""Hidden tests for lab02 (dynamic loss scaling + fp32 master weights). Format:
+tests/grading/README.md.
 
 The reference scaler and step are written here and run in the grader's process.
 """
@@ -30,14 +31,14 @@ def _finite_list(rng, dtype):
         rng.uniform(-1, 1) * 10 ** rng.randint(-6, 4) for _ in range(rng.randint(1, 8))
     ]
     if rng.random() < 0.5:
-        vals[rng.randrange(len(vals))] = (
-            rng.choice([1, -1]) * FMAX[dtype]
-        )  # largest finite value
+        # largest finite value
+        vals[rng.randrange(len(vals))] = rng.choice([1, -1]) * FMAX[dtype]
     return [dtype, vals]
 
 
 def _tensors(special):
-    """Cases of 1-3 tensors, each dtype in turn; ``special`` is put into one tensor (or none)."""
+    """Cases of 1-3 tensors, each dtype in turn; ``special`` is put into one tensor (or
+    none)."""
 
     def make(rng):
         cases = []
@@ -269,7 +270,8 @@ SCALER_TYPES = [
 ]
 
 
-# ---------------------------------------------------------------- mixed_precision_sgd_step
+# ----------------------------------------------------------------
+# mixed_precision_sgd_step
 def _fp16(x: float) -> float:
     import struct
 

@@ -1,8 +1,10 @@
-"""Hidden tests for lab03 (memory estimator checked against measurement). Format: tests/grading/README.md.
+"""Hidden tests for lab03 (memory estimator checked against measurement). Format:
+tests/grading/README.md.
 
-References are computed here, in the grader's process: the Llama parameter formula (checked against
-transformers in tests/test_labs.py), the bytes-per-parameter table, and the exact bytes of the small
-models the probe builds (derived from the layer shapes, not from the student's kernel).
+References are computed here, in the grader's process: the Llama parameter formula
+(checked against transformers in tests/test_labs.py), the bytes-per-parameter table, and
+the exact bytes of the small models the probe builds (derived from the layer shapes, not
+from the student's kernel).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def ref_count_params(cfg: dict) -> int:
 
 
 def random_llama_cfg(rng, kind: str = "any") -> dict:
-    """A random Llama config; ``kind``: "mha" (k = n), "gqa" (k < n), "tied", or "any"."""
+    """A random Llama config; ``kind``: "mha" (k = n), "gqa" (k < n), "tied", or
+    "any"."""
     n = (
         rng.choice([2, 4, 8, 16, 32, 64])
         if kind == "gqa"

@@ -1,10 +1,12 @@
-"""Hidden tests for lab04 (gradient accumulation + activation checkpointing). Format: tests/grading/README.md.
+"""Hidden tests for lab04 (gradient accumulation + activation checkpointing). Format:
+tests/grading/README.md.
 
 Every case is built from plain numbers drawn here (``make_inputs``): weights come from a
-``random.Random`` inside :data:`BUILD_SRC`, which runs both in the student's kernel (the probe) and
-in this process (the check), so model, data and the reference never depend on torch's RNG or on the
-lab's own code. References are computed here: the big-batch gradient, autograd's saved tensors
-(counted with our own ``saved_tensors_hooks``), plain block outputs/gradients.
+``random.Random`` inside :data:`BUILD_SRC`, which runs both in the student's kernel (the
+probe) and in this process (the check), so model, data and the reference never depend on
+torch's RNG or on the lab's own code. References are computed here: the big-batch
+gradient, autograd's saved tensors (counted with our own ``saved_tensors_hooks``), plain
+block outputs/gradients.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ CELL_TIMEOUT = 60
 NOTEBOOK_TIMEOUT = 240
 PROBE_TIMEOUT = 30
 
+# the tolerance stated in the lab (fp32, only the summation order differs)
 RTOL, ATOL = (
     1e-5,
     1e-6,
-)  # the tolerance stated in the lab (fp32, only the summation order differs)
+)
 
 # Builders shared by the probe (student's kernel) and the checks (this process).
 BUILD_SRC = r'''
@@ -118,7 +121,8 @@ _NS: dict = {}
 
 
 def _ns() -> dict:
-    """The builders, run once in this process (the same source the probe runs in the kernel)."""
+    """The builders, run once in this process (the same source the probe runs in the
+    kernel)."""
     if not _NS:
         _NS.update(exec_source(BUILD_SRC))
     return _NS
@@ -142,7 +146,8 @@ def _grads_match(got, want: dict) -> bool:
 TOL = f"（rtol={RTOL}, atol={ATOL}）"
 
 
-# ---------------------------------------------------------------- accumulate_grads(_weighted)
+# ----------------------------------------------------------------
+# accumulate_grads(_weighted)
 def _mlp_case(rng, n, **extra):
     return dict(
         seed=rng.randrange(10**6),
@@ -306,7 +311,8 @@ WEIGHTED_TYPES = [
 ]
 
 
-# ---------------------------------------------------------------- saved_activation_bytes
+# ----------------------------------------------------------------
+# saved_activation_bytes
 KINDS = {
     "linear_nograd_input": "Linear，输入不需要梯度",
     "linear_grad_input": "Linear，输入需要梯度",

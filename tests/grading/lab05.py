@@ -1,10 +1,13 @@
-"""Hidden tests for lab05 (LoRA from scratch, matched against peft). Format: tests/grading/README.md.
+"""Hidden tests for lab05 (LoRA from scratch, matched against peft). Format:
+tests/grading/README.md.
 
-Weights, adapters and inputs are plain numbers drawn here; :data:`BUILD_SRC` turns them into modules
-both in the student's kernel (probe) and in this process (check). The reference is ``peft`` itself,
-run here: the same base weights and the same A, B copied into ``peft``'s ``lora.Linear`` must give the
-same outputs, gradients and merged weights. The tiny Llama for ``inject_lora`` is built with
-``trainmem.models.build_model(config, seed=...)`` on both sides (same seed → same weights).
+Weights, adapters and inputs are plain numbers drawn here; :data:`BUILD_SRC` turns them
+into modules both in the student's kernel (probe) and in this process (check). The
+reference is ``peft`` itself, run here: the same base weights and the same A, B copied
+into ``peft``'s ``lora.Linear`` must give the same outputs, gradients and merged
+weights. The tiny Llama for ``inject_lora`` is built with
+``trainmem.models.build_model(config, seed=...)`` on both sides (same seed → same
+weights).
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ _NS: dict = {}
 
 
 def _ns() -> dict:
-    """The builders, run once in this process (the same source the probe runs in the kernel)."""
+    """The builders, run once in this process (the same source the probe runs in the
+    kernel)."""
     if not _NS:
         _NS.update(exec_source(BUILD_SRC))
     return _NS
@@ -100,7 +104,8 @@ def _verdict(checks: dict) -> tuple[bool, str]:
 
 
 def _peft_layer(ns, case):
-    """peft's lora.Linear around the case's base layer, with the case's A and B copied in."""
+    """peft's lora.Linear around the case's base layer, with the case's A and B copied
+    in."""
     import torch.nn as nn
     from peft import LoraConfig, get_peft_model
 

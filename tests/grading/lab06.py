@@ -1,10 +1,12 @@
-"""Hidden tests for lab06 (capstone: LoRA fine-tune with autocast + checkpointing + accumulation).
+"""Hidden tests for lab06 (capstone: LoRA fine-tune with autocast + checkpointing +
+accumulation).
 
-Format: tests/grading/README.md. Models are tiny Llamas with fresh shapes drawn here, built with
-``trainmem.models.build_model(config, seed=...)`` on both sides (same seed → same weights); LoRA
-weights and batches come from ``random.Random`` in :data:`BUILD_SRC`, which runs in the student's
-kernel (probe) and in this process (check). The references (peft trainable counts, the big-batch
-fp32 optimizer step, non-checkpointed gradients) are computed here.
+Format: tests/grading/README.md. Models are tiny Llamas with fresh shapes drawn here,
+built with ``trainmem.models.build_model(config, seed=...)`` on both sides (same seed →
+same weights); LoRA weights and batches come from ``random.Random`` in
+:data:`BUILD_SRC`, which runs in the student's kernel (probe) and in this process
+(check). The references (peft trainable counts, the big-batch fp32 optimizer step,
+non-checkpointed gradients) are computed here.
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ _NS: dict = {}
 
 
 def _ns() -> dict:
-    """The builders, run once in this process (the same source the probe runs in the kernel)."""
+    """The builders, run once in this process (the same source the probe runs in the
+    kernel)."""
     if not _NS:
         _NS.update(exec_source(BUILD_SRC))
     return _NS
