@@ -274,7 +274,10 @@ def form_fields() -> list[dict]:
 def _field_html(f: dict, uid: str) -> str:
     e = html.escape
     fid = f"{uid}-{f['name']}"
-    attrs = f'name="{e(f["name"])}" id="{fid}" data-flag="{e(f["flag"])}" data-kind="{f["kind"]}"'
+    attrs = (
+        f'name="{e(f["name"])}" id="{fid}" data-flag="{e(f["flag"])}" '
+        f'data-kind="{f["kind"]}"'
+    )
     tip = f' title="{e(f["help"])}"' if f["help"] else ""
     when = ""
     if f["name"].startswith("lora-"):
@@ -299,7 +302,11 @@ def _field_html(f: dict, uid: str) -> str:
                 else c
             )
             opts.append(f'<option value="{e(c)}"{sel}>{e(text)}</option>')
-        return f'<div class="tm-field"{when}{tip}>{label}<select {attrs}>{"".join(opts)}</select></div>'
+        options = "".join(opts)
+        return (
+            f'<div class="tm-field"{when}{tip}>{label}'
+            f"<select {attrs}>{options}</select></div>"
+        )
     mode = ' inputmode="numeric"' if f["default"].isdigit() else ""
     return (
         f'<div class="tm-field"{when}{tip}>{label}<input type="text" {attrs}{mode} '
@@ -316,10 +323,12 @@ def calculator_html(uid: str, load: str) -> str:
 <label for="{uid}-config-json">config.json（Hugging Face 格式，model_type 为
  llama、mistral、qwen2 或 gpt2）</label>
 <textarea name="config-json" id="{uid}-config-json" rows="7" spellcheck="false"
- placeholder='{{"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, ...}}'></textarea>
+ placeholder='{{"model_type": "llama", "vocab_size": 32000,
+ "hidden_size": 4096, ...}}'></textarea>
 </div>
 </form>
-<p class="tm-calc-status" role="status">计算器需要 JavaScript：正在加载浏览器内的 Python（Pyodide）…</p>
+<p class="tm-calc-status" role="status">计算器需要 JavaScript：
+正在加载浏览器内的 Python（Pyodide）…</p>
 <div class="tm-calc-result" aria-live="polite"></div>
 </div>"""
 
@@ -344,11 +353,12 @@ class format_node(calculator_node):
 def _visit_format_html(self, node):
     e = html.escape
     uid, value = node["uid"], node["value"]
-    self.body.append(f"""<div class="tm-calc tm-fmt" id="{uid}" data-load="{node["load"]}">
+    load = node["load"]
+    self.body.append(f"""<div class="tm-calc tm-fmt" id="{uid}" data-load="{load}">
 <form class="tm-calc-form" autocomplete="off" onsubmit="return false">
 <div class="tm-field tm-fmt-field"><label for="{uid}-x">x =</label>
-<input type="text" name="x" id="{uid}-x" value="{e(value)}" placeholder="0.1, 65504, 1e-8, -2.5 …"
- autocomplete="off" spellcheck="false"></div>
+<input type="text" name="x" id="{uid}-x" value="{e(value)}"
+ placeholder="0.1, 65504, 1e-8, -2.5 …" autocomplete="off" spellcheck="false"></div>
 </form>
 <p class="tm-calc-status" role="status">这个演示需要 JavaScript：
 浏览器内的 Python（Pyodide）运行 trainmem.formats。</p>
@@ -456,7 +466,8 @@ def compiled_stdlib(npm: Path, lib: Path, cache: Path) -> dict:
         )
     cache.mkdir(parents=True, exist_ok=True)
     logger.info(
-        "calculator: compiling the standard modules the page imports (Pyodide under Node)"
+        "calculator: compiling the standard modules the page imports (Pyodide under "
+        "Node)"
     )
     r = subprocess.run(
         [node, str(script), str(npm), str(lib), str(out)]

@@ -144,7 +144,8 @@ def main() -> int:
     print()
     for variant, ts in loads.items():
         print(
-            f"median first answer, {variant}: {statistics.median(t['answer'] for t in ts) / 1000:.1f} s"
+            f"median first answer, {variant}: "
+            f"{statistics.median(t['answer'] for t in ts) / 1000:.1f} s"
         )
     print()
     print("## Later changes (ms from the edit to the rendered result)\n")

@@ -107,7 +107,8 @@ def main() -> int:
     lines += [f"| {p} | {t:.1f} |" for t, p in nb_times[:5]]
     lines += [
         "",
-        f"all notebooks executed serially: {sum(t for t, _ in nb_times):.0f} s ({len(nb_times)} notebooks)",
+        f"all notebooks executed serially: {sum(t for t, _ in nb_times):.0f} s "
+        f"({len(nb_times)} notebooks)",
     ]
     text = "\n".join(lines)
     print(text)

@@ -72,17 +72,21 @@ def main() -> int:
             ]
             rows.append((jobs, wall, cached, statuses.count("ok")))
     print(
-        f"grading benchmark: {args.copies} copies of {args.lab} ({args.copies - args.copies // 2} solutions + "
-        f"{args.copies // 2} untouched labs); {os.cpu_count()} CPUs, Python {platform.python_version()}"
+        f"grading benchmark: {args.copies} copies of {args.lab} "
+        f"({args.copies - args.copies // 2} solutions + "
+        f"{args.copies // 2} untouched labs); {os.cpu_count()} CPUs, Python "
+        f"{platform.python_version()}"
     )
     print()
     print(
-        "| jobs | submissions | wall time (s) | s / submission | submissions / min | status ok | cached re-run (s) |"
+        "| jobs | submissions | wall time (s) | s / submission | submissions / min | "
+        "status ok | cached re-run (s) |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for jobs, wall, cached, ok in rows:
         print(
-            f"| {jobs} | {args.copies} | {wall:.1f} | {wall / args.copies:.2f} | {60 * args.copies / wall:.1f} | "
+            f"| {jobs} | {args.copies} | {wall:.1f} | {wall / args.copies:.2f} | "
+            f"{60 * args.copies / wall:.1f} | "
             f"{ok}/{args.copies} | {cached:.1f} |"
         )
     return 0

@@ -39,7 +39,8 @@ class Repository:
         prefix = "https://github.com/"
         if not u.startswith(prefix) or u[len(prefix) :].count("/") != 1:
             raise ValueError(
-                f"repository.url must look like https://github.com/<org>/<repo>, got {self.url!r}"
+                f"repository.url must look like https://github.com/<org>/<repo>, got "
+                f"{self.url!r}"
             )
         return u[len(prefix) :]
 
@@ -73,7 +74,8 @@ def badge_markdown(repo: Repository, notebook: str) -> str:
     return (
         f'<a href="{url}" target="_blank" rel="noopener">'
         f'<img src="{COLAB_BADGE_SVG}" alt="Open In Colab"/></a>\n\n'
-        "在 Colab 中打开本实验：代码执行程序 → 更改运行时类型 → **GPU**（徽章打开的 notebook 已请求 GPU 运行时）。"
+        "在 Colab 中打开本实验：代码执行程序 → 更改运行时类型 → **GPU**（徽章打开的 "
+        "notebook 已请求 GPU 运行时）。"
         "先运行下面的环境设置单元。"
     )
 
@@ -175,7 +177,8 @@ def read_notebook(name: str) -> dict:
         reply = _message.blocking_request("get_ipynb", timeout_sec=30)
         if not reply or "ipynb" not in reply:
             raise RuntimeError(
-                f"Colab did not return the notebook {name!r}; save it and rerun the cell"
+                f"Colab did not return the notebook {name!r}; save it and rerun the "
+                f"cell"
             )
         return reply["ipynb"]
     candidates = [

@@ -112,7 +112,8 @@ def link_torch(target_venv: str | Path) -> list[Path]:
         dest.parent.name != site.parent.name
     ):  # compiled extensions only load in the same Python
         raise ValueError(
-            f"{target} is {dest.parent.name} but torch is installed for {site.parent.name}: "
+            f"{target} is {dest.parent.name} but torch is installed for "
+            f"{site.parent.name}: "
             f"create it with the interpreter of {site.parents[2]}"
         )
     tops = {
@@ -146,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"linked {link}")
     else:
         print(
-            "usage: python -m coursekit.floor constraints | requirements | link-torch VENV",
+            "usage: python -m coursekit.floor constraints | requirements | link-torch "
+            "VENV",
             file=sys.stderr,
         )
         return 2

@@ -105,8 +105,10 @@ def choose_device(value: str | None = None) -> DeviceChoice:
     if mode == "on":
         if not has_cuda:
             raise GPUUnavailableError(
-                f"{ENV_VAR}=on but no CUDA device is available (torch.cuda.is_available() "
-                "is False). Use a GPU runtime (Colab: 代码执行程序 → 更改运行时类型 → GPU), "
+                f"{ENV_VAR}=on but no CUDA device is available "
+                f"(torch.cuda.is_available() "
+                "is False). Use a GPU runtime (Colab: 代码执行程序 → 更改运行时类型 → "
+                "GPU), "
                 f"or set {ENV_VAR}=cpu to run this cell on the CPU at small size."
             )
         return DeviceChoice(mode, True, "cuda", False, None)
@@ -180,7 +182,11 @@ def describe() -> str:
             f"{bf16_supported('cuda')}, TF32: {tf32_available(cap)}, "
             f"memory {free / 2**30:.2f} of {total / 2**30:.2f} GiB free"
         )
-    return f"{ENV_VAR}={mode}; CUDA: none (GPU cells {'run on CPU at small size' if mode == 'cpu' else 'are skipped' if mode != 'on' else 'will fail'})"
+    if mode == "cpu":
+        cells = "run on CPU at small size"
+    else:
+        cells = "are skipped" if mode != "on" else "will fail"
+    return f"{ENV_VAR}={mode}; CUDA: none (GPU cells {cells})"
 
 
 # --------------------------------------------------------------------------------------

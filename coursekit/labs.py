@@ -70,7 +70,8 @@ def lab_id(path: str | Path) -> str:
     m = LAB_RE.match(Path(path).name)
     if not m:
         raise LabFormatError(
-            f"lab notebooks must be named labNN_slug.ipynb (lower case), got {Path(path).name!r}"
+            f"lab notebooks must be named labNN_slug.ipynb (lower case), got "
+            f"{Path(path).name!r}"
         )
     return m.group(1)
 
@@ -164,7 +165,8 @@ def inline_glue(source: str, values: dict[str, str], where: str = "") -> str:
         key = m.group(1).split(":")[0].strip()
         if key not in values:
             raise LabFormatError(
-                f"{where}: glue key {key!r} has no stored value in the executed solution"
+                f"{where}: glue key {key!r} has no stored value in the executed "
+                f"solution"
             )
         return values[key]
 

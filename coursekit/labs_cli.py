@@ -47,7 +47,8 @@ def _cmd_grade(args: argparse.Namespace) -> int:
         gpu=args.gpu,
     )
     print(
-        f"wrote {args.out}/grades.csv and {len(records)} feedback pages in {args.out}/feedback/"
+        f"wrote {args.out}/grades.csv and {len(records)} feedback pages in "
+        f"{args.out}/feedback/"
     )
     bad = [r for r in records if r["status"] == "grader_error"]
     if bad:
@@ -99,7 +100,8 @@ def register(sub) -> None:
         "--seed",
         type=int,
         default=None,
-        help="seed of the random inputs (default: fixed by the lab and its hidden tests)",
+        help="seed of the random inputs (default: fixed by the lab and its hidden "
+        "tests)",
     )
     g.add_argument(
         "--cell-timeout", type=float, default=None, help="seconds per student cell"

@@ -277,7 +277,8 @@ def test_shipped_modules_run_without_third_party_packages(tmp_path):
         ({"model": "tiny", "method": "lora"}, None)
     ]
     runner = (
-        "import json, sys\nsys.path.insert(0, sys.argv[1])\nfrom trainmem.cli import main\n"
+        "import json, sys\nsys.path.insert(0, sys.argv[1])\nfrom trainmem.cli import "
+        "main\n"
         "raise SystemExit(main(json.loads(sys.argv[2])))\n"
     )
     for values, config in cases:
@@ -364,7 +365,8 @@ SET_FORM = """({values, config}) => {
     const el = form.elements[k];
     if (!el) throw new Error('the form has no field ' + k);
     if (el.type === 'checkbox') el.checked = v; else el.value = v;
-    if (el.tagName === 'SELECT' && el.value !== v) throw new Error(`${k}: no option ${v}`);
+    if (el.tagName === 'SELECT' && el.value !== v)
+      throw new Error(`${k}: no option ${v}`);
   }
   if (config !== null) form.elements['config-json'].value = config;
   const seq = Number(root.querySelector('.tm-calc-result').dataset.seq || 0);
@@ -376,7 +378,8 @@ RESULT = """() => {
   return {total: r.dataset.totalBytes || null, error: r.dataset.error || null,
           argv: JSON.parse(r.dataset.argv),
           bytes: [...r.querySelectorAll('.tm-table tbody tr')].map(
-                   tr => tr.querySelector('td:last-child').textContent.replaceAll(',', ''))};
+                   tr => tr.querySelector('td:last-child')
+                           .textContent.replaceAll(',', ''))};
 }"""
 
 
@@ -482,7 +485,8 @@ def test_typing_recomputes_and_screenshots(site, tmp_path):
             page.fill("input[name=batch]", "8")
             page.check("input[name=checkpointing]")
             page.wait_for_function(
-                "t => document.querySelector('.tm-calc-result').dataset.totalBytes === t",
+                "t => document.querySelector('.tm-calc-result').dataset.totalBytes === "
+                "t",
                 arg=str(want["total_bytes"]),
                 timeout=60000,
             )

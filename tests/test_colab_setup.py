@@ -126,5 +126,6 @@ def test_no_file_is_read_by_a_relative_path(path):
         if c.cell_type == "code":
             m = RELATIVE_READ.search(c.source)
             assert m is None, (
-                f"{path.name} cell {i}: {m.group(0)!r} breaks when run outside book/ (Colab)"
+                f"{path.name} cell {i}: {m.group(0)!r} breaks when run outside book/ "
+                f"(Colab)"
             )

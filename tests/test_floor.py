@@ -51,7 +51,8 @@ def _same_versions(have: dict, want: dict) -> bool:
 
 VERSIONS_CELL = (
     "import json, sys\nfrom importlib import metadata\n"
-    "print(json.dumps({'python': sys.executable, **{p: metadata.version(p) for p in %r}}))"
+    "versions = {p: metadata.version(p) for p in %r}\n"
+    "print(json.dumps({'python': sys.executable, **versions}))"
 )
 
 

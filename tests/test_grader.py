@@ -33,21 +33,29 @@ from coursekit.grading import CaseType, Question
 NOTEBOOK = "lab99_toy.ipynb"
 
 def _pairs(bound):
-    return lambda rng: [[rng.randint(-bound, bound), rng.randint(-bound, bound)] for _ in range(10)]
+    def draw(rng):
+        return [[rng.randint(-bound, bound), rng.randint(-bound, bound)]
+                for _ in range(10)]
+    return draw
 
 def _lists(lo, hi):
-    return lambda rng: [[rng.uniform(-5, 5) for _ in range(rng.randint(lo, hi))] for _ in range(5)]
+    def draw(rng):
+        return [[rng.uniform(-5, 5) for _ in range(rng.randint(lo, hi))]
+                for _ in range(5)]
+    return draw
 
 def _close(got, want):
     return isinstance(got, float) and abs(got - want) < 1e-9
 
 QUESTIONS = [
-    Question("add", points=2, probe="CASE = lambda ab: add(*ab)", expect=lambda ab: ab[0] + ab[1],
+    Question("add", points=2, probe="CASE = lambda ab: add(*ab)",
+             expect=lambda ab: ab[0] + ab[1],
              cases=[CaseType("small", "小整数", 1, _pairs(9), fix="把两个数相加"),
                     CaseType("big", "大整数", 1, _pairs(10**6), fix="大数也要相加")]),
     Question("mean", points=3, probe="CASE = mean", expect=lambda xs: sum(xs) / len(xs),
              compare=_close,
-             cases=[CaseType("one", "一个数", 1, _lists(1, 1), fix="一个数的平均数是它自己"),
+             cases=[CaseType("one", "一个数", 1, _lists(1, 1),
+                             fix="一个数的平均数是它自己"),
                     CaseType("many", "多个数", 2, _lists(2, 9), fix="总和除以个数")]),
 ]
 """
@@ -78,24 +86,29 @@ def tamper_out(out: Path) -> str:
     return textwrap.dedent(f"""
         import json, pathlib
         out = pathlib.Path({str(out)!r})
-        (out / "grades.csv").write_text("student,add,mean,total,status\\nmallory,2,3,5,ok\\n")
+        (out / "grades.csv").write_text(
+            "student,add,mean,total,status\\nmallory,2,3,5,ok\\n"
+        )
         (out / "feedback").mkdir(exist_ok=True)
         (out / "feedback" / "good.html").write_text("hacked")
         (out / "feedback" / "zz_fake.html").write_text("fake")
         (out / "evil.txt").write_text("evil")
-        (out / ".grade_cache.json").write_text(json.dumps({{"mallory": {{"key": "x", "record": {{}}}}}}))
+        cache = {{"mallory": {{"key": "x", "record": {{}}}}}}
+        (out / ".grade_cache.json").write_text(json.dumps(cache))
     """)
 
 
 TAMPER_BUILTINS = textwrap.dedent(r"""
     import builtins, json, re, sys
-    # 1. fake every result the harness might print, using the nonce read from the next cell's source
+    # 1. fake every result the harness might print, using the nonce read from the
+    #    next cell's source
     def _hook(info):
         for m in set(re.findall(r"@@[0-9a-f]{32}@@", info.raw_cell or "")):
             sys.stdout.write(m + '{"ok": true, "value": [3, 3, 3]}' + m)
     get_ipython().events.register("pre_run_cell", _hook)
     # 2. break the tools a harness would use
-    def _exec(code, ns=None, *args):       # the harness's exec never runs the hidden test
+    # the harness's exec never runs the hidden test
+    def _exec(code, ns=None, *args):
         if isinstance(ns, dict):
             ns["RESULT"] = [3, 3, 3]
     builtins.exec = _exec

@@ -64,11 +64,14 @@ def test_check_names_stale_and_orphan_labs(tmp_path):
 
 def test_strip_code_keeps_indentation_and_hint():
     src = (
-        'def f(x):\n    """doc"""\n    ### BEGIN SOLUTION\n    # HINT: 用 x 的平方\n    y = x * x\n'
-        "    return y\n    ### END SOLUTION\n\n### BEGIN SOLUTION\nz = 1\n### END SOLUTION\nprint(z)"
+        'def f(x):\n    """doc"""\n'
+        "    ### BEGIN SOLUTION\n    # HINT: 用 x 的平方\n    y = x * x\n"
+        "    return y\n    ### END SOLUTION\n\n"
+        "### BEGIN SOLUTION\nz = 1\n### END SOLUTION\nprint(z)"
     )
     assert strip_code(src) == (
-        'def f(x):\n    """doc"""\n    # TODO: 用 x 的平方\n    raise NotImplementedError\n\n'
+        'def f(x):\n    """doc"""\n'
+        "    # TODO: 用 x 的平方\n    raise NotImplementedError\n\n"
         "# TODO: 在这里实现\nraise NotImplementedError\nprint(z)"
     )
 

@@ -343,8 +343,10 @@ def test_every_glued_float_is_exact_or_tolerant(path):
     rel = str(path.relative_to(ROOT))
     loose = loose_floats(nbformat.read(path, as_version=4), rel)
     assert not loose, (
-        f"{rel}: glued floats with neither a tolerance nor an entry in tests/exact_glue.txt: "
-        f"{', '.join(loose)}. A measured number declares glue(..., rtol=...); an exact one "
+        f"{rel}: glued floats with neither a tolerance nor an entry in "
+        f"tests/exact_glue.txt: "
+        f"{', '.join(loose)}. A measured number declares glue(..., rtol=...); an exact "
+        f"one "
         "(derived from exact inputs only) is listed there with the reason."
     )
 

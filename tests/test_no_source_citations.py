@@ -76,7 +76,8 @@ def citation_problems(text: str) -> list[str]:
             )
         for m in CITATION.finditer(bare):
             problems.append(
-                f"cites a source by section number ({m.group(0)!r}): {line.strip()[:90]}"
+                f"cites a source by section number ({m.group(0)!r}): "
+                f"{line.strip()[:90]}"
             )
     return problems
 

@@ -106,12 +106,15 @@ def test_page_loads_offline_and_renders(browser, doc):
             assert "$$" not in body, "raw $$ left in the page"
         # glue: no missing keys, no empty pasted values
         assert "{glue" not in body and "missing key" not in body.lower()
-        empty = page.evaluate("""() => [...document.querySelectorAll('[class*="pasted"]')]
-                                  .filter(e => e.textContent.trim() === '' && !e.querySelector('img')).length""")
+        empty = page.evaluate("""() => [
+            ...document.querySelectorAll('[class*="pasted"]')]
+            .filter(e => e.textContent.trim() === '' && !e.querySelector('img'))
+            .length""")
         assert empty == 0, f"{empty} glued values rendered empty"
         # images that are present actually loaded
         broken = page.evaluate(
-            "() => [...document.images].filter(i => i.complete && i.naturalWidth === 0).map(i => i.src)"
+            "() => [...document.images].filter(i => i.complete && i.naturalWidth === "
+            "0).map(i => i.src)"
         )
         assert not broken, f"broken images: {broken}"
     finally:
@@ -155,7 +158,8 @@ def test_colab_launch_link(browser, doc):
     page, _ = _open(browser, f"{doc}.html")
     try:
         hrefs = page.evaluate(
-            "() => [...document.querySelectorAll('a')].map(a => a.href).filter(h => h.includes('colab.research.google.com'))"
+            "() => [...document.querySelectorAll('a')].map(a => a.href).filter(h => "
+            "h.includes('colab.research.google.com'))"
         )
     finally:
         page.context.close()
@@ -244,7 +248,8 @@ def test_phone_menu_opens_chapter_list(browser, doc):
         dialog = page.locator("#pst-primary-sidebar-modal[open]")
         dialog.wait_for(state="visible", timeout=5000)
         titles = page.evaluate("""() => [...document.querySelectorAll(
-            '#pst-primary-sidebar-modal[open] nav a')].filter(a => a.offsetParent).map(a => a.href)""")
+            '#pst-primary-sidebar-modal[open] nav a')]
+            .filter(a => a.offsetParent).map(a => a.href)""")
         for chapter in CHAPTERS:
             assert any(
                 unquote(urlparse(h).path).endswith(f"{chapter}.html")
@@ -307,7 +312,8 @@ def test_one_search_box(browser, viewport):
     try:
         fields = page.evaluate("""() => [...document.querySelectorAll(
             '.search-button-field, .search-button, input[type=search]')]
-            .filter(e => e.offsetParent !== null && e.getBoundingClientRect().width > 0).length""")
+            .filter(e => e.offsetParent !== null
+                         && e.getBoundingClientRect().width > 0).length""")
         assert fields == 1, f"{fields} search boxes/buttons visible"
         assert not page.locator("#pst-header").is_visible(), (
             "the extra top navbar is shown"
@@ -357,7 +363,8 @@ def test_interface_in_chinese(browser, doc):
         found = [s for s in ENGLISH_UI if s in html]
         assert not found, f"English interface strings on the page: {found}"
         hints = page.evaluate(
-            "() => [...document.querySelectorAll('.toggle-button')].map(b => b.textContent + (b.dataset.toggleHint || ''))"
+            "() => [...document.querySelectorAll('.toggle-button')].map(b => "
+            "b.textContent + (b.dataset.toggleHint || ''))"
         )
         assert all("点击" in h for h in hints), (
             f"togglebutton hints not in Chinese: {hints[:3]}"
@@ -402,8 +409,10 @@ def test_no_authoring_plumbing_on_pages(build, doc):
     glue = [line for line in lines if re.search(r"\bglue\(", line)]
     nbval = [line for line in lines if "nbval-ignore-output" in line]
     assert not glue and not nbval, (
-        f"{len(glue)} line(s) with glue( and {len(nbval)} with nbval-ignore-output, e.g. "
-        f"{(glue + nbval)[:3]} (run `python -m coursekit tidy`, or move the call out of the code)"
+        f"{len(glue)} line(s) with glue( and {len(nbval)} with nbval-ignore-output, "
+        f"e.g. "
+        f"{(glue + nbval)[:3]} (run `python -m coursekit tidy`, or move the call out "
+        f"of the code)"
     )
 
 
@@ -486,7 +495,8 @@ def test_screenshots_and_phone_layout(browser, doc):
             )
             if label == "phone":
                 over = page.evaluate(
-                    "() => document.documentElement.scrollWidth - document.documentElement.clientWidth"
+                    "() => document.documentElement.scrollWidth - "
+                    "document.documentElement.clientWidth"
                 )
                 assert over <= 1, f"page is {over}px wider than a phone screen"
         finally:

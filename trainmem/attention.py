@@ -26,11 +26,13 @@ __all__ = [
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
-            f"q, k, v must be 4-D (batch, heads, seq, head_dim), got {q.dim()}, {k.dim()}, {v.dim()}"
+            f"q, k, v must be 4-D (batch, heads, seq, head_dim), got {q.dim()}, "
+            f"{k.dim()}, {v.dim()}"
         )
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(
-            f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+            f"{tuple(v.shape)}"
         )
 
 

@@ -158,7 +158,8 @@ class FloatFormat:
 
         if self.torch_dtype is None:
             raise ValueError(
-                f"format {self.name!r} has no torch storage dtype (it is a compute mode)"
+                f"format {self.name!r} has no torch storage dtype (it is a compute "
+                f"mode)"
             )
         return getattr(torch, self.torch_dtype)
 
@@ -201,7 +202,8 @@ def get_format(fmt: str | FloatFormat | Any) -> FloatFormat:
     key = _ALIASES.get(key, key)
     if key not in FORMATS:
         raise ValueError(
-            f"fmt must be one of {', '.join(FORMATS)} (or a torch float dtype), got {fmt!r}"
+            f"fmt must be one of {', '.join(FORMATS)} (or a torch float dtype), got "
+            f"{fmt!r}"
         )
     return FORMATS[key]
 

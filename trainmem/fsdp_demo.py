@@ -288,7 +288,8 @@ def run(
                 ) from None
             if "error" in results[-1]:
                 raise RuntimeError(
-                    f"FSDP demo rank {results[-1]['rank']} failed:\n{results[-1]['error']}"
+                    f"FSDP demo rank {results[-1]['rank']} "
+                    f"failed:\n{results[-1]['error']}"
                 )
     finally:
         for p in procs:

@@ -66,7 +66,8 @@ def lora_param_count_for_config(config, target_modules: Iterable[str], r: int) -
     unknown = [t for t in targets if t not in shapes]
     if unknown or not targets:
         raise ValueError(
-            f"target_modules must be a non-empty subset of {sorted(shapes)}, got {targets!r}"
+            f"target_modules must be a non-empty subset of {sorted(shapes)}, got "
+            f"{targets!r}"
         )
     per_layer = sum(lora_param_count(*shapes[t], r) for t in targets)
     return per_layer * config.num_hidden_layers
@@ -179,7 +180,10 @@ class LoRALinear(nn.Module):
         self.merged = False
 
     def extra_repr(self) -> str:
-        return f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}, merged={self.merged}"
+        return (
+            f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:g}, "
+            f"merged={self.merged}"
+        )
 
 
 def _linear_names(model: nn.Module) -> list[str]:

@@ -23,7 +23,8 @@ def _dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(
-                f"dtype must be one of {', '.join(_DTYPES)} or a torch float dtype, got {dtype!r}"
+                f"dtype must be one of {', '.join(_DTYPES)} or a torch float dtype, "
+                f"got {dtype!r}"
             )
         return _DTYPES[dtype]
     if not dtype.is_floating_point:

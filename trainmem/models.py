@@ -250,11 +250,13 @@ def load_config_file(path: str):
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad(
-            f"model config file {path!r} is not valid JSON ({e.msg if hasattr(e, 'msg') else e})"
+            f"model config file {path!r} is not valid JSON "
+            f"({e.msg if hasattr(e, 'msg') else e})"
         ) from None
     if not isinstance(data, dict):
         raise bad(
-            f"model config file {path!r} must hold a JSON object, got {type(data).__name__}"
+            f"model config file {path!r} must hold a JSON object, got "
+            f"{type(data).__name__}"
         )
     mt = data.get("model_type")
     if mt not in _ARCHS:

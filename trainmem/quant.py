@@ -341,7 +341,8 @@ def nf4_bytes_per_param(
     """
     if block_size < 1 or dq_block_size < 1:
         raise ValueError(
-            f"block_size and dq_block_size must be ≥ 1, got {block_size}, {dq_block_size}"
+            f"block_size and dq_block_size must be ≥ 1, got {block_size}, "
+            f"{dq_block_size}"
         )
     if not double_quant:
         return 0.5 + 4 / block_size

@@ -68,7 +68,8 @@ def activation_bytes(model: str = MODEL_7B, **conditions) -> int:
     unknown = set(conditions) - set(ACT_CONDITIONS) - {"method"}
     if unknown:
         raise ValueError(
-            f"conditions must be among {sorted(ACT_CONDITIONS)} or 'method', got {sorted(unknown)}"
+            f"conditions must be among {sorted(ACT_CONDITIONS)} or 'method', got "
+            f"{sorted(unknown)}"
         )
     return estimate(model, **{**ACT_CONDITIONS, **conditions}).activation_bytes
 

@@ -154,7 +154,8 @@ def per_gpu_memory(
         raise ValueError(f"n_params must be an integer ≥ 0, got {n_params!r}")
     if offload_optimizer not in OFFLOAD_DEVICES:
         raise ValueError(
-            f"offload_optimizer must be one of {', '.join(OFFLOAD_DEVICES)}, got {offload_optimizer!r}"
+            f"offload_optimizer must be one of {', '.join(OFFLOAD_DEVICES)}, got "
+            f"{offload_optimizer!r}"
         )
     if min(weight_bytes, grad_bytes, k) < 0:
         raise ValueError("weight_bytes, grad_bytes and k must be ≥ 0")

@@ -112,7 +112,10 @@ def _got_text(q: Question, entry: Any) -> str:
     if "e" in entry:
         return f"抛出 {str(entry['e'])[:300]}"
     if "t" in entry:
-        return f"返回了不是纯数据的 {str(entry['t'])[:200]}（请返回 Python 的 int/float/bool/list/dict）"
+        return (
+            f"返回了不是纯数据的 {str(entry['t'])[:200]}"
+            "（请返回 Python 的 int/float/bool/list/dict）"
+        )
     return q.show_value(entry.get("v"))
 
 

@@ -57,7 +57,9 @@ def _grader_probe_{fid}():
         _out = {{"ok": True, "value": _ns["RESULT"]}}
         _text = _j.dumps(_out)
     except Exception as _e:
-        _msg = "".join(_tb.format_exception(type(_e), _e, _e.__traceback__.tb_next, limit=-4))
+        _msg = "".join(
+            _tb.format_exception(type(_e), _e, _e.__traceback__.tb_next, limit=-4)
+        )
         _text = _j.dumps({{"ok": False, "error": _msg[-3000:]}})
     _s.stdout.write("\\n{nonce}" + _text + "{nonce}\\n")
     _s.stdout.flush()
@@ -234,7 +236,8 @@ class Session:
             self.note(
                 "kernel_died",
                 "kernel 不再按 Jupyter 协议应答"
-                f"（{type(e).__name__}: {str(e)[:200]}）；notebook 是否改动了 json 或 builtins？",
+                f"（{type(e).__name__}: {str(e)[:200]}）；notebook 是否改动了 json 或 "
+                f"builtins？",
             )
             return "dead", None, False
         err = _error_text(cell)
