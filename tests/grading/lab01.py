@@ -96,7 +96,8 @@ def decode_types(fmt: str) -> list[CaseType]:
             "±0（指数段与尾数段全 0）",
             1,
             _zero(fmt),
-            fix="指数段为 0、尾数段为 0 时值是 ±0，符号位决定正负（-0.0 也要返回 -0.0）",
+            fix="指数段为 0、尾数段为 0 时值是 ±0，符号位决定正负"
+            "（-0.0 也要返回 -0.0）",
         ),
         CaseType(
             "subnormal",
@@ -273,7 +274,8 @@ ULP_TYPES = [
         "x = ±0",
         1,
         _ulp_cases("zero"),
-        fix="0 要单独处理：frexp(0) 的指数是 0，套公式会错；0 处的间距是最小次正规数 2^(1-bias-m)",
+        fix="0 要单独处理：frexp(0) 的指数是 0，套公式会错；0 处的间距是最小次正规数 "
+        "2^(1-bias-m)",
     ),
     CaseType(
         "subnormal",
@@ -287,7 +289,8 @@ ULP_TYPES = [
         "2 的整数次幂",
         1,
         _ulp_cases("power_of_two"),
-        fix="math.frexp(|x|) 返回 (f, e)，|x| = f·2^e 且 0.5 ≤ f < 1，所以 |x| 在 [2^k, 2^(k+1)) "
+        fix="math.frexp(|x|) 返回 (f, e)，|x| = f·2^e 且 0.5 ≤ f < 1，所以 |x| 在 "
+        "[2^k, 2^(k+1)) "
         "时 k = e - 1（不是 e）",
     ),
     CaseType(
@@ -342,7 +345,8 @@ QUESTIONS = [
                 "丢掉的低 16 位 > 0x8000（进位）",
                 2,
                 _round_up,
-                fix="低 16 位大于 0x8000 时要进位：直接截断（>> 16）是朝 0 舍入，不是就近舍入",
+                fix="低 16 位大于 0x8000 时要进位：直接截断（>> 16）是朝 0 舍入，"
+                "不是就近舍入",
             ),
             CaseType(
                 "round_down",
@@ -364,7 +368,8 @@ QUESTIONS = [
                 "进位进入指数段或溢出成 inf",
                 1,
                 _carry,
-                fix="进位可以一路传进指数段（变成下一个 2 的幂）或溢出成 inf，这正是正确结果；"
+                fix="进位可以一路传进指数段（变成下一个 2 的幂）或溢出成 inf，"
+                "这正是正确结果；"
                 "结果要 & 0xFFFF",
             ),
             CaseType(
@@ -386,7 +391,8 @@ QUESTIONS = [
                 "NaN",
                 1,
                 lambda rng: [math.nan],
-                fix="NaN 要单独返回一个 NaN 模式（例如 0x7FC0），截断或进位可能把它变成 inf",
+                fix="NaN 要单独返回一个 NaN 模式（例如 0x7FC0），"
+                "截断或进位可能把它变成 inf",
             ),
         ],
         expect=expect_fp32_to_bf16,
@@ -403,6 +409,7 @@ QUESTIONS = [
         probe="CASE = lambda case: ulp(case[0], case[1])",
         compare=same_float,
         show_input=_show_ulp,
-        description="ulp(x, fmt)：fp32/fp16/bf16 的最后一位单位（含 0、次正规数与 2 的幂）",
+        description="ulp(x, fmt)：fp32/fp16/bf16 的最后一位单位（含 0、次正规数与 2 "
+        "的幂）",
     ),
 ]

@@ -91,7 +91,8 @@ INF_TYPES = [
         "某个张量含 NaN（fp16/bf16/fp32 各 4 个）",
         1,
         _tensors([math.nan]),
-        fix="NaN 与任何数比较都是 False（x > 65504 抓不到 NaN）；用 torch.isfinite 或 torch.isnan",
+        fix="NaN 与任何数比较都是 False（x > 65504 抓不到 NaN）；用 torch.isfinite 或 "
+        "torch.isnan",
     ),
 ]
 
@@ -170,9 +171,12 @@ def CASE(case):
     if case.get("defaults"):
         s = DynamicLossScaler()
     else:
-        s = DynamicLossScaler(init_scale=case["init_scale"], growth_factor=case["growth_factor"],
-                              backoff_factor=case["backoff_factor"],
-                              growth_interval=case["growth_interval"])
+        s = DynamicLossScaler(
+            init_scale=case["init_scale"],
+            growth_factor=case["growth_factor"],
+            backoff_factor=case["backoff_factor"],
+            growth_interval=case["growth_interval"],
+        )
     trace = [s.scale]
     for f in case["flags"]:
         s.update(f)
@@ -216,8 +220,10 @@ def _show_scaler(case):
     args = (
         "默认参数"
         if case.get("defaults")
-        else f"init_scale={case['init_scale']:g}, growth_factor={case['growth_factor']:g}, "
-        f"backoff_factor={case['backoff_factor']:g}, growth_interval={case['growth_interval']}"
+        else f"init_scale={case['init_scale']:g}, "
+        f"growth_factor={case['growth_factor']:g}, "
+        f"backoff_factor={case['backoff_factor']:g}, "
+        f"growth_interval={case['growth_interval']}"
     )
     return f"DynamicLossScaler({args})，依次 update(found_inf)：{flags}（T=溢出）"
 
@@ -236,7 +242,8 @@ SCALER_TYPES = [
         "默认参数（2000 步后才增长）",
         1,
         _scaler_type("defaults"),
-        fix="默认值 init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000；"
+        fix="默认值 init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, "
+        "growth_interval=2000；"
         "scale 用 float",
     ),
     CaseType(
@@ -265,7 +272,8 @@ SCALER_TYPES = [
         "随机的溢出序列",
         1,
         _scaler_type("mixed"),
-        fix="按规则逐步模拟：溢出 → 退避并清零；否则计数 +1，满 growth_interval 就增长并清零",
+        fix="按规则逐步模拟：溢出 → 退避并清零；否则计数 +1，满 growth_interval "
+        "就增长并清零",
     ),
 ]
 
@@ -389,7 +397,8 @@ def _step_compare(got, want):
             isinstance(got.get("master"), list)
             and len(got["master"]) == len(want["master"])
             and all(_close(g, w, 1e-6) for g, w in zip(got["master"], want["master"])),
-            "主权重应为 master - lr * grad.float() / scale（用本步、update 之前的 scale）"
+            "主权重应为 master - lr * grad.float() / scale（用本步、update 之前的 "
+            "scale）"
             if want["applied"]
             else "溢出时主权重不能改变",
         ),
@@ -405,7 +414,10 @@ def _step_compare(got, want):
 
 
 def _show_step(case):
-    return f"scale={case['scale']:g}, lr={case['lr']:g}, master={case['master']}, grads={case['grads']}"
+    return (
+        f"scale={case['scale']:g}, lr={case['lr']:g}, master={case['master']}, "
+        f"grads={case['grads']}"
+    )
 
 
 def _show_step_value(v):
@@ -420,7 +432,8 @@ STEP_TYPES = [
         "有限梯度：反缩放并更新",
         2,
         _step_type(None),
-        fix="g = p.grad.float() / scaler.scale（先于 update）；m -= lr * g；p.copy_(m)；"
+        fix="g = p.grad.float() / scaler.scale（先于 update）；m -= lr * g；"
+        "p.copy_(m)；"
         "scaler.update(False)；返回 True",
     ),
     CaseType(
@@ -471,6 +484,7 @@ QUESTIONS = [
         probe=STEP_PROBE,
         show_input=_show_step,
         show_value=_show_step_value,
-        description="mixed_precision_sgd_step：溢出跳步、反缩放、FP32 主权重更新、拷回 FP16",
+        description="mixed_precision_sgd_step：溢出跳步、反缩放、FP32 主权重更新、拷回 "
+        "FP16",
     ),
 ]

@@ -96,7 +96,8 @@ COUNT_TYPES = [
             dict(random_llama_cfg(rng, "mha"), tie_word_embeddings=False)
             for _ in range(8)
         ],
-        fix="每层：W_q、W_o 各 h·h，W_k、W_v 各 h·k·d，MLP 3·h·I，两个 RMSNorm 2h；再加嵌入 V·h、"
+        fix="每层：W_q、W_o 各 h·h，W_k、W_v 各 h·k·d，MLP 3·h·I，两个 RMSNorm 2h；"
+        "再加嵌入 V·h、"
         "最后的 norm h 与 lm_head V·h",
     ),
     CaseType(
@@ -190,7 +191,8 @@ MEM_TYPES = [
         "precision = fp16_master",
         1,
         _mem_cases(["fp16_master"]),
-        fix="fp16_master：权重 2、梯度 2、FP32 主权重 4、每个优化器状态 4 字节（状态跟主权重同精度）",
+        fix="fp16_master：权重 2、梯度 2、FP32 主权重 4、每个优化器状态 4 "
+        "字节（状态跟主权重同精度）",
     ),
     CaseType(
         "bf16",
@@ -244,6 +246,8 @@ def _measure_type(kind):
 
 MEASURE_PROBE = """
 import torch as _t
+
+
 def CASE(case):
     _t.manual_seed(0)
     dt = getattr(_t, case["dtype"])
@@ -256,7 +260,9 @@ def CASE(case):
     if case["opt"] == "adamw":
         opt = _t.optim.AdamW(params, lr=1e-3)
     else:
-        opt = _t.optim.SGD(params, lr=1e-3, momentum=0.9 if case["opt"] == "sgd_momentum" else 0.0)
+        opt = _t.optim.SGD(
+            params, lr=1e-3, momentum=0.9 if case["opt"] == "sgd_momentum" else 0.0
+        )
     if case["step"]:
         model(_t.randn(2, case["layers"][0][0], dtype=dt)).float().sum().backward()
         opt.step()
@@ -294,7 +300,8 @@ def _measure_compare(got, want):
 def _show_model(case):
     layers = ", ".join(f"Linear({i}, {o}, bias={b})" for i, o, b in case["layers"])
     return (
-        f"Sequential({layers})，dtype={case['dtype']}，冻结层 {case['frozen'] or '无'}，"
+        f"Sequential({layers})，dtype={case['dtype']}，冻结层 "
+        f"{case['frozen'] or '无'}，"
         f"优化器 {case['opt']}，{'已' if case['step'] else '未'} step"
     )
 
@@ -312,14 +319,16 @@ MEASURE_TYPES = [
         "AdamW 一步之后（含标量 step 张量）",
         1,
         _measure_type("adamw"),
-        fix="AdamW 的状态里除了 exp_avg、exp_avg_sq，还有一个标量张量 step（4 字节）：所有张量都要计",
+        fix="AdamW 的状态里除了 exp_avg、exp_avg_sq，还有一个标量张量 step（4 字节）："
+        "所有张量都要计",
     ),
     CaseType(
         "sgd",
         "SGD（有/无 momentum）一步之后",
         1,
         _measure_type("sgd"),
-        fix="SGD 带 momentum 时每个参数有一个 momentum_buffer；无 momentum 时状态里可能是 None，要跳过",
+        fix="SGD 带 momentum 时每个参数有一个 momentum_buffer；无 momentum "
+        "时状态里可能是 None，要跳过",
     ),
     CaseType(
         "frozen",
@@ -356,7 +365,8 @@ QUESTIONS = [
         expect=mem_expect,
         compare=_mem_compare,
         probe=MEM_PROBE,
-        description="static_memory：四种精度 × 三种优化器的字节数；非法名字抛 ValueError",
+        description="static_memory：四种精度 × 三种优化器的字节数；非法名字抛 "
+        "ValueError",
     ),
     Question(
         "measure_static",
@@ -366,6 +376,7 @@ QUESTIONS = [
         compare=_measure_compare,
         probe=MEASURE_PROBE,
         show_input=_show_model,
-        description="measure_static：逐张量测量权重/梯度/优化器状态（冻结层、bf16、未 step、AdamW 的 step）",
+        description="measure_static：逐张量测量权重/梯度/优化器状态（冻结层、bf16、未 "
+        "step、AdamW 的 step）",
     ),
 ]

@@ -42,14 +42,19 @@ def _lab04_fill(module, seed):
 
 
 def _lab04_mlp(case):
-    m = _nn.Sequential(_nn.Linear(case["d_in"], case["d_hidden"]), _nn.Tanh(),
-                       _nn.Linear(case["d_hidden"], case["n_classes"]))
+    m = _nn.Sequential(
+        _nn.Linear(case["d_in"], case["d_hidden"]),
+        _nn.Tanh(),
+        _nn.Linear(case["d_hidden"], case["n_classes"]),
+    )
     return _lab04_fill(m, case["seed"])
 
 
 def _lab04_data(case):
     rng = _random.Random(case["seed"] + 1)
-    x = _torch.tensor([[rng.gauss(0, 1) for _ in range(case["d_in"])] for _ in range(case["n"])])
+    x = _torch.tensor(
+        [[rng.gauss(0, 1) for _ in range(case["d_in"])] for _ in range(case["n"])]
+    )
     y = _torch.tensor([rng.randrange(case["n_classes"]) for _ in range(case["n"])])
     return x, y
 
@@ -57,19 +62,26 @@ def _lab04_data(case):
 def _lab04_blocks(case):
     d = case["d"]
     blocks = _nn.ModuleList(
-        _nn.Sequential(_nn.LayerNorm(d), _nn.Linear(d, 2 * d), _nn.GELU(), _nn.Linear(2 * d, d))
-        for _ in range(case["n_blocks"]))
+        _nn.Sequential(
+            _nn.LayerNorm(d), _nn.Linear(d, 2 * d), _nn.GELU(), _nn.Linear(2 * d, d)
+        )
+        for _ in range(case["n_blocks"])
+    )
     return _lab04_fill(blocks, case["seed"])
 
 
 def _lab04_x(case):
     rng = _random.Random(case["seed"] + 7)
-    return _torch.tensor([[rng.gauss(0, 1) for _ in range(case["d"])] for _ in range(case["batch"])])
+    return _torch.tensor(
+        [[rng.gauss(0, 1) for _ in range(case["d"])] for _ in range(case["batch"])]
+    )
 
 
 def _lab04_grads(model):
-    return {n: (p.grad.detach().flatten().tolist() if p.grad is not None else None)
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.grad.detach().flatten().tolist() if p.grad is not None else None)
+        for n, p in model.named_parameters()
+    }
 
 
 def _lab04_saved(fn, exclude=()):
@@ -103,12 +115,19 @@ def _lab04_saved_cases(case):
         xr = x.clone().requires_grad_(True)
         return (lambda: lin(xr)), []
     if kind == "mlp_tanh":
-        mlp = _lab04_fill(_nn.Sequential(_nn.Linear(d_in, d_out), _nn.Tanh(), _nn.Linear(d_out, d_in)), case["seed"])
+        mlp = _lab04_fill(
+            _nn.Sequential(
+                _nn.Linear(d_in, d_out), _nn.Tanh(), _nn.Linear(d_out, d_in)
+            ),
+            case["seed"],
+        )
         return (lambda: mlp(x)), list(mlp.parameters())
     if kind == "no_grad":
+
         def f():
             with _torch.no_grad():
                 return lin(x)
+
         return f, list(lin.parameters())
     if kind == "shared_view":
         xr = x.clone().requires_grad_(True)
@@ -205,10 +224,17 @@ def CASE(_case):
             return {"raised": None}
         except Exception as _e:
             return {"raised": type(_e).__name__}
-    accumulate_grads(_model, _loss, _x, _y, _case["accum"])          # a first call leaves grads behind
-    _ret = accumulate_grads(_model, _loss, _x, _y, _case["accum"])   # the second must start from zero
-    return {"sizes": _sizes, "returned": {k: v.detach().flatten().tolist() for k, v in dict(_ret).items()},
-            "dot_grad": _lab04_grads(_model)}
+    accumulate_grads(
+        _model, _loss, _x, _y, _case["accum"]
+    )  # a first call leaves grads behind
+    _ret = accumulate_grads(
+        _model, _loss, _x, _y, _case["accum"]
+    )  # the second must start from zero
+    return {
+        "sizes": _sizes,
+        "returned": {k: v.detach().flatten().tolist() for k, v in dict(_ret).items()},
+        "dot_grad": _lab04_grads(_model),
+    }
 """
 )
 
@@ -250,7 +276,8 @@ def accum_compare(got, want):
         wrong.append("参数的 .grad 与整批梯度不一致（第二次调用要先清零）")
     if got.get("sizes") != want["sizes"]:
         wrong.append(
-            f"两次调用中模型看到的 micro-batch 大小应为 {want['sizes']}，得到 {got.get('sizes')}"
+            f"两次调用中模型看到的 micro-batch 大小应为 {want['sizes']}，得到 "
+            f"{got.get('sizes')}"
         )
     return not wrong, "；".join(wrong)
 
@@ -261,7 +288,8 @@ def _show_mlp(case):
         if "accum" in case
         else f"micro_batch_size={case['mbs']}"
     )
-    return f"MLP({case['d_in']}→{case['d_hidden']}→{case['n_classes']})，N={case['n']}，{k}"
+    mlp = f"MLP({case['d_in']}→{case['d_hidden']}→{case['n_classes']})"
+    return f"{mlp}，N={case['n']}，{k}"
 
 
 def _show_result(v):
@@ -276,7 +304,8 @@ ACCUM_TYPES = [
         "N 能被 accum 整除：梯度与整批一致",
         3,
         _accum_type("ok"),
-        fix="先 model.zero_grad()；把 (x, y) 切成 accum 块，每块 loss / accum 再 backward",
+        fix="先 model.zero_grad()；把 (x, y) 切成 accum 块，每块 loss / accum 再 "
+        "backward",
     ),
     CaseType(
         "bad",
@@ -322,12 +351,17 @@ KINDS = {
     "shared_view": "同一存储的两个视图（只计一次）",
 }
 KIND_FIX = {
-    "linear_nograd_input": "用 torch.autograd.graph.saved_tensors_hooks 记录 pack 收到的张量；按存储去重",
+    "linear_nograd_input": (
+        "用 torch.autograd.graph.saved_tensors_hooks 记录 pack 收到的张量；按存储去重"
+    ),
     "linear_grad_input": "输入需要梯度时 autograd 也保存权重：exclude 里的存储不计",
     "linear_no_exclude": "exclude 为空时参数的存储也要计入",
     "mlp_tanh": "每个被保存的存储都计一次：Linear 的输入、tanh 的输出……",
     "no_grad": "no_grad 下 pack 不会被调用，结果应为 0",
-    "shared_view": "同一存储（t.untyped_storage().data_ptr() 相同）只计一次，字节数用 untyped_storage().nbytes()",
+    "shared_view": (
+        "同一存储（t.untyped_storage().data_ptr() 相同）只计一次，"
+        "字节数用 untyped_storage().nbytes()"
+    ),
 }
 
 
@@ -394,13 +428,19 @@ def CASE(_case):
     _x = _lab04_x(_case).requires_grad_(_case["x_requires_grad"])
     _params = list(_blocks.parameters())
     _out_box = []
-    _saved = _lab04_saved(lambda: _out_box.append(run_blocks(_blocks, _x, _case["ck"])), exclude=_params)
+    _saved = _lab04_saved(
+        lambda: _out_box.append(run_blocks(_blocks, _x, _case["ck"])), exclude=_params
+    )
     _out = _out_box[0]
     if _out.requires_grad:
         _out.pow(2).mean().backward()
-    return {"out": _out.detach().flatten().tolist(), "saved": _saved, "forwards": _count[0],
-            "x_grad": _x.grad.flatten().tolist() if _x.grad is not None else None,
-            "grads": _lab04_grads(_blocks)}
+    return {
+        "out": _out.detach().flatten().tolist(),
+        "saved": _saved,
+        "forwards": _count[0],
+        "x_grad": _x.grad.flatten().tolist() if _x.grad is not None else None,
+        "grads": _lab04_grads(_blocks),
+    }
 """
 )
 
@@ -428,18 +468,17 @@ def blocks_compare(got, want):
     if not isinstance(got, dict):
         return False, "没有结果"
     xg, wxg = got.get("x_grad"), want["x_grad"]
+    saved_label = f"保存给反向的字节数（应为 {want['saved']}，得到 {got.get('saved')}）"
+    forwards_label = (
+        f"block 前向次数（应为 {want['forwards']}，得到 {got.get('forwards')}）"
+    )
     checks = {
         "输出": _close(got.get("out"), want["out"]),
         "参数梯度": _grads_match(got.get("grads"), want["grads"]),
         "输入的梯度": (xg is None and wxg is None)
         or (wxg is not None and _close(xg, wxg)),
-        f"保存给反向的字节数（应为 {want['saved']}，得到 {got.get('saved')}）": _int_equal(
-            got.get("saved"), want["saved"]
-        ),
-        f"block 前向次数（应为 {want['forwards']}，得到 {got.get('forwards')}）": got.get(
-            "forwards"
-        )
-        == want["forwards"],
+        saved_label: _int_equal(got.get("saved"), want["saved"]),
+        forwards_label: got.get("forwards") == want["forwards"],
     }
     wrong = [k for k, ok in checks.items() if not ok]
     return not wrong, ("不对的是：" + "、".join(wrong)) if wrong else ""
@@ -447,7 +486,8 @@ def blocks_compare(got, want):
 
 def _show_blocks(c):
     return (
-        f"{c['n_blocks']} 个 block，d={c['d']}，batch={c['batch']}，x.requires_grad={c['x_requires_grad']}，"
+        f"{c['n_blocks']} 个 block，d={c['d']}，batch={c['batch']}，"
+        f"x.requires_grad={c['x_requires_grad']}，"
         f"checkpointing={c['ck']}"
     )
 
@@ -487,7 +527,8 @@ BLOCKS_TYPES = [
         "检查点，输入不需要梯度：参数仍有梯度",
         1,
         _blocks_type(True, False),
-        fix="use_reentrant=False 时输入不需要梯度参数也有梯度（reentrant 版本会丢掉它们）",
+        fix="use_reentrant=False 时输入不需要梯度参数也有梯度（reentrant "
+        "版本会丢掉它们）",
     ),
 ]
 
@@ -502,7 +543,8 @@ QUESTIONS = [
         probe=ACCUM_PROBE,
         show_input=_show_mlp,
         show_value=_show_result,
-        description="accumulate_grads：loss/accum 的累积循环，梯度与整批一致（rtol=1e-5, atol=1e-6），"
+        description="accumulate_grads：loss/accum 的累积循环，"
+        "梯度与整批一致（rtol=1e-5, atol=1e-6），"
         "先清零、按 micro-batch 前向、不整除时 ValueError",
     ),
     Question(
@@ -514,7 +556,8 @@ QUESTIONS = [
         probe=WEIGHTED_PROBE,
         show_input=_show_mlp,
         show_value=_show_result,
-        description="accumulate_grads_weighted：最后一块更小时按 n_j/N 加权，梯度与整批一致；"
+        description="accumulate_grads_weighted：最后一块更小时按 n_j/N 加权，"
+        "梯度与整批一致；"
         "micro_batch_size<1 时 ValueError",
     ),
     Question(
@@ -524,7 +567,8 @@ QUESTIONS = [
         expect=saved_expect,
         compare=_int_equal,
         probe=SAVED_PROBE,
-        description="saved_activation_bytes：saved_tensors_hooks 计数，同一存储只计一次，排除 exclude 的存储",
+        description="saved_activation_bytes：saved_tensors_hooks 计数，"
+        "同一存储只计一次，排除 exclude 的存储",
     ),
     Question(
         "run_blocks",
@@ -535,7 +579,8 @@ QUESTIONS = [
         probe=BLOCKS_PROBE,
         show_input=_show_blocks,
         show_value=_show_blocks_value,
-        description="run_blocks：checkpoint(..., use_reentrant=False) 包装每个 block；输出与梯度不变，"
+        description="run_blocks：checkpoint(..., use_reentrant=False) 包装每个 block；"
+        "输出与梯度不变，"
         "只保存 block 输入，每个 block 重算一次（输入不需要梯度时参数仍有梯度）",
     ),
 ]

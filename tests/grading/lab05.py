@@ -37,7 +37,9 @@ def _lab05_tensor(rng, shape, scale=1.0):
     n = 1
     for s in shape:
         n *= s
-    return _torch.tensor([rng.uniform(-scale, scale) for _ in range(n)], dtype=_torch.float32).reshape(shape)
+    return _torch.tensor(
+        [rng.uniform(-scale, scale) for _ in range(n)], dtype=_torch.float32
+    ).reshape(shape)
 
 
 def _lab05_base(case):
@@ -61,9 +63,16 @@ def _lab05_adapters(case):
 
 def _lab05_llama_cfg(case):
     from trainmem.models import tiny_llama_config
+
     h, nh = case["hidden"], case["heads"]
-    return tiny_llama_config(hidden_size=h, intermediate_size=case["inter"], num_hidden_layers=case["layers"],
-                             num_attention_heads=nh, num_key_value_heads=nh, vocab_size=case["vocab"])
+    return tiny_llama_config(
+        hidden_size=h,
+        intermediate_size=case["inter"],
+        num_hidden_layers=case["layers"],
+        num_attention_heads=nh,
+        num_key_value_heads=nh,
+        vocab_size=case["vocab"],
+    )
 
 
 def _lab05_fill_adapter(name, A, B, seed):
@@ -75,7 +84,9 @@ def _lab05_fill_adapter(name, A, B, seed):
 
 def _lab05_ids(case):
     rng = _random.Random(case["seed"] + 2)
-    return _torch.tensor([[rng.randrange(case["vocab"]) for _ in range(8)] for _ in range(2)])
+    return _torch.tensor(
+        [[rng.randrange(case["vocab"]) for _ in range(8)] for _ in range(2)]
+    )
 """
 
 
@@ -150,7 +161,10 @@ def _layers(n=2, **fixed):
 
 
 def _show_layer(c):
-    return f"d_in={c['d_in']}, d_out={c['d_out']}, r={c['r']}, alpha={c['alpha']}, bias={c['bias']}"
+    return (
+        f"d_in={c['d_in']}, d_out={c['d_out']}, r={c['r']}, alpha={c['alpha']}, "
+        f"bias={c['bias']}"
+    )
 
 
 def _show_dict(v):
@@ -206,14 +220,18 @@ def CASE(_case):
     with _torch.no_grad():
         _diff = float((_layer(_x) - _base(_x)).abs().max())
     return {
-        "A_shape": list(_layer.lora_A.shape), "B_shape": list(_layer.lora_B.shape),
+        "A_shape": list(_layer.lora_A.shape),
+        "B_shape": list(_layer.lora_B.shape),
         "B_zero": bool(_torch.all(_layer.lora_B == 0)),
         "A_absmax": float(_layer.lora_A.abs().max()),
-        "A_std": float(_layer.lora_A.float().std()) if _layer.lora_A.numel() > 1 else 0.0,
+        "A_std": float(_layer.lora_A.float().std())
+        if _layer.lora_A.numel() > 1
+        else 0.0,
         "scaling": float(_layer.scaling),
         "trainable": sorted(n for n, p in _layer.named_parameters() if p.requires_grad),
         "base_is_same": _layer.base is _base,
-        "out_diff": _diff}
+        "out_diff": _diff,
+    }
 """
 )
 
@@ -270,14 +288,16 @@ INIT_TYPES = [
         "随机形状的层",
         3,
         _init_type("layers"),
-        fix="lora_A 形状 (r, d_in)，lora_B 形状 (d_out, r) 且为 0；scaling = alpha / r；base 的参数 requires_grad=False",
+        fix="lora_A 形状 (r, d_in)，lora_B 形状 (d_out, r) 且为 0；scaling = alpha / "
+        "r；base 的参数 requires_grad=False",
     ),
     CaseType(
         "stats",
         "lora_A 的初始化分布（256 维输入）",
         1,
         _init_type("stats"),
-        fix="nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))，与 nn.Linear 的默认初始化相同",
+        fix="nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))，与 nn.Linear "
+        "的默认初始化相同",
     ),
     CaseType(
         "bad",
@@ -301,8 +321,11 @@ def CASE(_case):
         _layer.lora_B.copy_(_B)
     _out = _layer(_x)
     (_out * _w).sum().backward()
-    return {"out": _out.detach().flatten().tolist(),
-            "gA": _layer.lora_A.grad.flatten().tolist(), "gB": _layer.lora_B.grad.flatten().tolist()}
+    return {
+        "out": _out.detach().flatten().tolist(),
+        "gA": _layer.lora_A.grad.flatten().tolist(),
+        "gB": _layer.lora_B.grad.flatten().tolist(),
+    }
 """
 )
 
@@ -369,10 +392,14 @@ def CASE(_case):
         _layer.lora_A.copy_(_A)
         _layer.lora_B.copy_(_B)
     _m = _layer.merge()
-    return {"is_linear": isinstance(_m, _nn.Linear),
-            "weight": _m.weight.detach().flatten().tolist(),
-            "bias": _m.bias.detach().flatten().tolist() if getattr(_m, "bias", None) is not None else None,
-            "base_untouched": bool(_torch.equal(_layer.base.weight, _w0))}
+    return {
+        "is_linear": isinstance(_m, _nn.Linear),
+        "weight": _m.weight.detach().flatten().tolist(),
+        "bias": _m.bias.detach().flatten().tolist()
+        if getattr(_m, "bias", None) is not None
+        else None,
+        "base_untouched": bool(_torch.equal(_layer.base.weight, _w0)),
+    }
 """
 )
 
@@ -475,11 +502,20 @@ def CASE(_case):
     _ids = _lab05_ids(_case)
     _out = _model(input_ids=_ids, labels=_ids)
     _out.loss.backward()
-    return {"names": _names,
-            "trainable": int(sum(p.numel() for p in _model.parameters() if p.requires_grad)),
-            "logits": _out.logits.detach().flatten().tolist(),
-            "grads": {_n: [_model.get_submodule(_n).lora_A.grad.flatten().tolist(),
-                           _model.get_submodule(_n).lora_B.grad.flatten().tolist()] for _n in _names}}
+    return {
+        "names": _names,
+        "trainable": int(
+            sum(p.numel() for p in _model.parameters() if p.requires_grad)
+        ),
+        "logits": _out.logits.detach().flatten().tolist(),
+        "grads": {
+            _n: [
+                _model.get_submodule(_n).lora_A.grad.flatten().tolist(),
+                _model.get_submodule(_n).lora_B.grad.flatten().tolist(),
+            ]
+            for _n in _names
+        },
+    }
 """
 )
 
@@ -576,7 +612,8 @@ INJECT_TYPES = [
         "注意力投影（q/k/v/o_proj）",
         1,
         _inject_type("attention"),
-        fix="遍历 model.named_modules()，名字的最后一段在 targets 里的 nn.Linear 换成 LoRALinear；"
+        fix="遍历 model.named_modules()，名字的最后一段在 targets 里的 nn.Linear 换成 "
+        "LoRALinear；"
         "先冻结整个模型",
     ),
     CaseType(
@@ -606,7 +643,8 @@ QUESTIONS = [
         probe=INIT_PROBE,
         show_input=_show_layer,
         show_value=_show_dict,
-        description="LoRALinear.__init__：形状、B=0、A 为 Kaiming 均匀、scaling=alpha/r、冻结 base、非法 r 报 ValueError",
+        description="LoRALinear.__init__：形状、B=0、A 为 Kaiming 均匀、"
+        "scaling=alpha/r、冻结 base、非法 r 报 ValueError",
     ),
     Question(
         "lora_forward",
@@ -628,7 +666,8 @@ QUESTIONS = [
         probe=MERGE_PROBE,
         show_input=_show_layer,
         show_value=lambda v: "（数值见上面的说明）",
-        description="LoRALinear.merge：新的 nn.Linear，权重与 peft merge_and_unload() 一致，不改 base",
+        description="LoRALinear.merge：新的 nn.Linear，权重与 peft merge_and_unload() "
+        "一致，不改 base",
     ),
     Question(
         "inject_lora",
@@ -639,7 +678,8 @@ QUESTIONS = [
         probe=INJECT_PROBE,
         show_input=_show_llama,
         show_value=_show_inject_value,
-        description="inject_lora：在小 Llama 上替换目标层，可训练参数量、logits 与梯度与 peft 一致；"
+        description="inject_lora：在小 Llama 上替换目标层，可训练参数量、logits "
+        "与梯度与 peft 一致；"
         "目标不存在时 ValueError",
     ),
 ]

@@ -37,23 +37,43 @@ import torch as _torch
 
 def _lab06_cfg(case):
     from trainmem.models import tiny_llama_config
-    return tiny_llama_config(hidden_size=case["hidden"], intermediate_size=case["inter"],
-                             num_hidden_layers=case["layers"], num_attention_heads=case["heads"],
-                             num_key_value_heads=case["heads"], vocab_size=case["vocab"])
+
+    return tiny_llama_config(
+        hidden_size=case["hidden"],
+        intermediate_size=case["inter"],
+        num_hidden_layers=case["layers"],
+        num_attention_heads=case["heads"],
+        num_key_value_heads=case["heads"],
+        vocab_size=case["vocab"],
+    )
 
 
 def _lab06_peft(case):
-    """The reference LoRA model (not the student's make_lora_model): LoRA A and B filled from the case."""
+    """The reference LoRA model (not the student's make_lora_model): LoRA A and B
+    filled from the case."""
     from peft import LoraConfig, get_peft_model
     from trainmem.models import build_model
-    m = get_peft_model(build_model(_lab06_cfg(case), seed=case["seed"]),
-                       LoraConfig(r=case["r"], lora_alpha=case["alpha"], target_modules=case["targets"],
-                                  lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+
+    m = get_peft_model(
+        build_model(_lab06_cfg(case), seed=case["seed"]),
+        LoraConfig(
+            r=case["r"],
+            lora_alpha=case["alpha"],
+            target_modules=case["targets"],
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+        ),
+    )
     rng = _random.Random(case["seed"] + 5)
     with _torch.no_grad():
         for n, p in m.named_parameters():
             if p.requires_grad:
-                p.copy_(_torch.tensor([rng.uniform(-0.2, 0.2) for _ in range(p.numel())]).reshape(p.shape))
+                p.copy_(
+                    _torch.tensor(
+                        [rng.uniform(-0.2, 0.2) for _ in range(p.numel())]
+                    ).reshape(p.shape)
+                )
     return m.train()
 
 
@@ -61,7 +81,12 @@ def _lab06_batches(case):
     rng = _random.Random(case["seed"] + 9)
     out = []
     for _ in range(case["accum"]):
-        ids = _torch.tensor([[rng.randrange(case["vocab"]) for _ in range(case["seq"])] for _ in range(case["micro_bs"])])
+        ids = _torch.tensor(
+            [
+                [rng.randrange(case["vocab"]) for _ in range(case["seq"])]
+                for _ in range(case["micro_bs"])
+            ]
+        )
         labels = ids.clone()
         labels[:, 0] = -100
         out.append((ids, labels))
@@ -83,7 +108,11 @@ def _lab06_saved(fn, exclude):
 
 
 def _lab06_trainable(m):
-    return {n: p.detach().flatten().tolist() for n, p in m.named_parameters() if p.requires_grad}
+    return {
+        n: p.detach().flatten().tolist()
+        for n, p in m.named_parameters()
+        if p.requires_grad
+    }
 '''
 
 
@@ -130,12 +159,14 @@ def _case(rng, **extra):
 
 def _label(c):
     extra = (
-        f"，{c['accum']} 个 {c['micro_bs']}×{c['seq']} 的 micro-batch，{c['mode']}，max_norm={c['max_norm']:g}"
+        f"，{c['accum']} 个 {c['micro_bs']}×{c['seq']} 的 micro-batch，{c['mode']}，"
+        f"max_norm={c['max_norm']:g}"
         if "mode" in c
         else ""
     )
     return (
-        f"Llama hidden={c['hidden']}, layers={c['layers']}, targets={c['targets']}, r={c['r']}, "
+        f"Llama hidden={c['hidden']}, layers={c['layers']}, targets={c['targets']}, "
+        f"r={c['r']}, "
         f"alpha={c['alpha']}{extra}"
     )
 
@@ -159,14 +190,26 @@ from trainmem.models import build_model as _build_model
 
 
 def CASE(_c):
-    _m = make_lora_model(_build_model(_lab06_cfg(_c), seed=_c["seed"]), _c["r"], _c["alpha"], _c["targets"],
-                         _c["dropout"])
+    _m = make_lora_model(
+        _build_model(_lab06_cfg(_c), seed=_c["seed"]),
+        _c["r"],
+        _c["alpha"],
+        _c["targets"],
+        _c["dropout"],
+    )
     _pc = _m.peft_config["default"]
-    return {"class": type(_m).__name__,
-            "trainable": int(sum(p.numel() for p in _m.parameters() if p.requires_grad)),
-            "trainable_names_ok": all("lora_" in n for n, p in _m.named_parameters() if p.requires_grad),
-            "r": int(_pc.r), "alpha": float(_pc.lora_alpha), "dropout": float(_pc.lora_dropout),
-            "targets": sorted(_pc.target_modules), "task_type": str(getattr(_pc.task_type, "value", _pc.task_type))}
+    return {
+        "class": type(_m).__name__,
+        "trainable": int(sum(p.numel() for p in _m.parameters() if p.requires_grad)),
+        "trainable_names_ok": all(
+            "lora_" in n for n, p in _m.named_parameters() if p.requires_grad
+        ),
+        "r": int(_pc.r),
+        "alpha": float(_pc.lora_alpha),
+        "dropout": float(_pc.lora_dropout),
+        "targets": sorted(_pc.target_modules),
+        "task_type": str(getattr(_pc.task_type, "value", _pc.task_type)),
+    }
 """
 )
 
@@ -210,7 +253,8 @@ MAKE_TYPES = [
         "只有注意力投影",
         1,
         _make_type(TARGET_SETS[:2]),
-        fix="LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=dropout, "
+        fix="LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, "
+        "lora_dropout=dropout, "
         'bias="none", task_type="CAUSAL_LM")，再 get_peft_model(model, config)',
     ),
     CaseType(
@@ -245,11 +289,21 @@ def CASE(_c):
     _ret = enable_checkpointing(_m)
     _m.train()
     _box = []
-    _saved = _lab06_saved(lambda: _box.append(_m(input_ids=_ids, labels=_labels).loss), list(_m.parameters()))
+    _saved = _lab06_saved(
+        lambda: _box.append(_m(input_ids=_ids, labels=_labels).loss),
+        list(_m.parameters()),
+    )
     _box[0].backward()
-    return {"returned_model": _ret is _m, "saved": _saved, "use_cache": bool(getattr(_m.config, "use_cache", True)),
-            "grads": {n: (p.grad.flatten().tolist() if p.grad is not None else None)
-                      for n, p in _m.named_parameters() if p.requires_grad}}
+    return {
+        "returned_model": _ret is _m,
+        "saved": _saved,
+        "use_cache": bool(getattr(_m.config, "use_cache", True)),
+        "grads": {
+            n: (p.grad.flatten().tolist() if p.grad is not None else None)
+            for n, p in _m.named_parameters()
+            if p.requires_grad
+        },
+    }
 """
 )
 
@@ -286,11 +340,13 @@ def ckpt_compare(got, want):
         return False, "没有结果"
     grads = got.get("grads") if isinstance(got.get("grads"), dict) else {}
     saved, ckpt, plain = got.get("saved"), want["ckpt"], want["plain"]
+    saved_label = (
+        f"保存给反向的字节数应 ≈ 参考检查点的 {ckpt}（不用检查点：{plain}），"
+        f"得到 {saved}"
+    )
     return _verdict(
         {
-            f"保存给反向的字节数应 ≈ 参考检查点的 {ckpt}（不用检查点：{plain}），得到 {saved}": _num(
-                saved
-            )
+            saved_label: _num(saved)
             and abs(saved - ckpt) <= 0.1 * ckpt
             and saved < plain,
             "每个 LoRA 参数的梯度应与不用检查点时相同": set(grads) == set(want["grads"])
@@ -307,7 +363,8 @@ CKPT_TYPES = [
         "1 层的小 Llama",
         1,
         _ckpt_type(1),
-        fix='model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})；'
+        fix="model.gradient_checkpointing_enable("
+        'gradient_checkpointing_kwargs={"use_reentrant": False})；'
         "model.config.use_cache = False；返回 model",
     ),
     CaseType(
@@ -361,13 +418,24 @@ def CASE(_c):
     _opt = _torch.optim.SGD(_params, lr=_c["lr"])
     _dtypes = []
     _lin = [mod for n, mod in _m.named_modules() if n.endswith("base_layer")][0]
-    _h = _lin.register_forward_hook(lambda mod, inp, out: _dtypes.append(str(out.dtype)))
-    _loss = train_step(_m, _opt, _lab06_batches(_c), amp_dtype=_torch.bfloat16 if _c["mode"] == "bf16" else None,
-                       max_norm=_c["max_norm"])
+    _h = _lin.register_forward_hook(
+        lambda mod, inp, out: _dtypes.append(str(out.dtype))
+    )
+    _loss = train_step(
+        _m,
+        _opt,
+        _lab06_batches(_c),
+        amp_dtype=_torch.bfloat16 if _c["mode"] == "bf16" else None,
+        max_norm=_c["max_norm"],
+    )
     _h.remove()
-    return {"loss": float(_loss), "params": _lab06_trainable(_m), "dtypes": sorted(set(_dtypes)),
-            "param_dtypes": sorted({str(p.dtype) for p in _params}),
-            "grads_cleared": all(p.grad is None or not bool(p.grad.any()) for p in _params)}
+    return {
+        "loss": float(_loss),
+        "params": _lab06_trainable(_m),
+        "dtypes": sorted(set(_dtypes)),
+        "param_dtypes": sorted({str(p.dtype) for p in _params}),
+        "grads_cleared": all(p.grad is None or not bool(p.grad.any()) for p in _params),
+    }
 """
 )
 
@@ -444,21 +512,24 @@ STEP_TYPES = [
         "fp32、不裁剪：累积一步 = 整批一步",
         3,
         _step_type("no_clip"),
-        fix="每个 micro-batch 的 loss / k 再 backward；全部累积完再 optimizer.step()，最后 zero_grad",
+        fix="每个 micro-batch 的 loss / k 再 backward；全部累积完再 optimizer.step()，"
+        "最后 zero_grad",
     ),
     CaseType(
         "clip",
         "fp32、裁剪生效：在累积之后裁剪",
         3,
         _step_type("clip"),
-        fix="clip_grad_norm_(params, max_norm) 要在全部 micro-batch 累积之后、step 之前调用一次",
+        fix="clip_grad_norm_(params, max_norm) 要在全部 micro-batch 累积之后、step "
+        "之前调用一次",
     ),
     CaseType(
         "bf16",
         "bf16 autocast",
         2,
         _step_type("bf16"),
-        fix="with torch.autocast(device_type, dtype=amp_dtype)：只包前向与 loss；参数保持 fp32",
+        fix="with torch.autocast(device_type, dtype=amp_dtype)：只包前向与 loss；"
+        "参数保持 fp32",
     ),
 ]
 
@@ -473,7 +544,8 @@ QUESTIONS = [
         probe=MAKE_PROBE,
         show_input=_label,
         show_value=_show_value,
-        description="make_lora_model：LoraConfig + get_peft_model；可训练参数量、r/alpha/dropout/targets/task_type",
+        description="make_lora_model：LoraConfig + get_peft_model；可训练参数量、"
+        "r/alpha/dropout/targets/task_type",
     ),
     Question(
         "enable_checkpointing",
@@ -484,7 +556,8 @@ QUESTIONS = [
         probe=CKPT_PROBE,
         show_input=_label,
         show_value=_show_value,
-        description="enable_checkpointing：非 reentrant 检查点（保存量 ≈ 参考），LoRA 梯度不变，use_cache=False",
+        description="enable_checkpointing：非 reentrant 检查点（保存量 ≈ 参考），LoRA "
+        "梯度不变，use_cache=False",
     ),
     Question(
         "train_step",
@@ -495,7 +568,8 @@ QUESTIONS = [
         probe=STEP_PROBE,
         show_input=_label,
         show_value=_show_value,
-        description="train_step：fp32 下累积一步 == 整批一步（含裁剪）；bf16 autocast 下线性层为 bf16、"
+        description="train_step：fp32 下累积一步 == 整批一步（含裁剪）；bf16 autocast "
+        "下线性层为 bf16、"
         "主权重 fp32、梯度清零",
     ),
 ]
