@@ -137,6 +137,58 @@ def tm_formats(text):
       configBox.hidden = !(model && model.value === "config.json");
     }
 
+    // one table row: a header cell, then the bytes in GB, GiB and exact bytes
+    function bytesRow(head, bytes, attrs = {}) {
+      return el("tr", attrs, head, el("td", {}, fmt(bytes, GB)),
+        el("td", {}, fmt(bytes, GiB)), el("td", {}, bytes.toLocaleString("en-US")));
+    }
+
+    function headline(total, phase) {
+      return el("p", { class: "tm-calc-headline" },
+        "每张 GPU 的峰值显存：", el("strong", {}, `${fmt(total, GiB)} GiB`),
+        `（${fmt(total, GB)} GB，${total.toLocaleString("en-US")} 字节），峰值出现在 `,
+        el("strong", { class: "tm-calc-phase" }, phase), " 阶段。");
+    }
+
+    function barAndLegend(breakdown, total) {
+      const label = TERMS.map(([k, zh]) => `${zh} ${fmt(breakdown[k], GiB)} GiB`);
+      const bar = el("div", { class: "tm-bar", role: "img", "aria-label": label.join("，") });
+      const legend = el("ul", { class: "tm-legend" });
+      for (const [k, zh] of TERMS) {
+        const v = breakdown[k];
+        if (v > 0) {
+          bar.append(el("span", { class: `tm-seg tm-${k}`, style: `width:${(100 * v) / total}%`,
+            title: `${zh}（${k}）${fmt(v, GiB)} GiB` }));
+        }
+        legend.append(el("li", {}, el("span", { class: `tm-swatch tm-${k}` }), `${zh}（${k}）`));
+      }
+      return [bar, legend];
+    }
+
+    function bytesTable(breakdown, total) {
+      const tbody = el("tbody");
+      for (const [k, zh] of TERMS) {
+        const head = el("th", { scope: "row" }, el("span", { class: `tm-swatch tm-${k}` }),
+          zh, el("span", { class: "tm-en" }, `（${k}）`));
+        tbody.append(bytesRow(head, breakdown[k]));
+      }
+      tbody.append(bytesRow(el("th", { scope: "row" }, "合计（峰值）"), total,
+        { class: "tm-total" }));
+      const thead = el("thead", {}, el("tr", {}, ...["项", "GB", "GiB", "字节"].map(
+        (t) => el("th", {}, t))));
+      return el("div", { class: "tm-table-wrap" }, el("table", { class: "tm-table" }, thead, tbody));
+    }
+
+    function notes(d) {
+      const phases = Object.entries(d.phase_peaks)
+        .map(([k, v]) => `${k} ${fmt(v, GiB)} GiB`).join("；");
+      const n = (x) => x.toLocaleString("en-US");
+      const out = [`各阶段峰值：${phases}。`,
+        `参数 ${n(d.n_params)} 个，其中可训练 ${n(d.n_trainable)} 个。`];
+      if (!d.exact) out.push("该模型用闭式公式估计激活（未逐算子回放）。");
+      return el("p", { class: "tm-calc-notes" }, out.join(" "));
+    }
+
     function render(res, args, ms) {
       result.replaceChildren();
       result.dataset.seq = String(++seq);             // tests wait for the answer to a change
@@ -154,42 +206,8 @@ def tm_formats(text):
       const d = JSON.parse(res.stdout);
       const total = d.total_bytes;
       result.dataset.totalBytes = m ? m[1] : String(total);
-      const phase = d.peak_phase;
-      result.append(el("p", { class: "tm-calc-headline" },
-        "每张 GPU 的峰值显存：", el("strong", {}, `${fmt(total, GiB)} GiB`),
-        `（${fmt(total, GB)} GB，${total.toLocaleString("en-US")} 字节），峰值出现在 `,
-        el("strong", { class: "tm-calc-phase" }, phase), " 阶段。"));
-      const bar = el("div", { class: "tm-bar", role: "img",
-        "aria-label": TERMS.map(([k, zh]) => `${zh} ${fmt(d.breakdown[k], GiB)} GiB`).join("，") });
-      const legend = el("ul", { class: "tm-legend" });
-      for (const [k, zh] of TERMS) {
-        const v = d.breakdown[k];
-        if (v > 0) {
-          bar.append(el("span", { class: `tm-seg tm-${k}`, style: `width:${(100 * v) / total}%`,
-            title: `${zh}（${k}）${fmt(v, GiB)} GiB` }));
-        }
-        legend.append(el("li", {}, el("span", { class: `tm-swatch tm-${k}` }), `${zh}（${k}）`));
-      }
-      const tbody = el("tbody");
-      for (const [k, zh] of TERMS) {
-        const v = d.breakdown[k];
-        tbody.append(el("tr", {}, el("th", { scope: "row" }, el("span", { class: `tm-swatch tm-${k}` }),
-          zh, el("span", { class: "tm-en" }, `（${k}）`)), el("td", {}, fmt(v, GB)), el("td", {}, fmt(v, GiB)),
-          el("td", {}, v.toLocaleString("en-US"))));
-      }
-      tbody.append(el("tr", { class: "tm-total" }, el("th", { scope: "row" }, "合计（峰值）"),
-        el("td", {}, fmt(total, GB)), el("td", {}, fmt(total, GiB)),
-        el("td", {}, total.toLocaleString("en-US"))));
-      const table = el("table", { class: "tm-table" },
-        el("thead", {}, el("tr", {}, el("th", {}, "项"), el("th", {}, "GB"), el("th", {}, "GiB"),
-          el("th", {}, "字节"))), tbody);
-      const phases = Object.entries(d.phase_peaks)
-        .map(([k, v]) => `${k} ${fmt(v, GiB)} GiB`).join("；");
-      const notes = [`各阶段峰值：${phases}。`,
-        `参数 ${d.n_params.toLocaleString("en-US")} 个，其中可训练 ${d.n_trainable.toLocaleString("en-US")} 个。`];
-      if (!d.exact) notes.push("该模型用闭式公式估计激活（未逐算子回放）。");
-      result.append(bar, legend, el("div", { class: "tm-table-wrap" }, table),
-        el("p", { class: "tm-calc-notes" }, notes.join(" ")));
+      result.append(headline(total, d.peak_phase), ...barAndLegend(d.breakdown, total),
+        bytesTable(d.breakdown, total), notes(d));
     }
 
     async function compute() {
