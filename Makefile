@@ -92,12 +92,14 @@ nb: $(STAMP)
 	$(PY) -m coursekit execute $(NB)
 
 ## make tidy — authoring plumbing off the page (coursekit tidy) and code formatted to 88 columns
-## (ruff) in book/ and solutions/. Then re-execute what changed (make nb) and run make labs.
+## (ruff) in book/ and solutions/ and in the Python packages, tests and benchmarks. Then
+## re-execute what changed (make nb) and run make labs.
+RUFF_PATHS = book solutions trainmem coursekit tests benchmarks _ext
 tidy: $(STAMP)
 	$(PY) -m coursekit tidy book solutions
-	$(VENV)/bin/ruff format book solutions
-	$(VENV)/bin/ruff check --fix --output-format concise book solutions || true
-	$(VENV)/bin/ruff format book solutions
+	$(VENV)/bin/ruff format $(RUFF_PATHS)
+	$(VENV)/bin/ruff check --fix --output-format concise $(RUFF_PATHS) || true
+	$(VENV)/bin/ruff format $(RUFF_PATHS)
 
 labs: $(STAMP)
 	$(PY) -m coursekit labs
