@@ -154,3 +154,145 @@ def pretrained_model(steps: int = 300, lr: float = 3e-3, seed: int = 0):
     model = build_model(task_config(), seed=seed)
     train(model, pretrain_rules(), steps=steps, lr=lr, seed=seed)
     return model
+
+
+# A fixed, small fine-tuning set with a held-out split (over-fitting, optimizer choice)
+# ------------------------------------------------------------------------------------
+# Under one rule a sequence is fixed by its start, so the new rule has exactly
+# ``N_NUMBERS`` distinct sequences. Splitting the *starts* gives a training set and a
+# held-out set that share no sequence: the held-out loss measures what the model learnt
+# about the rule, not what it memorised.
+
+
+def sequences(
+    starts, rule: int = FINETUNE_RULE, step: int = FINETUNE_STEP, seq_len: int = SEQ_LEN
+):
+    """``(input_ids, labels)``, both ``(len(starts), seq_len)`` int64, a row a start.
+
+    Row ``i`` is ``[R_rule, x0, x0 + step, …]`` (mod ``N_NUMBERS``) with
+    ``x0 = starts[i]``; labels as in :func:`make_batch` (rule token and ``x0`` are
+    ``-100``).
+    """
+    starts = [int(s) for s in starts]
+    if not starts or any(not 0 <= s < N_NUMBERS for s in starts) or seq_len < 3:
+        raise ValueError(
+            f"starts must be a non-empty list of numbers in 0..{N_NUMBERS - 1} and "
+            f"seq_len ≥ 3, got starts={starts!r}, seq_len={seq_len}"
+        )
+    x0 = torch.tensor(starts)
+    nums = (x0[:, None] + step * torch.arange(seq_len - 1)[None, :]) % N_NUMBERS
+    ids = torch.cat([torch.full((len(starts), 1), rule_token(rule)), nums], dim=1)
+    labels = ids.clone()
+    labels[:, :2] = -100
+    return ids, labels
+
+
+def split_starts(
+    n_train: int, n_heldout: int = 12, seed: int = 0
+) -> tuple[list[int], list[int]]:
+    """``(train_starts, heldout_starts)``: disjoint starts from a seeded permutation.
+
+    The first ``n_heldout`` values of the permutation are held out; the training
+    starts are the next ``n_train``, so a larger ``n_train`` (same ``seed``) extends
+    the smaller set and the held-out set stays the same.
+    """
+    if n_heldout < 1 or n_train < 1 or n_train + n_heldout > N_NUMBERS:
+        raise ValueError(
+            f"n_train and n_heldout must be ≥ 1 with n_train + n_heldout ≤ "
+            f"{N_NUMBERS}, got n_train={n_train}, n_heldout={n_heldout}"
+        )
+    perm = torch.randperm(N_NUMBERS, generator=torch.Generator().manual_seed(seed))
+    perm = perm.tolist()
+    return perm[n_heldout : n_heldout + n_train], perm[:n_heldout]
+
+
+@dataclass
+class Curve:
+    """Losses logged every few optimizer steps (eval mode, whole data set each time).
+
+    ``steps[i]`` optimizer steps had been taken when ``train[i]`` (loss on the training
+    set) and ``heldout[i]`` (loss on the held-out set) were measured.
+    """
+
+    steps: list[int] = field(default_factory=list)
+    train: list[float] = field(default_factory=list)
+    heldout: list[float] = field(default_factory=list)
+
+    @property
+    def best_index(self) -> int:
+        """Index of the lowest held-out loss (the first one on ties)."""
+        return min(range(len(self.heldout)), key=self.heldout.__getitem__)
+
+    @property
+    def best_step(self) -> int:
+        """The step an early stop on the held-out loss would keep."""
+        return self.steps[self.best_index]
+
+    @property
+    def best(self) -> float:
+        """The lowest held-out loss."""
+        return self.heldout[self.best_index]
+
+    @property
+    def final(self) -> float:
+        """The held-out loss after the last step."""
+        return self.heldout[-1]
+
+    @staticmethod
+    def mean(curves: list[Curve]) -> Curve:
+        """Point-wise mean of curves logged at the same steps (e.g. over splits)."""
+        if not curves or any(c.steps != curves[0].steps for c in curves):
+            raise ValueError("curves must be a non-empty list logged at the same steps")
+        avg = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        return Curve(
+            steps=list(curves[0].steps),
+            train=[avg(v) for v in zip(*(c.train for c in curves))],
+            heldout=[avg(v) for v in zip(*(c.heldout for c in curves))],
+        )
+
+
+@torch.no_grad()
+def data_loss(model: nn.Module, data) -> float:
+    """Mean loss of ``model`` (eval mode) on ``data = (input_ids, labels)``."""
+    model.eval()
+    return float(model(input_ids=data[0], labels=data[1]).loss)
+
+
+def train_curve(
+    model: nn.Module,
+    train_data,
+    heldout_data,
+    steps: int,
+    optimizer,
+    eval_every: int = 10,
+    seed: int = 0,
+) -> Curve:
+    """Full-batch training on ``train_data``, logging train and held-out loss.
+
+    ``optimizer`` builds the optimizer from the list of trainable parameters, e.g.
+    ``lambda params: torch.optim.AdamW(params, lr=3e-3)``. ``seed`` seeds torch's global
+    generator first, so dropout draws the same masks on every call. Every step uses the
+    whole training set (it is small), so the run is deterministic.
+    """
+    if steps < 1 or eval_every < 1:
+        raise ValueError(
+            f"steps and eval_every must be ≥ 1, got steps={steps}, "
+            f"eval_every={eval_every}"
+        )
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("model has no trainable parameters (all requires_grad=False)")
+    torch.manual_seed(seed)
+    opt = optimizer(params)
+    curve = Curve()
+    for i in range(1, steps + 1):
+        model.train()
+        model(input_ids=train_data[0], labels=train_data[1]).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i % eval_every == 0 or i == steps:
+            curve.steps.append(i)
+            curve.train.append(data_loss(model, train_data))
+            curve.heldout.append(data_loss(model, heldout_data))
+    model.eval()
+    return curve
