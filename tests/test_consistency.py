@@ -25,7 +25,7 @@ from trainmem.lora import lora_param_count_for_config
 from trainmem.models import get_config
 
 BOOK = Path(__file__).resolve().parents[1] / "book"
-GB, GiB, B, M = R.GB, R.GiB, 1e9, 1e6
+GB, GiB, MiB, B, M = R.GB, R.GiB, 2**20, 1e9, 1e6
 ALL_LINEARS = (
     "q_proj",
     "k_proj",
@@ -35,6 +35,7 @@ ALL_LINEARS = (
     "up_proj",
     "down_proj",
 )
+QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 CFG7 = get_config(R.MODEL_7B)
 
 
@@ -52,7 +53,33 @@ QUANTITIES = {
     ),
     "7B bf16 weights": (
         lambda: R.weights_bytes(),
-        [("08", "w16_gb", GB), ("10", "q_w7_bf16", GiB), ("06", "e7_w_full", GiB)],
+        [
+            ("08", "w16_gb", GB),
+            ("10", "q_w7_bf16", GiB),
+            ("06", "e7_w_full", GiB),
+            ("09", "ckpt7_gib", GiB),
+            ("10", "q_ckpt7_gib", GiB),
+        ],
+    ),
+    "extra bytes on GPU 0 when 8 ranks load a 7B bf16 checkpoint saved from cuda:0": (
+        lambda: 7 * R.weights_bytes(),
+        [("09", "rank0_extra_8_gib", GiB), ("10", "q_rank0_extra8_gib", GiB)],
+    ),
+    "7B AdamW m and v (fp32) for LoRA r=8 on q, k, v, o": (
+        lambda: 8 * lora_param_count_for_config(CFG7, QKVO, 8),
+        [("06", "opt7_lora_mib", MiB), ("10", "q_lora_adam_mib", MiB)],
+    ),
+    "7B AdamW m and v (fp32) for full fine-tuning": (
+        lambda: 8 * R.n_params(),
+        [("06", "opt7_full_gib", GiB), ("10", "q_full_adam_gib", GiB)],
+    ),
+    "7B MLP activations over 32 layers, bf16, 2048 tokens, no TP": (
+        lambda: 32 * 2 * 2048 * (CFG7.hidden_size + 4 * CFG7.intermediate_size),
+        [("09", "tp7_mlp_1_gib", GiB), ("10", "q_tp1_act7_gib", GiB)],
+    ),
+    "the same per GPU with TP=8 (the layer input stays whole)": (
+        lambda: 32 * 2 * 2048 * (CFG7.hidden_size + 4 * CFG7.intermediate_size // 8),
+        [("09", "tp7_mlp_8_gib", GiB), ("10", "q_tp8_act7_gib", GiB)],
     ),
     "7B fp32 weights": (
         lambda: R.weights_bytes(bytes_per_param=4),
