@@ -273,123 +273,95 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_json(flag: str, path: str | None):
-    """The dict in a JSON file named by a command-line flag (ValueError with one line)."""
+def _read_json(option: str, path: str | None):
+    """The dict in a JSON file named by a command-line flag (``None`` without one)."""
     if path is None:
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"{flag}: file {path!r} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(
-            f"{flag}: {path!r} is not valid JSON ({getattr(e, 'msg', e)})"
-        ) from None
-    if not isinstance(data, dict):
-        raise ValueError(
-            f"{flag}: {path!r} must hold a JSON object, got {type(data).__name__}"
-        )
-    return data
+    from .config import read_json_object
+
+    return read_json_object(path, option)
 
 
 def _run_hf(args):
     from .estimate import estimate_from_hf
 
-    model = args.model
-    if model.endswith(".json"):
-        from .models import load_config_file
-
-        raw = _read_json("--model", model)
-        quant = raw.get("quantization_config")
-        model = load_config_file(model)
-        if quant is not None:
-            model.quantization_config = quant
     return estimate_from_hf(
-        model,
-        _read_json("--training-args", args.training_args),
-        _read_json("--peft-config", args.peft_config),
+        args.model,
+        _read_json("training_args", args.training_args),
+        _read_json("peft_config", args.peft_config),
         seq=args.seq,
     )
 
 
 def _one_line(err: ValueError) -> str:
-    """The error as one line; an :class:`~trainmem.estimate.OptionError` names its flag."""
+    """The error as one line; an :class:`~trainmem.config.OptionError` names its flag
+    (``err.option``), other errors are shown as they are."""
+    from .config import OptionError
+
     msg = " ".join(str(err).split())
-    option = getattr(err, "option", None)
-    if option is None:
+    if not isinstance(err, OptionError):
         return msg
-    flag = "--" + option.replace("_", "-")
-    return flag + msg[len(option) :] if msg.startswith(option) else f"{flag}: {msg}"
+    flag = "--" + err.option.replace("_", "-")
+    if msg.startswith(err.option):
+        return flag + msg[len(err.option) :]
+    return f"{flag}: {msg}"
+
+
+def _step_config(args):
+    """The :class:`~trainmem.config.StepConfig` of the parsed ``estimate``/``measure``
+    arguments (``measure`` has no ZeRO and always double-quantizes nothing)."""
+    from .config import StepConfig
+
+    extra = {}
+    if args.command == "estimate":
+        extra = dict(
+            qlora_double_quant=not args.no_double_quant, zero=args.zero, gpus=args.gpus
+        )
+    return StepConfig(
+        method=args.method,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        optimizer_impl=args.optimizer_impl,
+        batch=args.batch,
+        seq=args.seq,
+        grad_accum=args.grad_accum,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_targets=args.lora_targets,
+        lora_dtype=args.lora_dtype,
+        checkpointing=args.checkpointing,
+        attn=args.attn,
+        **extra,
+    )
+
+
+def _run(args):
+    """The result of the ``estimate`` or ``measure`` command."""
+    step = _step_config(args)
+    if args.command == "estimate":
+        from .estimate import estimate_step
+
+        return estimate_step(args.model, step)
+    from .measure import measure_step
+
+    return measure_step(
+        args.model,
+        step,
+        device=args.device,
+        extrapolate=False if args.no_extrapolate else None,
+    )
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     prog = f"{parser.prog} {args.command}"
-    if args.command == "hf":
-        try:
-            res = _run_hf(args)
-        except ValueError as e:
-            sys.stderr.write(f"{prog}: error: {_one_line(e)}\n")
-            return 2
-        print(json.dumps(res.to_dict()) if args.json else res.table())
-        return 0
-    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-    common = dict(
-        method=args.method,
-        precision=args.precision,
-        optimizer=args.optimizer,
-        batch=args.batch,
-        seq=args.seq,
-        lora_rank=args.lora_rank,
-        lora_alpha=args.lora_alpha,
-        lora_targets=targets,
-        lora_dtype=args.lora_dtype,
-        checkpointing=args.checkpointing,
-        attn=args.attn,
-        grad_accum=args.grad_accum,
-        optimizer_impl=args.optimizer_impl,
-    )
     try:
-        if args.command == "estimate":
-            from .estimate import estimate
-
-            res = estimate(
-                args.model,
-                qlora_double_quant=not args.no_double_quant,
-                zero=args.zero,
-                gpus=args.gpus,
-                **common,
-            )
-        else:
-            from .estimate import check_options, resolve_config
-
-            check_options(
-                resolve_config(args.model),
-                zero=0,
-                gpus=1,
-                **{
-                    k: v
-                    for k, v in common.items()
-                    if k not in ("lora_alpha", "checkpointing")
-                },
-            )
-            from .measure import measure
-
-            res = measure(
-                args.model,
-                device=args.device,
-                extrapolate=False if args.no_extrapolate else None,
-                **common,
-            )
+        result = _run_hf(args) if args.command == "hf" else _run(args)
     except ValueError as e:
         sys.stderr.write(f"{prog}: error: {_one_line(e)}\n")
         return 2
-    if args.json:
-        print(json.dumps(res.to_dict()))
-    else:
-        print(res.table())
+    print(json.dumps(result.to_dict()) if args.json else result.table())
     return 0
 
 

@@ -37,29 +37,15 @@ def adamw_step_scratch(sim: Sim, sizes: list[int], impl: str) -> None:
         del denom
 
 
-def simulate_step(
-    shape,
-    *,
-    method="full",
-    precision="fp32",
-    optimizer="adamw",
-    batch=1,
-    seq=512,
-    lora_rank=8,
-    lora_targets=("q_proj", "v_proj"),
-    lora_dtype=None,
-    checkpointing=False,
-    attn="sdpa",
-    grad_accum=1,
-    zero=0,
-    gpus=1,
-    qlora_double_quant=True,
-    optimizer_impl="foreach",
-) -> dict:
-    """Replay step 2 of training (states exist, grads start as None) and return bytes:
-    ``peak``, ``breakdown`` (categories at the peak), ``activations`` (forward-allocated bytes alive
-    at the end of the forward pass), ``model_states`` (weights + gradients + optimizer states +
-    master weights when the optimizer step starts), ``phase_peaks``."""
+def simulate_step(shape, step) -> dict:
+    """Replay step 2 of training (states exist, grads start as None) of the model
+    ``shape`` (:class:`trainmem.config.Shape`) with the options ``step``
+    (:class:`trainmem.config.StepConfig`), and return bytes: ``peak``, ``breakdown``
+    (categories at the peak), ``activations`` (forward-allocated bytes alive at the end of
+    the forward pass), ``model_states`` (weights + gradients + optimizer states + master
+    weights when the optimizer step starts), ``phase_peaks``."""
+    method, precision, optimizer = step.method, step.precision, step.optimizer
+    zero, gpus = step.zero, step.gpus
     if shape.arch != "llama":
         raise NotImplementedError("the step replay models Llama-family decoders")
     sim = Sim()
@@ -80,9 +66,9 @@ def simulate_step(
         shape,
         method=method,
         precision=precision,
-        lora_rank=lora_rank,
-        lora_targets=tuple(lora_targets),
-        lora_dtype=lora_dtype,
+        lora_rank=step.lora_rank,
+        lora_targets=step.lora_targets,
+        lora_dtype=step.lora_dtype,
         param_dtype=zero_mp,
         base_dtype=base16,
     )
@@ -90,7 +76,7 @@ def simulate_step(
     if method == "qlora":
         # NF4: 4 bits per weight + one fp32 absmax per 64 weights, or (double quantization) an
         # 8-bit absmax per 64 weights + one fp32 constant per 256 blocks.
-        per = 0.5 + ((1 / 64 + 4 / (64 * 256)) if qlora_double_quant else 4 / 64)
+        per = 0.5 + ((1 / 64 + 4 / (64 * 256)) if step.qlora_double_quant else 4 / 64)
         for L in M["layers"]:
             for name, lin in L.items():
                 if isinstance(lin, dict) and "w" in lin:
@@ -166,8 +152,8 @@ def simulate_step(
     if zero >= 1:
         for st in states:
             shrink(sim, st.buf, shard)
-    ids = new(sim, (batch, seq), "i64", cat="activations")
-    labels = new(sim, (batch, seq), "i64", cat="activations")
+    ids = new(sim, (step.batch, step.seq), "i64", cat="activations")
+    labels = new(sim, (step.batch, step.seq), "i64", cat="activations")
     sim.peak = sim.cur
     sim.peak_by = dict(sim.by)
     sim.phase_peaks = {}
@@ -175,18 +161,18 @@ def simulate_step(
         "heads": shape.heads,
         "kv_heads": shape.kv_heads,
         "head_dim": shape.head_dim,
-        "attn": attn,
-        "checkpointing": checkpointing,
+        "attn": step.attn_memory,
+        "checkpointing": step.checkpointing,
     }
     amp = None if zero_mp else {"fp16-amp": "fp16", "bf16-amp": "bf16"}.get(precision)
     act_end = 0
-    for _ in range(grad_accum):
+    for _ in range(step.grad_accum):
         sim.set_phase("forward")
         sim.autocast = amp
         loss = llama_loss(sim, M, ids, labels, cfg)
         sim.autocast = None
         sim.autocast_cache = []  # leaving torch.autocast clears its cache
-        if grad_accum > 1:
+        if step.grad_accum > 1:
             loss = mul_scalar(sim, loss)
         if precision == "fp16-amp":
             loss = mul_scalar(sim, loss)  # GradScaler.scale(loss)
@@ -200,7 +186,7 @@ def simulate_step(
     if optimizer == "adamw":
         part = shard if zero >= 1 else 1.0
         sizes = [int(math.ceil(p.numel * ITEMSIZE[sdt or p.dt] * part)) for p in params]
-        adamw_step_scratch(sim, sizes, optimizer_impl)
+        adamw_step_scratch(sim, sizes, step.optimizer_impl)
     del masters, gathered_layer
     sim.set_phase("idle")
     at_step = sim.marks["optimizer_start"]
