@@ -1,10 +1,10 @@
-"""``python -m trainmem estimate|measure`` — training-memory estimate and measurement from the shell.
+"""``python -m trainmem estimate|measure|hf`` — training memory from the shell.
 
-Both print a table in GiB (2**30 bytes) and GB (10**9 bytes), or with ``--json`` one JSON object
-whose top level has ``total_bytes`` (the peak) and ``breakdown`` (``weights``, ``gradients``,
-``optimizer_states``, ``master_weights``, ``activations``, ``temporaries``; integer bytes).
-Bad input exits with status 2 and one line on stderr naming the argument and the allowed values.
-"""
+Both print a table in GiB (2**30 bytes) and GB (10**9 bytes), or with ``--json`` one
+JSON object whose top level has ``total_bytes`` (the peak) and ``breakdown``
+(``weights``, ``gradients``, ``optimizer_states``, ``master_weights``, ``activations``,
+``temporaries``; integer bytes). Bad input exits with status 2 and one line on stderr
+naming the argument and the allowed values."""
 
 from __future__ import annotations
 
@@ -18,27 +18,34 @@ from .models import preset_names
 _EPILOG = """\
 terms (bytes at the peak of one training step; they sum to total_bytes):
   weights           parameters and buffers the model holds (frozen ones too) and, under
-                    fp16-amp/bf16-amp, the low-precision weight copies autocast keeps for backward
+                    fp16-amp/bf16-amp, the low-precision weight copies autocast keeps
+                    for backward
   gradients         .grad of the trainable parameters
-  optimizer_states  AdamW exp_avg + exp_avg_sq (+ step), SGD momentum buffers, 8-bit states
-  master_weights    fp32 trainable parameters under fp16-amp/bf16-amp (torch AMP: the fp32
-                    parameters are the master copy)
+  optimizer_states  AdamW exp_avg + exp_avg_sq (+ step), SGD momentum buffers, 8-bit
+                    states
+  master_weights    fp32 trainable parameters under fp16-amp/bf16-amp (torch AMP: the
+                    fp32 parameters are the master copy)
   activations       tensors from the forward pass held for backward
   temporaries       everything else alive at the peak (gradients in flight, recomputed
                     activations under checkpointing, the optimizer's scratch tensors)
-  also reported: activation_bytes (held for backward at the end of the forward pass), the peak
-  of each phase, parameter counts.
+  also reported: activation_bytes (held for backward at the end of the forward pass),
+  the peak of each phase, parameter counts.
 
-conventions: 18 B/param = torch AMP (fp32 params 4 + bf16 copy 2 + fp32 grads 4 + Adam 8);
-16 B/param = ZeRO paper (fp16 params 2 + fp16 grads 2 + fp32 master 4 + Adam 8) or fp32 training.
+conventions: 18 B/param = torch AMP (fp32 params 4 + bf16 copy 2 + fp32 grads 4 +
+Adam 8); 16 B/param = ZeRO paper (fp16 params 2 + fp16 grads 2 + fp32 master 4 +
+Adam 8) or fp32 training.
 
 examples:
-  python -m trainmem estimate --model llama-7b --method lora --precision bf16-amp --batch 4 --seq 512
-  python -m trainmem estimate --model my_config.json --method full --checkpointing --zero 3 --gpus 8 --json
+  python -m trainmem estimate --model llama-7b --method lora --precision bf16-amp \\
+      --batch 4 --seq 512
+  python -m trainmem estimate --model my_config.json --method full --checkpointing \\
+      --zero 3 --gpus 8 --json
   python -m trainmem measure --model tiny --method lora --device cpu --batch 2 --seq 64
-  python -m trainmem measure --model llama-7b --method lora --device fake --batch 1 --seq 512
+  python -m trainmem measure --model llama-7b --method lora --device fake --batch 1 \\
+      --seq 512
   python -m trainmem estimate --model mistral-7b --optimizer-impl fused --checkpointing
-  python -m trainmem hf --model config.json --training-args args.json --peft-config adapter_config.json --seq 1024
+  python -m trainmem hf --model config.json --training-args args.json \\
+      --peft-config adapter_config.json --seq 1024
 """
 
 
@@ -90,8 +97,9 @@ def _add_common(p: argparse.ArgumentParser):
         "--precision",
         default="bf16-amp",
         choices=PRECISIONS,
-        help="fp32; fp16-amp / bf16-amp = torch.autocast over fp32 parameters (fp16 with "
-        "loss scaling); bf16 = pure bf16 parameters, grads and states; default bf16-amp",
+        help="fp32; fp16-amp / bf16-amp = torch.autocast over fp32 parameters (fp16 "
+        "with loss scaling); bf16 = pure bf16 parameters, grads and states; default "
+        "bf16-amp",
     )
     p.add_argument(
         "--optimizer",
@@ -142,8 +150,9 @@ def _add_common(p: argparse.ArgumentParser):
     p.add_argument(
         "--lora-targets",
         default="q_proj,v_proj",
-        help="comma-separated module names: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
-        "down_proj (gpt2: c_attn,attn.c_proj,c_fc,mlp.c_proj); default q_proj,v_proj",
+        help="comma-separated module names: q_proj,k_proj,v_proj,o_proj,gate_proj,"
+        "up_proj,down_proj (gpt2: c_attn,attn.c_proj,c_fc,mlp.c_proj); default "
+        "q_proj,v_proj",
     )
     p.add_argument(
         "--lora-dtype",
@@ -154,7 +163,8 @@ def _add_common(p: argparse.ArgumentParser):
     p.add_argument(
         "--checkpointing",
         action="store_true",
-        help="activation (gradient) checkpointing of every decoder layer (non-reentrant)",
+        help="activation (gradient) checkpointing of every decoder layer "
+        "(non-reentrant)",
     )
     p.add_argument(
         "--attn",

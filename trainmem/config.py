@@ -1,15 +1,17 @@
 """What the estimator and the measurement are told: the model and the training step.
 
 * :class:`StepConfig` — every option of one training step (method, precision, optimizer,
-  batch, sequence length, LoRA, checkpointing, attention, ZeRO, ...), validated once when it
-  is built: a bad value raises :class:`OptionError` naming the option.  :func:`estimate
-  <trainmem.estimate.estimate>`, :func:`simulate_step <trainmem.memory.step.simulate_step>`
-  and :func:`measure <trainmem.measure.measure>` all take one.
+  batch, sequence length, LoRA, checkpointing, attention, ZeRO, ...), validated once
+  when it is built: a bad value raises :class:`OptionError` naming the option.
+  :func:`estimate <trainmem.estimate.estimate>`, :func:`simulate_step
+  <trainmem.memory.step.simulate_step>` and :func:`measure <trainmem.measure.measure>`
+  all take one.
 * :class:`Shape` — the numbers of a decoder-only transformer that decide its memory.
 * :func:`load_model_config` — the one place a model is read: a preset name, a
-  ``config.json`` path, a dict of its fields or a ``transformers`` config becomes a config
-  object; :func:`read_json_object` is the one function that opens a JSON file (model
-  configs, training arguments, adapter configs) and says which file is wrong and why.
+  ``config.json`` path, a dict of its fields or a ``transformers`` config becomes a
+  config object; :func:`read_json_object` is the one function that opens a JSON file
+  (model configs, training arguments, adapter configs) and says which file is wrong and
+  why.
 
 Standard library only (the book's in-page calculator runs this module in Pyodide).
 """
@@ -34,19 +36,19 @@ PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16")
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd", "sgd-momentum")
 ATTN_IMPLS = ("sdpa", "eager", "flash")
 #: torch.optim implementations of AdamW / SGD; they differ only in the scratch memory of
-#: the step. ``foreach`` (the default here) is what ``torch.optim.AdamW(params)`` picks on
-#: CUDA; ``fused`` is what Hugging Face Trainer runs by default
-#: (``optim="adamw_torch_fused"``, transformers 5); ``for-loop`` is ``foreach=False`` (also
-#: what the plain constructor picks on CPU).
+#: the step. ``foreach`` (the default here) is what ``torch.optim.AdamW(params)`` picks
+#: on CUDA; ``fused`` is what Hugging Face Trainer runs by default
+#: (``optim="adamw_torch_fused"``, transformers 5); ``for-loop`` is ``foreach=False``
+#: (also what the plain constructor picks on CPU).
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 LORA_DTYPES = (None, "fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
 
 
 class OptionError(ValueError):
-    """Bad input to the estimator or the measurement; ``option`` names the argument it came
-    from (``"lora_rank"``, ``"model"``, ``"training_args"``, ...), so a front end can name
-    its own flag without parsing the message."""
+    """Bad input to the estimator or the measurement; ``option`` names the argument it
+    came from (``"lora_rank"``, ``"model"``, ``"training_args"``, ...), so a front end
+    can name its own flag without parsing the message."""
 
     def __init__(self, option: str, message: str):
         super().__init__(message)
@@ -174,8 +176,8 @@ def read_json_object(
 
 
 def load_model_config(model: Any):
-    """``model`` as a config object with the fields of a ``transformers`` config: a preset
-    name (:data:`trainmem.models.PRESETS`), a path to a ``config.json``
+    """``model`` as a config object with the fields of a ``transformers`` config: a
+    preset name (:data:`trainmem.models.PRESETS`), a path to a ``config.json``
     (:func:`trainmem.models.load_config_file`, which reads it with
     :func:`read_json_object`), a dict of a ``config.json``'s fields, or a config
     (returned as it is). Anything else raises :class:`OptionError` for ``model``."""

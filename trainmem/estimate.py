@@ -112,10 +112,9 @@ Units: every ``*_bytes`` value and breakdown entry is an int number of bytes;
 GiB = 2**30 bytes, GB = 10**9 bytes.
 
 The options of one step form a :class:`~trainmem.config.StepConfig`, validated once when
-it is built; ``estimate(model, **options)`` builds it and calls :func:`estimate_step`, which
-takes the model and a ready ``StepConfig`` (``estimate_step("llama-7b",
-StepConfig(method="lora", batch=4))``).
-"""
+it is built; ``estimate(model, **options)`` builds it and calls :func:`estimate_step`,
+which takes the model and a ready ``StepConfig`` (``estimate_step("llama-7b",
+StepConfig(method="lora", batch=4))``)."""
 
 from __future__ import annotations
 
@@ -213,8 +212,8 @@ def count_params(model: Any) -> int:
 def lora_trainable_params(
     model: Any, rank: int = 8, targets: Iterable[str] = ("q_proj", "v_proj")
 ) -> int:
-    """Trainable LoRA parameters: ``rank * (d_in + d_out)`` per targeted Linear, in every
-    layer."""
+    """Trainable LoRA parameters: ``rank * (d_in + d_out)`` per targeted Linear, in
+    every layer."""
     shape = model_shape(model)
     step = StepConfig(
         method="lora", precision="fp32", lora_rank=rank, lora_targets=targets
@@ -233,18 +232,18 @@ def bytes_per_param(
 
     ``convention``:
 
-    * ``"torch-amp"`` — what PyTorch actually holds: fp32 parameters (master) 4 + fp32 grads 4 +
-      optimizer states, plus 2 for the low-precision weight copies autocast keeps for backward
-      under ``fp16-amp``/``bf16-amp``: AdamW → 4 + 2 + 4 + 8 = **18** (Hugging Face's count);
-      fp32 → 4 + 4 + 8 = 16; pure ``bf16`` → 2 + 2 + 4 = 8.
-    * ``"zero-paper"`` — the ZeRO paper's mixed-precision Adam: fp16 params 2 + fp16 grads 2 +
-      fp32 master 4 + fp32 m 4 + fp32 v 4 = **16** (the transient copies are not counted because
-      the fp16 parameters *are* the working copy).
-    * ``"accelerate"`` — ``accelerate estimate-memory``: 4 x the dtype size (16 fp32, 8 half).
+    * ``"torch-amp"`` — what PyTorch actually holds: fp32 parameters (master) 4 + fp32
+      grads 4 + optimizer states, plus 2 for the low-precision weight copies autocast
+      keeps for backward under ``fp16-amp``/``bf16-amp``: AdamW → 4 + 2 + 4 + 8 = **18**
+      (Hugging Face's count); fp32 → 4 + 4 + 8 = 16; pure ``bf16`` → 2 + 2 + 4 = 8.
+    * ``"zero-paper"`` — the ZeRO paper's mixed-precision Adam: fp16 params 2 + fp16
+      grads 2 + fp32 master 4 + fp32 m 4 + fp32 v 4 = **16** (the transient copies are
+      not counted because the fp16 parameters *are* the working copy).
+    * ``"accelerate"`` — ``accelerate estimate-memory``: 4 x the dtype size (16 fp32, 8
+      half).
 
-    Optimizer states: AdamW 8 (two fp32 moments; 4 in pure bf16), 8-bit AdamW ≈ 2, SGD with
-    momentum 4 (2 in bf16), plain SGD 0.
-    """
+    Optimizer states: AdamW 8 (two fp32 moments; 4 in pure bf16), 8-bit AdamW ≈ 2, SGD
+    with momentum 4 (2 in bf16), plain SGD 0."""
     _check_choice("precision", precision, PRECISIONS)
     _check_choice("optimizer", optimizer, OPTIMIZERS)
     _check_choice("convention", convention, ("torch-amp", "zero-paper", "accelerate"))
@@ -270,8 +269,9 @@ def bytes_per_param(
 
 
 def accelerate_rule_bytes(n_params: int, precision: str) -> int:
-    """``accelerate estimate-memory``'s training figure: 16 B/param (fp32) or 8 B/param (half /
-    mixed precision), Adam, no activations. Implemented here for comparison (bytes)."""
+    """``accelerate estimate-memory``'s training figure: 16 B/param (fp32) or 8 B/param
+    (half / mixed precision), Adam, no activations. Implemented here for comparison
+    (bytes)."""
     return int(n_params * bytes_per_param(precision, "adamw", convention="accelerate"))
 
 
@@ -291,10 +291,10 @@ class MemoryEstimate:
     phase_peaks: dict[str, int]
     exact: bool = True
     options: dict[str, Any] = field(default_factory=dict)
-    #: weights + gradients + optimizer states + master weights held per GPU when the optimizer
-    #: step starts (bytes; not in ``to_dict``). Unlike ``breakdown`` (taken at the peak, which may
-    #: fall in backward before every gradient exists) this is the resident model state that
-    #: :func:`trainmem.zero.per_gpu_memory` counts.
+    #: weights + gradients + optimizer states + master weights held per GPU when the
+    #: optimizer step starts (bytes; not in ``to_dict``). Unlike ``breakdown`` (taken at
+    #: the peak, which may fall in backward before every gradient exists) this is the
+    #: resident model state that :func:`trainmem.zero.per_gpu_memory` counts.
     model_state_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -548,10 +548,9 @@ def activation_bytes_per_layer(
     """Bytes one (non-first) decoder layer holds for backward at the end of the forward
     pass.
 
-    Computed by the replay as the difference between models with 3 and 2 layers, so it is
-    exactly what autograd keeps for one more layer (e.g. fp32, SDPA, full fine-tuning:
-    ``b·s·(24h + 8·q_dim + 8·kv_dim + 16·I + 8) + 4·b·heads·s`` bytes).
-    """
+    Computed by the replay as the difference between models with 3 and 2 layers, so it
+    is exactly what autograd keeps for one more layer (e.g. fp32, SDPA, full
+    fine-tuning: ``b·s·(24h + 8·q_dim + 8·kv_dim + 16·I + 8) + 4·b·heads·s`` bytes)."""
     from .memory.step import simulate_step
 
     shape = model_shape(model)

@@ -1,49 +1,55 @@
 """Measure the memory of one real training step, tensor by tensor.
 
-``measure(...)`` builds the model from its config (random weights, no downloads), runs the
-training step twice — forward, backward, optimizer step, ``zero_grad(set_to_none=True)`` — and
-reports the peak of the **second** step (the first one creates the optimizer states), with the
-storages alive at that peak split into the six categories of :mod:`trainmem.estimate`:
+``measure(...)`` builds the model from its config (random weights, no downloads), runs
+the training step twice — forward, backward, optimizer step,
+``zero_grad(set_to_none=True)`` — and reports the peak of the **second** step (the first
+one creates the optimizer states), with the storages alive at that peak split into the
+six categories of :mod:`trainmem.estimate`:
 
-=================  ===============================================================================
-weights            parameters and buffers the model holds (frozen ones included), plus the
-                   low-precision copies of parameters that ``torch.autocast`` makes (and autograd
-                   keeps for backward) under ``fp16-amp``/``bf16-amp``
+=================  =====================================================================
+weights            parameters and buffers the model holds (frozen ones included), plus
+                   the low-precision copies of parameters that ``torch.autocast`` makes
+                   (and autograd keeps for backward) under ``fp16-amp``/``bf16-amp``
 gradients          ``param.grad`` of the trainable parameters
-optimizer_states   everything in ``optimizer.state`` (AdamW ``exp_avg``, ``exp_avg_sq``, ``step``;
-                   SGD ``momentum_buffer``)
-master_weights     under ``fp16-amp``/``bf16-amp`` (autocast over fp32 parameters) the fp32
-                   trainable parameters are the master copy: they are counted here, not in weights
-activations        tensors allocated during the forward pass that are still alive (held by
-                   autograd for backward, incl. ``input_ids``/labels and the layer inputs that
-                   activation checkpointing keeps)
-temporaries        everything else alive at the peak: gradients flowing through backward, tensors
-                   recomputed by checkpointing, the optimizer's scratch tensors, ...
-=================  ===============================================================================
+optimizer_states   everything in ``optimizer.state`` (AdamW ``exp_avg``, ``exp_avg_sq``,
+                   ``step``; SGD ``momentum_buffer``)
+master_weights     under ``fp16-amp``/``bf16-amp`` (autocast over fp32 parameters) the
+                   fp32 trainable parameters are the master copy: they are counted here,
+                   not in weights
+activations        tensors allocated during the forward pass that are still alive (held
+                   by autograd for backward, incl. ``input_ids``/labels and the layer
+                   inputs that activation checkpointing keeps)
+temporaries        everything else alive at the peak: gradients flowing through
+                   backward, tensors recomputed by checkpointing, the optimizer's
+                   scratch tensors, ...
+=================  =====================================================================
 
-All sizes are in **bytes** (sum of ``untyped_storage().nbytes()``, each storage counted once).
+All sizes are in **bytes** (sum of ``untyped_storage().nbytes()``, each storage counted
+once).
 
 Devices:
 
 * ``"cpu"`` — real tensors; exact and repeatable (the CPU allocator does not round).
-* ``"fake"`` — the same step under ``torch._subclasses.fake_tensor.FakeTensorMode``: shapes and
-  dtypes are propagated but nothing is allocated, so a 7B- or 13B-shaped model is measured on a
-  laptop.  With ``extrapolate=True`` (default for ``"fake"`` when the model has more than 3
-  layers) the step is measured with 2 and 3 decoder layers and every per-phase, per-category
-  number is extended linearly to the real layer count.  This is exact whenever each phase's peak
-  sits at the same place relative to the top of the network (true for decoder-only stacks of
-  identical layers; the tests check it against the full run on small models) and is reported as
-  ``extrapolated_from_layers`` in the result.
-* ``"cuda"`` — real tensors on a GPU; additionally reports ``torch.cuda.max_memory_allocated``,
-  ``max_memory_reserved`` and the device's used memory (``torch.cuda.mem_get_info``), whose gap to
-  ``reserved`` is the CUDA context plus other processes.
+* ``"fake"`` — the same step under ``torch._subclasses.fake_tensor.FakeTensorMode``:
+  shapes and dtypes are propagated but nothing is allocated, so a 7B- or 13B-shaped
+  model is measured on a laptop.  With ``extrapolate=True`` (default for ``"fake"`` when
+  the model has more than 3 layers) the step is measured with 2 and 3 decoder layers and
+  every per-phase, per-category number is extended linearly to the real layer count.
+  This is exact whenever each phase's peak sits at the same place relative to the top of
+  the network (true for decoder-only stacks of identical layers; the tests check it
+  against the full run on small models) and is reported as ``extrapolated_from_layers``
+  in the result.
+* ``"cuda"`` — real tensors on a GPU; additionally reports
+  ``torch.cuda.max_memory_allocated``, ``max_memory_reserved`` and the device's used
+  memory (``torch.cuda.mem_get_info``), whose gap to ``reserved`` is the CUDA context
+  plus other processes.
 
-The optimizer's implementation is chosen explicitly (``optimizer_impl``: ``"foreach"`` by default,
-which is what a plain ``torch.optim.AdamW(params)`` runs on CUDA; ``"fused"``, which Hugging Face
-Trainer's default ``optim="adamw_torch_fused"`` runs; ``"for-loop"``) and is the same on every
-device, so the scratch memory of the step is the one a GPU run has.  ``adamw8bit`` and ``qlora`` need ``bitsandbytes`` and a
-CUDA device and are estimated only.
-"""
+The optimizer's implementation is chosen explicitly (``optimizer_impl``: ``"foreach"``
+by default, which is what a plain ``torch.optim.AdamW(params)`` runs on CUDA;
+``"fused"``, which Hugging Face Trainer's default ``optim="adamw_torch_fused"`` runs;
+``"for-loop"``) and is the same on every device, so the scratch memory of the step is
+the one a GPU run has.  ``adamw8bit`` and ``qlora`` need ``bitsandbytes`` and a CUDA
+device and are estimated only."""
 
 from __future__ import annotations
 
@@ -135,8 +141,8 @@ class _TrackedTraining:
 
     ``run(track)`` is one optimizer step (``grad_accum`` forwards and backwards, the
     optimizer step, ``zero_grad(set_to_none=True)``), setting the tracker's phase as it
-    goes; with ``track`` it records in ``marks`` the event at the end of the forward pass,
-    the gradients and the optimizer states."""
+    goes; with ``track`` it records in ``marks`` the event at the end of the forward
+    pass, the gradients and the optimizer states."""
 
     def __init__(self, model, opt, inputs, step: StepConfig, device: str, fake: bool):
         self.model, self.opt, self.step = model, opt, step
@@ -306,8 +312,8 @@ def _one_run(config, step: StepConfig, *, device: str, seed: int = 0) -> dict:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        # Build on the meta device (no memory), then turn every parameter and buffer into
-        # a fake CPU tensor, so autocast and the CPU kernels' shape rules apply.
+        # Build on the meta device (no memory), then turn every parameter and buffer
+        # into a fake CPU tensor, so autocast and the CPU kernels' shape rules apply.
         meta_step = dataclasses.replace(step, optimizer="sgd", optimizer_impl="foreach")
         model, _ = build_training_setup(config, meta_step, device="meta")
     with fake_mode or contextlib.nullcontext(), real_mask_decisions(fake):
@@ -391,11 +397,10 @@ def measure(
 
     Returns a :class:`Measurement` (bytes). See the module docstring for the categories
     and the devices (``"cpu"``, ``"fake"``, ``"cuda"``). ``extrapolate`` (fake device
-    only) measures 2 and 3 layers and extends linearly; ``None`` means "when the model has
-    more than 3 layers". ``optimizer_impl`` (``"foreach"``, ``"fused"``, ``"for-loop"``)
-    selects torch's AdamW/SGD implementation explicitly (see
-    :data:`trainmem.config.OPTIMIZER_IMPLS`).
-    """
+    only) measures 2 and 3 layers and extends linearly; ``None`` means "when the model
+    has more than 3 layers". ``optimizer_impl`` (``"foreach"``, ``"fused"``,
+    ``"for-loop"``) selects torch's AdamW/SGD implementation explicitly (see
+    :data:`trainmem.config.OPTIMIZER_IMPLS`)."""
     _check_device(device)
     step = StepConfig(
         method=method,

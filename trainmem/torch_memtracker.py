@@ -1,6 +1,6 @@
 """The same training step as :func:`trainmem.measure.measure`, measured by torch's own
-``MemTracker`` instead of :class:`trainmem.tracker.MemoryTracker`: the independent second
-measurement of ``benchmarks/memory_accuracy.py`` (re-exported by
+``MemTracker`` instead of :class:`trainmem.tracker.MemoryTracker`: the independent
+second measurement of ``benchmarks/memory_accuracy.py`` (re-exported by
 :mod:`trainmem.measure`)."""
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ def _acyclic_module_hooks():
     """Keep MemTracker's module tracker from keeping the autograd graph alive (see
     :func:`measure_memtracker`).
 
-    ``ModTracker`` calls ``register_multi_grad_hook(tensors, fn)`` (mode ``"all"``) on the tensors
-    that enter each module. That hook's closure holds the ``grad_fn`` (or, for a leaf, the
-    ``AccumulateGrad`` node) of every tensor, and the hook is stored on those same nodes: a cycle
-    through C++ that Python's collector cannot free. The graph's nodes outlive the step, and with
-    them any leaf that is not a parameter — the embedding output that gradient checkpointing
-    marks ``requires_grad_()`` under LoRA — and its ``.grad``. Mode ``"any"`` holds no node, so
-    the hooks are registered in that mode; they only tell MemTracker which module backward is in
-    (its per-module labels), not how many bytes are alive."""
+    ``ModTracker`` calls ``register_multi_grad_hook(tensors, fn)`` (mode ``"all"``) on
+    the tensors that enter each module. That hook's closure holds the ``grad_fn`` (or,
+    for a leaf, the ``AccumulateGrad`` node) of every tensor, and the hook is stored on
+    those same nodes: a cycle through C++ that Python's collector cannot free. The
+    graph's nodes outlive the step, and with them any leaf that is not a parameter — the
+    embedding output that gradient checkpointing marks ``requires_grad_()`` under LoRA —
+    and its ``.grad``. Mode ``"any"`` holds no node, so the hooks are registered in that
+    mode; they only tell MemTracker which module backward is in (its per-module labels),
+    not how many bytes are alive."""
     from torch.distributed._tools import mod_tracker
 
     orig = mod_tracker.register_multi_grad_hook
@@ -66,22 +67,24 @@ def measure_memtracker(
     optimizer_impl: str = "foreach",
     seed: int = 0,
 ) -> int:
-    """Peak bytes of the same training step measured by torch's own tracker instead of ours.
+    """Peak bytes of the same training step measured by torch's own tracker instead of
+    ours.
 
-    ``torch.distributed._tools.mem_tracker.MemTracker`` (also a ``TorchDispatchMode``, written
-    independently of :class:`trainmem.tracker.MemoryTracker`) watches the 2nd of two steps of the
-    model, optimizer and batch :func:`measure` builds (real CPU tensors; the model, optimizer and
-    batch are registered with ``track_external``). Returns its peak total (bytes): the second
-    measurement of ``benchmarks/memory_accuracy.py``.
+    ``torch.distributed._tools.mem_tracker.MemTracker`` (also a ``TorchDispatchMode``,
+    written independently of :class:`trainmem.tracker.MemoryTracker`) watches the 2nd of
+    two steps of the model, optimizer and batch :func:`measure` builds (real CPU
+    tensors; the model, optimizer and batch are registered with ``track_external``).
+    Returns its peak total (bytes): the second measurement of
+    ``benchmarks/memory_accuracy.py``.
 
-    Two adjustments make MemTracker measure the same program as a plain training loop, not the
-    loop with MemTracker attached: its module tracker's multi-grad hooks (mode ``"all"``) form a
-    reference cycle through the autograd graph that ``gc`` cannot free, which keeps the frozen
-    embedding's output — a leaf that requires grad under LoRA + gradient checkpointing — and its
-    ``.grad`` alive after backward, once per forward; they are registered in mode ``"any"``
-    (:func:`_acyclic_module_hooks`). And MemTracker hooks every parameter it meets, which torch
-    refuses for frozen ones; those are marked as hooked already.
-    """
+    Two adjustments make MemTracker measure the same program as a plain training loop,
+    not the loop with MemTracker attached: its module tracker's multi-grad hooks (mode
+    ``"all"``) form a reference cycle through the autograd graph that ``gc`` cannot
+    free, which keeps the frozen embedding's output — a leaf that requires grad under
+    LoRA + gradient checkpointing — and its ``.grad`` alive after backward, once per
+    forward; they are registered in mode ``"any"`` (:func:`_acyclic_module_hooks`). And
+    MemTracker hooks every parameter it meets, which torch refuses for frozen ones;
+    those are marked as hooked already."""
     import gc
 
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -142,9 +145,9 @@ def measure_memtracker(
     until_states_exist(train_step, opt)
     gc.collect()
     tracker = MemTracker()
-    # MemTracker installs a gradient hook on every parameter it meets, which torch refuses
-    # for a frozen one (LoRA's base weights): mark those as already hooked (handles with no
-    # effect).
+    # MemTracker installs a gradient hook on every parameter it meets, which torch
+    # refuses for a frozen one (LoRA's base weights): mark those as already hooked
+    # (handles with no effect).
     for p in net.parameters():
         if not p.requires_grad:
             tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())

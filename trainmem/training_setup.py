@@ -1,5 +1,5 @@
-"""The model, optimizer and batch that :mod:`trainmem.measure` trains, built the same way
-for every device (real CPU or CUDA tensors, or fake tensors for 7B shapes)."""
+"""The model, optimizer and batch that :mod:`trainmem.measure` trains, built the same
+way for every device (real CPU or CUDA tensors, or fake tensors for 7B shapes)."""
 
 from __future__ import annotations
 
@@ -48,8 +48,9 @@ def build_training_setup(
 
 @contextlib.contextmanager
 def real_mask_decisions(active: bool):
-    """transformers treats fake tensors as "tracing" and then materialises the causal mask that
-    a real run skips (SDPA ``is_causal``). Make the fake run take the real run's decisions."""
+    """transformers treats fake tensors as "tracing" and then materialises the causal
+    mask that a real run skips (SDPA ``is_causal``). Make the fake run take the real
+    run's decisions."""
     if not active:
         yield
         return
@@ -114,9 +115,10 @@ def _impl_flags(optimizer_impl: str) -> dict:
 def make_optimizer(
     model, optimizer: str, lr: float = 1e-4, optimizer_impl: str = "foreach"
 ):
-    """The optimizer :func:`measure` uses, over the trainable parameters, with the implementation
-    chosen explicitly (``foreach``, ``fused`` or ``for-loop``: the same on every device, so the
-    CPU measurement holds the scratch memory a GPU run holds)."""
+    """The optimizer :func:`measure` uses, over the trainable parameters, with the
+    implementation chosen explicitly (``foreach``, ``fused`` or ``for-loop``: the same
+    on every device, so the CPU measurement holds the scratch memory a GPU run
+    holds)."""
     params = [p for p in model.parameters() if p.requires_grad]
     flags = _impl_flags(optimizer_impl)
     if optimizer == "adamw":
@@ -128,16 +130,17 @@ def make_optimizer(
     else:
         raise OptionError(
             "optimizer",
-            f"optimizer {optimizer!r} cannot be measured here (needs bitsandbytes on CUDA); "
-            "allowed for measure: adamw, sgd, sgd-momentum",
+            f"optimizer {optimizer!r} cannot be measured here (needs bitsandbytes on "
+            "CUDA); allowed for measure: adamw, sgd, sgd-momentum",
         )
     return opt
 
 
 def until_states_exist(train_step, opt, **kw) -> None:
     """Repeat warm-up steps until the optimizer holds its states: under ``fp16-amp`` the
-    GradScaler skips ``optimizer.step()`` while its scale overflows fp16 (the first steps of every
-    run), and the step to measure is one of the steady state that follows."""
+    GradScaler skips ``optimizer.step()`` while its scale overflows fp16 (the first
+    steps of every run), and the step to measure is one of the steady state that
+    follows."""
     for _ in range(32):
         if opt.state or not opt.param_groups[0]["params"] or not _has_states(opt):
             return
