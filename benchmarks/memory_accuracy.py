@@ -517,12 +517,11 @@ measuring a different program from the plain training loop whose `max_memory_all
 the estimate predicts; that side was fixed.
 
 1. **LoRA + activation checkpointing: MemTracker was higher by 2·b·s·h·4 bytes per
-earlier forward.**
-   Reported case: h=192, i=512, 3 layers, 4 heads, tied, vocab 500, bf16-amp, SDPA, 2 ×
-   128, LoRA r=8 on q,v, checkpointing — MemTracker over two tracked steps 10,227,192 B,
-   `trainmem.measure` 9,833,976 B; the difference, 393,216 B, is exactly 2 ×
-   (2·128·192·4). With a frozen embedding, `gradient_checkpointing_enable()` makes the
-   embedding output a leaf that requires grad (`enable_input_require_grads`).
+   earlier forward.** Reported case: h=192, i=512, 3 layers, 4 heads, tied, vocab 500,
+   bf16-amp, SDPA, 2 × 128, LoRA r=8 on q,v, checkpointing — MemTracker over two tracked
+   steps 10,227,192 B, `trainmem.measure` 9,833,976 B; the difference, 393,216 B, is
+   exactly 2 × (2·128·192·4). With a frozen embedding, `gradient_checkpointing_enable()`
+   makes the embedding output a leaf that requires grad (`enable_input_require_grads`).
    MemTracker's `ModTracker` calls `register_multi_grad_hook(inputs, fn)` (mode "all")
    on every module's inputs; that hook's closure holds the `grad_fn`/`AccumulateGrad`
    node of each input and is itself stored on those nodes — a reference cycle through
@@ -537,17 +536,15 @@ earlier forward.**
    also refuses to hook frozen parameters (`register_hook` raises); those are marked as
    hooked already. After the fix the two agree within a few bytes on every row.
 2. **fp16-amp: both measurements lacked the optimizer states at the peak.** GradScaler's
-initial
-   scale (2^16) overflows fp16 gradients of these tiny models, so it skipped
+   initial scale (2^16) overflows fp16 gradients of these tiny models, so it skipped
    `optimizer.step()` in the warm-up step and the states were created only inside the
    measured step. That is a measurement of the first steps of a run, not of the steady
    state the estimate describes; both measurements now repeat warm-up steps until the
    optimizer holds its states.
 3. **What remains** (the "MemTracker vs measure" column): −8 bytes under fp16-amp —
-GradScaler's
-   `_scale` and `_growth_tracker` (4 bytes each) are created in step 1, which MemTracker
-   does not watch, and are not among the objects given to `track_external` — and 0 bytes
-   elsewhere.
+   GradScaler's `_scale` and `_growth_tracker` (4 bytes each) are created in step 1,
+   which MemTracker does not watch, and are not among the objects given to
+   `track_external` — and 0 bytes elsewhere.
 
 Where the estimate itself was wrong, the random grid showed it and the replay was
 corrected (each is now a unit test in `tests/test_estimate.py`):

@@ -48,7 +48,7 @@ def lora_linear(sim: Simulator, x: SimTensor, lin: dict) -> SimTensor:
     result = linear(sim, x, lin["w"], lin.get("b"), quant=lin.get("q", False))
     if "A" not in lin:
         return result
-    rdt = result.dtype
+    result_dtype = result.dtype
     x = cast(
         sim, x, lin["A"].dtype
     )  # x = self._cast_input_dtype(x, ...): lives to the end
@@ -59,7 +59,7 @@ def lora_linear(sim: Simulator, x: SimTensor, lin: dict) -> SimTensor:
     del h2
     result = add(sim, result, h3)
     del h3
-    return cast(sim, result, rdt)
+    return cast(sim, result, result_dtype)
 
 
 def attention(
@@ -108,8 +108,8 @@ def attention(
 
 def _q_dtype(sim, x, layer):
     """dtype of query_states after RoPE (the eager softmax is cast back to it)."""
-    lin_dt = sim.autocast or layer["q_proj"]["w"].dtype
-    return _promote(lin_dt, layer["_cos_dtype"])
+    linear_dtype = sim.autocast or layer["q_proj"]["w"].dtype
+    return _promote(linear_dtype, layer["_cos_dtype"])
 
 
 def mlp(sim: Simulator, x: SimTensor, layer: dict) -> SimTensor:
@@ -158,7 +158,7 @@ def llama_loss(
         h.grad_accumulator = AccumulateGrad(h)
         h.grad_accumulator.discard = True
         h.grad_accumulator.param = None  # (no reference cycle: h is freed as usual)
-    dt = h.dtype
+    dtype = h.dtype
     d = cfg["head_dim"]
     # rotary embedding (computed once per forward, in fp32, then cast to the activation
     # dtype)
@@ -166,14 +166,14 @@ def llama_loss(
     freqs = new(sim, (1, s, d // 2), "fp32")
     emb = new(sim, (1, s, d), "fp32")
     del freqs
-    cos = cast(sim, new(sim, (1, 1, s, d), "fp32"), dt)
-    sin = cast(sim, new(sim, (1, 1, s, d), "fp32"), dt)
+    cos = cast(sim, new(sim, (1, 1, s, d), "fp32"), dtype)
+    sin = cast(sim, new(sim, (1, 1, s, d), "fp32"), dtype)
     del emb
     for layer in model["layers"]:
         layer["_cos_dtype"] = cos.dtype
     mask = None
     if cfg["attn"] == "eager":
-        mask = new(sim, (b, 1, s, s), dt)
+        mask = new(sim, (b, 1, s, s), dtype)
     if not cfg["checkpointing"]:
         del pos
     else:
@@ -241,9 +241,11 @@ def build_params(
     amp = precision in ("fp16-amp", "bf16-amp") and param_dtype is None
     full = method == "full"
 
-    def make_param(shp, trainable, dt=base_param_dtype):
-        cat = "master_weights" if (amp and trainable and dt == "fp32") else "weights"
-        return param(sim, shp, dt, trainable, cat)
+    def make_param(param_shape, trainable, dtype=base_param_dtype):
+        category = (
+            "master_weights" if (amp and trainable and dtype == "fp32") else "weights"
+        )
+        return param(sim, param_shape, dtype, trainable, category)
 
     h = shape.hidden
     model = {"embed": make_param((shape.vocab, h), full)}

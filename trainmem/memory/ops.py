@@ -23,12 +23,12 @@ def _bcast(a, b):
     return tuple(max(x, y) for x, y in zip(a, b))
 
 
-def cast(sim: Simulator, x: SimTensor, dt: str, cached_param=None) -> SimTensor:
-    """``x.to(dt)`` (a no-op returning ``x`` when the dtype already matches)."""
-    if x.dtype == dt:
+def cast(sim: Simulator, x: SimTensor, dtype: str, cached_param=None) -> SimTensor:
+    """``x.to(dtype)`` (a no-op returning ``x`` when the dtype already matches)."""
+    if x.dtype == dtype:
         return x
-    cat = "weights" if cached_param is not None else None
-    out = new(sim, x.shape, dt, category=cat, layout=x.layout)
+    category = "weights" if cached_param is not None else None
+    out = new(sim, x.shape, dtype, category=category, layout=x.layout)
     if cached_param is not None and sim.param_cast_scale != 1.0:
         shrink(
             sim, out.buffer, sim.param_cast_scale
@@ -38,10 +38,10 @@ def cast(sim: Simulator, x: SimTensor, dt: str, cached_param=None) -> SimTensor:
         # region exits, whether or not autograd saves it (e.g. LoRA's A when its input
         # needs no grad, or every weight during a checkpointed forward)
         sim.autocast_cache.append(out)
-    src_dt, shape = x.dtype, x.shape
+    source_dtype, shape = x.dtype, x.shape
 
     def backward_fn(node, g):
-        return [new(sim, shape, src_dt, layout=g.layout)]
+        return [new(sim, shape, source_dtype, layout=g.layout)]
 
     record(sim, out, [x], [], backward_fn)
     return out
@@ -67,55 +67,55 @@ def linear(
     matmul (a transient copy) and again in backward."""
     if quant:
         compute_dtype = sim.autocast or x.dtype
-        xc = cast(sim, x, compute_dtype) if x.dtype != compute_dtype else x
-        wd = new(sim, w.shape, compute_dtype)  # dequantized weight (temporary)
+        x_cast = cast(sim, x, compute_dtype) if x.dtype != compute_dtype else x
+        w_dequant = new(sim, w.shape, compute_dtype)  # dequantized weight (temporary)
         out = new(sim, x.shape[:-1] + (w.shape[0],), compute_dtype)
-        del wd
-        xshape, xdt = xc.shape, xc.dtype
-        wshape = w.shape
+        del w_dequant
+        x_shape, x_dtype = x_cast.shape, x_cast.dtype
+        w_shape = w.shape
 
         def backward_fn(node, g):
-            wd2 = new(sim, wshape, xdt)
-            gx = new(sim, xshape, xdt)
-            del wd2
-            return [gx]
+            w_dequant = new(sim, w_shape, x_dtype)
+            grad_x = new(sim, x_shape, x_dtype)
+            del w_dequant
+            return [grad_x]
 
-        record(sim, out, [xc], [], backward_fn)
+        record(sim, out, [x_cast], [], backward_fn)
         return out
-    xc = _autocast_input(sim, x)
-    wc = _autocast_input(sim, w, param=True)
-    bc = _autocast_input(sim, b, param=True) if b is not None else None
+    x_cast = _autocast_input(sim, x)
+    w_cast = _autocast_input(sim, w, param=True)
+    b_cast = _autocast_input(sim, b, param=True) if b is not None else None
     d_out, d_in = w.shape
-    out = new(sim, x.shape[:-1] + (d_out,), xc.dtype)
+    out = new(sim, x.shape[:-1] + (d_out,), x_cast.dtype)
     saved = []
     if w.requires_grad:
-        saved.append(xc)
+        saved.append(x_cast)
     if x.requires_grad:
-        saved.append(wc)
-    xshape, xdt, wdt, x_rg, w_rg, b_rg = (
-        xc.shape,
-        xc.dtype,
-        wc.dtype,
-        xc.requires_grad,
-        wc.requires_grad,
-        bc is not None and bc.requires_grad,
+        saved.append(w_cast)
+    x_shape, x_dtype, w_dtype, x_needs_grad, w_needs_grad, b_needs_grad = (
+        x_cast.shape,
+        x_cast.dtype,
+        w_cast.dtype,
+        x_cast.requires_grad,
+        w_cast.requires_grad,
+        b_cast is not None and b_cast.requires_grad,
     )
 
     def backward_fn(node, g):
-        gw = new(sim, (d_out, d_in), wdt) if w_rg else None
-        gx = new(sim, xshape, xdt) if x_rg else None
-        gb = new(sim, (d_out,), wdt) if b_rg else None
-        return [gx, gw, gb]
+        grad_w = new(sim, (d_out, d_in), w_dtype) if w_needs_grad else None
+        grad_x = new(sim, x_shape, x_dtype) if x_needs_grad else None
+        grad_b = new(sim, (d_out,), w_dtype) if b_needs_grad else None
+        return [grad_x, grad_w, grad_b]
 
-    record(sim, out, [xc, wc, bc], saved, backward_fn)
+    record(sim, out, [x_cast, w_cast, b_cast], saved, backward_fn)
     return out
 
 
 def add(sim: Simulator, a: SimTensor, b: SimTensor) -> SimTensor:
-    dt = _promote(a.dtype, b.dtype)
+    dtype = _promote(a.dtype, b.dtype)
     shape = _bcast(a.shape, b.shape)
-    out = new(sim, shape, dt, layout=a.layout if a.shape == shape else b.layout)
-    ash, adt, bsh, bdt = a.shape, a.dtype, b.shape, b.dtype
+    out = new(sim, shape, dtype, layout=a.layout if a.shape == shape else b.layout)
+    a_shape, a_dtype, b_shape, b_dtype = a.shape, a.dtype, b.shape, b.dtype
 
     def backward_fn(node, g):
         def reduce_to(sh, d):
@@ -126,11 +126,11 @@ def add(sim: Simulator, a: SimTensor, b: SimTensor) -> SimTensor:
             return g
 
         return [
-            reduce_to(ash, adt) if a_rg else None,
-            reduce_to(bsh, bdt) if b_rg else None,
+            reduce_to(a_shape, a_dtype) if a_needs_grad else None,
+            reduce_to(b_shape, b_dtype) if b_needs_grad else None,
         ]
 
-    a_rg, b_rg = a.requires_grad, b.requires_grad
+    a_needs_grad, b_needs_grad = a.requires_grad, b.requires_grad
     record(sim, out, [a, b], [], backward_fn)
     return out
 
@@ -144,15 +144,15 @@ def add_scalar(sim: Simulator, a: SimTensor) -> SimTensor:
 def mul(sim: Simulator, a: SimTensor, b: SimTensor) -> SimTensor:
     """``a * b``: saves b if a needs grad, a if b needs grad; broadcast grads are
     summed."""
-    dt = _promote(a.dtype, b.dtype)
+    dtype = _promote(a.dtype, b.dtype)
     shape = _bcast(a.shape, b.shape)
-    out = new(sim, shape, dt, layout=a.layout if a.shape == shape else b.layout)
+    out = new(sim, shape, dtype, layout=a.layout if a.shape == shape else b.layout)
     saved = []
     if a.requires_grad:
         saved.append(b)
     if b.requires_grad:
         saved.append(a)
-    ash, adt, bsh, bdt, a_rg, b_rg = (
+    a_shape, a_dtype, b_shape, b_dtype, a_needs_grad, b_needs_grad = (
         a.shape,
         a.dtype,
         b.shape,
@@ -163,8 +163,11 @@ def mul(sim: Simulator, a: SimTensor, b: SimTensor) -> SimTensor:
 
     def backward_fn(node, g):
         res = []
-        for sh, d, rg in ((ash, adt, a_rg), (bsh, bdt, b_rg)):
-            if not rg:
+        for sh, d, needs_grad in (
+            (a_shape, a_dtype, a_needs_grad),
+            (b_shape, b_dtype, b_needs_grad),
+        ):
+            if not needs_grad:
                 res.append(None)
                 continue
             full = new(sim, shape, _promote(g.dtype, d))
@@ -183,19 +186,19 @@ def mul(sim: Simulator, a: SimTensor, b: SimTensor) -> SimTensor:
 
 def mul_scalar(sim: Simulator, a: SimTensor) -> SimTensor:
     out = new(sim, a.shape, a.dtype, layout=a.layout)
-    shape, dt = a.shape, a.dtype
-    record(sim, out, [a], [], lambda node, g: [new(sim, shape, dt)])
+    shape, dtype = a.shape, a.dtype
+    record(sim, out, [a], [], lambda node, g: [new(sim, shape, dtype)])
     return out
 
 
 def pow2(sim: Simulator, x: SimTensor) -> SimTensor:
     out = new(sim, x.shape, x.dtype, layout=x.layout)
-    shape, dt = x.shape, x.dtype
+    shape, dtype = x.shape, x.dtype
 
     def backward_fn(node, g):  # grad * 2 * x**1 : pow, mul.Scalar, mul.Tensor
-        t1 = new(sim, shape, dt)
-        t2 = new(sim, shape, dt)
-        r = new(sim, shape, dt)
+        t1 = new(sim, shape, dtype)
+        t2 = new(sim, shape, dtype)
+        r = new(sim, shape, dtype)
         del t1, t2
         return [r]
 
@@ -205,19 +208,19 @@ def pow2(sim: Simulator, x: SimTensor) -> SimTensor:
 
 def mean_last(sim: Simulator, x: SimTensor) -> SimTensor:
     out = new(sim, x.shape[:-1] + (1,), x.dtype)
-    shape, dt = x.shape, x.dtype
-    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dt)])
+    shape, dtype = x.shape, x.dtype
+    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dtype)])
     return out
 
 
 def rsqrt(sim: Simulator, x: SimTensor) -> SimTensor:
     out = new(sim, x.shape, x.dtype)
-    shape, dt = x.shape, x.dtype
+    shape, dtype = x.shape, x.dtype
 
     def backward_fn(node, g):  # -0.5 * grad * out**3 : pow, mul.Scalar, mul.Tensor
-        t1 = new(sim, shape, dt)
-        t2 = new(sim, shape, dt)
-        r = new(sim, shape, dt)
+        t1 = new(sim, shape, dtype)
+        t2 = new(sim, shape, dtype)
+        r = new(sim, shape, dtype)
         del t1, t2
         return [r]
 
@@ -227,15 +230,15 @@ def rsqrt(sim: Simulator, x: SimTensor) -> SimTensor:
 
 def silu(sim: Simulator, x: SimTensor) -> SimTensor:
     out = new(sim, x.shape, x.dtype)
-    shape, dt = x.shape, x.dtype
-    record(sim, out, [x], [x], lambda node, g: [new(sim, shape, dt)])
+    shape, dtype = x.shape, x.dtype
+    record(sim, out, [x], [x], lambda node, g: [new(sim, shape, dtype)])
     return out
 
 
 def neg(sim: Simulator, x: SimTensor) -> SimTensor:
     out = new(sim, x.shape, x.dtype, layout=x.layout)
-    shape, dt = x.shape, x.dtype
-    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dt)])
+    shape, dtype = x.shape, x.dtype
+    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dtype)])
     return out
 
 
@@ -244,14 +247,17 @@ def rotate_half(sim: Simulator, x: SimTensor) -> SimTensor:
     half = x.shape[:-1] + (x.shape[-1] // 2,)
     x1 = view(x, half, x.layout)
     x2 = view(x, half, x.layout)
-    nx2 = neg(sim, x2)
+    neg_x2 = neg(sim, x2)
     out = new(sim, x.shape, x.dtype)
-    n_rg, x1_rg = nx2.requires_grad, x1.requires_grad
+    neg_needs_grad, x1_needs_grad = neg_x2.requires_grad, x1.requires_grad
 
     def backward_fn(node, g):  # cat backward: narrow views of g
-        return [view(g, half) if n_rg else None, view(g, half) if x1_rg else None]
+        return [
+            view(g, half) if neg_needs_grad else None,
+            view(g, half) if x1_needs_grad else None,
+        ]
 
-    record(sim, out, [nx2, x1], [], backward_fn)
+    record(sim, out, [neg_x2, x1], [], backward_fn)
     return out
 
 
@@ -290,8 +296,8 @@ def repeat_kv(sim: Simulator, x: SimTensor, heads: int) -> SimTensor:
         out = SimTensor(x.buffer, (b, heads, s, d), x.dtype, layout="x")
     else:
         out = new(sim, (b, heads, s, d), x.dtype, layout="bhsd")
-    shape, dt = x.shape, x.dtype
-    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dt)])
+    shape, dtype = x.shape, x.dtype
+    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dtype)])
     return out
 
 
@@ -310,7 +316,7 @@ def bmm(sim: Simulator, a: SimTensor, b: SimTensor, out_shape) -> SimTensor:
         saved.append(b)
     if b.requires_grad:
         saved.append(a)
-    ash, bsh, dt, a_rg, b_rg = (
+    a_shape, b_shape, dtype, a_needs_grad, b_needs_grad = (
         a.shape,
         b.shape,
         a.dtype,
@@ -319,9 +325,9 @@ def bmm(sim: Simulator, a: SimTensor, b: SimTensor, out_shape) -> SimTensor:
     )
 
     def backward_fn(node, g):
-        gb = new(sim, bsh, dt, layout="bhsd") if b_rg else None
-        ga = new(sim, ash, dt, layout="bhsd") if a_rg else None
-        return [ga, gb]
+        grad_b = new(sim, b_shape, dtype, layout="bhsd") if b_needs_grad else None
+        grad_a = new(sim, a_shape, dtype, layout="bhsd") if a_needs_grad else None
+        return [grad_a, grad_b]
 
     record(sim, out, [a, b], saved, backward_fn)
     return out
@@ -347,14 +353,22 @@ def sdpa(sim: Simulator, q: SimTensor, k: SimTensor, v: SimTensor) -> SimTensor:
     b, a, s, d = q.shape
     out = new(sim, (b, a, s, d), q.dtype, layout="bshd")
     lse = new(sim, (b, a, s), "fp32")
-    qs, ks, vs, dt = q.shape, k.shape, v.shape, q.dtype
-    q_rg, k_rg, v_rg = q.requires_grad, k.requires_grad, v.requires_grad
+    q_shape, k_shape, v_shape, dtype = q.shape, k.shape, v.shape, q.dtype
+    q_needs_grad, k_needs_grad, v_needs_grad = (
+        q.requires_grad,
+        k.requires_grad,
+        v.requires_grad,
+    )
 
     def backward_fn(node, g):
-        gq = new(sim, qs, dt, layout="bshd")
-        gk = new(sim, ks, dt, layout="bshd")
-        gv = new(sim, vs, dt, layout="bshd")
-        return [gq if q_rg else None, gk if k_rg else None, gv if v_rg else None]
+        grad_q = new(sim, q_shape, dtype, layout="bshd")
+        grad_k = new(sim, k_shape, dtype, layout="bshd")
+        grad_v = new(sim, v_shape, dtype, layout="bshd")
+        return [
+            grad_q if q_needs_grad else None,
+            grad_k if k_needs_grad else None,
+            grad_v if v_needs_grad else None,
+        ]
 
     record(sim, out, [q, k, v], [q, k, v, lse], backward_fn, save_out=True)
     return out
@@ -363,23 +377,29 @@ def sdpa(sim: Simulator, q: SimTensor, k: SimTensor, v: SimTensor) -> SimTensor:
 def embedding(sim: Simulator, ids: SimTensor, w: SimTensor) -> SimTensor:
     b, s = ids.shape
     out = new(sim, (b, s, w.shape[1]), w.dtype)
-    wshape, wdt = w.shape, w.dtype
-    record(sim, out, [None, w], [ids], lambda node, g: [None, new(sim, wshape, wdt)])
+    w_shape, w_dtype = w.shape, w.dtype
+    record(
+        sim, out, [None, w], [ids], lambda node, g: [None, new(sim, w_shape, w_dtype)]
+    )
     return out
 
 
 def log_softmax(sim: Simulator, x: SimTensor) -> SimTensor:
     out = new(sim, x.shape, x.dtype)
-    shape, dt = x.shape, x.dtype
-    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dt)], save_out=True)
+    shape, dtype = x.shape, x.dtype
+    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dtype)], save_out=True)
     return out
 
 
 def nll_loss(sim: Simulator, logp: SimTensor, target: SimTensor) -> SimTensor:
     out = new(sim, (), "fp32")
     total_weight = new(sim, (), "fp32")
-    shape, dt = logp.shape, logp.dtype
+    shape, dtype = logp.shape, logp.dtype
     record(
-        sim, out, [logp], [target, total_weight], lambda node, g: [new(sim, shape, dt)]
+        sim,
+        out,
+        [logp],
+        [target, total_weight],
+        lambda node, g: [new(sim, shape, dtype)],
     )
     return out
