@@ -55,13 +55,13 @@ class OptionError(ValueError):
         self.option = option
 
 
-def _check_choice(name: str, value, allowed) -> None:
+def check_choice(name: str, value, allowed) -> None:
     if value not in allowed:
         shown = ", ".join("None" if a is None else str(a) for a in allowed)
         raise OptionError(name, f"{name} must be one of {shown}, got {value!r}")
 
 
-def _check_positive_int(name: str, value) -> None:
+def check_positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise OptionError(name, f"{name} must be an integer ≥ 1, got {value!r}")
 
@@ -334,17 +334,17 @@ class StepConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "lora_targets", split_targets(self.lora_targets))
-        _check_choice("method", self.method, METHODS)
-        _check_choice("precision", self.precision, PRECISIONS)
-        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        _check_choice("attn", self.attn, ATTN_IMPLS)
-        _check_choice("lora_dtype", self.lora_dtype, LORA_DTYPES)
-        _check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
-        _check_positive_int("batch", self.batch)
-        _check_positive_int("seq", self.seq)
-        _check_positive_int("grad_accum", self.grad_accum)
-        _check_positive_int("gpus", self.gpus)
-        _check_choice("zero", self.zero, ZERO_STAGES)
+        check_choice("method", self.method, METHODS)
+        check_choice("precision", self.precision, PRECISIONS)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("attn", self.attn, ATTN_IMPLS)
+        check_choice("lora_dtype", self.lora_dtype, LORA_DTYPES)
+        check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        check_positive_int("batch", self.batch)
+        check_positive_int("seq", self.seq)
+        check_positive_int("grad_accum", self.grad_accum)
+        check_positive_int("gpus", self.gpus)
+        check_choice("zero", self.zero, ZERO_STAGES)
 
     @property
     def uses_lora(self) -> bool:

@@ -124,7 +124,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from .config import (
-    _check_choice,
     ATTN_IMPLS,
     CATEGORIES,
     LORA_DTYPES,
@@ -135,6 +134,7 @@ from .config import (
     OptionError,
     Shape,
     StepConfig,
+    check_choice,
     load_model_config,
     model_shape,
     split_targets,
@@ -244,9 +244,9 @@ def bytes_per_param(
 
     Optimizer states: AdamW 8 (two fp32 moments; 4 in pure bf16), 8-bit AdamW ≈ 2, SGD
     with momentum 4 (2 in bf16), plain SGD 0."""
-    _check_choice("precision", precision, PRECISIONS)
-    _check_choice("optimizer", optimizer, OPTIMIZERS)
-    _check_choice("convention", convention, ("torch-amp", "zero-paper", "accelerate"))
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("optimizer", optimizer, OPTIMIZERS)
+    check_choice("convention", convention, ("torch-amp", "zero-paper", "accelerate"))
     if convention == "accelerate":
         return 16.0 if precision == "fp32" else 8.0
     p = 2 if precision == "bf16" else 4
