@@ -1,26 +1,27 @@
 """Estimator vs two measurements: peak and activation memory of one training step.
 
-Part 1, a fixed grid: the tiny Llama measured on real CPU tensors and the Llama-7B shape measured
-under FakeTensorMode (per-layer extrapolation from 2 and 3 layers; one row is also run at full
-depth to time it). For every row: ``trainmem.estimate`` vs ``trainmem.measure`` (peak and
-activations held for backward at the end of the forward pass), torch's own ``MemTracker`` on the
-CPU rows (``trainmem.measure.measure_memtracker``), and the rule of ``accelerate
-estimate-memory`` (16 B/param fp32, 8 B/param half/mixed precision, Adam, no activations; applied
-to the whole model, as the tool does) for comparison.
+Part 1, a fixed grid: the tiny Llama measured on real CPU tensors and the Llama-7B shape
+measured under FakeTensorMode (per-layer extrapolation from 2 and 3 layers; one row is
+also run at full depth to time it). For every row: ``trainmem.estimate`` vs
+``trainmem.measure`` (peak and activations held for backward at the end of the forward
+pass), torch's own ``MemTracker`` on the CPU rows
+(``trainmem.measure.measure_memtracker``), and the rule of ``accelerate
+estimate-memory`` (16 B/param fp32, 8 B/param half/mixed precision, Adam, no
+activations; applied to the whole model, as the tool does) for comparison.
 
-Part 2, a random grid: ``--n`` tiny Llama-family configurations drawn with a fixed seed across
-every option (Llama/Qwen2/Mistral, GQA, tied embeddings, odd widths, explicit head_dim, the three
-AdamW implementations and SGD, fp32/fp16-amp/bf16-amp/bf16, eager/SDPA, checkpointing, LoRA
-targets and ranks, gradient accumulation), each estimated and measured twice on CPU.
+Part 2, a random grid: ``--n`` tiny Llama-family configurations drawn with a fixed seed
+across every option (Llama/Qwen2/Mistral, GQA, tied embeddings, odd widths, explicit
+head_dim, the three AdamW implementations and SGD, fp32/fp16-amp/bf16-amp/bf16,
+eager/SDPA, checkpointing, LoRA targets and ranks, gradient accumulation), each
+estimated and measured twice on CPU.
 
-    python benchmarks/memory_accuracy.py                 # prints the markdown report
+    python benchmarks/memory_accuracy.py           # prints the markdown report
     python benchmarks/memory_accuracy.py --out benchmarks/results/memory_accuracy.md
-    python benchmarks/memory_accuracy.py --quick         # 12 random rows, no 7B rows (dev loop)
-    python benchmarks/memory_accuracy.py --cuda          # adds a CUDA column (tiny rows)
+    python benchmarks/memory_accuracy.py --quick   # 12 random rows, no 7B rows
+    python benchmarks/memory_accuracy.py --cuda    # adds a CUDA column (tiny rows)
 
-Targets: fixed grid |peak error| ≤ 2 % (full) / 3 % (LoRA), |activation error| ≤ 3 %; random
-grid |peak error| ≤ 1 % against both measurements, every row.
-"""
+Targets: fixed grid |peak error| ≤ 2 % (full) / 3 % (LoRA), |activation error| ≤ 3 %;
+random grid |peak error| ≤ 1 % against both measurements, every row."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ GiB = 2**30
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 
-# (model, device, method, precision, attn, checkpointing, batch, seq, lora targets, AdamW impl)
+# (model, device, method, precision, attn, checkpointing, batch, seq, lora targets,
+# AdamW impl)
 GRID = [
     ("tiny", "cpu", "full", "fp32", "sdpa", False, 2, 64, None, "foreach"),
     ("tiny", "cpu", "full", "fp32", "eager", False, 2, 64, None, "foreach"),
@@ -108,8 +110,9 @@ def _targets_label(targets) -> str:
 def fixed_grid(cuda: bool, quick: bool) -> tuple[list[str], list[str]]:
     lines = []
     head = (
-        "| # | model (device) | method | precision | attn | ckpt | b×s | AdamW | estimate "
-        "| measured | peak err | MemTracker | est. vs MemTracker | est. act | meas. act "
+        "| # | model (device) | method | precision | attn | ckpt | b×s | AdamW "
+        "| estimate | measured | peak err | MemTracker | est. vs MemTracker "
+        "| est. act | meas. act "
         "| act err | peak in | accelerate rule | rule err |"
     )
     if cuda:
@@ -155,10 +158,14 @@ def fixed_grid(cuda: bool, quick: bool) -> tuple[list[str], list[str]]:
             mt_cells = "– | –"
         tg = "" if method == "full" else f" r=8 {_targets_label(targets)}"
         row = (
-            f"| {i} | {model} ({dev}{', extrap.' if meas.extrapolated_from_layers else ''}) "
-            f"| {method}{tg} | {prec} | {attn} | {'on' if ck else 'off'} | {b}×{s} | {impl} "
-            f"| {fmt(est.total_bytes, u)} | {fmt(meas.total_bytes, u)} | {e_peak:+.3f}% "
-            f"| {mt_cells} | {fmt(est.activation_bytes, u)} | {fmt(meas.activation_bytes, u)} "
+            f"| {i} | {model} "
+            f"({dev}{', extrap.' if meas.extrapolated_from_layers else ''}) "
+            f"| {method}{tg} | {prec} | {attn} | {'on' if ck else 'off'} | {b}×{s} "
+            f"| {impl} "
+            f"| {fmt(est.total_bytes, u)} | {fmt(meas.total_bytes, u)} "
+            f"| {e_peak:+.3f}% "
+            f"| {mt_cells} | {fmt(est.activation_bytes, u)} "
+            f"| {fmt(meas.activation_bytes, u)} "
             f"| {e_act:+.3f}% | {meas.peak_phase} | {fmt(rule, u)} | {e_rule:+.1f}% |"
         )
         if cuda:
@@ -177,18 +184,21 @@ def fixed_grid(cuda: bool, quick: bool) -> tuple[list[str], list[str]]:
         lines.append(row)
         print(f"fixed row {i} done ({meas.seconds:.1f} s)", file=sys.stderr)
     notes = [
-        f"- Worst peak error, full fine-tuning: {worst['full'][0]:+.4f}% (row {worst['full'][1]}); "
-        f"LoRA: {worst['lora'][0]:+.4f}% (row {worst['lora'][1]}). Worst activation error: "
+        "- Worst peak error, full fine-tuning: "
+        f"{worst['full'][0]:+.4f}% (row {worst['full'][1]}); "
+        f"LoRA: {worst['lora'][0]:+.4f}% (row {worst['lora'][1]}). "
+        "Worst activation error: "
         f"{worst_act[0]:+.4f}% (row {worst_act[1]}).",
-        f"- All rows within the targets (peak ≤ 2 % full / 3 % LoRA, activations ≤ 3 %): "
+        "- All rows within the targets (peak ≤ 2 % full / 3 % LoRA, "
+        "activations ≤ 3 %): "
         f"{'yes' if ok else 'NO'}.",
     ]
     return lines, notes
 
 
-# ------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # the random grid
-# ------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 ARCHS = ("llama", "qwen2", "mistral")
 PER_HEAD = (
     10,
@@ -211,9 +221,10 @@ OPTIMIZERS = (
 
 
 def random_configs(n: int, seed: int = 16) -> list[dict]:
-    """``n`` tiny configurations, drawn from ``random.Random(seed)``. The categorical options
-    that decide the memory layout (precision × AdamW implementation × method) are cycled so that
-    every combination appears; the shapes and the rest are drawn at random."""
+    """``n`` tiny configurations, drawn from ``random.Random(seed)``. The categorical
+    options that decide the memory layout (precision × AdamW implementation × method)
+    are cycled so that every combination appears; the shapes and the rest are drawn at
+    random."""
     rng = random.Random(seed)
     out = []
     for k in range(n):
@@ -283,8 +294,10 @@ def hf_config(model: dict, name: str):
 def _model_label(m: dict) -> str:
     gqa = f"{m['num_attention_heads']}/{m['num_key_value_heads']}"
     return (
-        f"{m['arch']} h{m['hidden_size']} i{m['intermediate_size']} L{m['num_hidden_layers']} "
-        f"a/kv {gqa} d{m['head_dim']} V{m['vocab_size']}{' tied' if m['tie_word_embeddings'] else ''}"
+        f"{m['arch']} h{m['hidden_size']} i{m['intermediate_size']} "
+        f"L{m['num_hidden_layers']} "
+        f"a/kv {gqa} d{m['head_dim']} V{m['vocab_size']}"
+        f"{' tied' if m['tie_word_embeddings'] else ''}"
     )
 
 
@@ -317,7 +330,8 @@ def random_grid(n: int, seed: int) -> dict:
         shape = model_shape(cfg)
         leaf_bytes = 0
         if o["method"] == "lora" and o["checkpointing"]:
-            # the frozen embedding's output made a leaf by gradient checkpointing, and its .grad
+            # the frozen embedding's output made a leaf by gradient checkpointing, and
+            # its .grad
             item = 2 if o["precision"] == "bf16" else 4
             leaf_bytes = 2 * o["batch"] * o["seq"] * shape.hidden * item
         rows.append(
@@ -372,7 +386,8 @@ def random_report(res: dict) -> list[str]:
             + (f"/{o['optimizer_impl']}" if o["optimizer"] == "adamw" else ""),
             f"grad_accum={o['grad_accum']}",
             f"arch={m['arch']}",
-            f"GQA={'yes' if m['num_key_value_heads'] < m['num_attention_heads'] else 'no'}",
+            "GQA="
+            + ("yes" if m["num_key_value_heads"] < m["num_attention_heads"] else "no"),
             f"tied={'yes' if m['tie_word_embeddings'] else 'no'}",
             "q_dim≠hidden="
             + (
@@ -398,7 +413,8 @@ def random_report(res: dict) -> list[str]:
     ]
     for r in sorted(rows, key=lambda r: -abs(r["e_meas"]))[:5]:
         out.append(
-            f"| {r['id']} | {_model_label(r['model'])} | {_options_label(r['options'])} "
+            f"| {r['id']} | {_model_label(r['model'])} "
+            f"| {_options_label(r['options'])} "
             f"| {r['est'] - r['meas']:+,} | {r['e_meas']:+.4f}% | {r['peak_phase']} |"
         )
     out += ["", WORST_WHY, ""]
@@ -412,13 +428,15 @@ def random_report(res: dict) -> list[str]:
         "",
         "Every row (bytes):",
         "",
-        "| # | model | options | estimate | trainmem.measure | MemTracker | est. vs measure "
+        "| # | model | options | estimate | trainmem.measure | MemTracker "
+        "| est. vs measure "
         "| est. vs MemTracker | MemTracker vs measure | peak in |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
-            f"| {r['id']} | {_model_label(r['model'])} | {_options_label(r['options'])} "
+            f"| {r['id']} | {_model_label(r['model'])} "
+            f"| {_options_label(r['options'])} "
             f"| {r['est']:,} | {r['meas']:,} | {r['mt']:,} | {r['e_meas']:+.4f}% "
             f"| {r['e_mt']:+.4f}% | {r['mt_meas']:+.4f}% | {r['peak_phase']} |"
         )
@@ -426,8 +444,9 @@ def random_report(res: dict) -> list[str]:
 
 
 def timing_rows() -> list[str]:
-    # timing of the 7B fake measurement, each in a fresh process (FakeTensorMode caches shapes
-    # within a process, so a second run in the same process would look faster than it is)
+    # timing of the 7B fake measurement, each in a fresh process (FakeTensorMode caches
+    # shapes within a process, so a second run in the same process would look faster
+    # than it is)
     timing = {}
     for flag in ("", "--no-extrapolate"):
         cmd = [
@@ -463,79 +482,90 @@ def timing_rows() -> list[str]:
     ext_total = timing["extrapolate"]["total_bytes"]
     full_total = timing["--no-extrapolate"]["total_bytes"]
     return [
-        f"- 7B-shape fake-tensor measurement (full, bf16-amp, 1×512): {t_ext:.1f} s with per-layer "
-        f"extrapolation (2 and 3 layers, extended linearly), {t_full:.1f} s running all 32 layers; "
+        "- 7B-shape fake-tensor measurement (full, bf16-amp, 1×512): "
+        f"{t_ext:.1f} s with per-layer "
+        "extrapolation (2 and 3 layers, extended linearly), "
+        f"{t_full:.1f} s running all 32 layers; "
         f"same peak: {'yes' if ext_total == full_total else 'no'} "
         f"({ext_total:,} vs {full_total:,} bytes); each timed in a fresh process."
     ]
 
 
 WORST_WHY = """\
-Why the worst rows are off. The largest remaining gaps are in backward under fp16-amp with one
-key/value head, SDPA and gradient accumulation: the estimate is short by the size of two fp16
-`b × heads × s × head_dim` tensors plus 16 bytes. Both measurements agree on these rows, so the
-gap is in the replay; the tensors are not located yet (a suspect is a layout copy of SDPA's
-gradients with grouped-query attention). The next ones have their peak in the forward pass of
-small LoRA models, where a few hundred to a thousand bytes of transient tensors differ; the step's
-peak of any realistic size is elsewhere (backward or the optimizer step).
+Why the worst rows are off. The largest remaining gaps are in backward under fp16-amp
+with one key/value head, SDPA and gradient accumulation: the estimate is short by the
+size of two fp16 `b × heads × s × head_dim` tensors plus 16 bytes. Both measurements
+agree on these rows, so the gap is in the replay; the tensors are not located yet (a
+suspect is a layout copy of SDPA's gradients with grouped-query attention). The next
+ones have their peak in the forward pass of small LoRA models, where a few hundred to a
+thousand bytes of transient tensors differ; the step's peak of any realistic size is
+elsewhere (backward or the optimizer step).
 """
 
 
 RECONCILE = """\
 ## The two measurements, reconciled
 
-Both measurements are `TorchDispatchMode`s that add up `untyped_storage().nbytes()` of every live
-storage and keep the running maximum: the quantity the CUDA caching allocator reports as
-`torch.cuda.max_memory_allocated()` (the sum of the live blocks; on a GPU each block is also
-rounded up to a multiple of 512 bytes, which MemTracker applies to CUDA tensors only and neither
-applies on CPU). They were written independently (`trainmem.tracker.MemoryTracker`; torch's
-`torch.distributed._tools.mem_tracker.MemTracker`). Where they differed, one of them was measuring
-a different program from the plain training loop whose `max_memory_allocated` the estimate
-predicts; that side was fixed.
+Both measurements are `TorchDispatchMode`s that add up `untyped_storage().nbytes()` of
+every live storage and keep the running maximum: the quantity the CUDA caching allocator
+reports as `torch.cuda.max_memory_allocated()` (the sum of the live blocks; on a GPU
+each block is also rounded up to a multiple of 512 bytes, which MemTracker applies to
+CUDA tensors only and neither applies on CPU). They were written independently
+(`trainmem.tracker.MemoryTracker`; torch's
+`torch.distributed._tools.mem_tracker.MemTracker`). Where they differed, one of them was
+measuring a different program from the plain training loop whose `max_memory_allocated`
+the estimate predicts; that side was fixed.
 
-1. **LoRA + activation checkpointing: MemTracker was higher by 2·b·s·h·4 bytes per earlier forward.**
-   Reported case: h=192, i=512, 3 layers, 4 heads, tied, vocab 500, bf16-amp, SDPA, 2 × 128, LoRA
-   r=8 on q,v, checkpointing — MemTracker over two tracked steps 10,227,192 B, `trainmem.measure`
-   9,833,976 B; the difference, 393,216 B, is exactly 2 × (2·128·192·4). With a frozen embedding,
-   `gradient_checkpointing_enable()` makes the embedding output a leaf that requires grad
-   (`enable_input_require_grads`). MemTracker's `ModTracker` calls
-   `register_multi_grad_hook(inputs, fn)` (mode "all") on every module's inputs; that hook's
-   closure holds the `grad_fn`/`AccumulateGrad` node of each input and is itself stored on those
-   nodes — a reference cycle through C++ objects that `gc.collect()` cannot free. The nodes, the
-   leaf and its `.grad` (fp32 here) therefore outlive every forward under MemTracker: a leak of
-   2·b·s·h·4 bytes per micro-batch, visible in the next micro-batch or step. A plain loop frees
-   both at the end of backward, so the allocator of the real loop sees `trainmem.measure`'s
-   number: **MemTracker was the wrong side.** Fix (`trainmem.measure.measure_memtracker`): the
-   module hooks are registered in mode "any", which holds no node (they only tell MemTracker which
-   module backward is in, not how many bytes are live), and a fresh tracker watches step 2 only.
-   MemTracker also refuses to hook frozen parameters (`register_hook` raises); those are marked as
+1. **LoRA + activation checkpointing: MemTracker was higher by 2·b·s·h·4 bytes per
+   earlier forward.** Reported case: h=192, i=512, 3 layers, 4 heads, tied, vocab 500,
+   bf16-amp, SDPA, 2 × 128, LoRA r=8 on q,v, checkpointing — MemTracker over two tracked
+   steps 10,227,192 B, `trainmem.measure` 9,833,976 B; the difference, 393,216 B, is
+   exactly 2 × (2·128·192·4). With a frozen embedding, `gradient_checkpointing_enable()`
+   makes the embedding output a leaf that requires grad (`enable_input_require_grads`).
+   MemTracker's `ModTracker` calls `register_multi_grad_hook(inputs, fn)` (mode "all")
+   on every module's inputs; that hook's closure holds the `grad_fn`/`AccumulateGrad`
+   node of each input and is itself stored on those nodes — a reference cycle through
+   C++ objects that `gc.collect()` cannot free. The nodes, the leaf and its `.grad`
+   (fp32 here) therefore outlive every forward under MemTracker: a leak of 2·b·s·h·4
+   bytes per micro-batch, visible in the next micro-batch or step. A plain loop frees
+   both at the end of backward, so the allocator of the real loop sees
+   `trainmem.measure`'s number: **MemTracker was the wrong side.** Fix
+   (`trainmem.measure.measure_memtracker`): the module hooks are registered in mode
+   "any", which holds no node (they only tell MemTracker which module backward is in,
+   not how many bytes are live), and a fresh tracker watches step 2 only. MemTracker
+   also refuses to hook frozen parameters (`register_hook` raises); those are marked as
    hooked already. After the fix the two agree within a few bytes on every row.
-2. **fp16-amp: both measurements lacked the optimizer states at the peak.** GradScaler's initial
-   scale (2^16) overflows fp16 gradients of these tiny models, so it skipped `optimizer.step()` in
-   the warm-up step and the states were created only inside the measured step. That is a
-   measurement of the first steps of a run, not of the steady state the estimate describes; both
-   measurements now repeat warm-up steps until the optimizer holds its states.
-3. **What remains** (the "MemTracker vs measure" column): −8 bytes under fp16-amp — GradScaler's
-   `_scale` and `_growth_tracker` (4 bytes each) are created in step 1, which MemTracker does not
-   watch, and are not among the objects given to `track_external` — and 0 bytes elsewhere.
+2. **fp16-amp: both measurements lacked the optimizer states at the peak.** GradScaler's
+   initial scale (2^16) overflows fp16 gradients of these tiny models, so it skipped
+   `optimizer.step()` in the warm-up step and the states were created only inside the
+   measured step. That is a measurement of the first steps of a run, not of the steady
+   state the estimate describes; both measurements now repeat warm-up steps until the
+   optimizer holds its states.
+3. **What remains** (the "MemTracker vs measure" column): −8 bytes under fp16-amp —
+   GradScaler's `_scale` and `_growth_tracker` (4 bytes each) are created in step 1,
+   which MemTracker does not watch, and are not among the objects given to
+   `track_external` — and 0 bytes elsewhere.
 
-Where the estimate itself was wrong, the random grid showed it and the replay was corrected (each
-is now a unit test in `tests/test_estimate.py`):
+Where the estimate itself was wrong, the random grid showed it and the replay was
+corrected (each is now a unit test in `tests/test_estimate.py`):
 
-- `softmax(x, dtype=float32)` of 16-bit scores (eager attention) is two autograd nodes in ATen
-  (`x.to(float32)`, then `_softmax`), so the fp32 score gradient is converted back to 16 bit only
-  after `_softmax`'s saved output and incoming gradient are released: pure bf16, eager,
-  checkpointing, 4 × 256, h=256, 8 heads — +7.1 % before, 4 bytes now (fixed-grid row 9).
-- GQA with one key/value head: `repeat_kv` is then a view (stride 0), and `matmul` copies an
-  operand only when its batch and head dimensions cannot be merged by a view (batch > 1 for such
-  a view, or the projection's interleaved layout with batch > 1); the backward of `repeat_kv` sums
-  the expanded gradient back to the key/value heads (LoRA on k,v,o,… with 6/1 heads: +4.3 %
-  before).
-- `down_proj(act_fn(gate_proj(x)) * up_proj(x))`: silu's output exists while `up_proj` runs.
-- Non-reentrant checkpointing recomputes a layer when a saved tensor is first unpacked (its
-  backward nodes that saved nothing run before), and the recompute stops *before* the kernel of
-  its last node when that node saved only inputs (autograd packs saved inputs before the kernel
-  runs): LoRA on q,v,gate,up,down, pure bf16, checkpointing — −2.4 % before.
+- `softmax(x, dtype=float32)` of 16-bit scores (eager attention) is two autograd nodes
+  in ATen (`x.to(float32)`, then `_softmax`), so the fp32 score gradient is converted
+  back to 16 bit only after `_softmax`'s saved output and incoming gradient are
+  released: pure bf16, eager, checkpointing, 4 × 256, h=256, 8 heads — +7.1 % before, 4
+  bytes now (fixed-grid row 9).
+- GQA with one key/value head: `repeat_kv` is then a view (stride 0), and `matmul`
+  copies an operand only when its batch and head dimensions cannot be merged by a view
+  (batch > 1 for such a view, or the projection's interleaved layout with batch > 1);
+  the backward of `repeat_kv` sums the expanded gradient back to the key/value heads
+  (LoRA on k,v,o,… with 6/1 heads: +4.3 % before).
+- `down_proj(act_fn(gate_proj(x)) * up_proj(x))`: silu's output exists while `up_proj`
+  runs.
+- Non-reentrant checkpointing recomputes a layer when a saved tensor is first unpacked
+  (its backward nodes that saved nothing run before), and the recompute stops *before*
+  the kernel of its last node when that node saved only inputs (autograd packs saved
+  inputs before the kernel runs): LoRA on q,v,gate,up,down, pure bf16, checkpointing —
+  −2.4 % before.
 """
 
 
@@ -546,15 +576,21 @@ def run(cuda: bool = False, quick: bool = False, n: int = 120, seed: int = 16) -
     out = [
         "# Memory estimator vs measurement",
         "",
-        f"Generated by `python benchmarks/memory_accuracy.py` (torch {torch.__version__}, "
-        f"Python {platform.python_version()}, {torch.get_num_threads()} CPU threads). "
-        "Bytes per training step (2nd of two steps: forward, backward, optimizer step); "
-        "MiB = 2^20, GiB = 2^30 bytes. *measured* = `trainmem.measure` (tensor-level, real CPU "
+        "Generated by `python benchmarks/memory_accuracy.py` "
+        f"(torch {torch.__version__}, "
+        f"Python {platform.python_version()}, "
+        f"{torch.get_num_threads()} CPU threads). "
+        "Bytes per training step "
+        "(2nd of two steps: forward, backward, optimizer step); "
+        "MiB = 2^20, GiB = 2^30 bytes. *measured* = `trainmem.measure` "
+        "(tensor-level, real CPU "
         "tensors or FakeTensorMode); *MemTracker* = torch's "
         "`torch.distributed._tools.mem_tracker.MemTracker` on the same CPU step "
-        "(`trainmem.measure.measure_memtracker`). *act* = bytes held for backward at the end "
+        "(`trainmem.measure.measure_memtracker`). "
+        "*act* = bytes held for backward at the end "
         "of the forward pass. *AdamW* = torch's implementation (`--optimizer-impl`). "
-        "*accelerate rule* = `accelerate estimate-memory`'s training figure (16 B/param fp32, "
+        "*accelerate rule* = `accelerate estimate-memory`'s training figure "
+        "(16 B/param fp32, "
         "8 B/param mixed/half, no activations), over the whole model.",
         "",
         "## Fixed grid",

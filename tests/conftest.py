@@ -31,7 +31,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    """Tiny models run fastest on one thread (and do not fight other jobs for the cores)."""
+    """Tiny models run fastest on one thread (and do not fight other jobs for the
+    cores)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -1,9 +1,8 @@
 """``trainmem.estimate.accelerate_rule_bytes`` is accelerate's own training estimate.
 
-The accuracy benchmark and chapter 3 compare the estimator with the rule of
-``accelerate estimate-memory``; this test ties that rule to accelerate's code, so an upstream
-change shows up here rather than as a silently stale comparison.
-"""
+The accuracy benchmark and chapter 3 compare the estimator with the rule of ``accelerate
+estimate-memory``; this test ties that rule to accelerate's code, so an upstream change
+shows up here rather than as a silently stale comparison."""
 
 import pytest
 from accelerate.commands.estimate import estimate_training_usage

@@ -1,5 +1,5 @@
-"""trainmem.measure: tensor-level accounting is repeatable, fake tensors give the real numbers,
-and the per-layer extrapolation equals the full run."""
+"""trainmem.measure: tensor-level accounting is repeatable, fake tensors give the real
+numbers, and the per-layer extrapolation equals the full run."""
 
 import pytest
 
@@ -58,8 +58,9 @@ def test_unmeasurable_options_are_rejected():
 @pytest.mark.parametrize(
     "kw",
     [
-        # LoRA + checkpointing + accumulation: MemTracker's own module hooks used to keep the frozen
-        # embedding's output (a leaf that requires grad) and its .grad alive from micro-batch 1
+        # LoRA + checkpointing + accumulation: MemTracker's own module hooks used to
+        # keep the frozen embedding's output (a leaf that requires grad) and its .grad
+        # alive from micro-batch 1
         dict(
             method="lora",
             precision="bf16-amp",
@@ -67,7 +68,8 @@ def test_unmeasurable_options_are_rejected():
             grad_accum=2,
             optimizer_impl="for-loop",
         ),
-        # fp16-amp: the measured step is one where GradScaler really steps (optimizer states exist)
+        # fp16-amp: the measured step is one where GradScaler really steps (optimizer
+        # states exist)
         dict(method="full", precision="fp16-amp", optimizer_impl="fused"),
     ],
 )

@@ -73,8 +73,9 @@ def test_measure_fake_json(capsys):
     )
     out = json.loads(capsys.readouterr().out)
     assert set(out["breakdown"]) == KEYS
-    # independent oracles: torch counts the parameters (fp32 params and grads: 4 B each), and
-    # the analytic estimator replays the same step (equal up to AdamW's per-tensor step scalars)
+    # independent oracles: torch counts the parameters (fp32 params and grads: 4 B
+    # each), and the analytic estimator replays the same step (equal up to AdamW's
+    # per-tensor step scalars)
     from trainmem.estimate import estimate
     from trainmem.models import build_model, get_config
 
@@ -270,3 +271,19 @@ def test_hf_bad_input_one_line(setup, needle, tmp_path, capsys):
 def _write(path, text):
     path.write_text(text)
     return path
+
+
+def test_one_line_names_the_flag_from_the_option():
+    from trainmem.cli import _one_line
+    from trainmem.config import OptionError
+
+    assert (
+        _one_line(OptionError("lora_rank", "lora_rank must be ≥ 1, got 0"))
+        == "--lora-rank must be ≥ 1, got 0"
+    )
+    # the flag comes from .option, not from the text
+    assert (
+        _one_line(OptionError("training_args", "optim must be one of a, b"))
+        == "--training-args: optim must be one of a, b"
+    )
+    assert _one_line(ValueError("two\n  lines")) == "two lines"

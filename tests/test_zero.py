@@ -1,4 +1,5 @@
-"""Exact checks of trainmem.zero against the ZeRO paper's worked example and the formulas."""
+"""Exact checks of trainmem.zero against the ZeRO paper's worked example and the
+formulas."""
 
 import pytest
 
@@ -8,13 +9,15 @@ GB = 1e9
 
 
 def test_zero_paper_figure1_numbers():
-    # ZeRO paper, Figure 1: Ψ = 7.5B, N_d = 64, K = 12 → 120, 31.4, 16.6, 1.9 GB per GPU.
+    # ZeRO paper, Figure 1: Ψ = 7.5B, N_d = 64, K = 12 → 120, 31.4, 16.6, 1.9 GB per
+    # GPU.
     psi = 7_500_000_000
     got = [
         zero.per_gpu_memory(psi, s, 64).total / GB
         for s in ("dp", "zero1", "zero2", "zero3")
     ]
-    # The paper prints one decimal (120, 31.4, 16.6, 1.9): compare at the printed rounding.
+    # The paper prints one decimal (120, 31.4, 16.6, 1.9): compare at the printed
+    # rounding.
     assert [round(g, 1) for g in got] == [120.0, 31.4, 16.6, 1.9]
 
 
@@ -84,11 +87,12 @@ def test_fsdp_local_rows_follow_torch_chunk():
 
 
 def test_agrees_with_the_estimator_for_fp32_adamw():
-    """Cross-check with trainmem.estimate (independent code): fp32 AdamW = 4 + 4 + 8 bytes/param.
+    """Cross-check with trainmem.estimate (independent code): fp32 AdamW = 4 + 4 + 8
+    bytes/param.
 
-    ZeRO-0/1/2 agree to within AdamW's per-tensor ``step`` scalars (bytes, not per-parameter);
-    ZeRO-3 differs by the one gathered (unsharded) layer the estimator adds.
-    """
+    ZeRO-0/1/2 agree to within AdamW's per-tensor ``step`` scalars (bytes, not
+    per-parameter); ZeRO-3 differs by the one gathered (unsharded) layer the estimator
+    adds."""
     from trainmem import estimate
 
     for stage in (0, 1, 2, 3):

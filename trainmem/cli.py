@@ -1,10 +1,10 @@
-"""``python -m trainmem estimate|measure`` — training-memory estimate and measurement from the shell.
+"""``python -m trainmem estimate|measure|hf`` — training memory from the shell.
 
-Both print a table in GiB (2**30 bytes) and GB (10**9 bytes), or with ``--json`` one JSON object
-whose top level has ``total_bytes`` (the peak) and ``breakdown`` (``weights``, ``gradients``,
-``optimizer_states``, ``master_weights``, ``activations``, ``temporaries``; integer bytes).
-Bad input exits with status 2 and one line on stderr naming the argument and the allowed values.
-"""
+Both print a table in GiB (2**30 bytes) and GB (10**9 bytes), or with ``--json`` one
+JSON object whose top level has ``total_bytes`` (the peak) and ``breakdown``
+(``weights``, ``gradients``, ``optimizer_states``, ``master_weights``, ``activations``,
+``temporaries``; integer bytes). Bad input exits with status 2 and one line on stderr
+naming the argument and the allowed values."""
 
 from __future__ import annotations
 
@@ -18,27 +18,34 @@ from .models import preset_names
 _EPILOG = """\
 terms (bytes at the peak of one training step; they sum to total_bytes):
   weights           parameters and buffers the model holds (frozen ones too) and, under
-                    fp16-amp/bf16-amp, the low-precision weight copies autocast keeps for backward
+                    fp16-amp/bf16-amp, the low-precision weight copies autocast keeps
+                    for backward
   gradients         .grad of the trainable parameters
-  optimizer_states  AdamW exp_avg + exp_avg_sq (+ step), SGD momentum buffers, 8-bit states
-  master_weights    fp32 trainable parameters under fp16-amp/bf16-amp (torch AMP: the fp32
-                    parameters are the master copy)
+  optimizer_states  AdamW exp_avg + exp_avg_sq (+ step), SGD momentum buffers, 8-bit
+                    states
+  master_weights    fp32 trainable parameters under fp16-amp/bf16-amp (torch AMP: the
+                    fp32 parameters are the master copy)
   activations       tensors from the forward pass held for backward
   temporaries       everything else alive at the peak (gradients in flight, recomputed
                     activations under checkpointing, the optimizer's scratch tensors)
-  also reported: activation_bytes (held for backward at the end of the forward pass), the peak
-  of each phase, parameter counts.
+  also reported: activation_bytes (held for backward at the end of the forward pass),
+  the peak of each phase, parameter counts.
 
-conventions: 18 B/param = torch AMP (fp32 params 4 + bf16 copy 2 + fp32 grads 4 + Adam 8);
-16 B/param = ZeRO paper (fp16 params 2 + fp16 grads 2 + fp32 master 4 + Adam 8) or fp32 training.
+conventions: 18 B/param = torch AMP (fp32 params 4 + bf16 copy 2 + fp32 grads 4 +
+Adam 8); 16 B/param = ZeRO paper (fp16 params 2 + fp16 grads 2 + fp32 master 4 +
+Adam 8) or fp32 training.
 
 examples:
-  python -m trainmem estimate --model llama-7b --method lora --precision bf16-amp --batch 4 --seq 512
-  python -m trainmem estimate --model my_config.json --method full --checkpointing --zero 3 --gpus 8 --json
+  python -m trainmem estimate --model llama-7b --method lora --precision bf16-amp \\
+      --batch 4 --seq 512
+  python -m trainmem estimate --model my_config.json --method full --checkpointing \\
+      --zero 3 --gpus 8 --json
   python -m trainmem measure --model tiny --method lora --device cpu --batch 2 --seq 64
-  python -m trainmem measure --model llama-7b --method lora --device fake --batch 1 --seq 512
+  python -m trainmem measure --model llama-7b --method lora --device fake --batch 1 \\
+      --seq 512
   python -m trainmem estimate --model mistral-7b --optimizer-impl fused --checkpointing
-  python -m trainmem hf --model config.json --training-args args.json --peft-config adapter_config.json --seq 1024
+  python -m trainmem hf --model config.json --training-args args.json \\
+      --peft-config adapter_config.json --seq 1024
 """
 
 
@@ -90,8 +97,9 @@ def _add_common(p: argparse.ArgumentParser):
         "--precision",
         default="bf16-amp",
         choices=PRECISIONS,
-        help="fp32; fp16-amp / bf16-amp = torch.autocast over fp32 parameters (fp16 with "
-        "loss scaling); bf16 = pure bf16 parameters, grads and states; default bf16-amp",
+        help="fp32; fp16-amp / bf16-amp = torch.autocast over fp32 parameters (fp16 "
+        "with loss scaling); bf16 = pure bf16 parameters, grads and states; default "
+        "bf16-amp",
     )
     p.add_argument(
         "--optimizer",
@@ -142,8 +150,9 @@ def _add_common(p: argparse.ArgumentParser):
     p.add_argument(
         "--lora-targets",
         default="q_proj,v_proj",
-        help="comma-separated module names: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
-        "down_proj (gpt2: c_attn,attn.c_proj,c_fc,mlp.c_proj); default q_proj,v_proj",
+        help="comma-separated module names: q_proj,k_proj,v_proj,o_proj,gate_proj,"
+        "up_proj,down_proj (gpt2: c_attn,attn.c_proj,c_fc,mlp.c_proj); default "
+        "q_proj,v_proj",
     )
     p.add_argument(
         "--lora-dtype",
@@ -154,7 +163,8 @@ def _add_common(p: argparse.ArgumentParser):
     p.add_argument(
         "--checkpointing",
         action="store_true",
-        help="activation (gradient) checkpointing of every decoder layer (non-reentrant)",
+        help="activation (gradient) checkpointing of every decoder layer "
+        "(non-reentrant)",
     )
     p.add_argument(
         "--attn",
@@ -273,123 +283,95 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_json(flag: str, path: str | None):
-    """The dict in a JSON file named by a command-line flag (ValueError with one line)."""
+def _read_json(option: str, path: str | None):
+    """The dict in a JSON file named by a command-line flag (``None`` without one)."""
     if path is None:
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"{flag}: file {path!r} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(
-            f"{flag}: {path!r} is not valid JSON ({getattr(e, 'msg', e)})"
-        ) from None
-    if not isinstance(data, dict):
-        raise ValueError(
-            f"{flag}: {path!r} must hold a JSON object, got {type(data).__name__}"
-        )
-    return data
+    from .config import read_json_object
+
+    return read_json_object(path, option)
 
 
 def _run_hf(args):
     from .estimate import estimate_from_hf
 
-    model = args.model
-    if model.endswith(".json"):
-        from .models import load_config_file
-
-        raw = _read_json("--model", model)
-        quant = raw.get("quantization_config")
-        model = load_config_file(model)
-        if quant is not None:
-            model.quantization_config = quant
     return estimate_from_hf(
-        model,
-        _read_json("--training-args", args.training_args),
-        _read_json("--peft-config", args.peft_config),
+        args.model,
+        _read_json("training_args", args.training_args),
+        _read_json("peft_config", args.peft_config),
         seq=args.seq,
     )
 
 
 def _one_line(err: ValueError) -> str:
-    """The error as one line; an :class:`~trainmem.estimate.OptionError` names its flag."""
+    """The error as one line; an :class:`~trainmem.config.OptionError` names its flag
+    (``err.option``), other errors are shown as they are."""
+    from .config import OptionError
+
     msg = " ".join(str(err).split())
-    option = getattr(err, "option", None)
-    if option is None:
+    if not isinstance(err, OptionError):
         return msg
-    flag = "--" + option.replace("_", "-")
-    return flag + msg[len(option) :] if msg.startswith(option) else f"{flag}: {msg}"
+    flag = "--" + err.option.replace("_", "-")
+    if msg.startswith(err.option):
+        return flag + msg[len(err.option) :]
+    return f"{flag}: {msg}"
+
+
+def _step_config(args):
+    """The :class:`~trainmem.config.StepConfig` of the parsed ``estimate``/``measure``
+    arguments (``measure`` has no ZeRO and always double-quantizes nothing)."""
+    from .config import StepConfig
+
+    extra = {}
+    if args.command == "estimate":
+        extra = dict(
+            qlora_double_quant=not args.no_double_quant, zero=args.zero, gpus=args.gpus
+        )
+    return StepConfig(
+        method=args.method,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        optimizer_impl=args.optimizer_impl,
+        batch=args.batch,
+        seq=args.seq,
+        grad_accum=args.grad_accum,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_targets=args.lora_targets,
+        lora_dtype=args.lora_dtype,
+        checkpointing=args.checkpointing,
+        attn=args.attn,
+        **extra,
+    )
+
+
+def _run(args):
+    """The result of the ``estimate`` or ``measure`` command."""
+    step = _step_config(args)
+    if args.command == "estimate":
+        from .estimate import estimate_step
+
+        return estimate_step(args.model, step)
+    from .measure import measure_step
+
+    return measure_step(
+        args.model,
+        step,
+        device=args.device,
+        extrapolate=False if args.no_extrapolate else None,
+    )
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     prog = f"{parser.prog} {args.command}"
-    if args.command == "hf":
-        try:
-            res = _run_hf(args)
-        except ValueError as e:
-            sys.stderr.write(f"{prog}: error: {_one_line(e)}\n")
-            return 2
-        print(json.dumps(res.to_dict()) if args.json else res.table())
-        return 0
-    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-    common = dict(
-        method=args.method,
-        precision=args.precision,
-        optimizer=args.optimizer,
-        batch=args.batch,
-        seq=args.seq,
-        lora_rank=args.lora_rank,
-        lora_alpha=args.lora_alpha,
-        lora_targets=targets,
-        lora_dtype=args.lora_dtype,
-        checkpointing=args.checkpointing,
-        attn=args.attn,
-        grad_accum=args.grad_accum,
-        optimizer_impl=args.optimizer_impl,
-    )
     try:
-        if args.command == "estimate":
-            from .estimate import estimate
-
-            res = estimate(
-                args.model,
-                qlora_double_quant=not args.no_double_quant,
-                zero=args.zero,
-                gpus=args.gpus,
-                **common,
-            )
-        else:
-            from .estimate import check_options, resolve_config
-
-            check_options(
-                resolve_config(args.model),
-                zero=0,
-                gpus=1,
-                **{
-                    k: v
-                    for k, v in common.items()
-                    if k not in ("lora_alpha", "checkpointing")
-                },
-            )
-            from .measure import measure
-
-            res = measure(
-                args.model,
-                device=args.device,
-                extrapolate=False if args.no_extrapolate else None,
-                **common,
-            )
+        result = _run_hf(args) if args.command == "hf" else _run(args)
     except ValueError as e:
         sys.stderr.write(f"{prog}: error: {_one_line(e)}\n")
         return 2
-    if args.json:
-        print(json.dumps(res.to_dict()))
-    else:
-        print(res.table())
+    print(json.dumps(result.to_dict()) if args.json else result.table())
     return 0
 
 

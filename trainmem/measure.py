@@ -1,64 +1,84 @@
 """Measure the memory of one real training step, tensor by tensor.
 
-``measure(...)`` builds the model from its config (random weights, no downloads), runs the
-training step twice — forward, backward, optimizer step, ``zero_grad(set_to_none=True)`` — and
-reports the peak of the **second** step (the first one creates the optimizer states), with the
-storages alive at that peak split into the six categories of :mod:`trainmem.estimate`:
+``measure(...)`` builds the model from its config (random weights, no downloads), runs
+the training step twice — forward, backward, optimizer step,
+``zero_grad(set_to_none=True)`` — and reports the peak of the **second** step (the first
+one creates the optimizer states), with the storages alive at that peak split into the
+six categories of :mod:`trainmem.estimate`:
 
-=================  ===============================================================================
-weights            parameters and buffers the model holds (frozen ones included), plus the
-                   low-precision copies of parameters that ``torch.autocast`` makes (and autograd
-                   keeps for backward) under ``fp16-amp``/``bf16-amp``
+=================  =====================================================================
+weights            parameters and buffers the model holds (frozen ones included), plus
+                   the low-precision copies of parameters that ``torch.autocast`` makes
+                   (and autograd keeps for backward) under ``fp16-amp``/``bf16-amp``
 gradients          ``param.grad`` of the trainable parameters
-optimizer_states   everything in ``optimizer.state`` (AdamW ``exp_avg``, ``exp_avg_sq``, ``step``;
-                   SGD ``momentum_buffer``)
-master_weights     under ``fp16-amp``/``bf16-amp`` (autocast over fp32 parameters) the fp32
-                   trainable parameters are the master copy: they are counted here, not in weights
-activations        tensors allocated during the forward pass that are still alive (held by
-                   autograd for backward, incl. ``input_ids``/labels and the layer inputs that
-                   activation checkpointing keeps)
-temporaries        everything else alive at the peak: gradients flowing through backward, tensors
-                   recomputed by checkpointing, the optimizer's scratch tensors, ...
-=================  ===============================================================================
+optimizer_states   everything in ``optimizer.state`` (AdamW ``exp_avg``, ``exp_avg_sq``,
+                   ``step``; SGD ``momentum_buffer``)
+master_weights     under ``fp16-amp``/``bf16-amp`` (autocast over fp32 parameters) the
+                   fp32 trainable parameters are the master copy: they are counted here,
+                   not in weights
+activations        tensors allocated during the forward pass that are still alive (held
+                   by autograd for backward, incl. ``input_ids``/labels and the layer
+                   inputs that activation checkpointing keeps)
+temporaries        everything else alive at the peak: gradients flowing through
+                   backward, tensors recomputed by checkpointing, the optimizer's
+                   scratch tensors, ...
+=================  =====================================================================
 
-All sizes are in **bytes** (sum of ``untyped_storage().nbytes()``, each storage counted once).
+All sizes are in **bytes** (sum of ``untyped_storage().nbytes()``, each storage counted
+once).
 
 Devices:
 
 * ``"cpu"`` — real tensors; exact and repeatable (the CPU allocator does not round).
-* ``"fake"`` — the same step under ``torch._subclasses.fake_tensor.FakeTensorMode``: shapes and
-  dtypes are propagated but nothing is allocated, so a 7B- or 13B-shaped model is measured on a
-  laptop.  With ``extrapolate=True`` (default for ``"fake"`` when the model has more than 3
-  layers) the step is measured with 2 and 3 decoder layers and every per-phase, per-category
-  number is extended linearly to the real layer count.  This is exact whenever each phase's peak
-  sits at the same place relative to the top of the network (true for decoder-only stacks of
-  identical layers; the tests check it against the full run on small models) and is reported as
-  ``extrapolated_from_layers`` in the result.
-* ``"cuda"`` — real tensors on a GPU; additionally reports ``torch.cuda.max_memory_allocated``,
-  ``max_memory_reserved`` and the device's used memory (``torch.cuda.mem_get_info``), whose gap to
-  ``reserved`` is the CUDA context plus other processes.
+* ``"fake"`` — the same step under ``torch._subclasses.fake_tensor.FakeTensorMode``:
+  shapes and dtypes are propagated but nothing is allocated, so a 7B- or 13B-shaped
+  model is measured on a laptop.  With ``extrapolate=True`` (default for ``"fake"`` when
+  the model has more than 3 layers) the step is measured with 2 and 3 decoder layers and
+  every per-phase, per-category number is extended linearly to the real layer count.
+  This is exact whenever each phase's peak sits at the same place relative to the top of
+  the network (true for decoder-only stacks of identical layers; the tests check it
+  against the full run on small models) and is reported as ``extrapolated_from_layers``
+  in the result.
+* ``"cuda"`` — real tensors on a GPU; additionally reports
+  ``torch.cuda.max_memory_allocated``, ``max_memory_reserved`` and the device's used
+  memory (``torch.cuda.mem_get_info``), whose gap to ``reserved`` is the CUDA context
+  plus other processes.
 
-The optimizer's implementation is chosen explicitly (``optimizer_impl``: ``"foreach"`` by default,
-which is what a plain ``torch.optim.AdamW(params)`` runs on CUDA; ``"fused"``, which Hugging Face
-Trainer's default ``optim="adamw_torch_fused"`` runs; ``"for-loop"``) and is the same on every
-device, so the scratch memory of the step is the one a GPU run has.  ``adamw8bit`` and ``qlora`` need ``bitsandbytes`` and a
-CUDA device and are estimated only.
-"""
+The optimizer's implementation is chosen explicitly (``optimizer_impl``: ``"foreach"``
+by default, which is what a plain ``torch.optim.AdamW(params)`` runs on CUDA;
+``"fused"``, which Hugging Face Trainer's default ``optim="adamw_torch_fused"`` runs;
+``"for-loop"``) and is the same on every device, so the scratch memory of the step is
+the one a GPU run has.  ``adamw8bit`` and ``qlora`` need ``bitsandbytes`` and a CUDA
+device and are estimated only."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .estimate import CATEGORIES, OptionError, check_options, resolve_config
-from .models import build_model
+from .config import CATEGORIES, OptionError, StepConfig, load_model_config, model_shape
 from .tracker import MemoryTracker
+from .training_setup import (
+    build_training_setup,
+    make_optimizer,
+    real_mask_decisions,
+    to_fake,
+    until_states_exist,
+)
 
-__all__ = ["measure", "Measurement", "build_training_setup"]
+__all__ = [
+    "measure",
+    "measure_step",
+    "measure_memtracker",
+    "Measurement",
+    "build_training_setup",
+    "make_optimizer",
+]
 
 
 @dataclass
@@ -116,364 +136,239 @@ class Measurement:
         return format_table(title, rows, self.total_bytes, extra)
 
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+class _TrackedTraining:
+    """The training loop of :func:`measure` with a :class:`MemoryTracker` attached.
 
+    ``run(track)`` is one optimizer step (``grad_accum`` forwards and backwards, the
+    optimizer step, ``zero_grad(set_to_none=True)``), setting the tracker's phase as it
+    goes; with ``track`` it records in ``marks`` the event at the end of the forward
+    pass, the gradients and the optimizer states."""
 
-def build_training_setup(
-    cfg,
-    *,
-    method="full",
-    precision="fp32",
-    optimizer="adamw",
-    lora_rank=8,
-    lora_alpha=16,
-    lora_targets=("q_proj", "v_proj"),
-    lora_dtype=None,
-    checkpointing=False,
-    attn="sdpa",
-    device="cpu",
-    lr=1e-4,
-    optimizer_impl="foreach",
-):
-    """Model (train mode) and optimizer exactly as :func:`measure` runs them."""
-    model = build_model(cfg, device=device, attn_implementation=attn)
-    if precision == "bf16":
-        model = model.to(torch.bfloat16)
-    if method == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        lcfg = LoraConfig(
-            r=lora_rank,
-            lora_alpha=lora_alpha,
-            target_modules=list(lora_targets),
-            lora_dropout=0.0,
-            bias="none",
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, lcfg)
-        if lora_dtype is not None:
-            dt = _DTYPES[lora_dtype]
-            for n, p in model.named_parameters():
-                if "lora_" in n:
-                    p.data = p.data.to(dt)
-    if checkpointing:
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False}
-        )
-    model.train()
-    return model, make_optimizer(model, optimizer, lr, optimizer_impl)
-
-
-@contextlib.contextmanager
-def _real_mask_decisions(active: bool):
-    """transformers treats fake tensors as "tracing" and then materialises the causal mask that
-    a real run skips (SDPA ``is_causal``). Make the fake run take the real run's decisions."""
-    if not active:
-        yield
-        return
-    from transformers import masking_utils
-
-    orig = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
-    if orig is None:  # pragma: no cover - other transformers versions
-        yield
-        return
-
-    def ignore(padding_mask, q_length, kv_length, *args, **kwargs):
-        local = kwargs.get("local_attention_size", args[2] if len(args) > 2 else None)
-        if (
-            padding_mask is None
-            and q_length == kv_length
-            and (local is None or kv_length < local)
-        ):
-            return True  # what the real (non-fake) run decides
-        return orig(padding_mask, q_length, kv_length, *args, **kwargs)
-
-    orig_packed = getattr(masking_utils, "find_packed_sequence_indices", None)
-    masking_utils._ignore_causal_mask_sdpa = ignore
-    if orig_packed is not None:  # our position ids are a plain arange: never packed
-        masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking_utils._ignore_causal_mask_sdpa = orig
-        if orig_packed is not None:
-            masking_utils.find_packed_sequence_indices = orig_packed
-
-
-def _to_fake(model, mode):
-    """Replace the (meta) parameters and buffers of ``model`` by fake CPU tensors."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    def fake_of(t):
-        return FakeTensor(
-            mode,
-            torch.empty(t.shape, dtype=t.dtype, device="meta"),
-            torch.device("cpu"),
-        )
-
-    for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None:
-                mod._parameters[name] = torch.nn.Parameter(
-                    fake_of(p), requires_grad=p.requires_grad
-                )
-        for name, b in list(mod._buffers.items()):
-            if b is not None:
-                mod._buffers[name] = fake_of(b)
-
-
-def _impl_flags(optimizer_impl: str) -> dict:
-    """torch.optim keyword arguments that select one implementation explicitly."""
-    if optimizer_impl == "fused":
-        return {"fused": True}
-    return {"foreach": optimizer_impl == "foreach"}
-
-
-def make_optimizer(
-    model, optimizer: str, lr: float = 1e-4, optimizer_impl: str = "foreach"
-):
-    """The optimizer :func:`measure` uses, over the trainable parameters, with the implementation
-    chosen explicitly (``foreach``, ``fused`` or ``for-loop``: the same on every device, so the
-    CPU measurement holds the scratch memory a GPU run holds)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    flags = _impl_flags(optimizer_impl)
-    if optimizer == "adamw":
-        opt = torch.optim.AdamW(params, lr=lr, **flags)
-    elif optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=lr, momentum=0.0, **flags)
-    elif optimizer == "sgd-momentum":
-        opt = torch.optim.SGD(params, lr=lr, momentum=0.9, **flags)
-    else:
-        raise OptionError(
-            "optimizer",
-            f"optimizer {optimizer!r} cannot be measured here (needs bitsandbytes on CUDA); "
-            "allowed for measure: adamw, sgd, sgd-momentum",
-        )
-    return opt
-
-
-def _one_run(
-    cfg,
-    *,
-    device,
-    method,
-    precision,
-    optimizer,
-    batch,
-    seq,
-    grad_accum,
-    lora_rank,
-    lora_alpha,
-    lora_targets,
-    lora_dtype,
-    checkpointing,
-    attn,
-    seed=0,
-    optimizer_impl="foreach",
-):
-    """Run two steps, track the second one. Returns a dict of raw numbers."""
-    fake = device == "fake"
-    real_device = "cuda" if device == "cuda" else "cpu"
-    outer = contextlib.nullcontext()
-    if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        outer = FakeTensorMode(allow_non_fake_inputs=True)
-    torch.manual_seed(seed)
-    if fake:
-        # Build on the meta device (no memory), then turn every parameter and buffer into a
-        # fake CPU tensor, so autocast and the CPU kernels' shape rules apply.
-        model, _ = build_training_setup(
-            cfg,
-            method=method,
-            precision=precision,
-            optimizer="sgd",
-            lora_rank=lora_rank,
-            lora_alpha=lora_alpha,
-            lora_targets=lora_targets,
-            lora_dtype=lora_dtype,
-            checkpointing=checkpointing,
-            attn=attn,
-            device="meta",
-        )
-    with outer, _real_mask_decisions(fake):
-        if fake:
-            _to_fake(model, outer)
-            opt = make_optimizer(model, optimizer, optimizer_impl=optimizer_impl)
-        else:
-            model, opt = build_training_setup(
-                cfg,
-                method=method,
-                precision=precision,
-                optimizer=optimizer,
-                lora_rank=lora_rank,
-                lora_alpha=lora_alpha,
-                lora_targets=lora_targets,
-                lora_dtype=lora_dtype,
-                checkpointing=checkpointing,
-                attn=attn,
-                device=real_device,
-                optimizer_impl=optimizer_impl,
-            )
-        vocab = cfg.vocab_size
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        if fake:
-            x = torch.zeros(batch, seq, dtype=torch.long, device=real_device)
-        else:
-            x = torch.randint(0, vocab, (batch, seq), generator=g).to(real_device)
-        y = x.clone()
-        amp = precision in ("fp16-amp", "bf16-amp")
-        amp_dtype = torch.float16 if precision == "fp16-amp" else torch.bfloat16
-        scaler = None
-        scale = 2.0**16
-        if precision == "fp16-amp" and not fake:
-            scaler = torch.amp.GradScaler(real_device, init_scale=scale)
-
-        tracker = MemoryTracker()
-        trainable = [p for p in model.parameters() if p.requires_grad]
+    def __init__(self, model, opt, inputs, step: StepConfig, device: str, fake: bool):
+        self.model, self.opt, self.step = model, opt, step
+        self.inputs, self.labels = inputs, inputs.clone()
+        self.device = "cuda" if device == "cuda" else "cpu"
+        self.amp = step.precision in ("fp16-amp", "bf16-amp")
+        fp16 = step.precision == "fp16-amp"
+        self.amp_dtype = torch.float16 if fp16 else torch.bfloat16
+        self.loss_scale = 2.0**16
+        self.scaler = None
+        if fp16 and not fake:
+            self.scaler = torch.amp.GradScaler(self.device, init_scale=self.loss_scale)
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.marks: dict[str, Any] = {}
+        tracker = self.tracker = MemoryTracker()
         for t in list(model.parameters()) + list(model.buffers()):
             tracker.register(t)
         tracker.set_phase("forward")  # the batch is held for backward (embedding, loss)
-        tracker.register(x)
-        tracker.register(y)
+        tracker.register(self.inputs)
+        tracker.register(self.labels)
         tracker.set_phase("pre")
         tracker.param_storages = {id(p.untyped_storage()) for p in model.parameters()}
-        marks: dict[str, int] = {}
 
-        def step(track: bool):
-            for _ in range(grad_accum):
-                tracker.set_phase("forward")
-                ctx = (
-                    torch.autocast(real_device, dtype=amp_dtype)
-                    if amp
-                    else contextlib.nullcontext()
-                )
-                with ctx:
-                    loss = model(input_ids=x, labels=y, use_cache=False).loss
-                if grad_accum > 1:
-                    loss = loss / grad_accum
-                if track:
-                    marks["forward_end"] = tracker.event
-                tracker.set_phase("backward")
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                elif (
-                    precision == "fp16-amp"
-                ):  # fake mode: the scaler's arithmetic, no .item()
-                    (loss * scale).backward()
-                else:
-                    loss.backward()
-                del loss
-            if track:
-                marks["grads"] = [
-                    tracker.record_of(p.grad) for p in trainable if p.grad is not None
-                ]
-            tracker.set_phase("optimizer")
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                if precision == "fp16-amp":
-                    torch._foreach_mul_(
-                        [p.grad for p in trainable if p.grad is not None], 1.0 / scale
-                    )
-                opt.step()
-            if track:
-                marks["states"] = [
-                    tracker.record_of(t)
-                    for st in opt.state.values()
-                    for t in st.values()
-                    if isinstance(t, torch.Tensor)
-                ]
-            opt.zero_grad(set_to_none=True)
-            tracker.set_phase("idle")
+    def _forward_backward(self, track: bool) -> None:
+        tracker, step = self.tracker, self.step
+        tracker.set_phase("forward")
+        autocast = (
+            torch.autocast(self.device, dtype=self.amp_dtype)
+            if self.amp
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            loss = self.model(
+                input_ids=self.inputs, labels=self.labels, use_cache=False
+            ).loss
+        if step.grad_accum > 1:
+            loss = loss / step.grad_accum
+        if track:
+            self.marks["forward_end"] = tracker.event
+        tracker.set_phase("backward")
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        elif (
+            step.precision == "fp16-amp"
+        ):  # fake mode: the scaler's arithmetic, no .item()
+            (loss * self.loss_scale).backward()
+        else:
+            loss.backward()
+        del loss
 
+    def run(self, track: bool) -> None:
+        tracker, opt = self.tracker, self.opt
+        for _ in range(self.step.grad_accum):
+            self._forward_backward(track)
+        if track:
+            self.marks["grads"] = [
+                tracker.record_of(p.grad) for p in self.trainable if p.grad is not None
+            ]
+        tracker.set_phase("optimizer")
+        if self.scaler is not None:
+            self.scaler.step(opt)
+            self.scaler.update()
+        else:
+            if self.step.precision == "fp16-amp":
+                grads = [p.grad for p in self.trainable if p.grad is not None]
+                torch._foreach_mul_(grads, 1.0 / self.loss_scale)
+            opt.step()
+        if track:
+            self.marks["states"] = [
+                tracker.record_of(t)
+                for state in opt.state.values()
+                for t in state.values()
+                if isinstance(t, torch.Tensor)
+            ]
+        opt.zero_grad(set_to_none=True)
+        tracker.set_phase("idle")
+
+    def measure_second_step(self, device: str) -> dict[str, int] | None:
+        """Warm up (until the optimizer holds its states), then track one step; returns
+        the CUDA allocator's statistics on ``"cuda"``, else ``None``."""
         if device == "cuda":
             torch.cuda.synchronize()
-        with tracker:
-            step(track=False)
-            _until_states_exist(step, opt, track=False)
+        with self.tracker:
+            self.run(track=False)
+            until_states_exist(self.run, self.opt, track=False)
             if device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            tracker.reset_peak()
-            step(track=True)
-        cuda_stats = None
-        if device == "cuda":
-            torch.cuda.synchronize()
-            free, total = torch.cuda.mem_get_info()
-            cuda_stats = {
-                "max_memory_allocated": int(torch.cuda.max_memory_allocated()),
-                "max_memory_reserved": int(torch.cuda.max_memory_reserved()),
-                "device_used": int(total - free),
-            }
+            self.tracker.reset_peak()
+            self.run(track=True)
+        if device != "cuda":
+            return None
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return {
+            "max_memory_allocated": int(torch.cuda.max_memory_allocated()),
+            "max_memory_reserved": int(torch.cuda.max_memory_reserved()),
+            "device_used": int(total - free),
+        }
 
-        # ---- classify the storages alive at each event of interest ----
+    def collect(self) -> dict:
+        """The storages alive at the peak and at the end of the forward pass, by
+        category, and the peak of each phase."""
+        tracker, model, marks = self.tracker, self.model, self.marks
         weight_ids = {
             id(tracker.record_of(t))
             for t in list(model.parameters()) + list(model.buffers())
         }
         master_ids = set()
-        if amp:
+        if self.amp:
             master_ids = {
-                id(tracker.record_of(p)) for p in trainable if p.dtype == torch.float32
+                id(tracker.record_of(p))
+                for p in self.trainable
+                if p.dtype == torch.float32
             }
             weight_ids -= master_ids
         grad_ids = {id(r) for r in marks["grads"] if r is not None}
         state_ids = {id(r) for r in marks["states"] if r is not None}
 
-        def category(rec) -> str:
-            i = id(rec)
-            if i in master_ids:
+        def category(record) -> str:
+            key = id(record)
+            if key in master_ids:
                 return "master_weights"
-            if i in weight_ids or rec.cast_of_param:
+            if key in weight_ids or record.cast_of_param:
                 return "weights"
-            if i in grad_ids:
+            if key in grad_ids:
                 return "gradients"
-            if i in state_ids:
+            if key in state_ids:
                 return "optimizer_states"
-            if rec.phase == "forward":
+            if record.phase == "forward":
                 return "activations"
             return "temporaries"
 
-        def at(event: int) -> dict[str, int]:
+        def alive_at(event: int) -> dict[str, int]:
             out = dict.fromkeys(CATEGORIES, 0)
-            for rec in tracker.records:
-                if rec.alloc <= event and (rec.free is None or rec.free > event):
-                    out[category(rec)] += rec.nbytes
+            for record in tracker.records:
+                if record.alloc <= event and (
+                    record.free is None or record.free > event
+                ):
+                    out[category(record)] += record.nbytes
             return out
 
-        peak_bd = at(tracker.peak_event)
-        fwd_end = at(marks["forward_end"])
         # Which phase holds the peak: the phase whose own peak equals the global peak.
         phase_peaks = {
             k: v
             for k, v in tracker.phase_peaks.items()
             if k in ("forward", "backward", "optimizer")
         }
-        peak_phase = max(phase_peaks, key=lambda k: (phase_peaks[k], k))
-        n_params = sum(p.numel() for p in model.parameters())
-        n_trainable = sum(p.numel() for p in trainable)
-        res = dict(
+        return dict(
             total=tracker.peak,
-            breakdown=peak_bd,
-            activations=fwd_end["activations"],
+            breakdown=alive_at(tracker.peak_event),
+            activations=alive_at(marks["forward_end"])["activations"],
             phase_peaks=phase_peaks,
-            peak_phase=peak_phase,
-            n_params=n_params,
-            n_trainable=n_trainable,
-            cuda=cuda_stats,
+            peak_phase=max(phase_peaks, key=lambda k: (phase_peaks[k], k)),
+            n_params=sum(p.numel() for p in model.parameters()),
+            n_trainable=sum(p.numel() for p in self.trainable),
         )
-        model = opt = tracker = None  # free the step's tensors before the next run
-        return res
 
 
-def _n_layers_field(cfg) -> str:
-    return (
-        "n_layer"
-        if hasattr(cfg, "n_layer") and not hasattr(cfg, "num_hidden_layers")
-        else "num_hidden_layers"
-    )
+def _one_run(config, step: StepConfig, *, device: str, seed: int = 0) -> dict:
+    """Run two steps, track the second one. Returns a dict of raw numbers."""
+    fake = device == "fake"
+    real_device = "cuda" if device == "cuda" else "cpu"
+    fake_mode = None
+    torch.manual_seed(seed)
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        # Build on the meta device (no memory), then turn every parameter and buffer
+        # into a fake CPU tensor, so autocast and the CPU kernels' shape rules apply.
+        meta_step = dataclasses.replace(step, optimizer="sgd", optimizer_impl="foreach")
+        model, _ = build_training_setup(config, meta_step, device="meta")
+    with fake_mode or contextlib.nullcontext(), real_mask_decisions(fake):
+        if fake:
+            to_fake(model, fake_mode)
+            opt = make_optimizer(
+                model, step.optimizer, optimizer_impl=step.optimizer_impl
+            )
+        else:
+            model, opt = build_training_setup(config, step, device=real_device)
+        shape = (step.batch, step.seq)
+        if fake:
+            inputs = torch.zeros(shape, dtype=torch.long, device=real_device)
+        else:
+            generator = torch.Generator(device="cpu").manual_seed(seed)
+            inputs = torch.randint(0, config.vocab_size, shape, generator=generator)
+            inputs = inputs.to(real_device)
+        training = _TrackedTraining(model, opt, inputs, step, device, fake)
+        cuda_stats = training.measure_second_step(device)
+        result = training.collect()
+        result["cuda"] = cuda_stats
+        model = opt = training = None  # free the step's tensors before the next run
+        return result
+
+
+def _n_layers_field(config) -> str:
+    if hasattr(config, "n_layer") and not hasattr(config, "num_hidden_layers"):
+        return "n_layer"
+    return "num_hidden_layers"
+
+
+def _check_device(device: str) -> None:
+    if device not in ("cpu", "fake", "cuda"):
+        raise OptionError(
+            "device", f"device must be one of cpu, fake, cuda, got {device!r}"
+        )
+    if device == "cuda" and not torch.cuda.is_available():
+        raise OptionError(
+            "device",
+            "device 'cuda' requested but torch.cuda.is_available() is False; allowed: "
+            "cpu, fake",
+        )
+
+
+def _measurable_config(model: Any, step: StepConfig):
+    """The model config of ``model``, once ``step`` is known to be measurable here."""
+    config = load_model_config(model)
+    step.check_model(model_shape(config))
+    if step.method == "qlora":
+        raise OptionError(
+            "method",
+            "method 'qlora' cannot be measured here (needs bitsandbytes on CUDA); "
+            "allowed for measure: full, lora",
+        )
+    return config
 
 
 def measure(
@@ -496,311 +391,141 @@ def measure(
     seed: int = 0,
     optimizer_impl: str = "foreach",
 ) -> Measurement:
-    """Measure one training step of ``model`` (preset name, config .json path, or HF config).
+    """Measure one training step of ``model`` (preset name, config .json path, or HF
+    config): builds a :class:`~trainmem.config.StepConfig` of the options and runs
+    :func:`measure_step`.
 
-    Returns a :class:`Measurement` (bytes). See the module docstring for the categories and the
-    devices (``"cpu"``, ``"fake"``, ``"cuda"``). ``extrapolate`` (fake device only) measures 2 and
-    3 layers and extends linearly; ``None`` means "when the model has more than 3 layers".
-    ``optimizer_impl`` (``"foreach"``, ``"fused"``, ``"for-loop"``) selects torch's AdamW/SGD
-    implementation explicitly (see :data:`trainmem.estimate.OPTIMIZER_IMPLS`).
-    """
-    if device not in ("cpu", "fake", "cuda"):
-        raise OptionError(
-            "device", f"device must be one of cpu, fake, cuda, got {device!r}"
-        )
-    if device == "cuda" and not torch.cuda.is_available():
-        raise OptionError(
-            "device",
-            "device 'cuda' requested but torch.cuda.is_available() is False; allowed: cpu, fake",
-        )
-    cfg = resolve_config(model)
-    check_options(
-        cfg,
+    Returns a :class:`Measurement` (bytes). See the module docstring for the categories
+    and the devices (``"cpu"``, ``"fake"``, ``"cuda"``). ``extrapolate`` (fake device
+    only) measures 2 and 3 layers and extends linearly; ``None`` means "when the model
+    has more than 3 layers". ``optimizer_impl`` (``"foreach"``, ``"fused"``,
+    ``"for-loop"``) selects torch's AdamW/SGD implementation explicitly (see
+    :data:`trainmem.config.OPTIMIZER_IMPLS`)."""
+    _check_device(device)
+    step = StepConfig(
         method=method,
         precision=precision,
         optimizer=optimizer,
-        batch=batch,
-        seq=seq,
-        lora_rank=lora_rank,
-        lora_targets=lora_targets,
-        attn=attn,
-        grad_accum=grad_accum,
-        zero=0,
-        gpus=1,
-        lora_dtype=lora_dtype,
         optimizer_impl=optimizer_impl,
-    )
-    if method == "qlora":
-        raise OptionError(
-            "method",
-            "method 'qlora' cannot be measured here (needs bitsandbytes on CUDA); "
-            "allowed for measure: full, lora",
-        )
-    kw = dict(
-        method=method,
-        precision=precision,
-        optimizer=optimizer,
         batch=batch,
         seq=seq,
         grad_accum=grad_accum,
         lora_rank=lora_rank,
         lora_alpha=lora_alpha,
-        lora_targets=tuple(lora_targets),
+        lora_targets=lora_targets,
         lora_dtype=lora_dtype,
         checkpointing=checkpointing,
         attn=attn,
-        seed=seed,
-        optimizer_impl=optimizer_impl,
     )
-    options = dict(kw, device=device)
-    options["lora_targets"] = list(kw["lora_targets"])
-    options["model"] = getattr(cfg, "name_or_path", None) or "config"
-    lf = _n_layers_field(cfg)
-    n_layers = getattr(cfg, lf)
+    return measure_step(model, step, device=device, extrapolate=extrapolate, seed=seed)
+
+
+def _options_record(config, step: StepConfig, device: str, seed: int) -> dict:
+    """The options of a measurement as its result reports them (``.options``)."""
+    return dict(
+        method=step.method,
+        precision=step.precision,
+        optimizer=step.optimizer,
+        batch=step.batch,
+        seq=step.seq,
+        grad_accum=step.grad_accum,
+        lora_rank=step.lora_rank,
+        lora_alpha=step.lora_alpha,
+        lora_targets=list(step.lora_targets),
+        lora_dtype=step.lora_dtype,
+        checkpointing=step.checkpointing,
+        attn=step.attn,
+        seed=seed,
+        optimizer_impl=step.optimizer_impl,
+        device=device,
+        model=getattr(config, "name_or_path", None) or "config",
+    )
+
+
+def _from_run(run: dict, device: str, started: float, options: dict) -> Measurement:
+    return Measurement(
+        run["total"],
+        run["breakdown"],
+        run["activations"],
+        run["phase_peaks"],
+        run["peak_phase"],
+        run["n_params"],
+        run["n_trainable"],
+        device,
+        time.perf_counter() - started,
+        None,
+        run["cuda"],
+        options,
+    )
+
+
+def measure_step(
+    model: Any,
+    step: StepConfig,
+    *,
+    device: str = "cpu",
+    extrapolate: bool | None = None,
+    seed: int = 0,
+) -> Measurement:
+    """:func:`measure` with the options of the step given as a
+    :class:`~trainmem.config.StepConfig` (its ``zero``, ``gpus`` and
+    ``qlora_double_quant`` do not apply: one device, no quantization)."""
+    _check_device(device)
+    if step.zero != 0 or step.gpus != 1:
+        raise OptionError("zero", "zero must be 0 and gpus 1 for a measurement")
+    config = _measurable_config(model, step)
+    options = _options_record(config, step, device, seed)
+    layers_field = _n_layers_field(config)
+    n_layers = getattr(config, layers_field)
     if extrapolate is None:
         extrapolate = device == "fake" and n_layers > 3
     if extrapolate and n_layers <= 3:
         extrapolate = False
-    t0 = time.perf_counter()
+    started = time.perf_counter()
     if not extrapolate:
-        r = _one_run(cfg, device=device, **kw)
-        return Measurement(
-            r["total"],
-            r["breakdown"],
-            r["activations"],
-            r["phase_peaks"],
-            r["peak_phase"],
-            r["n_params"],
-            r["n_trainable"],
-            device,
-            time.perf_counter() - t0,
-            None,
-            r["cuda"],
-            options,
-        )
+        run = _one_run(config, step, device=device, seed=seed)
+        return _from_run(run, device, started, options)
     runs = {}
-    for L in (2, 3):
-        c = cfg.__class__.from_dict(cfg.to_dict())
-        setattr(c, lf, L)
-        runs[L] = _one_run(c, device=device, **kw)
-    a, b = runs[2], runs[3]
+    for layers in (2, 3):
+        shallow = config.__class__.from_dict(config.to_dict())
+        setattr(shallow, layers_field, layers)
+        runs[layers] = _one_run(shallow, step, device=device, seed=seed)
+    two, three = runs[2], runs[3]
 
-    def ext(v2, v3):
-        return int(v2 + (v3 - v2) * (n_layers - 2))
+    def extend(at_two, at_three):
+        return int(at_two + (at_three - at_two) * (n_layers - 2))
 
-    # Each phase's peak is affine in the layer count; the step's peak is the largest of them.
+    # Each phase's peak is affine in the layer count; the step's peak is the largest.
     phase_peaks = {
-        k: ext(a["phase_peaks"][k], b["phase_peaks"][k]) for k in a["phase_peaks"]
+        k: extend(two["phase_peaks"][k], three["phase_peaks"][k])
+        for k in two["phase_peaks"]
     }
     peak_phase = max(phase_peaks, key=lambda k: (phase_peaks[k], k))
-    if a["peak_phase"] == b["peak_phase"] == peak_phase:
-        breakdown = {k: ext(a["breakdown"][k], b["breakdown"][k]) for k in CATEGORIES}
-    else:  # the peak moves to another phase at full depth: re-measure that phase's breakdown
-        breakdown = None
+    breakdown = None  # when the peak moves to another phase at full depth
+    if two["peak_phase"] == three["peak_phase"] == peak_phase:
+        breakdown = {
+            k: extend(two["breakdown"][k], three["breakdown"][k]) for k in CATEGORIES
+        }
     total = phase_peaks[peak_phase]
     if breakdown is None or sum(breakdown.values()) != total:
         # fall back to the full run (correct, slower)
-        r = _one_run(cfg, device=device, **kw)
-        return Measurement(
-            r["total"],
-            r["breakdown"],
-            r["activations"],
-            r["phase_peaks"],
-            r["peak_phase"],
-            r["n_params"],
-            r["n_trainable"],
-            device,
-            time.perf_counter() - t0,
-            None,
-            r["cuda"],
-            options,
-        )
+        run = _one_run(config, step, device=device, seed=seed)
+        return _from_run(run, device, started, options)
     return Measurement(
         total,
         breakdown,
-        ext(a["activations"], b["activations"]),
+        extend(two["activations"], three["activations"]),
         phase_peaks,
         peak_phase,
-        ext(a["n_params"], b["n_params"]),
-        ext(a["n_trainable"], b["n_trainable"]),
+        extend(two["n_params"], three["n_params"]),
+        extend(two["n_trainable"], three["n_trainable"]),
         device,
-        time.perf_counter() - t0,
+        time.perf_counter() - started,
         (2, 3),
         None,
         options,
     )
 
 
-@contextlib.contextmanager
-def _acyclic_module_hooks():
-    """Keep MemTracker's module tracker from keeping the autograd graph alive (see
-    :func:`measure_memtracker`).
-
-    ``ModTracker`` calls ``register_multi_grad_hook(tensors, fn)`` (mode ``"all"``) on the tensors
-    that enter each module. That hook's closure holds the ``grad_fn`` (or, for a leaf, the
-    ``AccumulateGrad`` node) of every tensor, and the hook is stored on those same nodes: a cycle
-    through C++ that Python's collector cannot free. The graph's nodes outlive the step, and with
-    them any leaf that is not a parameter — the embedding output that gradient checkpointing
-    marks ``requires_grad_()`` under LoRA — and its ``.grad``. Mode ``"any"`` holds no node, so
-    the hooks are registered in that mode; they only tell MemTracker which module backward is in
-    (its per-module labels), not how many bytes are alive."""
-    from torch.distributed._tools import mod_tracker
-
-    orig = mod_tracker.register_multi_grad_hook
-
-    def hook_any(tensors, fn, mode="all"):
-        return orig(tensors, fn, mode="any")
-
-    mod_tracker.register_multi_grad_hook = hook_any
-    try:
-        yield
-    finally:
-        mod_tracker.register_multi_grad_hook = orig
-
-
-def _until_states_exist(step, opt, **kw) -> None:
-    """Repeat warm-up steps until the optimizer holds its states: under ``fp16-amp`` the
-    GradScaler skips ``optimizer.step()`` while its scale overflows fp16 (the first steps of every
-    run), and the step to measure is one of the steady state that follows."""
-    for _ in range(32):
-        if opt.state or not opt.param_groups[0]["params"] or not _has_states(opt):
-            return
-        step(**kw)
-    raise RuntimeError(
-        "the optimizer never stepped in 32 warm-up steps (gradients overflow?)"
-    )
-
-
-def _has_states(opt) -> bool:
-    """Whether this optimizer keeps per-parameter states at all (plain SGD does not)."""
-    if isinstance(opt, torch.optim.SGD):
-        return any(g.get("momentum", 0) for g in opt.param_groups)
-    return True
-
-
-class _NoHook:
-    """A hook handle with nothing to remove (see :func:`measure_memtracker`)."""
-
-    def remove(self) -> None:
-        pass
-
-
-def measure_memtracker(
-    model: Any = "tiny",
-    *,
-    method: str = "full",
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    batch: int = 1,
-    seq: int = 512,
-    lora_rank: int = 8,
-    lora_alpha: int = 16,
-    lora_targets=("q_proj", "v_proj"),
-    lora_dtype: str | None = None,
-    checkpointing: bool = False,
-    attn: str = "sdpa",
-    grad_accum: int = 1,
-    optimizer_impl: str = "foreach",
-    seed: int = 0,
-) -> int:
-    """Peak bytes of the same training step measured by torch's own tracker instead of ours.
-
-    ``torch.distributed._tools.mem_tracker.MemTracker`` (also a ``TorchDispatchMode``, written
-    independently of :class:`trainmem.tracker.MemoryTracker`) watches the 2nd of two steps of the
-    model, optimizer and batch :func:`measure` builds (real CPU tensors; the model, optimizer and
-    batch are registered with ``track_external``). Returns its peak total (bytes): the second
-    measurement of ``benchmarks/memory_accuracy.py``.
-
-    Two adjustments make MemTracker measure the same program as a plain training loop, not the
-    loop with MemTracker attached: its module tracker's multi-grad hooks (mode ``"all"``) form a
-    reference cycle through the autograd graph that ``gc`` cannot free, which keeps the frozen
-    embedding's output — a leaf that requires grad under LoRA + gradient checkpointing — and its
-    ``.grad`` alive after backward, once per forward; they are registered in mode ``"any"``
-    (:func:`_acyclic_module_hooks`). And MemTracker hooks every parameter it meets, which torch
-    refuses for frozen ones; those are marked as hooked already.
-    """
-    import gc
-
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    cfg = resolve_config(model)
-    check_options(
-        cfg,
-        method=method,
-        precision=precision,
-        optimizer=optimizer,
-        batch=batch,
-        seq=seq,
-        lora_rank=lora_rank,
-        lora_targets=lora_targets,
-        attn=attn,
-        grad_accum=grad_accum,
-        zero=0,
-        gpus=1,
-        lora_dtype=lora_dtype,
-        optimizer_impl=optimizer_impl,
-    )
-    torch.manual_seed(seed)
-    net, opt = build_training_setup(
-        cfg,
-        method=method,
-        precision=precision,
-        optimizer=optimizer,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_targets=tuple(lora_targets),
-        lora_dtype=lora_dtype,
-        checkpointing=checkpointing,
-        attn=attn,
-        device="cpu",
-        optimizer_impl=optimizer_impl,
-    )
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
-    y = x.clone()
-    amp = precision in ("fp16-amp", "bf16-amp")
-    amp_dtype = torch.float16 if precision == "fp16-amp" else torch.bfloat16
-    scaler = (
-        torch.amp.GradScaler("cpu", init_scale=2.0**16)
-        if precision == "fp16-amp"
-        else None
-    )
-
-    def step(tracker=None):
-        for _ in range(grad_accum):
-            if tracker is not None:
-                tracker.reset_mod_stats()  # MemTracker refuses a 2nd root forward otherwise
-            ctx = (
-                torch.autocast("cpu", dtype=amp_dtype)
-                if amp
-                else contextlib.nullcontext()
-            )
-            with ctx:
-                loss = net(input_ids=x, labels=y, use_cache=False).loss
-            if grad_accum > 1:
-                loss = loss / grad_accum
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-            del loss
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
-    _until_states_exist(step, opt)
-    gc.collect()
-    tracker = MemTracker()
-    # MemTracker installs a gradient hook on every parameter it meets, which torch refuses for a
-    # frozen one (LoRA's base weights): mark those as already hooked (handles with no effect).
-    for p in net.parameters():
-        if not p.requires_grad:
-            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
-    tracker.track_external(net, opt, x, y)
-    with tracker, _acyclic_module_hooks():
-        step(tracker)
-    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-    tracker = net = opt = None  # free the step's tensors
-    gc.collect()
-    return int(peak)
+# torch's own MemTracker, the independent second measurement, has its own module
+from .torch_memtracker import measure_memtracker  # noqa: E402

@@ -232,32 +232,19 @@ def load_config_file(path: str):
     with one line naming the file and what is wrong (missing, not JSON, not an object,
     unknown model_type, missing size fields).
     """
-    from .estimate import OptionError
+    from .config import OptionError, read_json_object
 
     def bad(message: str) -> OptionError:
         return OptionError("model", message)
 
-    import json
     import os
 
-    if not os.path.isfile(path):
-        raise bad(
-            f"model config file {path!r} does not exist; model must be a preset "
-            f"({', '.join(preset_names())}) or a config .json file"
-        )
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad(
-            f"model config file {path!r} is not valid JSON "
-            f"({e.msg if hasattr(e, 'msg') else e})"
-        ) from None
-    if not isinstance(data, dict):
-        raise bad(
-            f"model config file {path!r} must hold a JSON object, got "
-            f"{type(data).__name__}"
-        )
+    data = read_json_object(
+        path,
+        "model",
+        "model config file",
+        f"; model must be a preset ({', '.join(preset_names())}) or a config .json file",
+    )
     mt = data.get("model_type")
     if mt not in _ARCHS:
         raise bad(

@@ -1,10 +1,29 @@
 """The step replay behind :mod:`trainmem.estimate` (public names; the code is in
-:mod:`trainmem.memory`, split by job: accounting, autograd, ops, llama, step)."""
+:mod:`trainmem.memory`, split by job: accounting, autograd, ops, llama, step).
+``simulate_step(shape, step)`` takes a :class:`trainmem.config.Shape` and a
+:class:`trainmem.config.StepConfig`."""
 
 from __future__ import annotations
 
-from .memory.accounting import CATS, ITEMSIZE, Buf, Sim, T, new, shrink, view
-from .memory.autograd import AccGrad, Node, backward, checkpoint, param, record
+from .memory.accounting import (
+    CATEGORIES,
+    ITEMSIZE,
+    Buffer,
+    Simulator,
+    SimTensor,
+    new,
+    shrink,
+    view,
+)
+from .memory.autograd import (
+    AccumulateGrad,
+    CheckpointRegion,
+    Node,
+    backward,
+    checkpoint,
+    param,
+    record,
+)
 from .memory.llama import (
     attention,
     build_params,
@@ -40,15 +59,16 @@ from .memory.ops import (
 from .memory.step import adamw_step_scratch, simulate_step
 
 __all__ = [
-    "CATS",
+    "CATEGORIES",
     "ITEMSIZE",
-    "Buf",
-    "Sim",
-    "T",
+    "Buffer",
+    "Simulator",
+    "SimTensor",
     "new",
     "shrink",
     "view",
-    "AccGrad",
+    "AccumulateGrad",
+    "CheckpointRegion",
     "Node",
     "backward",
     "checkpoint",

@@ -1,8 +1,9 @@
 """Byte accounting of the replay: symbolic tensors and their reference-counted buffers.
 
-A :class:`T` is a (shape, dtype) with a :class:`Buf` of ``numel * itemsize`` bytes; Python's
-reference counting frees a buffer exactly when the last tensor (or saved slot) using it goes away,
-as for real tensors, and :class:`Sim` keeps the running total and the peak by category.
+A :class:`SimTensor` is a (shape, dtype) with a :class:`Buffer` of ``numel * itemsize``
+bytes; Python's reference counting frees a buffer exactly when the last tensor (or saved
+slot) using it goes away, as for real tensors, and :class:`Simulator` keeps the running
+total and the peak by category.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import math
 from itertools import count
 
-CATS = (
+CATEGORIES = (
     "weights",
     "gradients",
     "optimizer_states",
@@ -21,105 +22,127 @@ CATS = (
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "i64": 8, "bool": 1}
 
 
-class Sim:
-    """Byte accounting: current and peak live bytes, by category."""
+class Simulator:
+    """Byte accounting and the global state of the replay (phase, autocast, grad mode,
+    the checkpointed region being recorded, ZeRO's sharding factors)."""
 
     def __init__(self):
-        self.cur = 0
+        self.live = 0  # bytes alive now
         self.peak = 0
-        self.by = dict.fromkeys(CATS, 0)
-        self.peak_by = dict(self.by)
+        self.live_by_category = dict.fromkeys(CATEGORIES, 0)
+        self.peak_by_category = dict(self.live_by_category)
         self.phase = "forward"
         self.phase_peaks: dict[str, int] = {}
-        self.seq = count()
-        self.save = True  # False inside a checkpointed region's first forward
+        self.node_ids = count()  # creation order of autograd nodes
         self.autocast = None  # lower-precision dtype name under torch.autocast
         self.grad_enabled = True
-        self.ckpt = None  # the active _CkptGroup while recording a checkpointed region
+        # the active CheckpointRegion while recording a checkpointed region
+        self.checkpoint_region = None
         self.marks: dict[str, dict] = {}
         self.grad_scale = 1.0  # ZeRO >= 2: the fraction of each gradient kept locally
         self.param_cast_scale = (
-            1.0  # ZeRO-3: the fraction of each weight cast by autocast
+            1.0  # ZeRO-3: the fraction of each weight autocast casts
         )
-        self.autocast_cache: list = []  # autocast's casts of trainable leaves, kept to its exit
+        # autocast's casts of trainable leaves, kept until the autocast region exits
+        self.autocast_cache: list = []
+        # (buffer, peak, peak by category, phase peak) before the last allocation
+        self.last_alloc = None
+
+    def alloc(self, nbytes: int, category: str | None = None) -> "Buffer":
+        if category is None:
+            category = "activations" if self.phase == "forward" else "temporaries"
+        buffer = Buffer(self, int(nbytes), category)
         self.last_alloc = (
-            None  # (buffer, peak, peak_by, phase peak) before the last alloc
+            buffer,
+            self.peak,
+            self.peak_by_category,
+            self.phase_peaks.get(self.phase),
         )
+        self.live += buffer.nbytes
+        self.live_by_category[category] += buffer.nbytes
+        if self.live > self.phase_peaks.get(self.phase, -1):
+            self.phase_peaks[self.phase] = self.live
+        if self.live > self.peak:
+            self.peak = self.live
+            self.peak_by_category = dict(self.live_by_category)
+        return buffer
 
-    def alloc(self, nbytes: int, cat: str | None = None) -> "Buf":
-        if cat is None:
-            cat = "activations" if self.phase == "forward" else "temporaries"
-        b = Buf(self, int(nbytes), cat)
-        self.last_alloc = (b, self.peak, self.peak_by, self.phase_peaks.get(self.phase))
-        self.cur += b.n
-        self.by[cat] += b.n
-        if self.cur > self.phase_peaks.get(self.phase, -1):
-            self.phase_peaks[self.phase] = self.cur
-        if self.cur > self.peak:
-            self.peak = self.cur
-            self.peak_by = dict(self.by)
-        return b
-
-    def unalloc_last(self, b: "Buf") -> None:
-        """Take back the allocation of ``b`` (the most recent one) as if it never happened: the
-        recompute of a checkpointed region stops before the kernel of its last node runs."""
-        if self.last_alloc is None or self.last_alloc[0] is not b:
+    def unalloc_last(self, buffer: "Buffer") -> None:
+        """Take back the allocation of ``buffer`` (the most recent one) as if it never
+        happened: the recompute of a checkpointed region stops before the kernel of its
+        last node runs."""
+        if self.last_alloc is None or self.last_alloc[0] is not buffer:
             return
-        _, self.peak, self.peak_by, phase_peak = self.last_alloc
+        _, self.peak, self.peak_by_category, phase_peak = self.last_alloc
         if phase_peak is None:
             self.phase_peaks.pop(self.phase, None)
         else:
             self.phase_peaks[self.phase] = phase_peak
-        self.cur -= b.n
-        self.by[b.cat] -= b.n
-        b.n = 0
+        self.live -= buffer.nbytes
+        self.live_by_category[buffer.category] -= buffer.nbytes
+        buffer.nbytes = 0
         self.last_alloc = None
 
-    def _free(self, b: "Buf"):
-        self.cur -= b.n
-        self.by[b.cat] -= b.n
+    def free(self, buffer: "Buffer") -> None:
+        self.live -= buffer.nbytes
+        self.live_by_category[buffer.category] -= buffer.nbytes
 
-    def recat(self, b: "Buf", cat: str):
-        self.by[b.cat] -= b.n
-        b.cat = cat
-        self.by[cat] += b.n
+    def recategorize(self, buffer: "Buffer", category: str) -> None:
+        self.live_by_category[buffer.category] -= buffer.nbytes
+        buffer.category = category
+        self.live_by_category[category] += buffer.nbytes
 
-    def mark(self, name: str):
-        self.marks[name] = dict(self.by, total=self.cur)
+    def mark(self, name: str) -> None:
+        self.marks[name] = dict(self.live_by_category, total=self.live)
 
-    def set_phase(self, phase: str):
+    def set_phase(self, phase: str) -> None:
         self.phase = phase
-        self.phase_peaks.setdefault(phase, self.cur)
+        self.phase_peaks.setdefault(phase, self.live)
 
 
-class Buf:
-    __slots__ = ("sim", "n", "cat", "info", "__weakref__")
+class Buffer:
+    """Storage of ``nbytes`` bytes in one category; freed when the last reference
+    goes."""
 
-    def __init__(self, sim, n, cat):
-        self.sim, self.n, self.cat = sim, n, cat
-        self.info = None
+    __slots__ = ("sim", "nbytes", "category", "__weakref__")
+
+    def __init__(self, sim: Simulator, nbytes: int, category: str):
+        self.sim, self.nbytes, self.category = sim, nbytes, category
 
     def __del__(self):
-        self.sim._free(self)
+        self.sim.free(self)
 
 
-class T:
-    """A symbolic tensor: shape, dtype, buffer, autograd edge. ``phys`` names the physical
-    layout of 4-D attention tensors: ``"bhsd"`` (contiguous) or ``"bshd"`` (a transposed view of
-    a ``(b, s, h*d)`` projection)."""
+class SimTensor:
+    """A symbolic tensor: shape, dtype, buffer, autograd edge.
 
-    __slots__ = ("buf", "shape", "dt", "rg", "fn", "acc", "phys", "__weakref__")
+    ``grad_fn`` is the node that made it (``None`` for a leaf), ``grad_accumulator`` the
+    :class:`~.autograd.AccumulateGrad` of a leaf that requires grad.  ``layout`` names
+    the physical layout of 4-D attention tensors: ``"bhsd"`` (contiguous), ``"bshd"`` (a
+    transposed view of a ``(b, s, h*d)`` projection), ``"t"`` (``"bhsd"`` with its last
+    two dims transposed) or ``"x"`` (one key/value head expanded over the heads)."""
 
-    def __init__(self, buf, shape, dt, rg=False, fn=None, phys=None):
-        self.buf, self.shape, self.dt, self.rg, self.fn, self.phys = (
-            buf,
-            tuple(shape),
-            dt,
-            rg,
-            fn,
-            phys,
-        )
-        self.acc = None
+    __slots__ = (
+        "buffer",
+        "shape",
+        "dtype",
+        "requires_grad",
+        "grad_fn",
+        "grad_accumulator",
+        "layout",
+        "__weakref__",
+    )
+
+    def __init__(
+        self, buffer, shape, dtype, requires_grad=False, grad_fn=None, layout=None
+    ):
+        self.buffer = buffer
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.requires_grad = requires_grad
+        self.grad_fn = grad_fn
+        self.layout = layout
+        self.grad_accumulator = None
 
     @property
     def numel(self) -> int:
@@ -127,31 +150,32 @@ class T:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * ITEMSIZE[self.dt]
+        return self.numel * ITEMSIZE[self.dtype]
 
     def edge(self):
-        if not self.rg:
+        """Where backward sends this tensor's gradient (``None``: nowhere)."""
+        if not self.requires_grad:
             return None
-        return self.fn if self.fn is not None else self.acc
+        return self.grad_fn if self.grad_fn is not None else self.grad_accumulator
 
 
-def new(sim: Sim, shape, dt, cat=None, phys=None) -> T:
-    n = math.prod(shape) * ITEMSIZE[dt]
-    t = T(sim.alloc(n, cat), shape, dt, phys=phys)
-    t.buf.info = (tuple(shape), dt)
-    return t
+def new(sim: Simulator, shape, dtype, category=None, layout=None) -> SimTensor:
+    """A newly allocated tensor (``category`` ``None``: by the current phase)."""
+    nbytes = math.prod(shape) * ITEMSIZE[dtype]
+    return SimTensor(sim.alloc(nbytes, category), shape, dtype, layout=layout)
 
 
-def view(t: T, shape, phys=None) -> T:
-    """A view: same buffer, gradient passes through unchanged (no allocation either way)."""
-    v = T(t.buf, shape, t.dt, t.rg, t.fn, phys)
-    v.acc = t.acc
+def view(t: SimTensor, shape, layout=None) -> SimTensor:
+    """A view: same buffer, gradient passes through unchanged (no allocation either
+    way)."""
+    v = SimTensor(t.buffer, shape, t.dtype, t.requires_grad, t.grad_fn, layout)
+    v.grad_accumulator = t.grad_accumulator
     return v
 
 
-def shrink(sim: Sim, buf: Buf, factor: float):
+def shrink(sim: Simulator, buffer: Buffer, factor: float) -> None:
     """Scale a buffer's size (ZeRO partitioning, quantized storage)."""
-    new_n = int(math.ceil(buf.n * factor))
-    sim.cur += new_n - buf.n
-    sim.by[buf.cat] += new_n - buf.n
-    buf.n = new_n
+    new_nbytes = int(math.ceil(buffer.nbytes * factor))
+    sim.live += new_nbytes - buffer.nbytes
+    sim.live_by_category[buffer.category] += new_nbytes - buffer.nbytes
+    buffer.nbytes = new_nbytes

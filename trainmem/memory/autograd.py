@@ -1,241 +1,281 @@
-"""A small autograd for the replay: nodes with saved tensors, the backward pass in the engine's
-order, leaf gradient accumulation, and non-reentrant activation checkpointing."""
+"""A small autograd for the replay: nodes with saved tensors, the backward pass in the
+engine's order, leaf gradient accumulation, and non-reentrant activation
+checkpointing."""
 
 from __future__ import annotations
 
 import heapq
 import math
 
-from .accounting import T, Sim, new, shrink, view
+from .accounting import SimTensor, Simulator, new, shrink, view
 
 
 class Node:
-    __slots__ = ("seq", "edges", "saved", "bwd", "group", "saves", "__weakref__")
+    """A backward node: ``order`` is its creation order (backward runs the latest
+    first), ``edges`` where the gradients of its inputs go, ``saved`` the buffers
+    autograd keeps for it, ``backward_fn(node, grad)`` the gradients of its inputs,
+    ``region`` the checkpointed region it belongs to, ``saves_tensors`` whether autograd
+    saved anything for it (under checkpointing: placeholders)."""
 
-    def __init__(self, seq, edges, saved, bwd, group=None, saves=False):
-        self.seq, self.edges, self.saved, self.bwd, self.group = (
-            seq,
-            edges,
-            saved,
-            bwd,
-            group,
-        )
-        self.saves = (
-            saves  # autograd saved tensors for it (under checkpointing: placeholders)
-        )
+    __slots__ = (
+        "order",
+        "edges",
+        "saved",
+        "backward_fn",
+        "region",
+        "saves_tensors",
+        "__weakref__",
+    )
+
+    def __init__(
+        self, order, edges, saved, backward_fn, region=None, saves_tensors=False
+    ):
+        self.order = order
+        self.edges = edges
+        self.saved = saved
+        self.backward_fn = backward_fn
+        self.region = region
+        self.saves_tensors = saves_tensors
 
     def __lt__(self, other):
-        return self.seq > other.seq
+        return self.order > other.order
 
 
-class AccGrad:
-    """AccumulateGrad of a leaf parameter: the first gradient is stolen, later ones added in place."""
+class AccumulateGrad:
+    """AccumulateGrad of a leaf parameter: the first gradient is stolen, later ones
+    added in place. ``discard``: a leaf that is not a parameter (its gradient is
+    dropped)."""
 
-    __slots__ = ("param", "grad", "seq", "sink", "__weakref__")
+    __slots__ = ("param", "grad", "order", "discard", "__weakref__")
 
-    def __init__(self, param: T):
+    def __init__(self, param: SimTensor):
         self.param = param
         self.grad = None
-        self.seq = math.inf
-        self.sink = False
+        self.order = math.inf
+        self.discard = False
 
     def __lt__(self, other):
-        return self.seq > other.seq
+        return self.order > other.order
 
 
 def record(
-    sim: Sim, out: T, inputs: list, saved: list, bwd, save_out: bool = False
+    sim: Simulator,
+    out: SimTensor,
+    inputs: list,
+    saved: list,
+    backward_fn,
+    save_out: bool = False,
 ) -> None:
-    """Attach a backward node to ``out`` if any input requires grad (and grad mode is on).
+    """Attach a backward node to ``out`` if any input requires grad (and grad mode is
+    on).
 
-    ``saved`` are the tensors autograd keeps for this node; ``save_out`` adds the output itself.
+    ``saved`` are the tensors autograd keeps for this node; ``save_out`` adds the output
+    itself.
     """
-    if not sim.grad_enabled or not any(i is not None and i.rg for i in inputs):
+    if not sim.grad_enabled or not any(
+        i is not None and i.requires_grad for i in inputs
+    ):
         return
-    group = sim.ckpt
+    region = sim.checkpoint_region
     saving = bool(saved) or save_out
-    if group is not None and group.recording:
-        group.n_nodes += 1
+    if region is not None and region.recording:
+        region.n_nodes += 1
         if saving:
-            group.last_saving = group.n_nodes
+            region.last_saving = region.n_nodes
         saved, save_out = [], False  # checkpoint: nothing kept, recomputed in backward
-    if not sim.save:
-        saved, save_out = [], False
-    bufs = [t.buf for t in saved] + ([out.buf] if save_out else [])
+    buffers = [t.buffer for t in saved] + ([out.buffer] if save_out else [])
     node = Node(
-        next(sim.seq),
+        next(sim.node_ids),
         [i.edge() if i is not None else None for i in inputs],
-        bufs,
-        bwd,
-        group,
-        saves=saving,
+        buffers,
+        backward_fn,
+        region,
+        saves_tensors=saving,
     )
-    out.rg = True
-    out.fn = node
-    if group is not None and group.recording:
-        group.nodes.append(node)
-    if group is not None and group.replaying is not None:
-        group.replay_node(sim, node, out, save_out)
+    out.requires_grad = True
+    out.grad_fn = node
+    if region is not None and region.recording:
+        region.nodes.append(node)
+    if region is not None and region.replaying is not None:
+        region.replay_node(sim, node, out, save_out)
 
 
 class _StopRecompute(Exception):
     pass
 
 
-class _CkptGroup:
-    def __init__(self, fn, inputs):
-        self.fn, self.inputs = fn, inputs
+class CheckpointRegion:
+    """One call of non-reentrant ``torch.utils.checkpoint``: the function, its kept
+    inputs, the nodes it recorded, and the state of its recompute in backward."""
+
+    def __init__(self, forward_fn, inputs, autocast):
+        self.forward_fn, self.inputs = forward_fn, inputs
+        self.autocast = autocast  # the autocast dtype of the forward, for the recompute
         self.nodes: list[Node] = []
         self.n_nodes = 0
-        self.last_saving = 0
+        self.last_saving = 0  # number of the last node that saves tensors
         self.recording = True
-        self.replaying = None
-        self.done = False
-        self.executed = 0
+        self.replaying = None  # during the recompute: the number of nodes replayed
+        self.done = False  # recomputed already
+        self.executed = 0  # nodes whose backward ran
 
     def replay_node(self, sim, node, out, save_out):
-        """Hand the recomputed saved tensors to the original node; stop after the last one.
+        """Hand the recomputed saved tensors to the original node; stop after the last
+        one.
 
-        Autograd packs saved *inputs* before the kernel runs and saved outputs after it, so when
-        the last node saves only inputs the recompute stops before its output is allocated."""
+        Autograd packs saved *inputs* before the kernel runs and saved outputs after it,
+        so when the last node saves only inputs the recompute stops before its output is
+        allocated."""
         i = self.replaying
         self.replaying += 1
         if i < len(self.nodes):
             self.nodes[i].saved = node.saved
         if self.replaying >= self.last_saving:
             if not save_out:
-                sim.unalloc_last(out.buf)
+                sim.unalloc_last(out.buffer)
             raise _StopRecompute
 
     def recompute(self, sim):
         if self.done:
             return
         self.done = True
-        prev = sim.ckpt
-        sim.ckpt = self
+        outer_region = sim.checkpoint_region
+        sim.checkpoint_region = self
         self.recording = False
         self.replaying = 0
-        prev_ac, prev_cache = sim.autocast, sim.autocast_cache
+        outer_autocast, outer_cache = sim.autocast, sim.autocast_cache
         sim.autocast, sim.autocast_cache = self.autocast, []
         try:
-            ins = [
-                view(t, t.shape, t.phys) if t is not None else None for t in self.inputs
+            inputs = [
+                view(t, t.shape, t.layout) if t is not None else None
+                for t in self.inputs
             ]
-            for (
-                t
-            ) in ins:  # same requires_grad as in the forward, so the node order matches
+            # same requires_grad as in the forward, so the node order matches
+            for t in inputs:
                 if t is not None:
-                    t.fn, t.acc = (_DUMMY if t.rg else None), None
+                    t.grad_fn = _PLACEHOLDER if t.requires_grad else None
+                    t.grad_accumulator = None
             try:
-                self.fn(*ins)
+                self.forward_fn(*inputs)
             except _StopRecompute:
                 pass
         finally:
-            sim.ckpt = prev
-            sim.autocast, sim.autocast_cache = (
-                prev_ac,
-                prev_cache,
-            )  # the recompute's autocast exits
+            sim.checkpoint_region = outer_region
+            # the recompute's autocast exits
+            sim.autocast, sim.autocast_cache = outer_autocast, outer_cache
             self.replaying = None
-            # the checkpoint keeps its inputs until the layer's backward is over (see backward())
+            # the checkpoint keeps its inputs until the layer's backward is over (see
+            # backward())
 
 
-_DUMMY = Node(-1, [], [], None)
+_PLACEHOLDER = Node(-1, [], [], None)  # the grad_fn of a recompute's inputs
 
 
-def checkpoint(sim: Sim, fn, *inputs):
-    """Non-reentrant ``torch.utils.checkpoint``: keep ``inputs``, drop the saved tensors."""
-    group = _CkptGroup(fn, list(inputs))
-    group.autocast = sim.autocast
-    prev = sim.ckpt
-    sim.ckpt = group
+def checkpoint(sim: Simulator, forward_fn, *inputs):
+    """Non-reentrant ``torch.utils.checkpoint``: keep ``inputs``, drop the saved
+    tensors."""
+    region = CheckpointRegion(forward_fn, list(inputs), sim.autocast)
+    outer_region = sim.checkpoint_region
+    sim.checkpoint_region = region
     try:
-        out = fn(*inputs)
+        out = forward_fn(*inputs)
     finally:
-        sim.ckpt = prev
-        group.recording = False
-    # the nodes of the group need the recompute before their backward runs
-    for n in group.nodes:
-        n.group = group
+        sim.checkpoint_region = outer_region
+        region.recording = False
+    # the nodes of the region need the recompute before their backward runs
+    for node in region.nodes:
+        node.region = region
     return out
 
 
-def param(sim: Sim, shape, dt, trainable: bool, cat: str) -> T:
-    p = new(sim, shape, dt, cat=cat)
-    p.rg = trainable
+def param(sim: Simulator, shape, dtype, trainable: bool, category: str) -> SimTensor:
+    p = new(sim, shape, dtype, category=category)
+    p.requires_grad = trainable
     if trainable:
-        p.acc = AccGrad(p)
+        p.grad_accumulator = AccumulateGrad(p)
     return p
 
 
-def backward(sim: Sim, loss: T):
-    """Run the recorded graph backward from the scalar ``loss`` (reverse creation order)."""
-    root = loss.fn
-    if root is None:
-        return
+def _dependencies(root) -> dict:
+    """How many gradients each node of the graph below ``root`` waits for."""
     deps: dict = {}
     stack = [root]
     seen = {id(root)}
     while stack:
-        n = stack.pop()
-        if isinstance(n, AccGrad):
+        node = stack.pop()
+        if isinstance(node, AccumulateGrad):
             continue
-        for e in n.edges:
-            if e is None or e is _DUMMY:
+        for e in node.edges:
+            if e is None or e is _PLACEHOLDER:
                 continue
             deps[id(e)] = deps.get(id(e), 0) + 1
             if id(e) not in seen:
                 seen.add(id(e))
                 stack.append(e)
-    g0 = new(sim, (), "fp32")  # ones_like(loss)
-    buffers = {id(root): g0}
-    del g0
+    return deps
+
+
+def _accumulate(sim: Simulator, node: AccumulateGrad, grad: SimTensor) -> None:
+    """AccumulateGrad: the first gradient becomes ``.grad`` (the rest is added in place
+    and freed by the caller)."""
+    p = node.param
+    if node.discard:  # a leaf that is not a parameter: grad discarded
+        return
+    if p.buffer is not None and p.grad_accumulator is node and node.grad is None:
+        if grad.buffer.category != "gradients":
+            sim.recategorize(grad.buffer, "gradients")
+            if sim.grad_scale != 1.0:
+                shrink(sim, grad.buffer, sim.grad_scale)
+        node.grad = grad
+
+
+def backward(sim: Simulator, loss: SimTensor):
+    """Run the recorded graph backward from the scalar ``loss`` (reverse creation
+    order)."""
+    root = loss.grad_fn
+    if root is None:
+        return
+    deps = _dependencies(root)
+    ones = new(sim, (), "fp32")  # ones_like(loss)
+    pending = {id(root): ones}  # the gradient waiting at each node
+    del ones
     heap = [root]
     while heap:
         node = heapq.heappop(heap)
-        g = buffers.pop(id(node))
-        if isinstance(node, AccGrad):
-            p = node.param
-            if node.sink:  # a leaf that is not a parameter: grad discarded
-                del g
-                continue
-            if p.buf is not None and getattr(p, "acc", None) is node:
-                if node.grad is None:
-                    if g.buf.cat != "gradients":
-                        sim.recat(g.buf, "gradients")
-                        if sim.grad_scale != 1.0:
-                            shrink(sim, g.buf, sim.grad_scale)
-                    node.grad = g
-                # else: in-place add into the existing .grad; g is freed below
-            del g
+        grad = pending.pop(id(node))
+        if isinstance(node, AccumulateGrad):
+            _accumulate(sim, node, grad)
+            del grad
             continue
-        # non-reentrant checkpointing recomputes when a saved tensor is first unpacked: at the
-        # first node of the region that saved something (nodes that save nothing run before)
-        if node.group is not None and not node.group.done and node.saves:
-            node.group.recompute(sim)
-        grads = node.bwd(node, g)
-        del g
+        # non-reentrant checkpointing recomputes when a saved tensor is first unpacked:
+        # at the first node of the region that saved something (nodes that save nothing
+        # run before)
+        region = node.region
+        if region is not None and not region.done and node.saves_tensors:
+            region.recompute(sim)
+        input_grads = node.backward_fn(node, grad)
+        del grad
         node.saved = None
-        grp = node.group
-        if grp is not None:
-            grp.executed += 1
-            if grp.executed == len(grp.nodes):
-                grp.inputs = grp.fn = None  # release the kept inputs (and break the
-                grp.nodes = []  # group <-> node reference cycle)
-                grp.executed = -1
-        for e, gr in zip(node.edges, grads):
-            if e is None or gr is None or e is _DUMMY:
+        if region is not None:
+            region.executed += 1
+            if region.executed == len(region.nodes):
+                # release the kept inputs (and break the region <-> node reference
+                # cycle)
+                region.inputs = region.forward_fn = None
+                region.nodes = []
+                region.executed = -1
+        for e, input_grad in zip(node.edges, input_grads):
+            if e is None or input_grad is None or e is _PLACEHOLDER:
                 continue
-            k = id(e)
-            if k in buffers:
-                old = buffers[
-                    k
-                ]  # a second gradient for the same node: old + new, a new tensor
-                buffers[k] = T(sim.alloc(old.nbytes), old.shape, old.dt)
+            key = id(e)
+            if key in pending:
+                # a second gradient for the same node: old + new, a new tensor
+                old = pending[key]
+                pending[key] = SimTensor(sim.alloc(old.nbytes), old.shape, old.dtype)
                 del old
             else:
-                buffers[k] = gr
-            deps[k] -= 1
-            if deps[k] == 0:
+                pending[key] = input_grad
+            deps[key] -= 1
+            if deps[key] == 0:
                 heapq.heappush(heap, e)
-        del grads, gr
+        del input_grads, input_grad

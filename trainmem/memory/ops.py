@@ -1,9 +1,10 @@
-"""The ops of the Llama forward pass, each with PyTorch's autograd rule for what it saves and what
-its backward allocates (``derivatives.yaml``), and ``torch.autocast``'s casts."""
+"""The ops of the Llama forward pass, each with PyTorch's autograd rule for what it
+saves and what its backward allocates (``derivatives.yaml``), and ``torch.autocast``'s
+casts."""
 
 from __future__ import annotations
 
-from .accounting import T, Sim, new, shrink, view
+from .accounting import SimTensor, Simulator, new, shrink, view
 from .autograd import record
 
 
@@ -22,336 +23,383 @@ def _bcast(a, b):
     return tuple(max(x, y) for x, y in zip(a, b))
 
 
-def cast(sim: Sim, x: T, dt: str, cached_param=None) -> T:
-    """``x.to(dt)`` (a no-op returning ``x`` when the dtype already matches)."""
-    if x.dt == dt:
+def cast(sim: Simulator, x: SimTensor, dtype: str, cached_param=None) -> SimTensor:
+    """``x.to(dtype)`` (a no-op returning ``x`` when the dtype already matches)."""
+    if x.dtype == dtype:
         return x
-    cat = "weights" if cached_param is not None else None
-    out = new(sim, x.shape, dt, cat=cat, phys=x.phys)
+    category = "weights" if cached_param is not None else None
+    out = new(sim, x.shape, dtype, category=category, layout=x.layout)
     if cached_param is not None and sim.param_cast_scale != 1.0:
         shrink(
-            sim, out.buf, sim.param_cast_scale
+            sim, out.buffer, sim.param_cast_scale
         )  # ZeRO-3: only the local shard is cast
-    if cached_param is not None and x.rg and x.fn is None:
-        # autocast caches the cast of a leaf that requires grad until the autocast region exits,
-        # whether or not autograd saves it (e.g. LoRA's A when its input needs no grad, or every
-        # weight during a checkpointed forward)
+    if cached_param is not None and x.requires_grad and x.grad_fn is None:
+        # autocast caches the cast of a leaf that requires grad until the autocast
+        # region exits, whether or not autograd saves it (e.g. LoRA's A when its input
+        # needs no grad, or every weight during a checkpointed forward)
         sim.autocast_cache.append(out)
-    src_dt, shape = x.dt, x.shape
+    source_dtype, shape = x.dtype, x.shape
 
-    def bwd(node, g):
-        return [new(sim, shape, src_dt, phys=g.phys)]
+    def backward_fn(node, g):
+        return [new(sim, shape, source_dtype, layout=g.layout)]
 
-    record(sim, out, [x], [], bwd)
+    record(sim, out, [x], [], backward_fn)
     return out
 
 
-def _ac(sim: Sim, x: T, param: bool = False) -> T:
+def _autocast_input(sim: Simulator, x: SimTensor, param: bool = False) -> SimTensor:
     """The cast autocast applies to an input of a lower-precision op."""
-    if sim.autocast is None or x.dt not in ("fp32",):
+    if sim.autocast is None or x.dtype not in ("fp32",):
         return x
     return cast(sim, x, sim.autocast, cached_param=True if param else None)
 
 
-def linear(sim: Sim, x: T, w: T, b: T | None = None, quant: bool = False) -> T:
+def linear(
+    sim: Simulator,
+    x: SimTensor,
+    w: SimTensor,
+    b: SimTensor | None = None,
+    quant: bool = False,
+) -> SimTensor:
     """``F.linear`` (``x @ w.T + b``): saves x if w needs grad, w if x needs grad.
 
-    ``quant``: a bitsandbytes 4-bit weight, dequantized to the compute dtype for the matmul (a
-    transient copy) and again in backward."""
+    ``quant``: a bitsandbytes 4-bit weight, dequantized to the compute dtype for the
+    matmul (a transient copy) and again in backward."""
     if quant:
-        cdt = sim.autocast or x.dt
-        xc = cast(sim, x, cdt) if x.dt != cdt else x
-        wd = new(sim, w.shape, cdt)  # dequantized weight (temporary)
-        out = new(sim, x.shape[:-1] + (w.shape[0],), cdt)
-        del wd
-        xshape, xdt = xc.shape, xc.dt
-        wshape = w.shape
+        compute_dtype = sim.autocast or x.dtype
+        x_cast = cast(sim, x, compute_dtype) if x.dtype != compute_dtype else x
+        w_dequant = new(sim, w.shape, compute_dtype)  # dequantized weight (temporary)
+        out = new(sim, x.shape[:-1] + (w.shape[0],), compute_dtype)
+        del w_dequant
+        x_shape, x_dtype = x_cast.shape, x_cast.dtype
+        w_shape = w.shape
 
-        def qbwd(node, g):
-            wd2 = new(sim, wshape, xdt)
-            gx = new(sim, xshape, xdt)
-            del wd2
-            return [gx]
+        def backward_fn(node, g):
+            w_dequant = new(sim, w_shape, x_dtype)
+            grad_x = new(sim, x_shape, x_dtype)
+            del w_dequant
+            return [grad_x]
 
-        record(sim, out, [xc], [], qbwd)
+        record(sim, out, [x_cast], [], backward_fn)
         return out
-    xc = _ac(sim, x)
-    wc = _ac(sim, w, param=True)
-    bc = _ac(sim, b, param=True) if b is not None else None
+    x_cast = _autocast_input(sim, x)
+    w_cast = _autocast_input(sim, w, param=True)
+    b_cast = _autocast_input(sim, b, param=True) if b is not None else None
     d_out, d_in = w.shape
-    out = new(sim, x.shape[:-1] + (d_out,), xc.dt)
+    out = new(sim, x.shape[:-1] + (d_out,), x_cast.dtype)
     saved = []
-    if w.rg:
-        saved.append(xc)
-    if x.rg:
-        saved.append(wc)
-    xshape, xdt, wdt, x_rg, w_rg, b_rg = (
-        xc.shape,
-        xc.dt,
-        wc.dt,
-        xc.rg,
-        wc.rg,
-        bc is not None and bc.rg,
+    if w.requires_grad:
+        saved.append(x_cast)
+    if x.requires_grad:
+        saved.append(w_cast)
+    x_shape, x_dtype, w_dtype, x_needs_grad, w_needs_grad, b_needs_grad = (
+        x_cast.shape,
+        x_cast.dtype,
+        w_cast.dtype,
+        x_cast.requires_grad,
+        w_cast.requires_grad,
+        b_cast is not None and b_cast.requires_grad,
     )
 
-    def bwd(node, g):
-        gw = new(sim, (d_out, d_in), wdt) if w_rg else None
-        gx = new(sim, xshape, xdt) if x_rg else None
-        gb = new(sim, (d_out,), wdt) if b_rg else None
-        return [gx, gw, gb]
+    def backward_fn(node, g):
+        grad_w = new(sim, (d_out, d_in), w_dtype) if w_needs_grad else None
+        grad_x = new(sim, x_shape, x_dtype) if x_needs_grad else None
+        grad_b = new(sim, (d_out,), w_dtype) if b_needs_grad else None
+        return [grad_x, grad_w, grad_b]
 
-    record(sim, out, [xc, wc, bc], saved, bwd)
+    record(sim, out, [x_cast, w_cast, b_cast], saved, backward_fn)
     return out
 
 
-def add(sim: Sim, a: T, b: T) -> T:
-    dt = _promote(a.dt, b.dt)
+def add(sim: Simulator, a: SimTensor, b: SimTensor) -> SimTensor:
+    dtype = _promote(a.dtype, b.dtype)
     shape = _bcast(a.shape, b.shape)
-    out = new(sim, shape, dt, phys=a.phys if a.shape == shape else b.phys)
-    ash, adt, bsh, bdt = a.shape, a.dt, b.shape, b.dt
+    out = new(sim, shape, dtype, layout=a.layout if a.shape == shape else b.layout)
+    a_shape, a_dtype, b_shape, b_dtype = a.shape, a.dtype, b.shape, b.dtype
 
-    def bwd(node, g):
-        def red(sh, d):
+    def backward_fn(node, g):
+        def reduce_to(sh, d):
             if sh != shape:
                 return new(sim, sh, d)
-            if d != g.dt:
+            if d != g.dtype:
                 return new(sim, sh, d)
             return g
 
-        return [red(ash, adt) if a_rg else None, red(bsh, bdt) if b_rg else None]
+        return [
+            reduce_to(a_shape, a_dtype) if a_needs_grad else None,
+            reduce_to(b_shape, b_dtype) if b_needs_grad else None,
+        ]
 
-    a_rg, b_rg = a.rg, b.rg
-    record(sim, out, [a, b], [], bwd)
+    a_needs_grad, b_needs_grad = a.requires_grad, b.requires_grad
+    record(sim, out, [a, b], [], backward_fn)
     return out
 
 
-def add_scalar(sim: Sim, a: T) -> T:
-    out = new(sim, a.shape, a.dt, phys=a.phys)
+def add_scalar(sim: Simulator, a: SimTensor) -> SimTensor:
+    out = new(sim, a.shape, a.dtype, layout=a.layout)
     record(sim, out, [a], [], lambda node, g: [g])
     return out
 
 
-def mul(sim: Sim, a: T, b: T) -> T:
-    """``a * b``: saves b if a needs grad, a if b needs grad; broadcast grads are summed."""
-    dt = _promote(a.dt, b.dt)
+def mul(sim: Simulator, a: SimTensor, b: SimTensor) -> SimTensor:
+    """``a * b``: saves b if a needs grad, a if b needs grad; broadcast grads are
+    summed."""
+    dtype = _promote(a.dtype, b.dtype)
     shape = _bcast(a.shape, b.shape)
-    out = new(sim, shape, dt, phys=a.phys if a.shape == shape else b.phys)
+    out = new(sim, shape, dtype, layout=a.layout if a.shape == shape else b.layout)
     saved = []
-    if a.rg:
+    if a.requires_grad:
         saved.append(b)
-    if b.rg:
+    if b.requires_grad:
         saved.append(a)
-    ash, adt, bsh, bdt, a_rg, b_rg = a.shape, a.dt, b.shape, b.dt, a.rg, b.rg
+    a_shape, a_dtype, b_shape, b_dtype, a_needs_grad, b_needs_grad = (
+        a.shape,
+        a.dtype,
+        b.shape,
+        b.dtype,
+        a.requires_grad,
+        b.requires_grad,
+    )
 
-    def bwd(node, g):
+    def backward_fn(node, g):
         res = []
-        for sh, d, rg in ((ash, adt, a_rg), (bsh, bdt, b_rg)):
-            if not rg:
+        for sh, d, needs_grad in (
+            (a_shape, a_dtype, a_needs_grad),
+            (b_shape, b_dtype, b_needs_grad),
+        ):
+            if not needs_grad:
                 res.append(None)
                 continue
-            full = new(sim, shape, _promote(g.dt, d))
+            full = new(sim, shape, _promote(g.dtype, d))
             if sh != shape:
-                r = new(sim, sh, full.dt)
+                r = new(sim, sh, full.dtype)
                 del full
                 full = r
-            if full.dt != d:
+            if full.dtype != d:
                 full = new(sim, sh, d)
             res.append(full)
         return res
 
-    record(sim, out, [a, b], saved, bwd)
+    record(sim, out, [a, b], saved, backward_fn)
     return out
 
 
-def mul_scalar(sim: Sim, a: T) -> T:
-    out = new(sim, a.shape, a.dt, phys=a.phys)
-    shape, dt = a.shape, a.dt
-    record(sim, out, [a], [], lambda node, g: [new(sim, shape, dt)])
+def mul_scalar(sim: Simulator, a: SimTensor) -> SimTensor:
+    out = new(sim, a.shape, a.dtype, layout=a.layout)
+    shape, dtype = a.shape, a.dtype
+    record(sim, out, [a], [], lambda node, g: [new(sim, shape, dtype)])
     return out
 
 
-def pow2(sim: Sim, x: T) -> T:
-    out = new(sim, x.shape, x.dt, phys=x.phys)
-    shape, dt = x.shape, x.dt
+def pow2(sim: Simulator, x: SimTensor) -> SimTensor:
+    out = new(sim, x.shape, x.dtype, layout=x.layout)
+    shape, dtype = x.shape, x.dtype
 
-    def bwd(node, g):  # grad * 2 * x**1 : pow, mul.Scalar, mul.Tensor
-        t1 = new(sim, shape, dt)
-        t2 = new(sim, shape, dt)
-        r = new(sim, shape, dt)
+    def backward_fn(node, g):  # grad * 2 * x**1 : pow, mul.Scalar, mul.Tensor
+        t1 = new(sim, shape, dtype)
+        t2 = new(sim, shape, dtype)
+        r = new(sim, shape, dtype)
         del t1, t2
         return [r]
 
-    record(sim, out, [x], [x], bwd)
+    record(sim, out, [x], [x], backward_fn)
     return out
 
 
-def mean_last(sim: Sim, x: T) -> T:
-    out = new(sim, x.shape[:-1] + (1,), x.dt)
-    shape, dt = x.shape, x.dt
-    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dt)])
+def mean_last(sim: Simulator, x: SimTensor) -> SimTensor:
+    out = new(sim, x.shape[:-1] + (1,), x.dtype)
+    shape, dtype = x.shape, x.dtype
+    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dtype)])
     return out
 
 
-def rsqrt(sim: Sim, x: T) -> T:
-    out = new(sim, x.shape, x.dt)
-    shape, dt = x.shape, x.dt
+def rsqrt(sim: Simulator, x: SimTensor) -> SimTensor:
+    out = new(sim, x.shape, x.dtype)
+    shape, dtype = x.shape, x.dtype
 
-    def bwd(node, g):  # -0.5 * grad * out**3 : pow, mul.Scalar, mul.Tensor
-        t1 = new(sim, shape, dt)
-        t2 = new(sim, shape, dt)
-        r = new(sim, shape, dt)
+    def backward_fn(node, g):  # -0.5 * grad * out**3 : pow, mul.Scalar, mul.Tensor
+        t1 = new(sim, shape, dtype)
+        t2 = new(sim, shape, dtype)
+        r = new(sim, shape, dtype)
         del t1, t2
         return [r]
 
-    record(sim, out, [x], [], bwd, save_out=True)
+    record(sim, out, [x], [], backward_fn, save_out=True)
     return out
 
 
-def silu(sim: Sim, x: T) -> T:
-    out = new(sim, x.shape, x.dt)
-    shape, dt = x.shape, x.dt
-    record(sim, out, [x], [x], lambda node, g: [new(sim, shape, dt)])
+def silu(sim: Simulator, x: SimTensor) -> SimTensor:
+    out = new(sim, x.shape, x.dtype)
+    shape, dtype = x.shape, x.dtype
+    record(sim, out, [x], [x], lambda node, g: [new(sim, shape, dtype)])
     return out
 
 
-def neg(sim: Sim, x: T) -> T:
-    out = new(sim, x.shape, x.dt, phys=x.phys)
-    shape, dt = x.shape, x.dt
-    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dt)])
+def neg(sim: Simulator, x: SimTensor) -> SimTensor:
+    out = new(sim, x.shape, x.dtype, layout=x.layout)
+    shape, dtype = x.shape, x.dtype
+    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dtype)])
     return out
 
 
-def rotate_half(sim: Sim, x: T) -> T:
+def rotate_half(sim: Simulator, x: SimTensor) -> SimTensor:
     """``cat((-x2, x1), -1)`` with x1, x2 the two halves (slices are views)."""
     half = x.shape[:-1] + (x.shape[-1] // 2,)
-    x1 = view(x, half, x.phys)
-    x2 = view(x, half, x.phys)
-    nx2 = neg(sim, x2)
-    out = new(sim, x.shape, x.dt)
-    n_rg, x1_rg = nx2.rg, x1.rg
+    x1 = view(x, half, x.layout)
+    x2 = view(x, half, x.layout)
+    neg_x2 = neg(sim, x2)
+    out = new(sim, x.shape, x.dtype)
+    neg_needs_grad, x1_needs_grad = neg_x2.requires_grad, x1.requires_grad
 
-    def bwd(node, g):  # cat backward: narrow views of g
-        return [view(g, half) if n_rg else None, view(g, half) if x1_rg else None]
+    def backward_fn(node, g):  # cat backward: narrow views of g
+        return [
+            view(g, half) if neg_needs_grad else None,
+            view(g, half) if x1_needs_grad else None,
+        ]
 
-    record(sim, out, [nx2, x1], [], bwd)
+    record(sim, out, [neg_x2, x1], [], backward_fn)
     return out
 
 
-def clone_contig(sim: Sim, x: T) -> T:
+def clone_contig(sim: Simulator, x: SimTensor) -> SimTensor:
     """``.contiguous()`` / the copy a reshape of a non-contiguous tensor makes."""
-    out = new(sim, x.shape, x.dt, phys="bhsd")
+    out = new(sim, x.shape, x.dtype, layout="bhsd")
     record(sim, out, [x], [], lambda node, g: [g])
     return out
 
 
-def _batch_dims_merge(x: T) -> bool:
-    """Whether ``matmul`` can view the 4-D operand ``x`` as ``(b * heads, m, n)`` (no copy).
+def _batch_dims_merge(x: SimTensor) -> bool:
+    """Whether ``matmul`` can view the 4-D operand ``x`` as ``(b * heads, m, n)`` (no
+    copy).
 
-    Layouts (``x.phys``): ``"bhsd"`` contiguous and ``"t"`` (its last two dims transposed) always
-    merge; ``"bshd"`` (heads interleaved in the projection's rows) only when the batch or the head
-    count is 1; ``"x"`` (a single key/value head expanded over the query heads, stride 0) only
-    when the batch is 1."""
+    Layouts (``x.layout``): ``"bhsd"`` contiguous and ``"t"`` (its last two dims
+    transposed) always merge; ``"bshd"`` (heads interleaved in the projection's rows)
+    only when the batch or the head count is 1; ``"x"`` (a single key/value head
+    expanded over the query heads, stride 0) only when the batch is 1."""
     b, heads = x.shape[0], x.shape[1]
-    if x.phys in ("bhsd", "t"):
+    if x.layout in ("bhsd", "t"):
         return True
-    if x.phys == "x":
+    if x.layout == "x":
         return b == 1
     return b == 1 or heads == 1
 
 
-def repeat_kv(sim: Sim, x: T, heads: int) -> T:
-    """transformers' ``repeat_kv``: ``x[:, :, None].expand(b, kv, n_rep, s, d).reshape(b, heads, s,
-    d)``. With one key/value head the reshape is a view (stride 0 over the heads, layout
-    ``"x"``); otherwise it copies. Backward sums the expanded gradient back to ``(b, kv, s, d)``."""
+def repeat_kv(sim: Simulator, x: SimTensor, heads: int) -> SimTensor:
+    """transformers' ``repeat_kv``: ``x[:, :, None].expand(b, kv, n_rep, s,
+    d).reshape(b, heads, s, d)``. With one key/value head the reshape is a view (stride
+    0 over the heads, layout ``"x"``); otherwise it copies. Backward sums the expanded
+    gradient back to ``(b, kv, s, d)``."""
     b, kv, s, d = x.shape
     if kv == heads:
         return x
     if kv == 1:
-        out = T(x.buf, (b, heads, s, d), x.dt, phys="x")
+        out = SimTensor(x.buffer, (b, heads, s, d), x.dtype, layout="x")
     else:
-        out = new(sim, (b, heads, s, d), x.dt, phys="bhsd")
-    shape, dt = x.shape, x.dt
-    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dt)])
+        out = new(sim, (b, heads, s, d), x.dtype, layout="bhsd")
+    shape, dtype = x.shape, x.dtype
+    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dtype)])
     return out
 
 
-def bmm(sim: Sim, a: T, b: T, out_shape) -> T:
-    """A 4-D ``matmul`` (through ``bmm``): copies an operand whose batch and head dims cannot be
-    merged by a view first (see :func:`_batch_dims_merge`); saves both."""
-    a = _ac(sim, a)
-    b = _ac(sim, b)
+def bmm(sim: Simulator, a: SimTensor, b: SimTensor, out_shape) -> SimTensor:
+    """A 4-D ``matmul`` (through ``bmm``): copies an operand whose batch and head dims
+    cannot be merged by a view first (see :func:`_batch_dims_merge`); saves both."""
+    a = _autocast_input(sim, a)
+    b = _autocast_input(sim, b)
     if not _batch_dims_merge(a):
         a = clone_contig(sim, a)
     if not _batch_dims_merge(b):
         b = clone_contig(sim, b)
-    out = new(sim, out_shape, a.dt, phys="bhsd")
+    out = new(sim, out_shape, a.dtype, layout="bhsd")
     saved = []
-    if a.rg:
+    if a.requires_grad:
         saved.append(b)
-    if b.rg:
+    if b.requires_grad:
         saved.append(a)
-    ash, bsh, dt, a_rg, b_rg = a.shape, b.shape, a.dt, a.rg, b.rg
+    a_shape, b_shape, dtype, a_needs_grad, b_needs_grad = (
+        a.shape,
+        b.shape,
+        a.dtype,
+        a.requires_grad,
+        b.requires_grad,
+    )
 
-    def bwd(node, g):
-        gb = new(sim, bsh, dt, phys="bhsd") if b_rg else None
-        ga = new(sim, ash, dt, phys="bhsd") if a_rg else None
-        return [ga, gb]
+    def backward_fn(node, g):
+        grad_b = new(sim, b_shape, dtype, layout="bhsd") if b_needs_grad else None
+        grad_a = new(sim, a_shape, dtype, layout="bhsd") if a_needs_grad else None
+        return [grad_a, grad_b]
 
-    record(sim, out, [a, b], saved, bwd)
+    record(sim, out, [a, b], saved, backward_fn)
     return out
 
 
-def softmax_fp32(sim: Sim, x: T) -> T:
-    """``softmax(x, dim=-1, dtype=float32)``: ATen converts a 16-bit input first (``x.to(float32)``,
-    its own autograd node and a transient copy), then ``_softmax`` saves its output.  Two nodes, so
-    in backward the fp32 gradient of the scores is converted to 16 bit only after ``_softmax``'s
-    saved output and incoming gradient are released."""
+def softmax_fp32(sim: Simulator, x: SimTensor) -> SimTensor:
+    """``softmax(x, dim=-1, dtype=float32)``: ATen converts a 16-bit input first
+    (``x.to(float32)``, its own autograd node and a transient copy), then ``_softmax``
+    saves its output.  Two nodes, so in backward the fp32 gradient of the scores is
+    converted to 16 bit only after ``_softmax``'s saved output and incoming gradient are
+    released."""
     x = cast(sim, x, "fp32")
-    out = new(sim, x.shape, "fp32", phys="bhsd")
+    out = new(sim, x.shape, "fp32", layout="bhsd")
     shape = x.shape
     record(sim, out, [x], [], lambda node, g: [new(sim, shape, "fp32")], save_out=True)
     return out
 
 
-def sdpa(sim: Sim, q: T, k: T, v: T) -> T:
-    """``scaled_dot_product_attention`` (flash kernel): saves q, k, v, out and logsumexp."""
-    q, k, v = _ac(sim, q), _ac(sim, k), _ac(sim, v)
+def sdpa(sim: Simulator, q: SimTensor, k: SimTensor, v: SimTensor) -> SimTensor:
+    """``scaled_dot_product_attention`` (flash kernel): saves q, k, v, out and
+    logsumexp."""
+    q, k, v = _autocast_input(sim, q), _autocast_input(sim, k), _autocast_input(sim, v)
     b, a, s, d = q.shape
-    out = new(sim, (b, a, s, d), q.dt, phys="bshd")
+    out = new(sim, (b, a, s, d), q.dtype, layout="bshd")
     lse = new(sim, (b, a, s), "fp32")
-    qs, ks, vs, dt = q.shape, k.shape, v.shape, q.dt
-    q_rg, k_rg, v_rg = q.rg, k.rg, v.rg
+    q_shape, k_shape, v_shape, dtype = q.shape, k.shape, v.shape, q.dtype
+    q_needs_grad, k_needs_grad, v_needs_grad = (
+        q.requires_grad,
+        k.requires_grad,
+        v.requires_grad,
+    )
 
-    def bwd(node, g):
-        gq = new(sim, qs, dt, phys="bshd")
-        gk = new(sim, ks, dt, phys="bshd")
-        gv = new(sim, vs, dt, phys="bshd")
-        return [gq if q_rg else None, gk if k_rg else None, gv if v_rg else None]
+    def backward_fn(node, g):
+        grad_q = new(sim, q_shape, dtype, layout="bshd")
+        grad_k = new(sim, k_shape, dtype, layout="bshd")
+        grad_v = new(sim, v_shape, dtype, layout="bshd")
+        return [
+            grad_q if q_needs_grad else None,
+            grad_k if k_needs_grad else None,
+            grad_v if v_needs_grad else None,
+        ]
 
-    record(sim, out, [q, k, v], [q, k, v, lse], bwd, save_out=True)
+    record(sim, out, [q, k, v], [q, k, v, lse], backward_fn, save_out=True)
     return out
 
 
-def embedding(sim: Sim, ids: T, w: T) -> T:
+def embedding(sim: Simulator, ids: SimTensor, w: SimTensor) -> SimTensor:
     b, s = ids.shape
-    out = new(sim, (b, s, w.shape[1]), w.dt)
-    wshape, wdt = w.shape, w.dt
-    record(sim, out, [None, w], [ids], lambda node, g: [None, new(sim, wshape, wdt)])
+    out = new(sim, (b, s, w.shape[1]), w.dtype)
+    w_shape, w_dtype = w.shape, w.dtype
+    record(
+        sim, out, [None, w], [ids], lambda node, g: [None, new(sim, w_shape, w_dtype)]
+    )
     return out
 
 
-def log_softmax(sim: Sim, x: T) -> T:
-    out = new(sim, x.shape, x.dt)
-    shape, dt = x.shape, x.dt
-    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dt)], save_out=True)
+def log_softmax(sim: Simulator, x: SimTensor) -> SimTensor:
+    out = new(sim, x.shape, x.dtype)
+    shape, dtype = x.shape, x.dtype
+    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dtype)], save_out=True)
     return out
 
 
-def nll_loss(sim: Sim, logp: T, target: T) -> T:
+def nll_loss(sim: Simulator, logp: SimTensor, target: SimTensor) -> SimTensor:
     out = new(sim, (), "fp32")
     total_weight = new(sim, (), "fp32")
-    shape, dt = logp.shape, logp.dt
+    shape, dtype = logp.shape, logp.dtype
     record(
-        sim, out, [logp], [target, total_weight], lambda node, g: [new(sim, shape, dt)]
+        sim,
+        out,
+        [logp],
+        [target, total_weight],
+        lambda node, g: [new(sim, shape, dtype)],
     )
     return out

@@ -1,25 +1,27 @@
-"""One training step replayed: parameter layouts (full, LoRA, QLoRA, ZeRO stages, mixed precision),
-optimizer states and the optimizer's scratch, forward and backward per micro-batch."""
+"""One training step replayed: parameter layouts (full, LoRA, QLoRA, ZeRO stages, mixed
+precision), optimizer states and the optimizer's scratch, forward and backward per
+micro-batch."""
 
 from __future__ import annotations
 
 import math
 
-from .accounting import ITEMSIZE, T, Sim, new, shrink
+from .accounting import ITEMSIZE, SimTensor, Simulator, new, shrink
 from .autograd import backward
 from .llama import build_params, llama_loss, trainable_params
 from .ops import mul_scalar
 
 
-def adamw_step_scratch(sim: Sim, sizes: list[int], impl: str) -> None:
-    """The scratch tensors torch's AdamW allocates in ``step()`` (``sizes``: bytes of each
-    parameter's ``exp_avg_sq``, in the optimizer's parameter order).
+def adamw_step_scratch(sim: Simulator, sizes: list[int], impl: str) -> None:
+    """The scratch tensors torch's AdamW allocates in ``step()`` (``sizes``: bytes of
+    each parameter's ``exp_avg_sq``, in the optimizer's parameter order).
 
-    * ``foreach`` (``_multi_tensor_adam``): ``torch.tensor(1.0)`` for the step count, then
-      ``_foreach_sqrt(exp_avg_sq)``: one copy of every state at once.
-    * ``for-loop`` (``_single_tensor_adam``): per parameter ``denom = (exp_avg_sq.sqrt() / bc)
-      .add_(eps)`` — the ``sqrt`` and the quotient coexist, and the previous parameter's ``denom``
-      is released only when the name is rebound, after the new one exists.
+    * ``foreach`` (``_multi_tensor_adam``): ``torch.tensor(1.0)`` for the step count,
+      then ``_foreach_sqrt(exp_avg_sq)``: one copy of every state at once.
+    * ``for-loop`` (``_single_tensor_adam``): per parameter ``denom = (exp_avg_sq.sqrt()
+      / bc) .add_(eps)`` — the ``sqrt`` and the quotient coexist, and the previous
+      parameter's ``denom`` is released only when the name is rebound, after the new one
+      exists.
     * ``fused`` (``_fused_adamw_``): updates in place, no scratch.
     """
     if impl == "foreach":
@@ -37,170 +39,195 @@ def adamw_step_scratch(sim: Sim, sizes: list[int], impl: str) -> None:
         del denom
 
 
-def simulate_step(
-    shape,
-    *,
-    method="full",
-    precision="fp32",
-    optimizer="adamw",
-    batch=1,
-    seq=512,
-    lora_rank=8,
-    lora_targets=("q_proj", "v_proj"),
-    lora_dtype=None,
-    checkpointing=False,
-    attn="sdpa",
-    grad_accum=1,
-    zero=0,
-    gpus=1,
-    qlora_double_quant=True,
-    optimizer_impl="foreach",
-) -> dict:
-    """Replay step 2 of training (states exist, grads start as None) and return bytes:
-    ``peak``, ``breakdown`` (categories at the peak), ``activations`` (forward-allocated bytes alive
-    at the end of the forward pass), ``model_states`` (weights + gradients + optimizer states +
-    master weights when the optimizer step starts), ``phase_peaks``."""
-    if shape.arch != "llama":
-        raise NotImplementedError("the step replay models Llama-family decoders")
-    sim = Sim()
-    sim.set_phase("idle")
-    # ZeRO >= 1 with mixed precision: DeepSpeed's layout (the ZeRO paper's), not torch AMP's. The
-    # module is cast to the 16-bit dtype (weights, grads 2 B/param; no autocast), the optimizer
-    # holds fp32 master weights and fp32 states for its shard only.
-    zero_mp = (
-        {"fp16-amp": "fp16", "bf16-amp": "bf16"}.get(precision) if zero >= 1 else None
-    )
-    # QLoRA (bitsandbytes ``load_in_4bit`` with a 16-bit ``torch_dtype``): only the Linear layers
-    # inside the decoder blocks are NF4; embeddings, norms and lm_head stay in the 16-bit dtype.
-    base16 = None
-    if method == "qlora" and not zero_mp:
-        base16 = "fp16" if precision == "fp16-amp" else "bf16"
-    M = build_params(
+_HALF = {"fp16-amp": "fp16", "bf16-amp": "bf16"}  # the 16-bit dtype of a precision
+
+
+def _build_model(sim: Simulator, shape, step, zero_dtype):
+    """The parameters (and buffers) of the model, QLoRA's base weights quantized;
+    returns the model dict and its trainable parameters."""
+    # QLoRA (bitsandbytes ``load_in_4bit`` with a 16-bit ``torch_dtype``): only the
+    # Linear layers inside the decoder blocks are NF4; embeddings, norms and lm_head
+    # stay in the 16-bit dtype.
+    qlora_base_dtype = None
+    if step.method == "qlora" and not zero_dtype:
+        qlora_base_dtype = "fp16" if step.precision == "fp16-amp" else "bf16"
+    model = build_params(
         sim,
         shape,
-        method=method,
-        precision=precision,
-        lora_rank=lora_rank,
-        lora_targets=tuple(lora_targets),
-        lora_dtype=lora_dtype,
-        param_dtype=zero_mp,
-        base_dtype=base16,
+        method=step.method,
+        precision=step.precision,
+        lora_rank=step.lora_rank,
+        lora_targets=step.lora_targets,
+        lora_dtype=step.lora_dtype,
+        param_dtype=zero_dtype,
+        base_dtype=qlora_base_dtype,
     )
-    params = trainable_params(M)
-    if method == "qlora":
-        # NF4: 4 bits per weight + one fp32 absmax per 64 weights, or (double quantization) an
-        # 8-bit absmax per 64 weights + one fp32 constant per 256 blocks.
-        per = 0.5 + ((1 / 64 + 4 / (64 * 256)) if qlora_double_quant else 4 / 64)
-        for L in M["layers"]:
-            for name, lin in L.items():
-                if isinstance(lin, dict) and "w" in lin:
-                    w = lin["w"]
-                    shrink(sim, w.buf, per / ITEMSIZE[w.dt])
-                    lin["q"] = True
-    shard = 1.0 / gpus
+    if step.method == "qlora":
+        # NF4: 4 bits per weight + one fp32 absmax per 64 weights, or (double
+        # quantization) an 8-bit absmax per 64 weights + one fp32 constant per 256
+        # blocks.
+        double_quant = (1 / 64 + 4 / (64 * 256)) if step.qlora_double_quant else 4 / 64
+        bytes_per_weight = 0.5 + double_quant
+        for layer in model["layers"]:
+            for linear in layer.values():
+                if isinstance(linear, dict) and "w" in linear:
+                    weight = linear["w"]
+                    shrink(
+                        sim, weight.buffer, bytes_per_weight / ITEMSIZE[weight.dtype]
+                    )
+                    linear["q"] = True
+    return model, trainable_params(model)
+
+
+def _layer_tensors(layer: dict) -> list[SimTensor]:
+    """The tensors of one decoder layer: its Linear weights, biases, adapters, norms."""
+    tensors = [
+        t
+        for linear in layer.values()
+        if isinstance(linear, dict)
+        for t in linear.values()
+        if isinstance(t, SimTensor)
+    ]
+    return tensors + [t for t in layer.values() if isinstance(t, SimTensor)]
+
+
+def _shard_for_zero(sim: Simulator, model: dict, params: list, step, zero_dtype):
+    """ZeRO partitioning over ``step.gpus``: the optimizer's fp32 master copies
+    (DeepSpeed layout) and the master weights from stage 1, gradients from 2, weights
+    from 3 (plus one all-gathered layer). Returns the master copies and the gathered
+    layer's buffer, which live until the step ends."""
+    shard = 1.0 / step.gpus
     masters = []
     gathered_layer = None
-    if zero_mp:
-        masters = [new(sim, p.shape, "fp32", cat="master_weights") for p in params]
-        for m in masters:
-            shrink(sim, m.buf, shard)
-    if zero >= 1:
+    if zero_dtype:
+        masters = [new(sim, p.shape, "fp32", category="master_weights") for p in params]
+        for master in masters:
+            shrink(sim, master.buffer, shard)
+    if step.zero >= 1:
         for p in params:
-            if p.buf.cat == "master_weights":
-                shrink(sim, p.buf, shard)
-    if zero >= 3:
-        for p in trainable_params(M) + [
+            if p.buffer.category == "master_weights":
+                shrink(sim, p.buffer, shard)
+    if step.zero >= 3:
+        frozen = [
             w
-            for L in M["layers"]
-            for lin in L.values()
-            if isinstance(lin, dict)
-            for w in lin.values()
-            if isinstance(w, T) and not w.rg
-        ]:
-            if p.buf.cat == "weights":
-                shrink(sim, p.buf, shard)
+            for layer in model["layers"]
+            for linear in layer.values()
+            if isinstance(linear, dict)
+            for w in linear.values()
+            if isinstance(w, SimTensor) and not w.requires_grad
+        ]
+        for p in trainable_params(model) + frozen:
+            if p.buffer.category == "weights":
+                shrink(sim, p.buffer, shard)
         # the layer being computed is all-gathered (FSDP/ZeRO-3 prefetch ignored)
-        layer_bytes = sum(
-            w.nbytes
-            for lin in M["layers"][0].values()
-            if isinstance(lin, dict)
-            for w in lin.values()
-            if isinstance(w, T)
-        )
-        layer_bytes += sum(
-            t.nbytes for t in M["layers"][0].values() if isinstance(t, T)
-        )
-        gathered_layer = sim.alloc(layer_bytes, "weights")  # held until the step ends
+        layer_bytes = sum(t.nbytes for t in _layer_tensors(model["layers"][0]))
+        gathered_layer = sim.alloc(layer_bytes, "weights")
         sim.param_cast_scale = shard
-    sim.grad_scale = shard if zero >= 2 else 1.0
-    # optimizer states (created in step 1; fp32, like the master weights, under zero_mp)
+    sim.grad_scale = shard if step.zero >= 2 else 1.0
+    return masters, gathered_layer
+
+
+def _optimizer_states(sim: Simulator, params: list, step, state_dtype) -> list:
+    """The optimizer states created in step 1 (``state_dtype`` ``None``: each
+    parameter's own dtype), sharded under ZeRO."""
     states = []
-    sdt = "fp32" if zero_mp else None
+
+    def state(shape, dtype):
+        return new(sim, shape, dtype, category="optimizer_states")
+
     for p in params:
-        if optimizer == "adamw8bit":
+        if step.optimizer == "adamw8bit":
             if p.numel >= 4096:  # bitsandbytes keeps small tensors in 32-bit states
+                blocks = (2 * math.ceil(p.numel / 256),)
                 states += [
-                    new(sim, p.shape, "bool", cat="optimizer_states"),
-                    new(sim, p.shape, "bool", cat="optimizer_states"),
-                    new(
-                        sim,
-                        (2 * math.ceil(p.numel / 256),),
-                        "fp32",
-                        cat="optimizer_states",
-                    ),
+                    state(p.shape, "bool"),
+                    state(p.shape, "bool"),
+                    state(blocks, "fp32"),
                 ]
             else:
-                states += [
-                    new(sim, p.shape, "fp32", cat="optimizer_states"),
-                    new(sim, p.shape, "fp32", cat="optimizer_states"),
-                ]
-            states.append(new(sim, (), "fp32", cat="optimizer_states"))
-        elif optimizer == "adamw":
-            states += [
-                new(sim, p.shape, sdt or p.dt, cat="optimizer_states"),
-                new(sim, p.shape, sdt or p.dt, cat="optimizer_states"),
-            ]
-            states.append(new(sim, (), "fp32", cat="optimizer_states"))  # step
-        elif optimizer == "sgd-momentum":
-            states.append(new(sim, p.shape, sdt or p.dt, cat="optimizer_states"))
-    if zero >= 1:
+                states += [state(p.shape, "fp32"), state(p.shape, "fp32")]
+            states.append(state((), "fp32"))
+        elif step.optimizer == "adamw":
+            dtype = state_dtype or p.dtype
+            states += [state(p.shape, dtype), state(p.shape, dtype)]
+            states.append(state((), "fp32"))  # step
+        elif step.optimizer == "sgd-momentum":
+            states.append(state(p.shape, state_dtype or p.dtype))
+    if step.zero >= 1:
         for st in states:
-            shrink(sim, st.buf, shard)
-    ids = new(sim, (batch, seq), "i64", cat="activations")
-    labels = new(sim, (batch, seq), "i64", cat="activations")
-    sim.peak = sim.cur
-    sim.peak_by = dict(sim.by)
-    sim.phase_peaks = {}
+            shrink(sim, st.buffer, 1.0 / step.gpus)
+    return states
+
+
+def _forward_backward(sim: Simulator, model: dict, shape, step, autocast, batch) -> int:
+    """The ``grad_accum`` micro-batches of the step (forward, loss scaling, backward);
+    returns the forward-allocated bytes alive at the end of the (last) forward pass."""
+    ids, labels = batch
     cfg = {
         "heads": shape.heads,
         "kv_heads": shape.kv_heads,
         "head_dim": shape.head_dim,
-        "attn": attn,
-        "checkpointing": checkpointing,
+        "attn": step.attn_memory,
+        "checkpointing": step.checkpointing,
     }
-    amp = None if zero_mp else {"fp16-amp": "fp16", "bf16-amp": "bf16"}.get(precision)
-    act_end = 0
-    for _ in range(grad_accum):
+    activations_at_end = 0
+    for _ in range(step.grad_accum):
         sim.set_phase("forward")
-        sim.autocast = amp
-        loss = llama_loss(sim, M, ids, labels, cfg)
+        sim.autocast = autocast
+        loss = llama_loss(sim, model, ids, labels, cfg)
         sim.autocast = None
         sim.autocast_cache = []  # leaving torch.autocast clears its cache
-        if grad_accum > 1:
+        if step.grad_accum > 1:
             loss = mul_scalar(sim, loss)
-        if precision == "fp16-amp":
+        if step.precision == "fp16-amp":
             loss = mul_scalar(sim, loss)  # GradScaler.scale(loss)
         sim.mark("forward_end")
-        act_end = sim.marks["forward_end"]["activations"]
+        activations_at_end = sim.marks["forward_end"]["activations"]
         sim.set_phase("backward")
         backward(sim, loss)
         del loss
+    return activations_at_end
+
+
+def simulate_step(shape, step) -> dict:
+    """Replay step 2 of training (states exist, grads start as None) of the model
+    ``shape`` (:class:`trainmem.config.Shape`) with the options ``step``
+    (:class:`trainmem.config.StepConfig`), and return bytes: ``peak``, ``breakdown``
+    (categories at the peak), ``activations`` (forward-allocated bytes alive at the end
+    of the forward pass), ``model_states`` (weights + gradients + optimizer states +
+    master weights when the optimizer step starts), ``phase_peaks``."""
+    if shape.arch != "llama":
+        raise NotImplementedError("the step replay models Llama-family decoders")
+    sim = Simulator()
+    sim.set_phase("idle")
+    # ZeRO >= 1 with mixed precision: DeepSpeed's layout (the ZeRO paper's), not torch
+    # AMP's. The module is cast to the 16-bit dtype (weights, grads 2 B/param; no
+    # autocast), the optimizer holds fp32 master weights and fp32 states for its shard
+    # only.
+    zero_dtype = _HALF.get(step.precision) if step.zero >= 1 else None
+    model, params = _build_model(sim, shape, step, zero_dtype)
+    masters, gathered_layer = _shard_for_zero(sim, model, params, step, zero_dtype)
+    # fp32 states, like the master weights, under the ZeRO layout
+    state_dtype = "fp32" if zero_dtype else None
+    states = _optimizer_states(sim, params, step, state_dtype)
+    ids = new(sim, (step.batch, step.seq), "i64", category="activations")
+    labels = new(sim, (step.batch, step.seq), "i64", category="activations")
+    sim.peak = sim.live
+    sim.peak_by_category = dict(sim.live_by_category)
+    sim.phase_peaks = {}
+    autocast = None if zero_dtype else _HALF.get(step.precision)
+    activations_at_end = _forward_backward(
+        sim, model, shape, step, autocast, (ids, labels)
+    )
     sim.set_phase("optimizer")
     sim.mark("optimizer_start")
-    if optimizer == "adamw":
-        part = shard if zero >= 1 else 1.0
-        sizes = [int(math.ceil(p.numel * ITEMSIZE[sdt or p.dt] * part)) for p in params]
-        adamw_step_scratch(sim, sizes, optimizer_impl)
+    if step.optimizer == "adamw":
+        part = 1.0 / step.gpus if step.zero >= 1 else 1.0
+        sizes = [
+            int(math.ceil(p.numel * ITEMSIZE[state_dtype or p.dtype] * part))
+            for p in params
+        ]
+        adamw_step_scratch(sim, sizes, step.optimizer_impl)
     del masters, gathered_layer
     sim.set_phase("idle")
     at_step = sim.marks["optimizer_start"]
@@ -208,10 +235,11 @@ def simulate_step(
         at_step[k]
         for k in ("weights", "gradients", "optimizer_states", "master_weights")
     )
+    del states, ids, labels
     return {
         "peak": sim.peak,
-        "breakdown": dict(sim.peak_by),
-        "activations": act_end,
+        "breakdown": dict(sim.peak_by_category),
+        "activations": activations_at_end,
         "model_states": model_states,
         "phase_peaks": {
             k: v

@@ -1,0 +1,249 @@
+"""The estimator from what a Hugging Face ``Trainer`` user has: a model config,
+``TrainingArguments`` (or ``trl.SFTConfig``) and a peft ``LoraConfig``.
+
+:func:`hf_options` turns them into :func:`trainmem.estimate.estimate`'s options;
+:func:`estimate_from_hf` runs the estimate (CLI: ``python -m trainmem hf``). Both are
+re-exported by :mod:`trainmem.estimate`. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from .config import ATTN_IMPLS, OptionError, load_model_config
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .estimate import MemoryEstimate
+
+#: ``TrainingArguments.optim`` -> (optimizer, optimizer_impl). Trainer builds
+#: ``torch.optim.AdamW`` with ``fused=True`` for ``adamw_torch_fused`` (the default of
+#: transformers 5 with torch >= 2.8) and with no implementation flag for
+#: ``adamw_torch``, which on CUDA is ``foreach``.
+HF_OPTIMS = {
+    "adamw_torch_fused": ("adamw", "fused"),
+    "adamw_torch": ("adamw", "foreach"),
+    "adamw_bnb_8bit": ("adamw8bit", "foreach"),
+    "adamw_8bit": ("adamw8bit", "foreach"),
+    "paged_adamw_8bit": ("adamw8bit", "foreach"),
+    "sgd": ("sgd", "foreach"),
+}
+#: target_modules="all-linear": every Linear of the decoder blocks (peft leaves lm_head
+#: out)
+ALL_LINEAR = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+_HF_NAMES = {
+    "lora_rank": ("peft_config", "r"),
+    "lora_targets": ("peft_config", "target_modules"),
+    "batch": ("training_args", "per_device_train_batch_size"),
+    "grad_accum": ("training_args", "gradient_accumulation_steps"),
+}
+
+
+def hf_field(obj, name: str, default=None):
+    """``obj.name`` or ``obj[name]``: a field of a Hugging Face object or of the dict of
+    its JSON file alike (``default`` when ``obj`` is ``None`` or lacks the field)."""
+    if obj is None:
+        return default
+    if isinstance(obj, dict):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def hf_options(
+    model: Any,
+    training_args: Any = None,
+    peft_config: Any = None,
+    *,
+    seq: int | None = None,
+    quantization_config: Any = None,
+) -> dict[str, Any]:
+    """The :func:`estimate` keyword arguments a Hugging Face ``Trainer`` run corresponds
+    to.
+
+    ``training_args``: a ``transformers.TrainingArguments`` (or ``trl.SFTConfig``), or a
+    dict of its fields (its JSON); ``None`` means Trainer's defaults. Read: ``optim``
+    (see :data:`HF_OPTIMS`), ``bf16``/``fp16`` (autocast over the fp32 weights:
+    ``bf16-amp``/ ``fp16-amp``; neither: ``fp32``), ``gradient_checkpointing`` or
+    ``activation_checkpointing`` (transformers 5's name; non-reentrant, its default),
+    ``per_device_train_batch_size``, ``gradient_accumulation_steps`` and, for
+    ``SFTConfig``, ``max_length`` (``max_seq_length`` in older trl). ``peft_config``: a
+    ``peft.LoraConfig`` or its ``adapter_config.json`` dict (``r``, ``lora_alpha``,
+    ``target_modules``; ``"all-linear"`` allowed), ``None`` for full fine-tuning. A
+    4-bit ``quantization_config`` (``BitsAndBytesConfig(load_in_4bit=True, ...)``, or
+    the model config's own) makes it QLoRA. ``seq``: tokens per sequence, when the
+    arguments do not fix a length.
+
+    Raises ``ValueError`` naming the field and the allowed values.
+    """
+    opts = _training_options(training_args, seq)
+    attn = hf_field(model, "_attn_implementation", None) or hf_field(
+        model, "attn_implementation", None
+    )
+    if attn in ATTN_IMPLS:
+        opts["attn"] = attn
+    elif attn in ("flash_attention_2", "flash_attention_3"):
+        opts["attn"] = "flash"
+    quant = (
+        quantization_config
+        if quantization_config is not None
+        else hf_field(model, "quantization_config", None)
+    )
+    four_bit = bool(hf_field(quant, "load_in_4bit", False))
+    if peft_config is not None:
+        opts.update(_lora_options(peft_config))
+        if four_bit:
+            opts["method"] = "qlora"
+            opts["qlora_double_quant"] = bool(
+                hf_field(quant, "bnb_4bit_use_double_quant", False)
+            )
+    elif four_bit:
+        raise OptionError(
+            "peft_config",
+            "a 4-bit quantized model needs a peft_config (QLoRA): full fine-tuning "
+            "of 4-bit weights is not possible",
+        )
+    return opts
+
+
+def _training_options(training_args: Any, seq: int | None) -> dict[str, Any]:
+    """The options ``TrainingArguments`` (and ``seq``) fix; see :func:`hf_options`."""
+    optim = hf_field(training_args, "optim", "adamw_torch_fused")
+    optim = str(getattr(optim, "value", optim))  # OptimizerNames -> its string
+    if optim not in HF_OPTIMS:
+        raise OptionError(
+            "training_args",
+            f"optim must be one of {', '.join(HF_OPTIMS)}, got {optim!r}",
+        )
+    optimizer, impl = HF_OPTIMS[optim]
+    bf16 = bool(hf_field(training_args, "bf16", False))
+    fp16 = bool(hf_field(training_args, "fp16", False))
+    if bf16 and fp16:
+        raise OptionError(
+            "training_args",
+            "bf16 and fp16 cannot both be set in the training arguments",
+        )
+    precision = "bf16-amp" if bf16 else ("fp16-amp" if fp16 else "fp32")
+    # transformers 5 renames gradient_checkpointing to activation_checkpointing (keeps
+    # both)
+    checkpointing = bool(
+        hf_field(training_args, "activation_checkpointing", False)
+        or hf_field(training_args, "gradient_checkpointing", False)
+    )
+    checkpointing_kwargs = (
+        hf_field(training_args, "activation_checkpointing_kwargs", None)
+        or hf_field(training_args, "gradient_checkpointing_kwargs", None)
+        or {}
+    )
+    if checkpointing and checkpointing_kwargs.get("use_reentrant", False):
+        raise OptionError(
+            "training_args",
+            "gradient_checkpointing_kwargs: use_reentrant=True is not modelled; "
+            "allowed: use_reentrant=False (the default of transformers 5)",
+        )
+    length = seq
+    if length is None:
+        length = hf_field(training_args, "max_length", None) or hf_field(
+            training_args, "max_seq_length", None
+        )
+    if length is None:
+        raise OptionError(
+            "seq",
+            "seq must be given (tokens per sequence): the training arguments set no "
+            "max_length",
+        )
+    return dict(
+        method="full",
+        precision=precision,
+        optimizer=optimizer,
+        optimizer_impl=impl,
+        batch=hf_field(training_args, "per_device_train_batch_size", 8),
+        seq=length,
+        grad_accum=hf_field(training_args, "gradient_accumulation_steps", 1),
+        checkpointing=checkpointing,
+    )
+
+
+def _lora_options(peft_config: Any) -> dict[str, Any]:
+    """The LoRA options of a peft ``LoraConfig`` or its dict; see :func:`hf_options`."""
+    peft_type = hf_field(peft_config, "peft_type", "LORA")
+    peft_type = str(peft_type).split(".")[-1].upper()
+    if peft_type != "LORA":
+        raise OptionError(
+            "peft_config", f"peft_config: peft_type must be LORA, got {peft_type!r}"
+        )
+    if hf_field(peft_config, "use_dora", False):
+        raise OptionError(
+            "peft_config",
+            "peft_config: use_dora=True is not modelled; allowed: use_dora=False",
+        )
+    targets = hf_field(peft_config, "target_modules", None)
+    if targets is None:
+        targets = ("q_proj", "v_proj")  # peft's default for Llama-family models
+    elif isinstance(targets, str):
+        targets = ALL_LINEAR if targets == "all-linear" else (targets,)
+    return dict(
+        method="lora",
+        lora_rank=hf_field(peft_config, "r", 8),
+        lora_alpha=hf_field(peft_config, "lora_alpha", 8),
+        lora_targets=tuple(sorted(targets, key=lambda t: (ALL_LINEAR + (t,)).index(t))),
+    )
+
+
+def estimate_from_hf(
+    model: Any,
+    training_args: Any = None,
+    peft_config: Any = None,
+    *,
+    seq: int | None = None,
+    quantization_config: Any = None,
+    **overrides: Any,
+) -> "MemoryEstimate":
+    """:func:`estimate` from a model config, ``TrainingArguments`` and a ``LoraConfig``.
+
+    ``model``: a preset name, a ``config.json`` path or dict, or a ``transformers``
+    config. The other arguments are those of :func:`hf_options`; ``overrides`` are
+    passed to :func:`estimate` last (e.g. ``precision="bf16"`` for a model loaded in
+    bf16, ``zero``, ``gpus``). Example::
+
+        from transformers import AutoConfig, TrainingArguments
+        from peft import LoraConfig
+        est = estimate_from_hf(AutoConfig.from_pretrained(path),
+                               TrainingArguments("out", bf16=True,
+                               gradient_checkpointing=True,
+                                                 per_device_train_batch_size=4),
+                               LoraConfig(r=16, target_modules="all-linear"), seq=1024)
+    """
+    if isinstance(model, dict) or (
+        isinstance(model, str) and (model.endswith(".json") or os.path.sep in model)
+    ):
+        model = load_model_config(model)  # a preset name stays a name (its exact shape)
+    opts = hf_options(
+        model,
+        training_args,
+        peft_config,
+        seq=seq,
+        quantization_config=quantization_config,
+    )
+    opts.update(overrides)
+    from .estimate import estimate
+
+    try:
+        est = estimate(model, **opts)
+    except OptionError as e:  # name the Hugging Face field the bad value came from
+        if e.option in _HF_NAMES and e.option not in overrides:
+            source, field_name = _HF_NAMES[e.option]
+            rest = str(e)[len(e.option) :] if str(e).startswith(e.option) else f": {e}"
+            raise OptionError(source, f"{source} {field_name}{rest}") from None
+        raise
+    est.options["source"] = "hf"
+    return est

@@ -1,0 +1,160 @@
+"""The same training step as :func:`trainmem.measure.measure`, measured by torch's own
+``MemTracker`` instead of :class:`trainmem.tracker.MemoryTracker`: the independent
+second measurement of ``benchmarks/memory_accuracy.py`` (re-exported by
+:mod:`trainmem.measure`)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from .config import StepConfig, load_model_config, model_shape
+from .training_setup import build_training_setup, until_states_exist
+
+
+@contextlib.contextmanager
+def _acyclic_module_hooks():
+    """Keep MemTracker's module tracker from keeping the autograd graph alive (see
+    :func:`measure_memtracker`).
+
+    ``ModTracker`` calls ``register_multi_grad_hook(tensors, fn)`` (mode ``"all"``) on
+    the tensors that enter each module. That hook's closure holds the ``grad_fn`` (or,
+    for a leaf, the ``AccumulateGrad`` node) of every tensor, and the hook is stored on
+    those same nodes: a cycle through C++ that Python's collector cannot free. The
+    graph's nodes outlive the step, and with them any leaf that is not a parameter — the
+    embedding output that gradient checkpointing marks ``requires_grad_()`` under LoRA —
+    and its ``.grad``. Mode ``"any"`` holds no node, so the hooks are registered in that
+    mode; they only tell MemTracker which module backward is in (its per-module labels),
+    not how many bytes are alive."""
+    from torch.distributed._tools import mod_tracker
+
+    orig = mod_tracker.register_multi_grad_hook
+
+    def hook_any(tensors, fn, mode="all"):
+        return orig(tensors, fn, mode="any")
+
+    mod_tracker.register_multi_grad_hook = hook_any
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = orig
+
+
+class _NoHook:
+    """A hook handle with nothing to remove (see :func:`measure_memtracker`)."""
+
+    def remove(self) -> None:
+        pass
+
+
+def measure_memtracker(
+    model: Any = "tiny",
+    *,
+    method: str = "full",
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    batch: int = 1,
+    seq: int = 512,
+    lora_rank: int = 8,
+    lora_alpha: int = 16,
+    lora_targets=("q_proj", "v_proj"),
+    lora_dtype: str | None = None,
+    checkpointing: bool = False,
+    attn: str = "sdpa",
+    grad_accum: int = 1,
+    optimizer_impl: str = "foreach",
+    seed: int = 0,
+) -> int:
+    """Peak bytes of the same training step measured by torch's own tracker instead of
+    ours.
+
+    ``torch.distributed._tools.mem_tracker.MemTracker`` (also a ``TorchDispatchMode``,
+    written independently of :class:`trainmem.tracker.MemoryTracker`) watches the 2nd of
+    two steps of the model, optimizer and batch :func:`measure` builds (real CPU
+    tensors; the model, optimizer and batch are registered with ``track_external``).
+    Returns its peak total (bytes): the second measurement of
+    ``benchmarks/memory_accuracy.py``.
+
+    Two adjustments make MemTracker measure the same program as a plain training loop,
+    not the loop with MemTracker attached: its module tracker's multi-grad hooks (mode
+    ``"all"``) form a reference cycle through the autograd graph that ``gc`` cannot
+    free, which keeps the frozen embedding's output — a leaf that requires grad under
+    LoRA + gradient checkpointing — and its ``.grad`` alive after backward, once per
+    forward; they are registered in mode ``"any"`` (:func:`_acyclic_module_hooks`). And
+    MemTracker hooks every parameter it meets, which torch refuses for frozen ones;
+    those are marked as hooked already."""
+    import gc
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    step = StepConfig(
+        method=method,
+        precision=precision,
+        optimizer=optimizer,
+        optimizer_impl=optimizer_impl,
+        batch=batch,
+        seq=seq,
+        grad_accum=grad_accum,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_targets=lora_targets,
+        lora_dtype=lora_dtype,
+        checkpointing=checkpointing,
+        attn=attn,
+    )
+    config = load_model_config(model)
+    step.check_model(model_shape(config))
+    torch.manual_seed(seed)
+    net, opt = build_training_setup(config, step, device="cpu")
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    inputs = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
+    labels = inputs.clone()
+    amp = precision in ("fp16-amp", "bf16-amp")
+    amp_dtype = torch.float16 if precision == "fp16-amp" else torch.bfloat16
+    scaler = (
+        torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        if precision == "fp16-amp"
+        else None
+    )
+
+    def train_step(tracker=None):
+        for _ in range(grad_accum):
+            if tracker is not None:
+                tracker.reset_mod_stats()  # MemTracker refuses a 2nd root forward else
+            autocast = (
+                torch.autocast("cpu", dtype=amp_dtype)
+                if amp
+                else contextlib.nullcontext()
+            )
+            with autocast:
+                loss = net(input_ids=inputs, labels=labels, use_cache=False).loss
+            if grad_accum > 1:
+                loss = loss / grad_accum
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            del loss
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    train_step()
+    until_states_exist(train_step, opt)
+    gc.collect()
+    tracker = MemTracker()
+    # MemTracker installs a gradient hook on every parameter it meets, which torch
+    # refuses for a frozen one (LoRA's base weights): mark those as already hooked
+    # (handles with no effect).
+    for p in net.parameters():
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+    tracker.track_external(net, opt, inputs, labels)
+    with tracker, _acyclic_module_hooks():
+        train_step(tracker)
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    tracker = net = opt = None  # free the step's tensors
+    gc.collect()
+    return int(peak)

@@ -1,0 +1,157 @@
+"""The model, optimizer and batch that :mod:`trainmem.measure` trains, built the same
+way for every device (real CPU or CUDA tensors, or fake tensors for 7B shapes)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .config import OptionError, StepConfig
+from .models import build_model
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_training_setup(
+    config, step: StepConfig, *, device: str = "cpu", lr: float = 1e-4
+):
+    """Model (train mode) and optimizer exactly as :func:`trainmem.measure.measure` runs
+    them: ``config`` a model config, ``step`` the options of the training step."""
+    model = build_model(config, device=device, attn_implementation=step.attn)
+    if step.precision == "bf16":
+        model = model.to(torch.bfloat16)
+    if step.method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lora_config = LoraConfig(
+            r=step.lora_rank,
+            lora_alpha=step.lora_alpha,
+            target_modules=list(step.lora_targets),
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora_config)
+        if step.lora_dtype is not None:
+            dtype = _DTYPES[step.lora_dtype]
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.data = param.data.to(dtype)
+    if step.checkpointing:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+    model.train()
+    return model, make_optimizer(model, step.optimizer, lr, step.optimizer_impl)
+
+
+@contextlib.contextmanager
+def real_mask_decisions(active: bool):
+    """transformers treats fake tensors as "tracing" and then materialises the causal
+    mask that a real run skips (SDPA ``is_causal``). Make the fake run take the real
+    run's decisions."""
+    if not active:
+        yield
+        return
+    from transformers import masking_utils
+
+    orig = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
+    if orig is None:  # pragma: no cover - other transformers versions
+        yield
+        return
+
+    def ignore(padding_mask, q_length, kv_length, *args, **kwargs):
+        local = kwargs.get("local_attention_size", args[2] if len(args) > 2 else None)
+        if (
+            padding_mask is None
+            and q_length == kv_length
+            and (local is None or kv_length < local)
+        ):
+            return True  # what the real (non-fake) run decides
+        return orig(padding_mask, q_length, kv_length, *args, **kwargs)
+
+    orig_packed = getattr(masking_utils, "find_packed_sequence_indices", None)
+    masking_utils._ignore_causal_mask_sdpa = ignore
+    if orig_packed is not None:  # our position ids are a plain arange: never packed
+        masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = orig
+        if orig_packed is not None:
+            masking_utils.find_packed_sequence_indices = orig_packed
+
+
+def to_fake(model, mode):
+    """Replace the (meta) parameters and buffers of ``model`` by fake CPU tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def fake_of(t):
+        return FakeTensor(
+            mode,
+            torch.empty(t.shape, dtype=t.dtype, device="meta"),
+            torch.device("cpu"),
+        )
+
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[name] = torch.nn.Parameter(
+                    fake_of(p), requires_grad=p.requires_grad
+                )
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = fake_of(b)
+
+
+def _impl_flags(optimizer_impl: str) -> dict:
+    """torch.optim keyword arguments that select one implementation explicitly."""
+    if optimizer_impl == "fused":
+        return {"fused": True}
+    return {"foreach": optimizer_impl == "foreach"}
+
+
+def make_optimizer(
+    model, optimizer: str, lr: float = 1e-4, optimizer_impl: str = "foreach"
+):
+    """The optimizer :func:`measure` uses, over the trainable parameters, with the
+    implementation chosen explicitly (``foreach``, ``fused`` or ``for-loop``: the same
+    on every device, so the CPU measurement holds the scratch memory a GPU run
+    holds)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    flags = _impl_flags(optimizer_impl)
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(params, lr=lr, **flags)
+    elif optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=lr, momentum=0.0, **flags)
+    elif optimizer == "sgd-momentum":
+        opt = torch.optim.SGD(params, lr=lr, momentum=0.9, **flags)
+    else:
+        raise OptionError(
+            "optimizer",
+            f"optimizer {optimizer!r} cannot be measured here (needs bitsandbytes on "
+            "CUDA); allowed for measure: adamw, sgd, sgd-momentum",
+        )
+    return opt
+
+
+def until_states_exist(train_step, opt, **kw) -> None:
+    """Repeat warm-up steps until the optimizer holds its states: under ``fp16-amp`` the
+    GradScaler skips ``optimizer.step()`` while its scale overflows fp16 (the first
+    steps of every run), and the step to measure is one of the steady state that
+    follows."""
+    for _ in range(32):
+        if opt.state or not opt.param_groups[0]["params"] or not _has_states(opt):
+            return
+        train_step(**kw)
+    raise RuntimeError(
+        "the optimizer never stepped in 32 warm-up steps (gradients overflow?)"
+    )
+
+
+def _has_states(opt) -> bool:
+    """Whether this optimizer keeps per-parameter states at all (plain SGD does not)."""
+    if isinstance(opt, torch.optim.SGD):
+        return any(g.get("momentum", 0) for g in opt.param_groups)
+    return True
