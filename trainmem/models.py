@@ -243,7 +243,8 @@ def load_config_file(path: str):
         path,
         "model",
         "model config file",
-        f"; model must be a preset ({', '.join(preset_names())}) or a config .json file",
+        f"; model must be a preset ({', '.join(preset_names())}) or a config .json "
+        "file",
     )
     mt = data.get("model_type")
     if mt not in _ARCHS:
