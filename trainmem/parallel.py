@@ -380,14 +380,15 @@ def optimizer_step_ms(
     n_tensors: int = 200,
     shape=(32, 32),
     steps: int = 10,
-    repeats: int = 3,
+    repeats: int = 5,
     seed: int = 0,
 ) -> dict[str, float]:
     """Milliseconds per ``AdamW.step()`` for each implementation, on many small tensors.
 
-    ``impls`` are strings ``"foreach=False"``, ``"foreach=True"`` or ``"fused=True"``;
-    each is timed ``repeats`` times over ``steps`` steps and the fastest repeat is
-    reported.
+    ``impls`` are strings ``"foreach=False"``, ``"foreach=True"`` or ``"fused=True"``.
+    The implementations take turns: each round times ``steps`` steps of every one, and
+    the fastest of ``repeats`` rounds is reported, so a burst of load from another
+    process slows all of them alike instead of one.
     """
     known = {
         "foreach=False": dict(foreach=False),
@@ -398,7 +399,7 @@ def optimizer_step_ms(
     if unknown:
         raise ValueError(f"impls must be among {sorted(known)}, got {unknown}")
     g = torch.Generator().manual_seed(seed)
-    out = {}
+    optimizers = {}
     for impl in impls:
         params = [
             torch.nn.Parameter(torch.randn(*shape, generator=g))
@@ -406,16 +407,16 @@ def optimizer_step_ms(
         ]
         for p in params:
             p.grad = torch.randn(*shape, generator=g)
-        opt = torch.optim.AdamW(params, lr=1e-3, **known[impl])
-        opt.step()  # creates the states
-        best = float("inf")
-        for _ in range(repeats):
+        optimizers[impl] = torch.optim.AdamW(params, lr=1e-3, **known[impl])
+        optimizers[impl].step()  # creates the states
+    best = dict.fromkeys(impls, float("inf"))
+    for _ in range(repeats):
+        for impl, opt in optimizers.items():
             t0 = time.perf_counter()
             for _ in range(steps):
                 opt.step()
-            best = min(best, (time.perf_counter() - t0) / steps)
-        out[impl] = best * 1e3
-    return out
+            best[impl] = min(best[impl], (time.perf_counter() - t0) / steps)
+    return {impl: t * 1e3 for impl, t in best.items()}
 
 
 class SlowDataset(torch.utils.data.Dataset):
