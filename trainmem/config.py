@@ -23,14 +23,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-CATEGORIES = (
-    "weights",
-    "gradients",
-    "optimizer_states",
-    "master_weights",
-    "activations",
-    "temporaries",
-)
+# the six byte categories every result uses (re-exported)
+from .memory.accounting import CATEGORIES as CATEGORIES
+
 METHODS = ("full", "lora", "qlora")
 PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16")
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd", "sgd-momentum")

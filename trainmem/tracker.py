@@ -23,14 +23,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-CATEGORIES = (
-    "weights",
-    "gradients",
-    "optimizer_states",
-    "master_weights",
-    "activations",
-    "temporaries",
-)
+# the categories the tracker sorts into (re-exported)
+from .config import CATEGORIES as CATEGORIES
 
 
 @dataclass

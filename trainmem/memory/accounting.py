@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from itertools import count
 
+#: The six categories every estimate and measurement sorts its bytes into (the one
+#: definition: ``trainmem.config`` and ``trainmem.tracker`` import it from here).
 CATEGORIES = (
     "weights",
     "gradients",

@@ -262,16 +262,8 @@ def build_params(
     lin_shapes = shape.linear_shapes()
     for _ in range(shape.layers):
         layer = {}  # in torch's parameter order: self_attn, mlp, the two norms
-        for name in (
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ):
-            d_in, d_out = lin_shapes[name]
+        # linear_shapes() lists q, k, v, o, gate, up, down: torch's module order
+        for name, (d_in, d_out) in lin_shapes.items():
             lin = {"w": make_param((d_out, d_in), full)}
             if name in ("q_proj", "k_proj", "v_proj"):
                 has_bias = shape.qkv_bias
