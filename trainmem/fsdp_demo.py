@@ -242,6 +242,59 @@ def _context(mp, start_method: str | None = None):
     return ctx
 
 
+def run_ranks(
+    label: str,
+    target,
+    args: tuple,
+    world_size: int,
+    timeout: float,
+    start_method: str | None = None,
+) -> list[dict]:
+    """Run ``target(rank, world_size, port, *args, queue)`` in ``world_size`` CPU
+    processes (see :func:`_context`) and return the dict each rank puts on the queue,
+    sorted by rank.
+
+    Raises ``RuntimeError`` with the worker's traceback if a rank reports an ``error``,
+    ``TimeoutError`` if a rank does not report within ``timeout`` seconds; the
+    processes are joined (or terminated) either way. ``label`` names the demo in those
+    messages.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer ≥ 1, got {world_size!r}")
+    import torch.multiprocessing as mp
+
+    ctx = _context(mp, start_method)
+    q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=target, args=(r, world_size, port, *args, q), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results = []
+    try:
+        for _ in procs:
+            try:
+                results.append(q.get(timeout=timeout))
+            except queue_mod.Empty:
+                raise TimeoutError(
+                    f"{label}: no result from a rank within {timeout} s"
+                ) from None
+            if "error" in results[-1]:
+                raise RuntimeError(
+                    f"{label} rank {results[-1]['rank']} "
+                    f"failed:\n{results[-1]['error']}"
+                )
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    return sorted(results, key=lambda r: r["rank"])
+
+
 def run(
     world_size: int = 2,
     model: str = "tiny",
@@ -262,42 +315,9 @@ def run(
     Raises ``RuntimeError`` with the worker's traceback if a rank fails,
     ``TimeoutError`` if the ranks do not report within ``timeout`` seconds.
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer ≥ 1, got {world_size!r}")
-    import torch.multiprocessing as mp
-
-    ctx = _context(mp, start_method)
-    q = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_worker, args=(r, world_size, port, model, seed, lr, q), daemon=True
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results = []
-    try:
-        for _ in procs:
-            try:
-                results.append(q.get(timeout=timeout))
-            except queue_mod.Empty:
-                raise TimeoutError(
-                    f"FSDP demo: no result from a rank within {timeout} s"
-                ) from None
-            if "error" in results[-1]:
-                raise RuntimeError(
-                    f"FSDP demo rank {results[-1]['rank']} "
-                    f"failed:\n{results[-1]['error']}"
-                )
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-                p.join()
-    return sorted(results, key=lambda r: r["rank"])
+    return run_ranks(
+        "FSDP demo", _worker, (model, seed, lr), world_size, timeout, start_method
+    )
 
 
 def expected(params: list[dict], world_size: int, rank: int) -> dict:

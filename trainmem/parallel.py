@@ -26,14 +26,13 @@ Sizes are in **bytes**, times in seconds unless a name says ``_ms``.
 from __future__ import annotations
 
 import os
-import queue as queue_mod
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
 
-from .fsdp_demo import _context, free_port
+from .fsdp_demo import run_ranks
 
 TP_BATCH = (2, 16)  # (micro-batch, sequence length) of the MLP input on every rank
 
@@ -298,38 +297,7 @@ def run_tp(world_size: int = 2, seed: int = 0, timeout: float = 120.0) -> list[d
     The outputs, the input gradient and the weight-gradient blocks are checked against
     the unsharded MLP inside each rank (``torch.testing.assert_close``).
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer ≥ 1, got {world_size!r}")
-    import torch.multiprocessing as mp
-
-    ctx = _context(mp)
-    q = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_tp_worker, args=(r, world_size, port, seed, q), daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results = []
-    try:
-        for _ in procs:
-            try:
-                results.append(q.get(timeout=timeout))
-            except queue_mod.Empty:
-                raise TimeoutError(
-                    f"TP demo: no result from a rank within {timeout} s"
-                ) from None
-            if "error" in results[-1]:
-                r = results[-1]
-                raise RuntimeError(f"TP demo rank {r['rank']} failed:\n{r['error']}")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-                p.join()
-    return sorted(results, key=lambda r: r["rank"])
+    return run_ranks("TP demo", _tp_worker, (seed,), world_size, timeout)
 
 
 def mlp_saved_bytes(
