@@ -272,28 +272,15 @@ def matmul_rows(
     cap = _cap(device_type, capability)
     rows = [MatmulRow("fp32 (ieee)", "highest", torch.float32, False, "")]
     if device_type != "cuda":
-        rows.append(
-            MatmulRow(
-                "tf32",
-                "high",
-                torch.float32,
-                True,
-                "absent on CPU (the setting changes nothing)",
-            )
-        )
+        tf32_absent = "absent on CPU (the setting changes nothing)"
     elif not tf32_available(cap):
         where = f"sm_{cap[0]}{cap[1]}" if cap else "this GPU"
-        rows.append(
-            MatmulRow(
-                "tf32",
-                "high",
-                torch.float32,
-                True,
-                f"absent on {where} (needs sm_80+): the setting runs plain FP32",
-            )
-        )
+        tf32_absent = f"absent on {where} (needs sm_80+): the setting runs plain FP32"
     else:
-        rows.append(MatmulRow("tf32", "high", torch.float32, False, ""))
+        tf32_absent = ""
+    rows.append(
+        MatmulRow("tf32", "high", torch.float32, bool(tf32_absent), tf32_absent)
+    )
     native = device_type != "cuda" or bf16_supported("cuda", cap)
     bf16_note = "" if native else "emulated: no bf16 Tensor Cores"
     rows.append(MatmulRow("bf16", "highest", torch.bfloat16, False, bf16_note))

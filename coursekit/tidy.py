@@ -73,19 +73,19 @@ def _add_tag(cell, tag: str) -> bool:
     return True
 
 
+def _call_name(call: ast.Call) -> str:
+    """``f`` for ``f(...)`` and ``x.f(...)``; "" for anything else called."""
+    f = call.func
+    if isinstance(f, ast.Name):
+        return f.id
+    return f.attr if isinstance(f, ast.Attribute) else ""
+
+
 def _is_glue_call(node: ast.AST) -> bool:
     """``glue(...)`` / ``x.glue(...)`` as a statement, not asking to be displayed."""
     if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
         return False
-    f = node.value.func
-    name = (
-        f.id
-        if isinstance(f, ast.Name)
-        else f.attr
-        if isinstance(f, ast.Attribute)
-        else ""
-    )
-    if name != "glue":
+    if _call_name(node.value) != "glue":
         return False
     for kw in node.value.keywords:
         if kw.arg == "display" and not (
@@ -108,15 +108,7 @@ def _returns_none(node: ast.Expr) -> bool:
     v = node.value
     if not isinstance(v, ast.Call):
         return False
-    f = v.func
-    name = (
-        f.id
-        if isinstance(f, ast.Name)
-        else f.attr
-        if isinstance(f, ast.Attribute)
-        else ""
-    )
-    return name in _NONE_CALLS
+    return _call_name(v) in _NONE_CALLS
 
 
 def _glue_name(node: ast.Expr) -> str | None:

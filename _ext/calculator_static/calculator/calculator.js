@@ -86,6 +86,17 @@ def tm_formats(text):
     return runtime;
   }
 
+  // the runtime, or null after telling the reader why it did not load
+  async function runtimeOrSay(root, status) {
+    try {
+      return await loadRuntime();
+    } catch (e) {
+      status.textContent = `无法加载 Pyodide：${e.message}（请通过 HTTP 打开本书，而不是 file://）`;
+      root.dataset.state = "failed";
+      return null;
+    }
+  }
+
   function fmt(bytes, unit, digits = 3) {
     return (bytes / unit).toLocaleString("en-US", {
       minimumFractionDigits: digits, maximumFractionDigits: digits });
@@ -213,14 +224,8 @@ def tm_formats(text):
     async function compute() {
       const args = argv();
       if (!answered) status.textContent = "正在加载浏览器内的 Python（Pyodide）与估算器模块…";
-      let run;
-      try {
-        run = await loadRuntime();
-      } catch (e) {
-        status.textContent = `无法加载 Pyodide：${e.message}（请通过 HTTP 打开本书，而不是 file://）`;
-        root.dataset.state = "failed";
-        return;
-      }
+      const run = await runtimeOrSay(root, status);
+      if (!run) return;
       const t0 = performance.now();
       const res = run.estimate(args.argv, args.config);
       const ms = performance.now() - t0;
@@ -271,14 +276,8 @@ def tm_formats(text):
     const status = root.querySelector(".tm-calc-status");
     let timer = null, seq = 0;
     async function show() {
-      let rt;
-      try {
-        rt = await loadRuntime();
-      } catch (e) {
-        status.textContent = `无法加载 Pyodide：${e.message}（请通过 HTTP 打开本书，而不是 file://）`;
-        root.dataset.state = "failed";
-        return;
-      }
+      const rt = await runtimeOrSay(root, status);
+      if (!rt) return;
       out.textContent = rt.formats(input.value);
       out.dataset.value = input.value;
       out.dataset.seq = String(++seq);
