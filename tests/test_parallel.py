@@ -180,3 +180,14 @@ def test_rank0_extra_bytes_exact():
     assert parallel.rank0_extra_bytes(ckpt, 8) == 7 * 2 * 6_738_415_616
     with pytest.raises(ValueError, match="world_size must be an integer"):
         parallel.rank0_extra_bytes(ckpt, 0)
+
+
+def test_fastest_seconds_times_every_run_and_keeps_the_minimum():
+    calls = []
+    best = parallel.fastest_seconds(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3
+    )
+    assert calls == ["a", "b"] * 3  # the runs take turns within each round
+    assert set(best) == {"a", "b"} and all(0 <= t < 1 for t in best.values())
+    with pytest.raises(ValueError, match="rounds must be an integer"):
+        parallel.fastest_seconds({"a": lambda: None}, rounds=0)

@@ -377,14 +377,36 @@ def optimizer_step_ms(
             p.grad = torch.randn(*shape, generator=g)
         optimizers[impl] = torch.optim.AdamW(params, lr=1e-3, **known[impl])
         optimizers[impl].step()  # creates the states
-    best = dict.fromkeys(impls, float("inf"))
-    for _ in range(repeats):
-        for impl, opt in optimizers.items():
-            t0 = time.perf_counter()
+
+    def steps_of(opt):
+        def run():
             for _ in range(steps):
                 opt.step()
-            best[impl] = min(best[impl], (time.perf_counter() - t0) / steps)
-    return {impl: t * 1e3 for impl, t in best.items()}
+
+        return run
+
+    best = fastest_seconds(
+        {impl: steps_of(opt) for impl, opt in optimizers.items()}, repeats
+    )
+    return {impl: t / steps * 1e3 for impl, t in best.items()}
+
+
+def fastest_seconds(runs: dict, rounds: int = 3) -> dict[str, float]:
+    """Seconds of the fastest of ``rounds`` calls of each function in ``runs``.
+
+    The functions take turns within each round, so a burst of load from another
+    process slows all of them alike instead of one: a speed-up measured this way keeps
+    its direction on a busy machine.
+    """
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an integer ≥ 1, got {rounds!r}")
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
 class SlowDataset(torch.utils.data.Dataset):
