@@ -12,15 +12,21 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # Exact versions CI uses (pyproject.toml keeps ranges). Empty: resolve the ranges afresh.
 CONSTRAINTS ?= constraints.txt
 JOBS   ?= 2
-# The kernel path nbval checks the stored outputs on (make nb stores them from the native
-# path): ATen's generic kernels and MKL's compatible path, so every `make test` proves the
-# numbers on a second CPU code path. `make nbval NB=... NBVAL_ENV=` checks on the native path.
-NBVAL_ENV ?= ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE
+# The CPU kernel path nbval checks the stored outputs on (make nb stores them from the
+# native path). auto: coursekit.kernelpath probes the candidates (generic kernels: ATen,
+# oneDNN and MKL capped together; then AVX2) and takes the first that works on this CPU.
+# A path name (generic, avx2, native) or VAR=value pairs force one, still probed first;
+# empty means native. `make nbval NB=... NBVAL_ENV=` checks on the native path.
+NBVAL_ENV ?= auto
+KERNEL_ARGS := $(VENV)/kernel-path.args
 NBVAL_OPTS = --nbval-sanitize-with tests/nbval_sanitize.cfg -p tests.nbval_plugin \
-             $(foreach kv,$(NBVAL_ENV),--kernel-env $(kv))
+             $$(cat $(KERNEL_ARGS))
+# Per-stage wall times of make test (tests/stages.py), printed at the end.
+STAGE_LOG := $(VENV)/test-stages.jsonl
 export PYTHONHASHSEED := 0
 
-.PHONY: book test unit nbval browser venv nb labs labs-check clean browser-deps bench tidy floor floor-venv
+.PHONY: book test unit nbval browser venv nb labs labs-check clean browser-deps bench tidy floor floor-venv \
+        kernel-path
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,20 +76,34 @@ book: $(STAMP) node_modules/.package-lock.json
 	@echo "book: $(CURDIR)/_build/html/index.html"
 
 ## make test — everything: unit tests, nbval over book/ and solutions/ (exact outputs as text,
-## declared measured numbers within their tolerance; on the NBVAL_ENV kernel path), GPU cells in
-## COURSE_GPU=cpu mode, labs regenerated, grader, book build with -W, browser tests; then the
-## same chapters and solutions executed at the declared floor versions (make floor).
+## declared measured numbers within their tolerance; on the kernel path the probe chose), GPU
+## cells in COURSE_GPU=cpu mode, labs regenerated, grader, book build with -W, browser tests;
+## then the same chapters and solutions executed at the declared floor versions (make floor).
+## Ends with the wall time of each stage.
 test: $(STAMP) browser-deps
-	$(PY) -m pytest -n $(JOBS) --dist loadfile -q tests book solutions --nbval --timeout=1200 --nbval-cell-timeout=600 \
-	    $(NBVAL_OPTS) --durations=15
-	$(MAKE) --no-print-directory floor
+	@rm -f $(STAGE_LOG)
+	@t0=$$(date +%s); $(MAKE) --no-print-directory kernel-path \
+	  && $(PY) -m tests.stages since $(STAGE_LOG) "kernel-path probe" $$t0
+	@t0=$$(date +%s); set -x; COURSE_STAGE_LOG=$(CURDIR)/$(STAGE_LOG) $(PY) -m pytest -n $(JOBS) \
+	    --dist loadfile -q tests book solutions --nbval --timeout=1200 \
+	    --nbval-cell-timeout=600 -p tests.stages $(NBVAL_OPTS) --durations=15; \
+	  rc=$$?; set +x; $(PY) -m tests.stages since $(STAGE_LOG) "main pass (pytest -n $(JOBS))" $$t0; \
+	  exit $$rc
+	@t0=$$(date +%s); $(MAKE) --no-print-directory floor \
+	  && $(PY) -m tests.stages since $(STAGE_LOG) "floor pass (make floor)" $$t0
+	@echo "make test: wall time per stage"; $(PY) -m tests.stages show $(STAGE_LOG)
+
+## make kernel-path — print the CPU, probe the kernel path nbval validates on (NBVAL_ENV),
+## and write nbval's --kernel-env arguments for it.
+kernel-path: $(STAMP)
+	@$(PY) -m coursekit.kernelpath --force "$(or $(NBVAL_ENV),native)" --args-file $(KERNEL_ARGS)
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests -m "not slow"
 
 ## make nbval NB=book/01_number_formats.ipynb — validate one notebook against its stored outputs
 ## (on the NBVAL_ENV kernel path; NBVAL_ENV= for the native one).
-nbval: $(STAMP)
+nbval: $(STAMP) kernel-path
 	$(PY) -m pytest -q --nbval $(NB) $(NBVAL_OPTS)
 
 ## make nb NB=book/01_number_formats.ipynb — re-execute a notebook in place (refresh stored outputs;
@@ -107,12 +127,20 @@ labs: $(STAMP)
 labs-check: $(STAMP)
 	$(PY) -m coursekit labs --check
 
-## Chromium for the browser tests (Debian packages; needs root or sudo). Skipped if present.
+## Chromium and a CJK font for the browser tests (Debian packages; needs root or sudo). Skipped
+## if present. Under CI=true a failed install is an error: the browser tests never skip there.
 browser-deps:
-	@command -v chromium >/dev/null 2>&1 || { \
+	@missing=""; command -v chromium >/dev/null 2>&1 || missing="chromium chromium-driver"; \
+	  fc-list :lang=zh 2>/dev/null | grep -q . || missing="$$missing fonts-noto-cjk"; \
+	  [ -z "$$missing" ] || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium chromium-driver fonts-noto-cjk >/dev/null \
-	  || echo "WARNING: could not install chromium; browser tests will be skipped"; }
+	  echo "installing $$missing (browser tests)"; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$missing >/dev/null \
+	  || { if [ "$$CI" = true ]; then \
+	         echo "ERROR: could not install $$missing; the browser tests need them." \
+	              "Fix: apt-get install -y chromium chromium-driver fonts-noto-cjk"; exit 1; \
+	       else echo "WARNING: could not install $$missing; browser tests will be skipped" \
+	              "(apt-get install -y chromium chromium-driver fonts-noto-cjk)"; fi; }; }
 
 ## Benchmarks print tables (ours vs a reference, measured in the same run); never timed tests.
 bench: $(STAMP)
