@@ -1,9 +1,9 @@
 """The second CPU kernel path that ``make test`` validates the stored outputs on.
 
-``make nb`` stores every notebook's outputs from the host's native kernels. ``make test``
-re-runs the notebooks on *another* CPU code path, so a number that only holds for one
-set of kernels fails. That path must exist on the host and work there: every library
-that dispatches on the CPU's features is capped to the same level —
+``make nb`` stores every notebook's outputs from the host's native kernels.
+``make test`` re-runs the notebooks on *another* CPU code path, so a number that only
+holds for one set of kernels fails. That path must exist on the host and work there:
+every library that dispatches on the CPU's features is capped to the same level —
 
 * ATen (``ATEN_CPU_CAPABILITY``: ``default`` / ``avx2`` / ``avx512``),
 * oneDNN (``ONEDNN_MAX_CPU_ISA``), which ATen's CPU flash attention consults on its
@@ -11,9 +11,9 @@ that dispatches on the CPU's features is capped to the same level —
 * MKL (``MKL_ENABLE_INSTRUCTIONS`` and the conditional-numerical-reproducibility
   branch ``MKL_CBWR``).
 
-Capping ATen alone is not enough. On a CPU with AMX (``amx_bf16``), torch 2.13's bf16
-``scaled_dot_product_attention`` (forward + backward, sequence >= 64) asks oneDNN whether
-to pack, oneDNN says yes (AMX is there), and the packing routine
+Capping ATen alone is not enough. On a CPU with AMX (``amx_bf16``), torch 2.13's
+bf16 ``scaled_dot_product_attention`` (forward + backward, sequence >= 64) asks oneDNN
+whether to pack, oneDNN says yes (AMX is there), and the packing routine
 ``at::vec::pack_vnni2`` only exists in ATen's AVX-512 kernels: under
 ``ATEN_CPU_CAPABILITY=default`` or ``avx2`` it raises ``RuntimeError: pack_vnni2 is only
 supported when avx512 is supported``. Capping oneDNN with it keeps the two libraries

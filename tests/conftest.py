@@ -41,9 +41,9 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-# Skip reasons that mean "a tool is missing on this machine". Locally that is a skip with
-# the fix in the reason; under CI=true it fails, so a CI run never goes green without
-# the browser, the CJK font or the sandbox tool it is meant to test with.
+# Skip reasons that mean "a tool is missing on this machine". Locally that is a skip
+# with the fix in the reason; under CI=true it fails, so a CI run never goes green
+# without the browser, the CJK font or the sandbox tool it is meant to test with.
 MISSING_TOOL_WORDS = ("not installed", "make browser-deps", "make sandbox-deps")
 
 
