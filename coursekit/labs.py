@@ -6,6 +6,8 @@ tests/grading/README.md).
   HINT:`` lines, joined: a long hint is wrapped over several);
 * markdown between ``<!-- BEGIN SOLUTION -->`` / ``<!-- END SOLUTION -->`` → a
   placeholder;
+* markdown cells tagged ``hints`` (collapsed ``<details>`` hints below an exercise) are
+  kept as they are; :mod:`coursekit.hints` checks they do not give the code away;
 * cells tagged ``solution-only`` dropped; outputs and execution counts cleared;
 * ``{glue:}`key``` roles in markdown replaced by the solution's stored value (a lab has
   no outputs);

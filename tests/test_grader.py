@@ -469,6 +469,11 @@ MISTAKES = {
         'tied = cfg.get("tie_word_embeddings", False)',
         "tied = False",
     ),
+    "lab06": (
+        "loss_over_k",  # the classic accumulation, wrong once micro-batches differ
+        "loss = mean * (n_valid(labels) / n_tokens)",
+        "loss = mean / len(micro_batches)",
+    ),
 }
 
 
@@ -517,6 +522,7 @@ def test_self_check_catches_what_the_hidden_tests_grade(lab, lab_runs):
     question, expected_text = {
         "lab01": ("ulp", "ulp(0.0, 'fp16') 应为"),
         "lab03": ("count_params", "transformers 建出的模型有"),
+        "lab06": ("train_step", "train_step 的梯度应与整批相同"),
     }[lab]
     assert (
         rec["status"] == "ok"

@@ -1,12 +1,15 @@
-"""Hidden tests for lab06 (capstone: LoRA fine-tune with autocast + checkpointing +
-accumulation).
+"""Hidden tests for lab06 (capstone: a LoRA fine-tune planned to fit a memory budget;
+token-weighted accumulation, dtype by compute capability, prediction vs measurement).
 
 Format: tests/grading/README.md. Models are tiny Llamas with fresh shapes drawn here,
 built with ``trainmem.models.build_model(config, seed=...)`` on both sides (same seed →
 same weights); LoRA weights and batches come from ``random.Random`` in
 :data:`BUILD_SRC`, which runs in the student's kernel (probe) and in this process
 (check). The references (peft trainable counts, the big-batch fp32 optimizer step,
-non-checkpointed gradients) are computed here.
+non-checkpointed gradients, ``trainmem.estimate`` of a plan) are computed here.
+
+The student's written answer ``GAP_ANSWER`` is not scored: the ``plan`` question's
+feedback message carries it verbatim, so the instructor reads it on the feedback page.
 """
 
 from __future__ import annotations
@@ -89,6 +92,11 @@ def _lab06_batches(case):
         )
         labels = ids.clone()
         labels[:, 0] = -100
+        if case.get("pad"):  # right padding: each row keeps 3..seq tokens
+            for row in range(case["micro_bs"]):
+                keep = rng.randint(3, case["seq"])
+                ids[row, keep:] = 0
+                labels[row, keep:] = -100
         out.append((ids, labels))
     return out
 
@@ -377,32 +385,75 @@ CKPT_TYPES = [
 ]
 
 
+# ---------------------------------------------------------------- choose_precision
+AMPERE_AND_LATER = [[8, 0], [8, 6], [8, 7], [8, 9], [9, 0], [10, 0], [12, 0]]
+BEFORE_AMPERE = [[7, 5], [7, 0], [7, 2], [6, 1], [6, 0]]
+
+
+def choose_expect(cap):
+    if cap is None or tuple(cap) >= (8, 0):
+        return {"base_dtype": "bf16", "grad_scaler": False}
+    return {"base_dtype": "fp16", "grad_scaler": True}
+
+
+def _show_cap(cap):
+    return "CPU（None）" if cap is None else f"计算能力 {tuple(cap)}"
+
+
+CHOOSE_TYPES = [
+    CaseType(
+        "ampere",
+        "Ampere 及以后（sm_80 起）",
+        1,
+        lambda rng: rng.sample(AMPERE_AND_LATER, 3),
+        fix="计算能力 ≥ (8, 0) 有原生 bf16：bf16 底座，不要 GradScaler",
+    ),
+    CaseType(
+        "before_ampere",
+        "Ampere 之前（T4、V100 …）",
+        2,
+        lambda rng: rng.sample(BEFORE_AMPERE, 3),
+        fix="计算能力 < (8, 0) 没有原生 bf16（T4 的 is_bf16_supported() 是模拟）："
+        "fp16 底座 + GradScaler",
+    ),
+    CaseType(
+        "cpu",
+        "CPU（capability=None）",
+        1,
+        lambda rng: [None, None],
+        fix="CPU 原生支持 bf16 autocast：bf16，不要 GradScaler",
+    ),
+]
+
+
 # ---------------------------------------------------------------- train_step
-def _step_type(mode):
+def _step_type(mode, pad=True):
     def make(rng):
         accum = rng.randint(2, 4)
-        if mode == "bf16":
+        if mode in ("bf16", "fp16"):
             return [
                 _case(
                     rng,
                     micro_bs=2,
-                    seq=6,
+                    seq=rng.randint(6, 9),
                     accum=accum,
-                    lr=0.1,
-                    max_norm=1.0,
-                    mode="bf16",
+                    lr=0.1 if mode == "bf16" else 0.5,
+                    max_norm=1.0 if mode == "bf16" else rng.choice([0.01, 0.05]),
+                    mode=mode,
+                    pad=True,
                 )
             ]
         max_norm = 1e6 if mode == "no_clip" else rng.choice([0.01, 0.05])
         return [
             _case(
                 rng,
-                micro_bs=rng.randint(1, 3),
-                seq=rng.randint(5, 10),
+                micro_bs=rng.randint(2, 3),
+                seq=rng.randint(6, 10),
                 accum=accum,
                 lr=0.5,
                 max_norm=max_norm,
                 mode="fp32",
+                pad=pad,
             )
         ]
 
@@ -421,11 +472,18 @@ def CASE(_c):
     _h = _lin.register_forward_hook(
         lambda mod, inp, out: _dtypes.append(str(out.dtype))
     )
+    _amp = {"bf16": _torch.bfloat16, "fp16": _torch.float16}.get(_c["mode"])
+    _scaler = (
+        _torch.amp.GradScaler("cpu", init_scale=2.0**12)
+        if _c["mode"] == "fp16"
+        else None
+    )
     _loss = train_step(
         _m,
         _opt,
         _lab06_batches(_c),
-        amp_dtype=_torch.bfloat16 if _c["mode"] == "bf16" else None,
+        amp_dtype=_amp,
+        scaler=_scaler,
         max_norm=_c["max_norm"],
     )
     _h.remove()
@@ -450,11 +508,13 @@ def step_expect(c):
     params = [p for p in m.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=c["lr"])
     batches = ns["_lab06_batches"](c)
+    # one big batch: its loss is the mean over all valid tokens = the token-weighted
+    # accumulation of the micro-batches
     loss = m(
         input_ids=torch.cat([b[0] for b in batches]),
         labels=torch.cat([b[1] for b in batches]),
     ).loss
-    loss.backward()  # equal tokens per micro-batch: mean of means
+    loss.backward()
     torch.nn.utils.clip_grad_norm_(params, c["max_norm"])
     opt.step()
     return {
@@ -465,13 +525,28 @@ def step_expect(c):
     }
 
 
+def _update_error(got: dict, want: dict, before: dict) -> float:
+    """|got - want| / |want - before| over all trainable values (inf if malformed)."""
+    num = den = 0.0
+    for n, w in want.items():
+        g, b = got.get(n), before[n]
+        if not isinstance(g, list) or len(g) != len(w) or not all(map(_num, g)):
+            return math.inf
+        num += sum((x - y) ** 2 for x, y in zip(g, w))
+        den += sum((y - z) ** 2 for y, z in zip(w, b))
+    return math.sqrt(num / den) if den > 0 else math.inf
+
+
 def step_compare(got, want):
     if not isinstance(got, dict):
         return False, "没有结果"
     gp = got.get("params") if isinstance(got.get("params"), dict) else {}
     common = {"训练后梯度应清零": got.get("grads_cleared") is True}
+    loss = want["loss"]
+    loss_ok = _num(got.get("loss")) and abs(got["loss"] - loss) <= 1e-4 * max(
+        1, abs(loss)
+    )
     if want["mode"] == "fp32":
-        loss = want["loss"]
         return _verdict(
             {
                 "一步之后的 LoRA 参数应与整批一步相同（rtol=1e-4, atol=1e-6）": set(gp)
@@ -479,12 +554,21 @@ def step_compare(got, want):
                 and all(
                     _close(gp[n], w, 1e-4, 1e-6) for n, w in want["params"].items()
                 ),
-                f"返回的 loss 应为各 micro-batch loss 的平均（{loss:.5f}）": _num(
-                    got.get("loss")
-                )
-                and abs(got["loss"] - loss) <= 1e-4 * max(1, abs(loss)),
+                f"返回的 loss 应为整步每个有效 token 的平均（{loss:.5f}）": loss_ok,
                 "amp_dtype=None 时前向应为 fp32（不用 autocast）": got.get("dtypes")
                 == ["torch.float32"],
+                **common,
+            }
+        )
+    if want["mode"] == "fp16":
+        err = _update_error(gp, want["params"], want["before"])
+        return _verdict(
+            {
+                "fp16 + GradScaler 的一步应与 fp32 整批一步在 5% 内相同（先 unscale_ "
+                f"再裁剪；更新量的相对误差 {err:.2g}）": err < 0.05,
+                "autocast 下线性层应以 fp16 运行": got.get("dtypes")
+                == ["torch.float16"],
+                "可训练参数应保持 fp32": got.get("param_dtypes") == ["torch.float32"],
                 **common,
             }
         )
@@ -506,19 +590,29 @@ def step_compare(got, want):
     )
 
 
+TOKEN_FIX = (
+    "每个 micro-batch 的 .loss 是它自己有效 token 的平均：乘以它的有效 token 数 ÷ "
+    "整步的有效 token 总数（labels[:, 1:] != -100）再 backward，而不是除以 k"
+)
 STEP_TYPES = [
     CaseType(
-        "no_clip",
-        "fp32、不裁剪：累积一步 = 整批一步",
+        "padded",
+        "fp32、不裁剪、micro-batch 的有效 token 数不同",
         3,
         _step_type("no_clip"),
-        fix="每个 micro-batch 的 loss / k 再 backward；全部累积完再 optimizer.step()，"
-        "最后 zero_grad",
+        fix=TOKEN_FIX,
+    ),
+    CaseType(
+        "no_padding",
+        "fp32、不裁剪、没有填充（每个 micro-batch 的 token 数相同）",
+        1,
+        _step_type("no_clip", pad=False),
+        fix="全部 micro-batch 累积完再 optimizer.step()，最后 zero_grad",
     ),
     CaseType(
         "clip",
-        "fp32、裁剪生效：在累积之后裁剪",
-        3,
+        "fp32、有填充、裁剪生效：在累积之后裁剪",
+        2,
         _step_type("clip"),
         fix="clip_grad_norm_(params, max_norm) 要在全部 micro-batch 累积之后、step "
         "之前调用一次",
@@ -526,10 +620,273 @@ STEP_TYPES = [
     CaseType(
         "bf16",
         "bf16 autocast",
-        2,
+        1,
         _step_type("bf16"),
         fix="with torch.autocast(device_type, dtype=amp_dtype)：只包前向与 loss；"
         "参数保持 fp32",
+    ),
+    CaseType(
+        "fp16_scaler",
+        "fp16 autocast + GradScaler、裁剪生效",
+        1,
+        _step_type("fp16"),
+        fix="scaler.scale(loss).backward()；累积完先 scaler.unscale_(optimizer) "
+        "再裁剪，然后 scaler.step(optimizer) 与 scaler.update()",
+    ),
+]
+
+
+# ---------------------------------------------------------------- plan (+ GAP_ANSWER)
+PLAN_KEYS = {
+    "precision",
+    "batch",
+    "grad_accum",
+    "checkpointing",
+    "lora_rank",
+    "lora_targets",
+}
+ALL_TARGETS = set(TARGET_SETS[2])
+BUDGETS = {
+    "cpu": {"budget": 1_000_000, "effective_batch": 16, "seq": 12},
+    "gpu": {
+        "model": "qwen2.5-0.5b",
+        "budget": 14 * 2**30,
+        "effective_batch": 32,
+        "seq": 512,
+        "capability": [7, 5],
+    },
+}
+
+PLAN_PROBE = r"""
+def _get(name):
+    v = globals().get(name)
+    try:
+        import json as _json
+
+        _json.dumps(v)
+        return v
+    except Exception:
+        return repr(v)[:200]
+
+
+RESULT = {
+    "cpu_plan": _get("CPU_PLAN"),
+    "gpu_plan": _get("GPU_PLAN"),
+    "cpu_pred": _get("PREDICTED_PEAK_CPU"),
+    "gpu_pred": _get("PREDICTED_PEAK_GPU"),
+    "cpu_measured": _get("MEASURED_PEAK_CPU"),
+    "answer": globals().get("GAP_ANSWER") if isinstance(
+        globals().get("GAP_ANSWER"), str
+    ) else None,
+}
+"""
+
+
+def _plan_estimate(model, plan, seq):
+    """``(peak bytes, None)`` of a valid plan, or ``(None, why)``."""
+    from trainmem.estimate import estimate
+
+    if not isinstance(plan, dict) or set(plan) != PLAN_KEYS:
+        return None, f"计划应是键为 {sorted(PLAN_KEYS)} 的字典"
+    targets = plan["lora_targets"]
+    if not isinstance(targets, list) or not targets or not set(targets) <= ALL_TARGETS:
+        return None, "lora_targets 应是 TARGETS 的非空子集（列表）"
+    ints = [plan[k] for k in ("batch", "grad_accum", "lora_rank")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in ints):
+        return None, "batch、grad_accum、lora_rank 应是正整数"
+    if not isinstance(plan["checkpointing"], bool):
+        return None, "checkpointing 应是 bool"
+    if plan["precision"] not in ("fp32", "bf16-amp", "fp16-amp", "bf16"):
+        return None, "precision 应是 fp32、bf16-amp、fp16-amp、bf16 之一"
+    try:
+        est = estimate(
+            model, method="lora", seq=seq, lora_alpha=2 * plan["lora_rank"], **plan
+        )
+    except Exception as e:  # the estimator's own check of the options
+        return None, f"trainmem.estimate 拒绝了这个计划：{e}"
+    return est.total_bytes, None
+
+
+def plan_inputs(rng):
+    return BUDGETS
+
+
+@_quiet
+def plan_check(inputs, result):
+    if not isinstance(result, dict):
+        return 0.0, "没有找到 CPU_PLAN / GPU_PLAN"
+    from trainmem.synthetic_task import task_config
+
+    lines, share = [], 0.0
+    for key, pred_key, model, weight in (
+        ("cpu_plan", "cpu_pred", task_config(), 0.3),
+        ("gpu_plan", "gpu_pred", inputs["gpu"]["model"], 0.3),
+    ):
+        req = inputs[key[:3]]
+        plan, name = result.get(key), key.upper()
+        peak, why = _plan_estimate(model, plan, req["seq"])
+        if peak is None:
+            lines.append(f"✗ {name}：{why}")
+            continue
+        eff = plan["batch"] * plan["grad_accum"]
+        ok_eff = eff == req["effective_batch"]
+        ok_dtype = key == "cpu_plan" or plan["precision"] != "bf16-amp"
+        fits = peak <= req["budget"] and ok_eff and ok_dtype
+        share += weight * fits
+        lines.append(
+            f"{'✓' if fits else '✗'} {name}：估算峰值 {peak:,d} 字节，预算 "
+            f"{req['budget']:,d}；有效 batch {eff}（要求 {req['effective_batch']}）"
+            + ("" if ok_dtype else "；T4 没有原生 bf16，不能用 bf16-amp")
+        )
+        pred = result.get(pred_key)
+        ok_pred = _num(pred) and abs(pred - peak) <= 0.01 * peak
+        share += 0.2 * ok_pred
+        lines.append(
+            f"{'✓' if ok_pred else '✗'} PREDICTED_PEAK_{key[:3].upper()} = {pred!r:.40}"
+            f"（应为这个计划的估算 {peak:,d}，容差 1%）"
+        )
+    measured = result.get("cpu_measured")
+    lines.append(
+        f"（不计分）你记下的 CPU 实测峰值 MEASURED_PEAK_CPU = {measured!r:.40}"
+    )
+    answer = result.get("answer")
+    lines.append(
+        "（不计分，供老师阅读）GAP_ANSWER："
+        + (
+            answer.strip()[:2000]
+            if isinstance(answer, str) and answer.strip()
+            else "未作答"
+        )
+    )
+    return round(share, 4), "\n".join(lines)
+
+
+# ---------------------------------------------------------------- step_peak
+PEAK_TOLERANCE = 0.08
+
+
+def _peak_type(checkpointing):
+    def make(rng):
+        out = []
+        for _ in range(2):
+            c = _case(
+                rng,
+                micro_bs=rng.randint(2, 4),
+                seq=rng.randint(8, 12),
+                accum=rng.randint(2, 3),
+                pad=True,
+            )
+            c["precision"] = (
+                "bf16" if checkpointing else rng.choice(["fp32", "bf16-amp"])
+            )
+            c["checkpointing"] = checkpointing
+            out.append(c)
+        return out
+
+    return make
+
+
+PEAK_PROBE = (
+    BUILD_SRC
+    + r"""
+def CASE(_c):
+    from peft import LoraConfig, get_peft_model
+    from trainmem.models import build_model
+    from trainmem.tracker import MemoryTracker
+
+    _m = build_model(_lab06_cfg(_c), seed=_c["seed"])
+    if _c["precision"] == "bf16":
+        _m = _m.to(_torch.bfloat16)
+    _m = get_peft_model(
+        _m,
+        LoraConfig(
+            r=_c["r"],
+            lora_alpha=2 * _c["r"],
+            target_modules=_c["targets"],
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+        ),
+    )
+    if _c["checkpointing"]:
+        _m.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+        _m.config.use_cache = False
+    _m.train()
+    _params = [p for p in _m.parameters() if p.requires_grad]
+    _opt = _torch.optim.AdamW(_params, lr=1e-3, foreach=True)
+    _amp = _torch.bfloat16 if _c["precision"] == "bf16-amp" else None
+    train_step(_m, _opt, _lab06_batches(_c), amp_dtype=_amp)  # AdamW states exist
+    _batches = _lab06_batches({**_c, "seed": _c["seed"] + 1})
+    _tr = MemoryTracker()
+    for _t in [*_m.parameters(), *_m.buffers()]:
+        _tr.register(_t)
+    for _st in _opt.state.values():
+        for _t in _st.values():
+            if _torch.is_tensor(_t):
+                _tr.register(_t)
+    for _a, _b in _batches:
+        _tr.register(_a)
+        _tr.register(_b)
+    with _tr:
+        train_step(_m, _opt, _batches, amp_dtype=_amp)
+    return int(_tr.peak)
+"""
+)
+
+
+@_quiet
+def peak_expect(c):
+    from trainmem.estimate import estimate
+
+    return estimate(
+        _ns()["_lab06_cfg"](c),
+        method="lora",
+        precision=c["precision"],
+        batch=c["micro_bs"],
+        seq=c["seq"],
+        grad_accum=c["accum"],
+        checkpointing=c["checkpointing"],
+        lora_rank=c["r"],
+        lora_alpha=2 * c["r"],
+        lora_targets=c["targets"],
+    ).total_bytes
+
+
+def peak_compare(got, want):
+    if not _num(got) or got <= 0:
+        return False, "没有测到峰值"
+    gap = got / want - 1
+    return abs(gap) <= PEAK_TOLERANCE, (
+        f"实测峰值比估算 {'高' if gap > 0 else '低'} {abs(gap):.1%}"
+        f"（容差 {PEAK_TOLERANCE:.0%}）"
+    )
+
+
+def _peak_label(c):
+    return (
+        f"{_label(c)}；{c['accum']} 个 {c['micro_bs']}×{c['seq']} 的 micro-batch，"
+        f"precision={c['precision']}，checkpointing={c['checkpointing']}"
+    )
+
+
+PEAK_TYPES = [
+    CaseType(
+        "accumulate",
+        "不用检查点、累积 2–3 个 micro-batch",
+        2,
+        _peak_type(False),
+        fix="每个 micro-batch 算完损失立刻 backward，让它的计算图（激活）随之释放；"
+        "不要把 k 个损失加起来最后一起反向",
+    ),
+    CaseType(
+        "checkpointed",
+        "16 位底座 + 检查点",
+        1,
+        _peak_type(True),
+        fix="train_step 里不要保留多余的张量（例如每个 micro-batch 的 logits 或损失"
+        "的计算图）",
     ),
 ]
 
@@ -560,6 +917,15 @@ QUESTIONS = [
         "梯度不变，use_cache=False",
     ),
     Question(
+        "choose_precision",
+        points=2,
+        cases=CHOOSE_TYPES,
+        expect=choose_expect,
+        probe="CASE = choose_precision",
+        show_input=_show_cap,
+        description="choose_precision：按计算能力选 bf16，或 fp16 + GradScaler",
+    ),
+    Question(
         "train_step",
         points=4,
         cases=STEP_TYPES,
@@ -568,8 +934,29 @@ QUESTIONS = [
         probe=STEP_PROBE,
         show_input=_label,
         show_value=_show_value,
-        description="train_step：fp32 下累积一步 == 整批一步（含裁剪）；bf16 autocast "
-        "下线性层为 bf16、"
-        "主权重 fp32、梯度清零",
+        description="train_step：按 token 加权的累积一步 == 整批一步（有填充、"
+        "含裁剪）；bf16 autocast 下线性层为 bf16、主权重 fp32；fp16 先反缩放再裁剪；"
+        "梯度清零",
+    ),
+    Question(
+        "plan",
+        points=3,
+        make_inputs=plan_inputs,
+        probe=PLAN_PROBE,
+        check=plan_check,
+        description="CPU_PLAN 与 GPU_PLAN 在要求的有效 batch 下放进预算（各 30%），"
+        "写下的预测等于各自的估算（各 20%）；GAP_ANSWER 原样列出，不计分",
+    ),
+    Question(
+        "step_peak",
+        points=2,
+        cases=PEAK_TYPES,
+        expect=peak_expect,
+        compare=peak_compare,
+        probe=PEAK_PROBE,
+        show_input=_peak_label,
+        description="train_step 在新计划下的实测峰值（张量级记账）与 trainmem.estimate "
+        f"相差不超过 {PEAK_TOLERANCE:.0%}",
+        timeout=180,
     ),
 ]
