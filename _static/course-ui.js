@@ -67,7 +67,8 @@ window.addEventListener("load", () => {
 
 /* Wide outputs (course.css wraps them): a printed table a little wider than the column is shown
  * in a slightly smaller font so that its columns stay aligned; only when it would need less than
- * MIN_PX does it wrap. Measured again after the fonts load and when the window is resized. */
+ * MIN_PX does it wrap. Tables likewise (fitTables). Measured again after the fonts load and when
+ * the window is resized. */
 (() => {
   const MIN_PX = 11;
   const fit = () => {
@@ -88,14 +89,47 @@ window.addEventListener("load", () => {
       pre.classList.remove("course-fit"); // too wide even so: wrap
     });
   };
-  const init = () => {
+  // A table wider than the column (a row of long snake_case headers): a smaller font first,
+  // then headers and cells may break, at underscores (a zero-width space after each) or anywhere.
+  const TABLE_STEPS = [0.9, 0.8];
+  const fitTables = () => {
+    document.querySelectorAll("article table").forEach((table) => {
+      const box = table.closest(".pst-scrollable-table-container") || table;
+      const over = () => box.scrollWidth - box.clientWidth > 1 || table.scrollWidth - table.clientWidth > 1;
+      if (!table.dataset.courseFit) {
+        if (!over()) return;
+        table.dataset.courseFit = "1";
+      }
+      table.style.removeProperty("font-size");
+      table.classList.remove("course-table-wrap");
+      for (const step of TABLE_STEPS) {
+        if (!over()) return;
+        table.style.fontSize = `${step}em`;
+      }
+      if (!over()) return;
+      table.classList.add("course-table-wrap");
+      table.querySelectorAll("th, td").forEach((cell) => {
+        const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+        for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+          if (n.nodeValue.includes("_") && !n.nodeValue.includes("_\u200b")) {
+            n.nodeValue = n.nodeValue.replace(/_/g, "_\u200b");
+          }
+        }
+      });
+    });
+  };
+  const fitAll = () => {
     fit();
-    if (document.fonts && document.fonts.ready) document.fonts.ready.then(fit);
-    window.addEventListener("load", fit);
+    fitTables();
+  };
+  const init = () => {
+    fitAll();
+    if (document.fonts && document.fonts.ready) document.fonts.ready.then(fitAll);
+    window.addEventListener("load", fitAll);
     let t = null;
     window.addEventListener("resize", () => {
       window.clearTimeout(t);
-      t = window.setTimeout(fit, 100);
+      t = window.setTimeout(fitAll, 100);
     });
   };
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);
