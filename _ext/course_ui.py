@@ -334,6 +334,41 @@ class FigureAlt(SphinxPostTransform):
                     image["alt"] = alt
 
 
+class MergeOutputs(SphinxPostTransform):
+    """A cell's printed text and its ``measured`` (or value) text, one after the other,
+    are one output box on the page, as they are one run of text in Jupyter. Runs after
+    myst-nb has chosen each output's mime type (priority 4)."""
+
+    default_priority = 890
+    formats = ("html",)
+
+    @staticmethod
+    def _text_block(node) -> bool:
+        classes = node.get("classes", []) if isinstance(node, nodes.Element) else []
+        return (
+            isinstance(node, nodes.literal_block)
+            and "output" in classes
+            and ("stream" in classes or "text_plain" in classes)
+        )
+
+    def run(self, **kwargs):
+        for out in list(self.document.findall(nodes.container)):
+            if out.get("nb_element") != "cell_code_output":
+                continue
+            kids = list(out.children)
+            i = 0
+            while i + 1 < len(kids):
+                a, b = kids[i], kids[i + 1]
+                if self._text_block(a) and self._text_block(b):
+                    text = a.astext().rstrip("\n") + "\n" + b.astext()
+                    a.children = [nodes.Text(text)]
+                    a.rawsource = text
+                    out.remove(b)
+                    kids.pop(i + 1)
+                    continue
+                i += 1
+
+
 def _search_options(app, config):
     opts = dict(config.html_search_options or {})
     opts.setdefault("dict", str(TERMS))
@@ -503,6 +538,7 @@ def setup(app):
     app.connect("build-finished", _write_search_data)
     app.add_post_transform(ChinesePrompts)
     app.add_post_transform(FigureAlt)
+    app.add_post_transform(MergeOutputs)
     app.add_js_file("course-nav.js")
     app.add_js_file("course-search.js")
     app.add_js_file("course-ui.js")

@@ -651,9 +651,41 @@ def strip_measurement(src: str, tol_names: frozenset[str] = frozenset()) -> str:
         if new is None:
             break
         text = new
-    text = _drop_nbval_comments(text)
+    text = _drop_unused_measured_import(_drop_nbval_comments(text))
     try:
         ast.parse(text)
     except SyntaxError:
         return src
     return re.sub(r"\n(\s*\n){2,}", "\n\n", text).strip("\n")
+
+
+def _drop_unused_measured_import(src: str) -> str:
+    """``from coursekit(.nb) import measured`` once no shown code uses ``measured``:
+    the line goes, or just the name when the import brings others too."""
+    try:
+        tree = ast.parse(src)
+    except SyntaxError:
+        return src
+    used = any(isinstance(n, ast.Name) and n.id == "measured" for n in ast.walk(tree))
+    if used:
+        return src
+    lines = src.split("\n")
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.ImportFrom)
+            and node.module in ("coursekit", "coursekit.nb")
+            and any(a.name == "measured" and a.asname is None for a in node.names)
+        ):
+            continue
+        rest = [a for a in node.names if a.name != "measured"]
+        indent = lines[node.lineno - 1][: node.col_offset]
+        if rest:
+            names = ", ".join(
+                a.name + (f" as {a.asname}" if a.asname else "") for a in rest
+            )
+            new = [f"{indent}from {node.module} import {names}"]
+        else:
+            new = []
+        lines[node.lineno - 1 : node.end_lineno] = new
+        return _drop_unused_measured_import("\n".join(lines))
+    return src

@@ -808,3 +808,25 @@ def test_flat_dict_reprs_become_tables():
     assert ui.repr_rows("{1: 2}") is None
     assert ui.repr_rows("{'use_reentrant': True} -> backward fails") is None
     assert ui.repr_rows("tensor([1, 2])") is None
+
+
+def test_printed_and_measured_text_are_one_output_box():
+    from types import SimpleNamespace
+
+    from docutils import nodes
+    from docutils.utils import new_document
+
+    ui = _course_ui()
+    doc = new_document("<test>")
+    out = nodes.container(nb_element="cell_code_output")
+    for text, kind in (("a = 1\n", "stream"), ("b = 2.5\n", "text_plain")):
+        out += nodes.literal_block(text, text, classes=["output", kind])
+    out += nodes.image(uri="fig.png")
+    out += nodes.literal_block("c\n", "c\n", classes=["output", "stream"])
+    doc += out
+    ui.MergeOutputs.run(
+        SimpleNamespace(document=doc, _text_block=ui.MergeOutputs._text_block)
+    )
+    kinds = [type(c).__name__ for c in out.children]
+    assert kinds == ["literal_block", "image", "literal_block"]
+    assert out.children[0].astext() == "a = 1\nb = 2.5\n"

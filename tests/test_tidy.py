@@ -360,3 +360,16 @@ def test_real_cells_stripped_still_parse_and_lose_every_wrapper(path):
         for line in shown.splitlines():
             if "md_table(" in line:
                 assert "rtol=" not in line and "atol=" not in line, line
+
+
+def test_the_measured_import_goes_with_the_last_wrapper():
+    src = (
+        "from coursekit import measured  # measured floats: compared within tolerance\n"
+        "with measured(rtol=0.01):\n"
+        "    print(1)"
+    )
+    assert visible_source(src) == "print(1)"
+    src = "from coursekit.nb import md_table, measured\nmd_table(rows, rtol=0.1)"
+    assert visible_source(src) == "from coursekit.nb import md_table\nmd_table(rows)"
+    kept = "from coursekit import measured\nm = measured(rtol=0.1)"
+    assert visible_source(kept) == kept
