@@ -20,11 +20,7 @@ NOT_YET_CLEAN = {
     "02_mixed_precision",
     "03_training_memory",
     "04_accumulation_checkpointing",
-    "06_lora_in_practice",
     "07_quantization",
-    "08_attention_inference_troubleshooting",
-    "09_beyond_one_gpu",
-    "10_summary",
 }
 
 
