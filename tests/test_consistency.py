@@ -178,7 +178,7 @@ QUANTITIES = {
         lambda: 16,
         [("03", "amp_bpp", 1), ("10", "cs_amp_bpp", 1)],
     ),
-    "the same at the peak, with autocast's bf16 weight copies": (
+    "+ autocast's bf16 weight copies, kept until backward (not the step's peak)": (
         lambda: 18,
         [("03", "amp_peak_bpp", 1), ("10", "cs_amp18_bpp", 1)],
     ),
