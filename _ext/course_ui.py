@@ -12,12 +12,19 @@ page.
   togglebutton hint, and the tooltips and labels that the themes hard-code in English
   are given in Chinese (rewritten in the rendered HTML: the themes have no catalog entry
   for them).
-* **Plumbing.** In the code a page shows, statements that only feed the prose
-  (``glue(...)`` calls, loops made only of them) and ``# nbval-ignore-output`` comment
-  lines are left out (``coursekit.tidy.visible_source``); the notebook itself is
-  unchanged, and ``python -m coursekit tidy`` moves such calls into removed cells for
-  Jupyter and Colab readers. A code cell with nothing left to show is dropped from the
-  page.
+* **Plumbing.** The setup cells (tags ``colab-setup`` and ``setup``: the Colab
+  bootstrap, imports, seeds, the version and ``COURSE_GPU`` line) are not on the page;
+  the notebook keeps them first, so Jupyter and Colab run them first. In the code a
+  page shows, statements that only feed the prose (``glue(...)`` calls, loops made only
+  of them), ``# nbval-ignore-output`` and other comments about nbval, ``with
+  measured(...):`` wrappers (the body is shown, dedented), ``rtol=``/``atol=``
+  arguments of ``md_table``/``glue`` and the tolerance dicts passed to them as
+  ``**tol`` are left out (``coursekit.tidy.visible_source``); the notebook itself is
+  unchanged. A code cell with nothing left to show is dropped from the page.
+* **GPU cells.** The first line of a GPU cell's output says where it ran
+  (``coursekit.gpu.CPU_LABEL``: "以下为 CPU 小规模运行的输出；在 GPU 上运行会…", or the
+  GPU's name); the page shows that line as a note above the output
+  (``p.gpu-run-note``).
 * **Alt text.** A figure printed by a code cell gets, when it has none, an alt text made
   of the titles and axis labels its code writes ("图：…；横轴 …；纵轴 …"). Captioned
   figures set their own (``{glue:figure}`` with ``:alt:``).
@@ -101,19 +108,70 @@ class ChinesePrompts(SphinxPostTransform):
                 node[key] = text
 
 
-def _hide_plumbing(app, doctree):
-    """Leave glue calls and nbval comments out of the code shown on the page."""
-    from coursekit.tidy import visible_source
+SETUP_TAGS = ("colab-setup", "setup")
 
-    for cell in list(doctree.findall(nodes.container)):
-        if cell.get("nb_element") != "cell_code":
+
+def _cell_tags(cell) -> list[str]:
+    return list((cell.get("cell_metadata") or {}).get("tags") or [])
+
+
+def _code_cells(doctree) -> list:
+    return [
+        c
+        for c in doctree.findall(nodes.container)
+        if c.get("nb_element") == "cell_code"
+    ]
+
+
+def _sources(cell) -> list:
+    return [
+        b
+        for src in cell.children
+        if src.get("nb_element") == "cell_code_source"
+        for b in src.findall(nodes.literal_block)
+    ]
+
+
+def _label_gpu_output(cell) -> None:
+    """Move the "where it ran" label line of a GPU cell's output into a note."""
+    from coursekit.gpu import LABEL_PREFIXES
+
+    for out in [c for c in cell.children if c.get("nb_element") == "cell_code_output"]:
+        for block in list(out.findall(nodes.literal_block)):
+            text = block.astext()
+            if not text.startswith(LABEL_PREFIXES):
+                continue
+            label, _, rest = text.partition("\n")
+            note = nodes.paragraph("", "", nodes.Text(label), classes=["gpu-run-note"])
+            block.parent.insert(block.parent.index(block), note)
+            if rest.strip():
+                block.children = [nodes.Text(rest)]
+                block.rawsource = rest
+            else:
+                block.parent.remove(block)
+            return
+
+
+def _hide_plumbing(app, doctree):
+    """Leave setup cells, glue calls, nbval comments and measurement wrappers out of
+    the page; label GPU cells' output."""
+    from coursekit.tidy import tolerance_names, visible_source
+
+    cells = _code_cells(doctree)
+    tol_names = tolerance_names(b.astext() for c in cells for b in _sources(c))
+    for cell in cells:
+        tags = _cell_tags(cell)
+        if any(t in SETUP_TAGS for t in tags):
+            cell.parent.remove(cell)
             continue
+        if "gpu" in tags:
+            _label_gpu_output(cell)
         for src in [
             c for c in cell.children if c.get("nb_element") == "cell_code_source"
         ]:
             for block in list(src.findall(nodes.literal_block)):
                 text = block.astext()
-                shown = visible_source(text)
+                shown = visible_source(text, tol_names)
                 if shown == text:
                     continue
                 if shown.strip():

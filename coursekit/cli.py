@@ -12,7 +12,7 @@ def _cmd_execute(args: argparse.Namespace) -> int:
     from .execute import execute_notebook
 
     for nb in args.notebooks:
-        dt = execute_notebook(nb, timeout=args.timeout)
+        dt = execute_notebook(nb, timeout=args.timeout, gpu=args.gpu)
         print(f"executed {nb} in {dt:.1f} s")
     return 0
 
@@ -41,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("notebooks", nargs="+")
     e.add_argument(
         "--timeout", type=int, default=600, help="per-cell timeout in seconds"
+    )
+    e.add_argument(
+        "--gpu",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="GPU cells: real GPU output when a CUDA device is visible (auto), "
+        "required (on), or always their labelled CPU small-size run (off)",
     )
     e.set_defaults(func=_cmd_execute)
     t = sub.add_parser(

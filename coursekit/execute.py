@@ -2,16 +2,30 @@
 
 Outputs are produced the way nbval will check them: a fresh kernel whose environment is
 :func:`kernel_env` — ``COURSE_GPU=auto`` with every GPU hidden
-(``CUDA_VISIBLE_DEVICES=""``), so GPU cells store their skip line even on a machine with
-a GPU; one BLAS/OpenMP thread; ``PYTHONHASHSEED=0`` — and the notebook's own folder as
-working directory. The environment is handed to the kernel; the calling process's
-``os.environ`` is never changed. Widget state is dropped from the metadata so the HTML
-book never pulls the widget manager from a CDN.
+(``CUDA_VISIBLE_DEVICES=""``), so every cell but the GPU cells gives the same output on
+any machine; one BLAS/OpenMP thread; ``PYTHONHASHSEED=0`` — and the notebook's own
+folder as working directory. The environment is handed to the kernel; the calling
+process's ``os.environ`` is never changed. Widget state is dropped from the metadata so
+the HTML book never pulls the widget manager from a CDN.
+
+GPU cells (tag ``gpu``) store a result either way:
+
+* without a CUDA device, ``COURSE_GPU=auto`` runs them on the CPU at small size, and
+  their output starts with the label ``coursekit.gpu.CPU_LABEL`` (the HTML book shows
+  the run, labelled, never a skip line);
+* with one (``gpu="auto"`` finds it, ``gpu="on"`` requires it), the notebook's setup
+  cells and GPU cells run once more in a second kernel that sees the GPU
+  (``COURSE_GPU=on``), and their outputs replace the GPU cells' outputs. GPU cells are
+  self-contained (setup imports and library code only), so that second kernel needs
+  nothing else.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -60,15 +74,92 @@ def clean_metadata(nb: nbformat.NotebookNode) -> None:
                 data.pop("application/vnd.jupyter.widget-view+json", None)
 
 
+GPU_CHOICES = ("auto", "on", "off")
+SETUP_TAGS = {"setup", "colab-setup"}
+
+
+def _tags(cell) -> set:
+    return set(cell.get("metadata", {}).get("tags", []))
+
+
+def gpu_cell_indices(nb: nbformat.NotebookNode) -> list[int]:
+    """Indices of the code cells tagged ``gpu``."""
+    return [
+        i for i, c in enumerate(nb.cells) if c.cell_type == "code" and "gpu" in _tags(c)
+    ]
+
+
+def cuda_visible(python: str | None = None) -> bool:
+    """True when a kernel started from ``python`` (default: this interpreter, the one
+    the ``python3`` kernel of the course's venv runs) would see a CUDA device. Without
+    an NVIDIA driver on the machine it answers False at once, without importing
+    torch."""
+    if not (shutil.which("nvidia-smi") or Path("/dev/nvidia0").exists()):
+        return False
+    code = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    try:
+        r = subprocess.run([python or sys.executable, "-c", code], timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+def _run(nb, path: Path, timeout: int, env: dict) -> None:
+    from nbclient import NotebookClient
+
+    NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent.resolve())}},
+    ).execute(env=env)
+
+
+def run_gpu_cells_on_cuda(
+    nb: nbformat.NotebookNode, path: Path, timeout: int, env: dict | None = None
+) -> int:
+    """Run ``nb``'s setup and GPU cells in a kernel that sees the GPU
+    (``COURSE_GPU=on``) and store their outputs in ``nb``'s GPU cells. Returns how
+    many GPU cells were replaced."""
+    keep = [
+        i
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "code" and (SETUP_TAGS | {"gpu"}) & _tags(c)
+    ]
+    gpu_ix = gpu_cell_indices(nb)
+    if not gpu_ix:
+        return 0
+    sub = nbformat.v4.new_notebook(
+        cells=[nbformat.from_dict(dict(nb.cells[i])) for i in keep],
+        metadata=nb.metadata,
+    )
+    overrides = dict(env or {})
+    overrides.update(
+        COURSE_GPU="on", CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES")
+    )
+    _run(sub, path, timeout, kernel_env(overrides))
+    for i, c in zip(keep, sub.cells):
+        if i in gpu_ix:
+            nb.cells[i].outputs = c.outputs
+    return len(gpu_ix)
+
+
 def execute_notebook(
-    path: str | Path, timeout: int = 600, env: dict | None = None, write: bool = True
+    path: str | Path,
+    timeout: int = 600,
+    env: dict | None = None,
+    write: bool = True,
+    gpu: str = "auto",
 ) -> float:
     """Execute ``path`` in a fresh kernel; write outputs back when ``write``. Returns
     seconds.
 
-    ``env`` overrides entries of :func:`kernel_env` for this kernel only."""
-    from nbclient import NotebookClient
-
+    ``env`` overrides entries of :func:`kernel_env` for this kernel only. ``gpu``:
+    ``"auto"`` stores the GPU cells' real GPU output when a CUDA device is visible (else
+    their labelled CPU small-size run), ``"on"`` requires the device, ``"off"`` always
+    stores the CPU run (see the module docstring)."""
+    if gpu not in GPU_CHOICES:
+        raise ValueError(f"gpu must be one of {'|'.join(GPU_CHOICES)}, got {gpu!r}")
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"notebook not found: {path}")
@@ -76,14 +167,22 @@ def execute_notebook(
         nb = nbformat.read(path, as_version=4)
     except Exception as e:  # malformed JSON or not a notebook
         raise ValueError(f"{path} is not a readable notebook: {e}") from e
-    client = NotebookClient(
-        nb,
-        timeout=timeout,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(path.parent.resolve())}},
-    )
+    has_gpu_cells = bool(gpu_cell_indices(nb))
+    on_cuda = has_gpu_cells and gpu != "off" and cuda_visible()
+    if gpu == "on" and has_gpu_cells and not on_cuda:
+        raise ValueError(
+            f"{path}: gpu='on' (--gpu on) but no CUDA device is visible to the "
+            f"kernel's python ({sys.executable}): install a CUDA build of torch there, "
+            "or use "
+            "--gpu auto to store the GPU cells' CPU small-size run"
+        )
     t0 = time.perf_counter()
-    client.execute(env=kernel_env(env))
+    main_env = dict(env or {})
+    if on_cuda:  # the GPU cells run on CUDA below: skip their CPU run here
+        main_env.setdefault("COURSE_GPU", "off")
+    _run(nb, path, timeout, kernel_env(main_env))
+    if on_cuda:
+        run_gpu_cells_on_cuda(nb, path, timeout, env)
     dt = time.perf_counter() - t0
     clean_metadata(nb)
     nb.metadata["kernelspec"] = {

@@ -5,10 +5,10 @@ One environment variable, ``COURSE_GPU``, decides what a GPU cell does:
 =========  ===========================================================================
 value      behaviour
 =========  ===========================================================================
-``auto``   (default) run on CUDA when a device is present; otherwise print
-           :data:`SKIP_LINE` and skip the cell.
-``cpu``    run the GPU cell on the CPU at its smallest sizes (how CI proves it works).
-``0/off``  skip (print :data:`SKIP_LINE`).
+``auto``   (default) run on CUDA when a device is present; otherwise run on the CPU
+           at the cell's smallest sizes, under the label :data:`CPU_LABEL`.
+``cpu``    run the GPU cell on the CPU at its smallest sizes (same label).
+``0/off``  skip (print :data:`OFF_LINE`).
 ``1/on``   run on CUDA; raise :class:`GPUUnavailableError` when there is no device.
 =========  ===========================================================================
 
@@ -20,21 +20,32 @@ A GPU cell in a notebook looks like::
         ...                      # real code; `small` is True when running on CPU
 
 ``gpu_cell`` calls the function at once with ``device`` (a ``torch.device``) and
-``small`` (bool), or prints one fixed line and returns ``None``.
+``small`` (bool) and returns its result. Before the cell's own output it prints one
+label line saying where the output comes from: a CPU small-size run (with what a GPU
+run would add: ``@gpu_cell(on_gpu="…")`` says it for one cell) or the named GPU. So a
+book executed on a machine without CUDA still shows every GPU section's result, and
+says that it is the small CPU run.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, TypeVar, overload
 
 ENV_VAR = "COURSE_GPU"
 ALLOWED = ("auto", "cpu", "on", "off", "1", "0")
-SKIP_LINE = (
-    "[COURSE_GPU] 跳过 GPU 单元：未检测到 CUDA 设备。"
-    "设置 COURSE_GPU=cpu 可在 CPU 上以最小规模运行，COURSE_GPU=on 强制使用 GPU。"
-)
+# : First line of a GPU cell's output when it ran on the CPU at small size (``auto``
+# without CUDA, or ``cpu``); ``{on_gpu}`` says what the GPU run adds.
+CPU_LABEL = "【CPU 小规模运行】以下为 CPU 小规模运行的输出；在 GPU 上运行会{on_gpu}"
+ON_GPU_DEFAULT = "用完整规模，并测出 CUDA 上真实的显存与耗时。"
+# : First line of a GPU cell's output when it ran on a CUDA device.
+GPU_LABEL = "【GPU 运行】以下为在 {name} 上运行的输出。"
+# : Every label starts with one of these (the book styles that line as a note).
+LABEL_PREFIXES = ("【CPU 小规模运行】", "【GPU 运行】")
+# : How every skip line starts (``OFF_LINE``; the book never shows one: tests look for
+# this prefix on the built pages).
+SKIP_PREFIX = "[COURSE_GPU] 跳过 GPU 单元"
 OFF_LINE = (
     "[COURSE_GPU] 跳过 GPU 单元：COURSE_GPU=off。设置 COURSE_GPU=cpu 或 auto 可运行它。"
 )
@@ -114,22 +125,55 @@ def choose_device(value: str | None = None) -> DeviceChoice:
         return DeviceChoice(mode, True, "cuda", False, None)
     if has_cuda:
         return DeviceChoice(mode, True, "cuda", False, None)
-    return DeviceChoice(mode, False, None, False, SKIP_LINE)
+    return DeviceChoice(mode, True, "cpu", True, None)
 
 
-def gpu_cell(fn: Callable[..., T]) -> T | None:
+def run_label(choice: DeviceChoice, on_gpu: str | None = None) -> str | None:
+    """The label line printed before a GPU cell's output (None when it is skipped)."""
+    if not choice.run:
+        return None
+    if choice.device == "cuda":
+        import torch
+
+        return GPU_LABEL.format(name=torch.cuda.get_device_name(0))
+    text = (on_gpu or ON_GPU_DEFAULT).strip()
+    if not text.endswith(("。", "！", "？", ".")):
+        text += "。"
+    return CPU_LABEL.format(on_gpu=text)
+
+
+@overload
+def gpu_cell(fn: Callable[..., T]) -> T | None: ...
+@overload
+def gpu_cell(*, on_gpu: str) -> Callable[[Callable[..., T]], T | None]: ...
+def gpu_cell(fn=None, *, on_gpu=None):
     """Run ``fn(device, small)`` now according to ``COURSE_GPU``; return its result or
-    None.
+    None (``COURSE_GPU=off``).
 
     Used as a decorator on a notebook cell's function, so the cell's code is real code
-    that a student can run on Colab, and CI can run with ``COURSE_GPU=cpu``.
+    that a student can run on Colab, and CI can run with ``COURSE_GPU=cpu``. The output
+    starts with one label line (:data:`CPU_LABEL` or :data:`GPU_LABEL`).
+    ``@gpu_cell(on_gpu="…")`` says, for a CPU run, what the GPU run would add (Chinese,
+    completing "在 GPU 上运行会…").
     """
+    if fn is None:
+        if on_gpu is not None and not (isinstance(on_gpu, str) and on_gpu.strip()):
+            raise TypeError(
+                f"gpu_cell(on_gpu=...) takes a non-empty string, got {on_gpu!r}"
+            )
+        return lambda f: gpu_cell(f, on_gpu=on_gpu)
+    if not callable(fn):
+        raise TypeError(
+            f"gpu_cell decorates a function fn(device, small), got {fn!r}; "
+            'write @gpu_cell or @gpu_cell(on_gpu="…")'
+        )
     import torch
 
     choice = choose_device()
     if not choice.run:
         print(choice.message)
         return None
+    print(run_label(choice, on_gpu), flush=True)
     return fn(torch.device(choice.device), choice.small)
 
 
@@ -182,7 +226,7 @@ def describe() -> str:
             f"{bf16_supported('cuda')}, TF32: {tf32_available(cap)}, "
             f"memory {free / 2**30:.2f} of {total / 2**30:.2f} GiB free"
         )
-    if mode == "cpu":
+    if mode in ("cpu", "auto"):
         cells = "run on CPU at small size"
     else:
         cells = "are skipped" if mode != "on" else "will fail"

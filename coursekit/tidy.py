@@ -372,11 +372,16 @@ def _is_glue_name(stmt: ast.Expr) -> bool:
     )
 
 
-def visible_source(src: str) -> str:
+def visible_source(src: str, tol_names: frozenset[str] = frozenset()) -> str:
     """The code of a cell as the book shows it: without ``# nbval-ignore-output``
-    comment lines and without statements that only feed the prose (glue calls, and loops
-    or ifs made only of them) when they stand on lines of their own. The rest is kept
-    verbatim."""
+    comment lines, without statements that only feed the prose (glue calls, and loops
+    or ifs made only of them) when they stand on lines of their own, and without the
+    measurement plumbing :func:`strip_measurement` removes (``tol_names``: see
+    :func:`tolerance_names`). The rest is kept verbatim."""
+    return strip_measurement(_without_glue(src), tol_names)
+
+
+def _without_glue(src: str) -> str:
     lines = src.split("\n")
     drop = {i for i, line in enumerate(lines) if _NBVAL_COMMENT.match(line)}
     try:
@@ -424,3 +429,226 @@ def visible_source(src: str) -> str:
     kept = [line for i, line in enumerate(lines) if i not in drop]
     text = "\n".join(kept).strip("\n")
     return re.sub(r"\n(\s*\n){2,}", "\n\n", text)
+
+
+# ---------------------------------------------------------------- measurement wrappers
+#
+# The page shows the lesson, not how nbval compares it: ``with measured(rtol=...):``
+# wrappers (the body is shown dedented), ``rtol=``/``atol=`` arguments of ``md_table``
+# and ``glue``, ``tol = dict(rtol=..., atol=...)`` dictionaries used only as ``**tol``
+# in those calls, and comments that talk about nbval are left out of the displayed
+# code.
+# The notebook is unchanged: in Jupyter and on Colab the code runs as written.
+
+TOLERANCE_KEYWORDS = ("rtol", "atol")
+# calls whose rtol=/atol= only declare how nbval compares the output (coursekit.nb)
+TOLERANCE_CALLS = ("md_table", "glue", "measured")
+
+
+def _func_name(call: ast.Call) -> str:
+    f = call.func
+    if isinstance(f, ast.Name):
+        return f.id
+    return f.attr if isinstance(f, ast.Attribute) else ""
+
+
+def _is_tolerance_dict(value: ast.AST) -> bool:
+    """``dict(rtol=..., atol=...)`` or ``{"rtol": ..., "atol": ...}`` and nothing
+    else."""
+    if isinstance(value, ast.Call) and _func_name(value) == "dict" and not value.args:
+        keys = [k.arg for k in value.keywords]
+    elif isinstance(value, ast.Dict) and all(
+        isinstance(k, ast.Constant) for k in value.keys
+    ):
+        keys = [k.value for k in value.keys]
+    else:
+        return False
+    return bool(keys) and all(k in TOLERANCE_KEYWORDS for k in keys)
+
+
+def tolerance_names(sources) -> frozenset[str]:
+    """Names bound to a tolerance dict (``tol = dict(rtol=0.05)``) in any of
+    ``sources`` (the code cells of one notebook) and used only as ``**name`` in
+    :data:`TOLERANCE_CALLS`: their assignments and ``**name`` arguments are plumbing."""
+    bound, other_use, star_use = set(), set(), set()
+    for src in sources:
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
+        stars = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                t = node.targets[0]
+                if isinstance(t, ast.Name) and _is_tolerance_dict(node.value):
+                    bound.add(t.id)
+            if isinstance(node, ast.Call) and _func_name(node) in TOLERANCE_CALLS:
+                for k in node.keywords:
+                    if k.arg is None and isinstance(k.value, ast.Name):
+                        stars.add(id(k.value))
+                        star_use.add(k.value.id)
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Name)
+                and isinstance(node.ctx, ast.Load)
+                and id(node) not in stars
+            ):
+                other_use.add(node.id)
+    return frozenset(bound - other_use)
+
+
+def _offsets(src: str):
+    """(line, byte column) of ``ast`` -> index into ``src``."""
+    starts, pos = [], 0
+    lines = src.split("\n")
+    for line in lines:
+        starts.append(pos)
+        pos += len(line) + 1
+
+    def at(lineno: int, col: int) -> int:
+        line = lines[lineno - 1]
+        return starts[lineno - 1] + len(line.encode("utf-8")[:col].decode("utf-8"))
+
+    return at
+
+
+def _drop_span(src: str, a: int, b: int) -> str:
+    return src[:a] + src[b:]
+
+
+def _strip_once(src: str, tol_names: frozenset[str]) -> str | None:
+    """One plumbing construct removed from ``src``, or None when none is left."""
+    tree = ast.parse(src)
+    at = _offsets(src)
+    lines = src.split("\n")
+    for node in ast.walk(tree):
+        # ``with measured(...):`` (its only item) -> the body, dedented
+        if (
+            isinstance(node, ast.With)
+            and len(node.items) == 1
+            and isinstance(node.items[0].context_expr, ast.Call)
+            and _func_name(node.items[0].context_expr) == "measured"
+            and node.items[0].optional_vars is None
+        ):
+            header_end = node.body[0].lineno - 1  # 1-based line before the body
+            # the header ends on the line of its colon: the last line before the body
+            # that is not a comment or blank
+            while header_end > node.lineno and (
+                not lines[header_end - 1].strip()
+                or lines[header_end - 1].lstrip().startswith("#")
+            ):
+                header_end -= 1
+            body = lines[header_end : node.end_lineno]
+            indent = node.body[0].col_offset - node.col_offset
+            out = []
+            for line in body:
+                lead = len(line) - len(line.lstrip(" "))
+                out.append(line[min(lead, indent) :])
+            new = lines[: node.lineno - 1] + out + lines[node.end_lineno :]
+            return "\n".join(new)
+        # ``tol = dict(rtol=..., atol=...)`` used only as **tol in tolerance calls
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id in tol_names
+            and _is_tolerance_dict(node.value)
+            and node.col_offset == 0
+        ):
+            new = lines[: node.lineno - 1] + lines[node.end_lineno :]
+            return "\n".join(new)
+        # rtol=/atol=/**tol arguments of md_table, glue, measured
+        if isinstance(node, ast.Call) and _func_name(node) in TOLERANCE_CALLS:
+            if _func_name(node) == "measured":
+                continue  # a measured(...) that is not a with-item: left as written
+            parts = sorted(
+                [*node.args, *node.keywords], key=lambda n: (n.lineno, n.col_offset)
+            )
+            for j, k in enumerate(parts):
+                if not isinstance(k, ast.keyword):
+                    continue
+                plumbing = k.arg in TOLERANCE_KEYWORDS or (
+                    k.arg is None
+                    and isinstance(k.value, ast.Name)
+                    and k.value.id in tol_names
+                )
+                if not plumbing:
+                    continue
+                start = at(k.lineno, k.col_offset)
+                end = at(k.end_lineno, k.end_col_offset)
+                if j + 1 < len(parts):
+                    nxt = parts[j + 1]
+                    return _drop_span(src, start, at(nxt.lineno, nxt.col_offset))
+                if j > 0:
+                    prev = parts[j - 1]
+                    return _drop_span(
+                        src, at(prev.end_lineno, prev.end_col_offset), end
+                    )
+                return _drop_span(src, start, end)
+    return None
+
+
+def _drop_nbval_comments(src: str) -> str:
+    """Comments that talk about nbval: a whole comment block (consecutive comment lines)
+    mentioning it goes; a trailing comment mentioning it is cut off its line."""
+    import io
+    import tokenize
+
+    lines = src.split("\n")
+    try:
+        toks = list(tokenize.generate_tokens(io.StringIO(src).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return src
+    trailing, whole = {}, set()
+    for t in toks:
+        if t.type != tokenize.COMMENT:
+            continue
+        row, col = t.start
+        if lines[row - 1][:col].strip():
+            trailing[row - 1] = col
+        else:
+            whole.add(row - 1)
+    drop = set()
+    for i in sorted(whole):
+        if i in drop or "nbval" not in lines[i].lower():
+            continue
+        a = i
+        while a - 1 in whole:
+            a -= 1
+        b = i
+        while b + 1 in whole:
+            b += 1
+        drop.update(range(a, b + 1))
+    out = []
+    for i, line in enumerate(lines):
+        if i in drop:
+            continue
+        if i in trailing and "nbval" in line[trailing[i] :].lower():
+            line = line[: trailing[i]].rstrip()
+        out.append(line)
+    return "\n".join(out)
+
+
+def strip_measurement(src: str, tol_names: frozenset[str] = frozenset()) -> str:
+    """``src`` as the page shows it: measurement wrappers and tolerance arguments left
+    out (see the section comment above). Code that does not parse, or whose stripped
+    form would not parse, is returned unchanged."""
+    try:
+        ast.parse(src)
+    except SyntaxError:
+        return src
+    text = src
+    for _ in range(200):  # each pass removes one construct
+        try:
+            new = _strip_once(text, tol_names)
+        except SyntaxError:
+            return src
+        if new is None:
+            break
+        text = new
+    text = _drop_nbval_comments(text)
+    try:
+        ast.parse(text)
+    except SyntaxError:
+        return src
+    return re.sub(r"\n(\s*\n){2,}", "\n\n", text).strip("\n")

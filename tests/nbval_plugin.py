@@ -11,12 +11,20 @@
   by token (words and integers still exact). The tolerance is read from the freshly
   executed output (the code declares it) and the stored output must carry one too, else
   the comparison stays textual.
+* **GPU cells (tag ``gpu``): output not compared, cell skipped in the kernel.** Their
+  stored output is a CPU small-size run whose timings and measured numbers vary with
+  the machine, or a run on a GPU (``coursekit.execute``); the reason is
+  :data:`GPU_IGNORE_REASON`. The kernel runs with ``COURSE_GPU=off`` (a GPU cell prints
+  its skip line and returns None; GPU cells are self-contained, so no later cell
+  depends on them), because ``tests/test_gpu_cells.py`` already runs every GPU cell at
+  small size and checks what it prints: running them twice would only cost time.
+  ``--kernel-env COURSE_GPU=cpu`` runs them here too.
 * Each notebook's kernel gets its environment from :func:`coursekit.execute.kernel_env`
-  (the same one ``make nb`` uses: ``COURSE_GPU=auto``, GPUs hidden, one thread, fixed
-  hash seed) plus ``--kernel-env KEY=VALUE`` options; the test process's own
-  ``os.environ`` is not changed. ``make test`` passes ``ATEN_CPU_CAPABILITY=default
-  MKL_CBWR=COMPATIBLE`` this way, so the stored outputs (made on the native kernel path)
-  are checked on another one.
+  (the same one ``make nb`` uses: GPUs hidden, one thread, fixed hash seed; here
+  ``COURSE_GPU=off``, see above) plus ``--kernel-env KEY=VALUE`` options; the test
+  process's own ``os.environ`` is not changed. ``make test`` passes
+  ``ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE`` this way, so the stored outputs
+  (made on the native kernel path) are checked on another one.
 """
 
 from __future__ import annotations
@@ -37,6 +45,11 @@ IGNORED_MIME = (
     "image/svg+xml",
     "text/html",
 )
+GPU_TAG = "gpu"
+GPU_IGNORE_REASON = (
+    "GPU cell: its stored output is a labelled CPU small-size run (machine-dependent "
+    "timings) or a GPU run; tests/test_gpu_cells.py checks that it runs"
+)
 # same as coursekit.nb.TOL_KEY (kept literal: no import of the package here)
 TOL_KEY = "coursekit"
 TEXT_MIME = ("text/plain", "text/markdown")
@@ -55,6 +68,18 @@ def pytest_addoption(parser):
         metavar="KEY=VALUE",
         help="environment variable for every notebook kernel (repeatable)",
     )
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """GPU cells: outputs not compared (see :data:`GPU_IGNORE_REASON`)."""
+    for item in items:
+        cell = getattr(item, "cell", None)
+        options = getattr(item, "options", None)
+        if cell is None or options is None:
+            continue
+        if GPU_TAG in (cell.get("metadata", {}).get("tags") or []):
+            options["check"] = False
+            item.user_properties.append(("nbval_ignore_reason", GPU_IGNORE_REASON))
 
 
 def pytest_collectstart(collector):
@@ -192,7 +217,7 @@ def _compare_outputs(original):
 def _kernel_env(config) -> dict:
     from coursekit.execute import kernel_env
 
-    extra = {}
+    extra = {"COURSE_GPU": "off"}  # GPU cells: see the module docstring
     for item in config.getoption("--kernel-env") or []:
         key, sep, value = item.partition("=")
         if not sep or not key:

@@ -48,12 +48,28 @@ def test_unknown_value_names_allowed_values(monkeypatch):
         gpu.gpu_mode()
 
 
-def test_auto_without_cuda_skips_with_fixed_line(no_cuda, monkeypatch, capsys):
+def test_auto_without_cuda_runs_small_on_cpu_under_a_label(
+    no_cuda, monkeypatch, capsys
+):
     monkeypatch.setenv("COURSE_GPU", "auto")
     ran = []
-    assert gpu.gpu_cell(lambda device, small: ran.append(device)) is None
-    assert ran == []
-    assert capsys.readouterr().out.strip() == gpu.SKIP_LINE
+
+    def cell(device, small):
+        ran.append((device.type, small))
+        print("the cell's own output")
+        return 7
+
+    assert gpu.gpu_cell(cell) == 7
+    assert ran == [("cpu", True)]
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        gpu.CPU_LABEL.format(on_gpu=gpu.ON_GPU_DEFAULT),
+        "the cell's own output",
+    ]
+    assert out[0].startswith(
+        "【CPU 小规模运行】以下为 CPU 小规模运行的输出；在 GPU 上运行会"
+    )
+    assert gpu.SKIP_PREFIX not in "\n".join(out)
 
 
 def test_auto_with_cuda_runs_full_size(with_cuda, monkeypatch):
@@ -62,16 +78,56 @@ def test_auto_with_cuda_runs_full_size(with_cuda, monkeypatch):
     assert (c.run, c.device, c.small) == (True, "cuda", False)
 
 
-def test_cpu_mode_runs_small_on_cpu(with_cuda, monkeypatch):
+def test_cpu_mode_runs_small_on_cpu(with_cuda, monkeypatch, capsys):
     monkeypatch.setenv("COURSE_GPU", "cpu")
     out = gpu.gpu_cell(lambda device, small: (device.type, small))
     assert out == ("cpu", True)
+    assert capsys.readouterr().out.startswith("【CPU 小规模运行】")
+
+
+def test_on_gpu_says_what_the_gpu_run_adds(no_cuda, monkeypatch, capsys):
+    monkeypatch.setenv("COURSE_GPU", "auto")
+
+    @gpu.gpu_cell(on_gpu="用 0.5B 模型测出真实的峰值显存")
+    def result(device, small):
+        return small
+
+    assert result is True
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line == (
+        "【CPU 小规模运行】以下为 CPU 小规模运行的输出；"
+        "在 GPU 上运行会用 0.5B 模型测出真实的峰值显存。"
+    )
+
+
+def test_gpu_run_is_labelled_with_the_device(with_cuda, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setenv("COURSE_GPU", "auto")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    monkeypatch.setattr(torch, "device", lambda name: name)  # no CUDA to build one on
+    assert gpu.gpu_cell(lambda device, small: (device, small)) == ("cuda", False)
+    assert capsys.readouterr().out.splitlines() == [
+        "【GPU 运行】以下为在 NVIDIA H200 上运行的输出。"
+    ]
+
+
+@pytest.mark.parametrize("bad", ["", "  ", 3])
+def test_on_gpu_must_be_text(bad):
+    with pytest.raises(TypeError, match="on_gpu"):
+        gpu.gpu_cell(on_gpu=bad)
+
+
+def test_gpu_cell_needs_a_function():
+    with pytest.raises(TypeError, match="decorates a function"):
+        gpu.gpu_cell("not a function")
 
 
 def test_off_skips_even_with_cuda(with_cuda, monkeypatch, capsys):
     monkeypatch.setenv("COURSE_GPU", "off")
     assert gpu.gpu_cell(lambda d, s: 1) is None
-    assert capsys.readouterr().out.strip() == gpu.OFF_LINE
+    out = capsys.readouterr().out.strip()
+    assert out == gpu.OFF_LINE and out.startswith(gpu.SKIP_PREFIX)
 
 
 def test_on_without_cuda_fails_clearly(no_cuda, monkeypatch):

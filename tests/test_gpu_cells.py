@@ -1,9 +1,11 @@
-"""GPU cells: visibly labelled, and run once with COURSE_GPU=cpu.
+"""GPU cells: visibly labelled, stored with a result, and run once with COURSE_GPU=cpu.
 
-The stored outputs (checked by nbval) come from COURSE_GPU=auto on a machine without
-CUDA, where a GPU cell prints one skip line. Here every notebook's ``setup`` cell plus
-its ``gpu`` cells run in a fresh kernel with COURSE_GPU=cpu, so the real GPU code is
-executed at its smallest size.
+The stored outputs come from ``make nb``: on a machine without CUDA a GPU cell's output
+is its CPU small-size run, under the label ``coursekit.gpu.CPU_LABEL``; with a GPU, the
+GPU run. nbval does not compare them (machine-dependent timings; tests/nbval_plugin.py).
+Here every notebook's ``setup`` cell plus its ``gpu`` cells run in a fresh kernel with
+COURSE_GPU=cpu, so the real GPU code is executed at its smallest size and what it
+prints is checked.
 """
 
 import re
@@ -14,7 +16,7 @@ import torch
 
 from coursekit import gpu
 from coursekit.execute import kernel_env
-from coursekit.gpu import OFF_LINE, SKIP_LINE
+from coursekit.gpu import LABEL_PREFIXES, SKIP_PREFIX
 from tests.notebooks import all_notebooks, tags
 
 LABEL = "【Skeleton】需要 GPU"
@@ -47,6 +49,24 @@ def test_gpu_cells_are_labelled_and_tagged(path):
 
 
 @pytest.mark.parametrize("path", _gpu_notebooks(), ids=lambda p: p.name)
+def test_stored_gpu_output_is_a_labelled_run(path):
+    """The book shows what every GPU cell printed: a labelled CPU small-size run or a
+    GPU run, never a skip line."""
+    nb = nbformat.read(path, as_version=4)
+    for i, c in enumerate(nb.cells):
+        if "gpu" not in tags(c):
+            continue
+        text = "".join(
+            o.get("text", "") for o in c.outputs if o.get("output_type") == "stream"
+        )
+        assert text.startswith(LABEL_PREFIXES) and SKIP_PREFIX not in text, (
+            f"{path.name} cell {i}: the stored output is not a labelled run "
+            f"({text[:60]!r}); re-execute it: "
+            f"make nb NB={path.relative_to(path.parents[1])}"
+        )
+
+
+@pytest.mark.parametrize("path", _gpu_notebooks(), ids=lambda p: p.name)
 def test_gpu_cells_run_on_cpu(path, tmp_path):
     from nbclient import NotebookClient
 
@@ -71,8 +91,12 @@ def test_gpu_cells_run_on_cpu(path, tmp_path):
         text = "".join(
             o.get("text", "") for o in c.outputs if o.get("output_type") == "stream"
         )
-        assert SKIP_LINE not in text and OFF_LINE not in text, (
+        assert SKIP_PREFIX not in text, (
             f"{path.name}: a GPU cell was skipped under COURSE_GPU=cpu"
+        )
+        assert text.startswith("【CPU 小规模运行】"), (
+            f"{path.name}: a GPU cell's CPU run must start with its label: "
+            f"{text[:80]!r}"
         )
         if (
             "def fp16_scaler_loop(" in c.source

@@ -388,7 +388,7 @@ def test_kernel_env_is_the_reference_plus_overrides():
     )
     # a caller's COURSE_GPU does not leak into stored outputs
     assert env["COURSE_GPU"] == "auto"
-    # GPUs hidden: GPU cells store their skip line
+    # GPUs hidden: GPU cells store their labelled CPU small-size run
     assert env["CUDA_VISIBLE_DEVICES"] == ""
     assert (
         env["ATEN_CPU_CAPABILITY"] == "default"
@@ -432,3 +432,30 @@ def test_execute_gives_the_kernel_its_environment(tmp_path):
     assert dict(os.environ) == before
     out = nbformat.read(path, as_version=4).cells[0].outputs[0]["text"]
     assert out.strip() == str(["auto", "", "1", "default"])
+
+
+def test_nbval_leaves_gpu_cells_uncompared_and_off():
+    """GPU cells: their stored output (a CPU small run with timings, or a GPU run) is
+    not compared, and the nbval kernel skips them (tests/test_gpu_cells.py runs
+    them)."""
+    from types import SimpleNamespace
+
+    from tests import nbval_plugin
+
+    def item(tags):
+        return SimpleNamespace(
+            cell={"metadata": {"tags": tags}},
+            options={"check": True},
+            user_properties=[],
+        )
+
+    gpu, plain = item(["gpu"]), item(["nbval-ignore-output"])
+    nbval_plugin.pytest_collection_modifyitems(None, None, [gpu, plain, object()])
+    assert gpu.options["check"] is False and plain.options["check"] is True
+    assert gpu.user_properties == [
+        ("nbval_ignore_reason", nbval_plugin.GPU_IGNORE_REASON)
+    ]
+    config = SimpleNamespace(getoption=lambda name: [])
+    assert nbval_plugin._kernel_env(config)["COURSE_GPU"] == "off"
+    config = SimpleNamespace(getoption=lambda name: ["COURSE_GPU=cpu"])
+    assert nbval_plugin._kernel_env(config)["COURSE_GPU"] == "cpu"

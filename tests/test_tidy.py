@@ -257,3 +257,106 @@ def test_moved_glue_of_an_uncompared_cell_stays_uncompared():
     assert moved.metadata["tags"] == [REMOVE, "nbval-ignore-output"]
     assert moved.metadata["nbval_ignore_reason"] == "wall-clock time"
     assert main.metadata["tags"] == ["nbval-ignore-output"]
+
+
+# ---------------------------------------------------------------- measurement plumbing
+
+
+def test_measured_wrapper_is_shown_as_its_body_dedented():
+    src = (
+        "x = 1\n"
+        "with measured(\n"
+        "    rtol=0.01\n"
+        "):  # norms are fp32 sums: their last bits depend on the CPU's kernels\n"
+        "    print(f'direct cast {x}')\n"
+        "    if x:\n"
+        "        print(2)  # kept\n"
+        "y = 1"
+    )
+    assert visible_source(src) == (
+        "x = 1\nprint(f'direct cast {x}')\nif x:\n    print(2)  # kept\ny = 1"
+    )
+
+
+def test_nested_and_indented_measured_wrappers():
+    src = (
+        "for name in names:\n"
+        "    with measured(atol=1e-3):\n"
+        "        with measured(rtol=0.3 if 'linear' in name else 0.02):\n"
+        "            print('中文', name)\n"
+        "    done = True"
+    )
+    assert visible_source(src) == (
+        "for name in names:\n    print('中文', name)\n    done = True"
+    )
+
+
+def test_tolerance_arguments_of_tables_are_left_out_and_others_kept():
+    assert visible_source("md_table(under, rtol=0.05, atol=0.2)") == "md_table(under)"
+    assert (
+        visible_source("display(md_table(rows, atol=1))") == "display(md_table(rows))"
+    )
+    assert visible_source("md_table(\n    rows,\n    rtol=0.05,\n)") == (
+        "md_table(\n    rows,\n)"
+    )
+    # a lesson's own tolerance is part of the lesson
+    kept = "torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)"
+    assert visible_source(kept) == kept
+    assert visible_source("m = measured(rtol=0.1)") == "m = measured(rtol=0.1)"
+
+
+def test_tolerance_dicts_used_only_by_tolerance_calls_are_left_out():
+    from coursekit.tidy import tolerance_names
+
+    cells = [
+        "tol = dict(rtol=0.02, atol=1e-3)  # losses of a training run: measured",
+        "x = 3\nmd_table(rows, **tol)",
+        "lesson = dict(atol=0.05)\ntorch.testing.assert_close(a, b, **lesson)",
+    ]
+    names = tolerance_names(cells)
+    assert names == {"tol"}
+    assert visible_source(cells[0], names) == ""
+    assert visible_source(cells[1], names) == "x = 3\nmd_table(rows)"
+    assert visible_source(cells[2], names) == cells[2]
+
+
+def test_comments_about_nbval_are_left_out():
+    src = (
+        "# The final loss is a float: its last digits depend on the CPU's\n"
+        "# kernels, so it is not compared by\n"
+        "# nbval.\n"
+        "assert loss < 1\n"
+        "# the lesson's comment stays\n"
+        "def update(\n"
+        "    change=None,\n"
+        "):  # same behaviour live, under nbclient and nbval\n"
+        "    text = 1"
+    )
+    assert visible_source(src) == (
+        "assert loss < 1\n# the lesson's comment stays\n"
+        "def update(\n    change=None,\n):\n    text = 1"
+    )
+    assert visible_source("s = '# nbval'") == "s = '# nbval'"  # a string, not a comment
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_real_cells_stripped_still_parse_and_lose_every_wrapper(path):
+    import ast
+
+    from coursekit.tidy import tolerance_names
+
+    nb = nbformat.read(path, as_version=4)
+    sources = [c.source for c in nb.cells if c.cell_type == "code"]
+    names = tolerance_names(sources)
+    for src in sources:
+        try:
+            ast.parse(src)
+        except SyntaxError:
+            continue  # IPython magics: shown as written
+        shown = visible_source(src, names)
+        ast.parse(shown)
+        assert "with measured(" not in shown, shown
+        assert "nbval" not in shown.lower(), shown
+        for line in shown.splitlines():
+            if "md_table(" in line:
+                assert "rtol=" not in line and "atol=" not in line, line
