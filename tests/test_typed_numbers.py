@@ -15,12 +15,7 @@ from tests import typed_numbers as T
 from tests.notebooks import book_notebooks
 
 # The one place that lists chapters whose prose still has typed quantities.
-NOT_YET_CLEAN = {
-    "06_lora_in_practice",
-    "08_attention_inference_troubleshooting",
-    "09_beyond_one_gpu",
-    "10_summary",
-}
+NOT_YET_CLEAN: set[str] = set()
 
 
 @pytest.fixture(scope="module")

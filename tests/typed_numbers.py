@@ -58,7 +58,7 @@ DTYPE_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 DTYPE_BEFORE = re.compile(r"(fp32|tf32|fp16|bf16|fp8|int8)[^，,；。0-9]{0,8}$", re.I)
 # A device's capacity or a link's bandwidth is a condition of the question:
 # "80 GB 的卡", "24 GB 的消费级显卡", "100 GB/s".
-DEVICE_AFTER = re.compile(r"\s?[KMGT]i?B\s*(?:/s|的?(?:卡|显卡|消费级显卡|GPU)|\s*GPU)")
+DEVICE_AFTER = re.compile(r"\s?[KMGT]i?B\s*(?:/s|的?\s*(?:卡|显卡|消费级显卡|GPU))")
 QUOTE = re.compile(r"「[^」]*」|“[^”]*”|\"[^\"\n]*\"")
 NUMBER = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)*")
 LIBRARIES = (
@@ -132,7 +132,15 @@ def prose(markdown: str) -> str:
     return FENCE_LINE.sub(" ", text)
 
 
+# A single line break inside a paragraph is not a sentence end (prose is hard-wrapped);
+# a break before a table row, list item, heading or quote, or a blank line, is.
+SOFT_BREAK = re.compile(r"(?<=\S)\n(?!\s*(?:[|#>*-]|\d+[.)]\s|\n))")
+
+
 def sentences(text: str) -> list[str]:
+    text = SOFT_BREAK.sub(
+        lambda m: "" if not text[m.start() - 1].isascii() else " ", text
+    )
     return [s.strip() for s in SENTENCE_END.split(text) if s and s.strip()]
 
 
