@@ -88,7 +88,7 @@ def test_glued_and_exempt_numbers_are_not_findings():
         "bitsandbytes 0.43.2 起不再保存输入；torch ≥ 2.4 的 FSDP2；"
         "ZeRO-3、FP16、sm_89。\n"
         "常见说法“减少 75%”与「3–5 倍」；单张 80 GB 的卡，100 GB/s；"
-        "bf16 权重 2 字节。\n"
+        "bf16 权重 2 字节；1 GiB = 2³⁰ 字节。\n"
         "1. **先估算**：$16\\Psi$ 字节，`4,194,304`，4096×4096 的矩阵，batch 8。"
     )
     assert _numbers(text) == []

@@ -20,6 +20,7 @@ below says it is not a quantity:
 - shapes: ``4096×4096`` (× between two numbers);
 - quotations: a claim quoted for examination (“减少 75%”, 「3–5 倍」);
 - conditions: a device's capacity or bandwidth (80 GB 的卡, 100 GB/s);
+- definitions: one unit defined in another (1 GiB = 2³⁰ 字节);
 - format constants: one element's size right after its dtype (bf16 权重 2 字节).
 
 Counts of devices, layers, steps or tokens are the conditions of an experiment and are
@@ -150,6 +151,8 @@ def _exempt(sentence: str, start: int, end: int) -> bool:
         return True  # a quoted claim under examination: “减少 75%”、「3–5 倍」
     if DEVICE_AFTER.match(after):
         return True  # 80 GB 的卡, 100 GB/s
+    if token == "1" and re.match(r"\s?[KMGT]i?B\s*=", after):
+        return True  # a unit's definition: 1 GiB = 2³⁰ 字节
     dtype = DTYPE_BEFORE.search(before)
     if (
         dtype
