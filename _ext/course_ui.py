@@ -5,6 +5,12 @@ page.
   dependency); the course's own terms (``zh_terms.txt``: 显存, 混合精度, 梯度累积 …) are
   loaded as a user dictionary so they are indexed as whole words as well as their parts.
   ``course-search.js`` cuts a Chinese query into the words the index knows.
+* **Search ranking and snippets.** At the end of the build the prose of every page
+  (no code cells, outputs, math or raw HTML), cut into the index's own words (Sphinx's
+  Chinese splitter), is written as term counts to ``_static/course-search-data.js``,
+  which only the search page loads; ``course-search.js`` ranks the pages found by BM25
+  over those counts plus a bonus for a word in the page title, lists each page once,
+  and builds snippets from the prose only.
 * **Menus.** ``course-nav.js`` makes the article header's ☰ / ≡ buttons work (see the
   file); ``course.css`` hides the theme's extra top navbar, so the page has one search
   box.
@@ -21,6 +27,8 @@ page.
   arguments of ``md_table``/``glue`` and the tolerance dicts passed to them as
   ``**tol`` are left out (``coursekit.tidy.visible_source``); the notebook itself is
   unchanged. A code cell with nothing left to show is dropped from the page.
+* **Raw reprs.** A cell whose value is a flat ``dict`` of names to numbers or strings
+  (``{'7B': 6738415616, ...}``) is shown as a two-column table, not as Python's repr.
 * **GPU cells.** The first line of a GPU cell's output says where it ran
   (``coursekit.gpu.CPU_LABEL``: "以下为 CPU 小规模运行的输出；在 GPU 上运行会…", or the
   GPU's name); the page shows that line as a note above the output
@@ -152,6 +160,67 @@ def _label_gpu_output(cell) -> None:
             return
 
 
+MAX_REPR_ROWS = 40
+
+
+def repr_rows(text: str) -> list[tuple[str, str]] | None:
+    """``[(key, value), ...]`` when ``text`` is the repr of a flat dict of str keys to
+    numbers, bools or short strings (what a table shows better); else None."""
+    import ast
+
+    text = text.strip()
+    if not (text.startswith("{") and text.endswith("}")):
+        return None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+    if not isinstance(value, dict) or not 0 < len(value) <= MAX_REPR_ROWS:
+        return None
+    rows = []
+    for k, v in value.items():
+        if not isinstance(k, str) or not isinstance(v, (int, float, str, bool)):
+            return None
+        if isinstance(v, str) and len(v) > 80:
+            return None
+        if isinstance(v, bool) or isinstance(v, str):
+            shown = str(v)
+        elif isinstance(v, int):
+            shown = f"{v:,}"
+        else:
+            shown = repr(v)
+        rows.append((k, shown))
+    return rows
+
+
+def _table(rows: list[tuple[str, str]]) -> nodes.table:
+    table = nodes.table(classes=["repr-table"])
+    group = nodes.tgroup(cols=2)
+    table += group
+    group += nodes.colspec(colwidth=1)
+    group += nodes.colspec(colwidth=1)
+    body = nodes.tbody()
+    group += body
+    for k, v in rows:
+        row = nodes.row()
+        for text in (k, v):
+            entry = nodes.entry()
+            entry += nodes.paragraph("", "", nodes.Text(text))
+            row += entry
+        body += row
+    return table
+
+
+def _tables_for_reprs(cell) -> None:
+    for out in [c for c in cell.children if c.get("nb_element") == "cell_code_output"]:
+        for block in list(out.findall(nodes.literal_block)):
+            if "text_plain" not in block.get("classes", []):
+                continue
+            rows = repr_rows(block.astext())
+            if rows:
+                block.parent.replace(block, _table(rows))
+
+
 def _hide_plumbing(app, doctree):
     """Leave setup cells, glue calls, nbval comments and measurement wrappers out of
     the page; label GPU cells' output."""
@@ -166,6 +235,7 @@ def _hide_plumbing(app, doctree):
             continue
         if "gpu" in tags:
             _label_gpu_output(cell)
+        _tables_for_reprs(cell)
         for src in [
             c for c in cell.children if c.get("nb_element") == "cell_code_source"
         ]:
@@ -296,10 +366,141 @@ def _wrap_renderer(app):
     templates._course_ui = True
 
 
+SEARCH_DATA = "course-search-data.js"
+_PROSE_SKIP = (
+    nodes.literal_block,
+    nodes.math,
+    nodes.math_block,
+    nodes.raw,
+    nodes.comment,
+    nodes.doctest_block,
+    nodes.system_message,
+)
+
+
+def prose_text(doctree) -> str:
+    """The text of a page a reader reads as prose: titles, paragraphs, lists, tables
+    and admonitions, without code cells and their outputs, code blocks, math and raw
+    HTML."""
+    parts: list[str] = []
+    stack = [doctree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, _PROSE_SKIP):
+            continue
+        if isinstance(node, nodes.container) and str(
+            node.get("nb_element", "")
+        ).startswith("cell_code"):
+            continue
+        if isinstance(node, nodes.Text):
+            parts.append(str(node))
+            continue
+        if isinstance(node, (nodes.paragraph, nodes.title, nodes.term)):
+            parts.append("\n")
+        stack.extend(reversed(node.children))
+    return "".join(parts)
+
+
+def search_data(docs: dict[str, tuple[str, str]], lang, root: str = "") -> dict:
+    """Term counts per page for the search page's ranking: ``docs`` maps a docname to
+    (title, prose text); ``lang`` is the builder's search language. Words are cut and
+    stemmed as the search index cuts them (Sphinx's Chinese language: jieba's
+    ``cut_for_search`` plus Latin words, stemmed unless too short after stemming),
+    with the stems memoised (Sphinx's own ``stem`` scans a growing list per word).
+    ``root``: the root document (its title is the book's title)."""
+    import functools
+
+    split = getattr(lang, "split")
+    latin_re = getattr(lang, "latin1_letters", None)
+    stemmer = getattr(lang, "stemmer", None)
+    latin_words: set[str] = set()
+
+    @functools.cache
+    def stem(word: str) -> str:
+        if stemmer is None:
+            return lang.stem(word).lower()
+        low = word.lower()
+        stemmed = stemmer.stemWord(low)
+        if word in latin_words and len(word) >= 3 and len(stemmed) < 3:
+            return low
+        return stemmed.lower()
+
+    def words_of(text: str) -> list[str]:
+        if latin_re is None:
+            return split(text)
+        import jieba
+
+        latin = [t.strip() for t in latin_re.findall(text)]
+        latin_words.update(latin)
+        return list(jieba.cut_for_search(text)) + latin
+
+    names = sorted(docs)
+    tf: dict[str, dict[int, int]] = {}
+    lengths = []
+    for i, name in enumerate(names):
+        n = 0
+        for w in words_of(docs[name][1]):
+            stemmed = stem(w)
+            if not lang.word_filter(stemmed):
+                if not lang.word_filter(w):
+                    continue
+                stemmed = w.lower()
+            n += 1
+            counts = tf.setdefault(stemmed, {})
+            counts[i] = counts.get(i, 0) + 1
+        lengths.append(n)
+    avg = sum(lengths) / len(lengths) if lengths else 1.0
+    return {
+        "docs": names,
+        "root": root,
+        "titles": [docs[n][0] for n in names],
+        "len": lengths,
+        "avg": avg or 1.0,
+        "tf": tf,
+    }
+
+
+def _write_search_data(app, exception):
+    if exception is not None or app.builder.format != "html":
+        return
+    indexer = getattr(app.builder, "indexer", None)
+    if indexer is None:
+        return
+    import json
+
+    docs = {}
+    for name in sorted(app.env.found_docs):
+        try:
+            doctree = app.env.get_doctree(name)
+        except Exception:  # a document that was not read (excluded)
+            continue
+        title = app.env.titles.get(name)
+        docs[name] = (
+            title.astext() if title is not None else name,
+            prose_text(doctree),
+        )
+    data = search_data(docs, indexer.lang, root=app.config.root_doc)
+    out = Path(app.outdir) / "_static" / SEARCH_DATA
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        "window.COURSE_SEARCH = "
+        + json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+        + ";\n",
+        encoding="utf-8",
+    )
+
+
+def _search_page_scripts(app, pagename, templatename, context, doctree):
+    if pagename == "search":
+        app.add_js_file(SEARCH_DATA)
+
+
 def setup(app):
     app.connect("config-inited", _search_options)
     app.connect("builder-inited", _wrap_renderer)
     app.connect("doctree-read", _hide_plumbing)
+    app.connect("html-page-context", _search_page_scripts)
+    app.connect("build-finished", _write_search_data)
     app.add_post_transform(ChinesePrompts)
     app.add_post_transform(FigureAlt)
     app.add_js_file("course-nav.js")

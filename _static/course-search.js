@@ -46,3 +46,131 @@
     return terms;
   };
 })();
+
+/* Ranking, duplicates and snippets of the search page.
+ *
+ * Sphinx scores a page by whether a word occurs in it at all (5, or 15 in a section title) and
+ * breaks ties by title, so the summary chapter, which names every term, came first for every
+ * query. Here each page found is scored again with BM25 over its prose (term counts and page
+ * lengths that _ext/course_ui.py writes to _static/course-search-data.js at build time), plus a
+ * bonus when the page's own title holds the word (more for the first such chapter: the one that
+ * introduces it): the chapter that teaches a term comes first.
+ * A page is listed once (its best entry: a matching section when there is one).
+ *
+ * Snippets come from the prose only: the article without code cells, outputs, the page header
+ * (download/menu buttons, "目录"), navigation and permalinks; inline TeX (\(w\)) is shown as
+ * text (w). */
+(() => {
+  const K1 = 1.2;
+  const B = 0.75;
+  const TITLE_BONUS = 4;
+  const data = () => window.COURSE_SEARCH;
+
+  const bm25 = (d, word, doc) => {
+    const postings = d.tf[word];
+    if (!postings) return 0;
+    const i = d.docs.indexOf(doc);
+    const tf = i < 0 ? 0 : postings[i] || 0;
+    if (!tf) return 0;
+    const n = Object.keys(postings).length;
+    const idf = Math.log(1 + (d.docs.length - n + 0.5) / (n + 0.5));
+    const norm = 1 - B + B * (d.len[i] / d.avg);
+    return (idf * tf * (K1 + 1)) / (tf + K1 * norm);
+  };
+
+  // a word in a page's title: that page is about it; the first page in reading order whose
+  // title holds it (chapters come first in `docs`) is the one that introduces it. The root page's
+  // title is the book's and names everything: no bonus. A small prior for the earlier page
+  // decides near ties.
+  const FIRST_TITLE_BONUS = 2;
+  const ORDER_PRIOR = 0.5;
+  const titled = (d, i, q) => d.docs[i] !== d.root && d.titles[i].toLowerCase().includes(q);
+  const rank = (d, doc, words) => {
+    const i = d.docs.indexOf(doc);
+    if (i < 0) return 0;
+    let s = ORDER_PRIOR * (1 - i / d.docs.length);
+    words.forEach((w) => {
+      s += bm25(d, w, doc);
+      if (!titled(d, i, w)) return;
+      s += TITLE_BONUS;
+      if (d.docs.findIndex((_, j) => titled(d, j, w)) === i) s += FIRST_TITLE_BONUS;
+    });
+    return s;
+  };
+
+  const patch = () => {
+  if (typeof Search === "undefined" || Search._course) return;
+  Search._course = true;
+  const performSearch = Search._performSearch;
+  Search._performSearch = (query, searchTerms, excludedTerms, highlightTerms, objectTerms) => {
+    const results = performSearch(query, searchTerms, excludedTerms, highlightTerms, objectTerms);
+    const d = data();
+    if (!d) return results;
+    // one entry per page: the best-scored one Sphinx found (a matching section title wins)
+    const best = new Map();
+    results.forEach((r) => {
+      const prev = best.get(r[0]);
+      if (!prev || r[4] > prev[4] || (r[4] === prev[4] && r[2] && !prev[2])) best.set(r[0], r);
+    });
+    const words = [...searchTerms];
+    const out = [...best.values()].map((r) => {
+      const copy = r.slice();
+      copy[4] = rank(d, r[0], words) * 100 + r[4] / 100;
+      return copy;
+    });
+    // ascending: the page pops results from the end
+    out.sort((a, b) => a[4] - b[4]);
+    return out;
+  };
+  Search.htmlToText = htmlToText;
+  };
+
+  const TEX = {
+    alpha: "α", beta: "β", gamma: "γ", delta: "δ", epsilon: "ε", eta: "η", theta: "θ",
+    lambda: "λ", mu: "μ", pi: "π", rho: "ρ", sigma: "σ", tau: "τ", phi: "φ", psi: "ψ",
+    omega: "ω", Delta: "Δ", Sigma: "Σ", Phi: "Φ", Psi: "Ψ", Omega: "Ω", cdot: "·",
+    times: "×", approx: "≈", le: "≤", leq: "≤", ge: "≥", geq: "≥", ne: "≠", neq: "≠",
+    to: "→", rightarrow: "→", infty: "∞", sqrt: "√", ldots: "…", dots: "…", cdots: "…",
+    pm: "±", sum: "Σ", log: "log", exp: "exp", max: "max", min: "min",
+  };
+  const texToText = (tex) =>
+    tex
+      .trim()
+      .replace(/^\\\(|\\\)$|^\\\[|\\\]$/g, "")
+      .replace(/\\(?:text|mathrm|mathbf|mathit|operatorname|textbf|textit)\s*\{([^{}]*)\}/g, "$1")
+      .replace(/\\frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}/g, "$1/$2")
+      .replace(/\\([A-Za-z]+)/g, (m, name) => (name in TEX ? TEX[name] : ""))
+      .replace(/\\[,;:! ]/g, " ")
+      .replace(/[{}]/g, "")
+      .replace(/\s+/g, " ")
+      .trim();
+  window.courseTexToText = texToText;
+
+  const CHROME = [
+    ".headerlink", "script", "style", "div.cell", ".toctree-wrapper", "nav",
+    ".bd-header-article", ".header-article-items", ".prev-next-area", ".prev-next-footer",
+    "footer", "#searchbox", ".gpu-run-note", "mjx-assistive-mml",
+  ].join(", ");
+  const htmlToText = (htmlString, anchor) => {
+    const doc = new DOMParser().parseFromString(htmlString, "text/html");
+    const main = doc.querySelector("article.bd-article") || doc.querySelector('[role="main"]');
+    if (!main) return "";
+    main.querySelectorAll(CHROME).forEach((el) => el.remove());
+    main.querySelectorAll("span.math, div.math").forEach((el) => {
+      el.replaceWith(doc.createTextNode(` ${texToText(el.textContent)} `));
+    });
+    let root = main;
+    if (anchor) {
+      try {
+        root = main.querySelector(anchor) || main;
+      } catch (e) {
+        root = main;
+      }
+    }
+    return root.textContent.replace(/\s+/g, " ").trim();
+  };
+  // searchtools.js may load after this file: patch now, or as the page finishes parsing
+  // (before Search.init, which the search page runs on DOMContentLoaded)
+  if (typeof Search !== "undefined") patch();
+  else document.addEventListener("DOMContentLoaded", patch);
+})();

@@ -6,3 +6,98 @@ window.addEventListener("load", () => {
     e.setAttribute("aria-label", "展开或收起隐藏的内容");
   });
 });
+
+/* Figures on a phone: a figure drawn 774 px wide and shown 358 px wide has ~5 px legend text.
+ * A tap (or click) on a figure that the page shows scaled down opens it at its full size in an
+ * overlay that scrolls in both directions (pinch-zoom works there too); a tap, Escape or the
+ * browser's Back closes it. Figures shown at their natural size are left alone. */
+(() => {
+  const FIGURES = "article .cell_output img, article figure img";
+  const scaledDown = (img) => img.naturalWidth > 0 && img.clientWidth < 0.95 * img.naturalWidth;
+  let overlay = null;
+  const close = () => {
+    if (!overlay) return;
+    overlay.remove();
+    overlay = null;
+    document.documentElement.classList.remove("course-lightbox-open");
+  };
+  const open = (img) => {
+    close();
+    overlay = document.createElement("div");
+    overlay.className = "course-lightbox";
+    overlay.setAttribute("role", "dialog");
+    overlay.setAttribute("aria-modal", "true");
+    overlay.setAttribute("aria-label", "原尺寸的图（点按任意处关闭）");
+    overlay.tabIndex = -1;
+    const big = document.createElement("img");
+    big.src = img.currentSrc || img.src;
+    big.alt = img.alt || "";
+    big.width = img.naturalWidth;
+    overlay.appendChild(big);
+    const hint = overlay.appendChild(document.createElement("p"));
+    hint.className = "course-lightbox-hint";
+    hint.textContent = "原尺寸显示：可左右拖动；点按任意处关闭";
+    overlay.addEventListener("click", close);
+    document.body.appendChild(overlay);
+    document.documentElement.classList.add("course-lightbox-open");
+    overlay.focus();
+  };
+  const init = () => {
+    const mark = () =>
+      document.querySelectorAll(FIGURES).forEach((img) => {
+        if (img.closest("a")) return; // a linked image keeps its link
+        img.classList.toggle("course-zoomable", scaledDown(img));
+      });
+    mark();
+    window.addEventListener("resize", mark);
+    window.addEventListener("load", mark);
+    document.addEventListener("click", (event) => {
+      const img = event.target.closest && event.target.closest(FIGURES);
+      if (!img || img.closest("a") || !scaledDown(img)) return;
+      event.preventDefault();
+      open(img);
+    });
+    document.addEventListener("keydown", (event) => {
+      if (overlay && event.key === "Escape") close();
+    });
+  };
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);
+  else init();
+})();
+
+/* Wide outputs (course.css wraps them): a printed table a little wider than the column is shown
+ * in a slightly smaller font so that its columns stay aligned; only when it would need less than
+ * MIN_PX does it wrap. Measured again after the fonts load and when the window is resized. */
+(() => {
+  const MIN_PX = 11;
+  const fit = () => {
+    document.querySelectorAll("article div.cell_output pre").forEach((pre) => {
+      pre.style.removeProperty("font-size");
+      pre.classList.add("course-fit"); // white-space: pre, to measure the longest line
+      const over = pre.scrollWidth - pre.clientWidth;
+      if (over <= 1) return; // fits as it is
+      const style = getComputedStyle(pre);
+      const pad = parseFloat(style.paddingLeft) + parseFloat(style.paddingRight);
+      const size = parseFloat(style.fontSize);
+      const want = Math.floor(size * ((pre.clientWidth - pad) / (pre.scrollWidth - pad)) * 10) / 10;
+      if (want >= MIN_PX) {
+        pre.style.fontSize = `${want}px`;
+        if (pre.scrollWidth - pre.clientWidth <= 1) return;
+        pre.style.removeProperty("font-size");
+      }
+      pre.classList.remove("course-fit"); // too wide even so: wrap
+    });
+  };
+  const init = () => {
+    fit();
+    if (document.fonts && document.fonts.ready) document.fonts.ready.then(fit);
+    window.addEventListener("load", fit);
+    let t = null;
+    window.addEventListener("resize", () => {
+      window.clearTimeout(t);
+      t = window.setTimeout(fit, 100);
+    });
+  };
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);
+  else init();
+})();

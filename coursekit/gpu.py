@@ -37,12 +37,12 @@ ENV_VAR = "COURSE_GPU"
 ALLOWED = ("auto", "cpu", "on", "off", "1", "0")
 # : First line of a GPU cell's output when it ran on the CPU at small size (``auto``
 # without CUDA, or ``cpu``); ``{on_gpu}`` says what the GPU run adds.
-CPU_LABEL = "【CPU 小规模运行】以下为 CPU 小规模运行的输出；在 GPU 上运行会{on_gpu}"
+CPU_LABEL = "以下为 CPU 小规模运行的输出；在 GPU 上运行会{on_gpu}"
 ON_GPU_DEFAULT = "用完整规模，并测出 CUDA 上真实的显存与耗时。"
 # : First line of a GPU cell's output when it ran on a CUDA device.
-GPU_LABEL = "【GPU 运行】以下为在 {name} 上运行的输出。"
+GPU_LABEL = "以下为在 GPU（{name}）上运行的输出。"
 # : Every label starts with one of these (the book styles that line as a note).
-LABEL_PREFIXES = ("【CPU 小规模运行】", "【GPU 运行】")
+LABEL_PREFIXES = ("以下为 CPU 小规模运行的输出", "以下为在 GPU（")
 # : How every skip line starts (``OFF_LINE``; the book never shows one: tests look for
 # this prefix on the built pages).
 SKIP_PREFIX = "[COURSE_GPU] 跳过 GPU 单元"

@@ -17,8 +17,13 @@ does not show it:
   ``nbval-ignore-output`` cell tag; the reason is kept in
   ``metadata.nbval_ignore_reason``.
 * **the setup cell** (tag ``setup``: imports, seeds, warning filters, version banner) is
-  tagged ``hide-cell``: collapsed on the page behind a toggle labelled "显示准备代码…",
-  still there in Jupyter and Colab.
+  tagged ``hide-cell`` (collapsed in Jupyter; the book leaves setup cells off the page
+  altogether, ``_ext/course_ui.py``), still there, first, in Jupyter and Colab.
+
+:func:`visible_source` is what the book shows of a cell's code (used at build time by
+``_ext/course_ui.py``; the notebook is not changed): without the glue calls that stand
+on their own lines, nbval comments, ``with measured(...):`` wrappers and tolerance
+arguments (:func:`strip_measurement`).
 
 The tool is idempotent: a second run changes nothing. ``--check`` only reports (exit 1
 when a notebook would change), for CI. Outputs are moved, never recomputed: re-execute

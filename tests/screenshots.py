@@ -4,7 +4,7 @@
     .venv/bin/python -m tests.screenshots --build    # builds the book first
     .venv/bin/python -m tests.screenshots book/02_mixed_precision   # only these pages
 
-Writes ``_build/screenshots/<page>_desktop.png`` (1280×800 viewport) and
+Writes ``_build/screenshots/<page>_desktop.png`` (1366×900 viewport) and
 ``<page>_phone.png`` (390×844), full height, with the network cut to 127.0.0.1, and
 prints one line per page with its height and any problem the browser reported (console
 errors, requests to another host).

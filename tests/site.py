@@ -142,7 +142,7 @@ def chromium_path() -> str | None:
 
 
 PHONE = (390, 844)
-DESKTOP = (1280, 800)
+DESKTOP = (1366, 900)
 
 CHROMIUM_ARGS = [
     "--no-sandbox",

@@ -66,9 +66,7 @@ def test_auto_without_cuda_runs_small_on_cpu_under_a_label(
         gpu.CPU_LABEL.format(on_gpu=gpu.ON_GPU_DEFAULT),
         "the cell's own output",
     ]
-    assert out[0].startswith(
-        "【CPU 小规模运行】以下为 CPU 小规模运行的输出；在 GPU 上运行会"
-    )
+    assert out[0].startswith("以下为 CPU 小规模运行的输出；在 GPU 上运行会")
     assert gpu.SKIP_PREFIX not in "\n".join(out)
 
 
@@ -82,7 +80,7 @@ def test_cpu_mode_runs_small_on_cpu(with_cuda, monkeypatch, capsys):
     monkeypatch.setenv("COURSE_GPU", "cpu")
     out = gpu.gpu_cell(lambda device, small: (device.type, small))
     assert out == ("cpu", True)
-    assert capsys.readouterr().out.startswith("【CPU 小规模运行】")
+    assert capsys.readouterr().out.startswith("以下为 CPU 小规模运行的输出；")
 
 
 def test_on_gpu_says_what_the_gpu_run_adds(no_cuda, monkeypatch, capsys):
@@ -95,8 +93,7 @@ def test_on_gpu_says_what_the_gpu_run_adds(no_cuda, monkeypatch, capsys):
     assert result is True
     line = capsys.readouterr().out.splitlines()[0]
     assert line == (
-        "【CPU 小规模运行】以下为 CPU 小规模运行的输出；"
-        "在 GPU 上运行会用 0.5B 模型测出真实的峰值显存。"
+        "以下为 CPU 小规模运行的输出；在 GPU 上运行会用 0.5B 模型测出真实的峰值显存。"
     )
 
 
@@ -108,7 +105,7 @@ def test_gpu_run_is_labelled_with_the_device(with_cuda, monkeypatch, capsys):
     monkeypatch.setattr(torch, "device", lambda name: name)  # no CUDA to build one on
     assert gpu.gpu_cell(lambda device, small: (device, small)) == ("cuda", False)
     assert capsys.readouterr().out.splitlines() == [
-        "【GPU 运行】以下为在 NVIDIA H200 上运行的输出。"
+        "以下为在 GPU（NVIDIA H200）上运行的输出。"
     ]
 
 

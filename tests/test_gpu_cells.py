@@ -94,7 +94,7 @@ def test_gpu_cells_run_on_cpu(path, tmp_path):
         assert SKIP_PREFIX not in text, (
             f"{path.name}: a GPU cell was skipped under COURSE_GPU=cpu"
         )
-        assert text.startswith("【CPU 小规模运行】"), (
+        assert text.startswith("以下为 CPU 小规模运行的输出；"), (
             f"{path.name}: a GPU cell's CPU run must start with its label: "
             f"{text[:80]!r}"
         )

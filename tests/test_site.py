@@ -1,7 +1,7 @@
 """The book as a reader meets it: built with -W, then loaded in headless Chromium.
 
 The site is served from 127.0.0.1; every other host is cut off, so nothing may depend on
-a CDN. Full-page screenshots of every chapter and lab (desktop 1280×800, phone 390×844)
+a CDN. Full-page screenshots of every chapter and lab (desktop 1366×900, phone 390×844)
 are written to _build/screenshots/ (``python -m tests.screenshots`` writes them for
 every page without the tests).
 """
@@ -55,13 +55,41 @@ def test_book_builds_with_warnings_as_errors(build):
         assert (HTML / f"{doc}.html").exists(), f"{doc}.html not built"
 
 
+def _ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def cjk_font_missing() -> str | None:
+    """Why the browser would draw Chinese as boxes (None when a CJK font is there)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("fc-list") is None:
+        return "fontconfig (fc-list) is not installed"
+    out = subprocess.run(
+        ["fc-list", ":lang=zh", "family"], capture_output=True, text=True
+    ).stdout
+    return None if out.strip() else "no font with Chinese glyphs (fc-list :lang=zh)"
+
+
+BROWSER_FIX = (
+    "apt-get install -y chromium chromium-driver fonts-noto-cjk "
+    "(or `make browser-deps`)"
+)
+
+
 @pytest.fixture(scope="module")
 def browser(build):
+    """Headless Chromium on the built site. Under CI=true a missing browser or CJK font
+    is an error naming the fix, not a skip: the widths and screenshots the tests check
+    depend on both."""
     exe = chromium_path()
-    if exe is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed (make browser-deps installs it)")
-        pytest.skip("chromium not installed; run `make browser-deps`")
+    why = "chromium is not installed" if exe is None else cjk_font_missing()
+    if why:
+        message = f"{why}: {BROWSER_FIX}"
+        if _ci():
+            pytest.fail(message)
+        pytest.skip(message)
     if not (HTML / "index.html").exists():
         pytest.fail("the book was not built")
     from playwright.sync_api import sync_playwright
@@ -181,8 +209,9 @@ def test_colab_launch_link(browser, doc):
     )
 
 
-def _search(browser, query):
-    """Run the book's search page for ``query``; return (result hrefs, problems)."""
+def _search(browser, query, snippets=False):
+    """Run the book's search page for ``query``; return (result paths in order,
+    snippet texts, problems). ``snippets``: wait until every result has its summary."""
     page, problems = _open(browser, f"search.html?q={query}")
     try:
         page.wait_for_function(
@@ -191,15 +220,33 @@ def _search(browser, query):
             "!document.querySelector('#search-progress')?.textContent.trim())",
             timeout=30000,
         )
+        # the results are added one by one: wait for the status line that ends the list
+        page.wait_for_function(
+            "() => /\\d/.test(document.querySelector('p.search-summary')?.textContent"
+            " || '')",
+            timeout=30000,
+        )
+        if snippets:
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('ul.search li')]"
+                ".every(li => li.querySelector('p.context'))",
+                timeout=30000,
+            )
         links = page.evaluate(
-            "() => [...document.querySelectorAll('ul.search li a')].map(a => a.href)"
+            "() => [...document.querySelectorAll('ul.search li > a')].map(a => a.href)"
+        )
+        texts = page.evaluate(
+            "() => [...document.querySelectorAll('ul.search li p.context')]"
+            ".map(p => p.textContent)"
         )
     finally:
         page.context.close()
-    return links, problems
+    paths = [unquote(urlparse(h).path).lstrip("/") for h in links]
+    return paths, texts, problems
 
 
-# a term, and a page that must be among its results (the page about it)
+# a term, and the page that teaches it: it must be the first result (before the summary
+# chapter, which names every term)
 SEARCHES = {
     "LoRA": "book/05_lora_principles",
     "GradScaler": "book/02_mixed_precision",
@@ -208,21 +255,50 @@ SEARCHES = {
     "混合精度": "book/02_mixed_precision",
     "混合精度的损失缩放": "book/02_mixed_precision",  # a phrase: cut into indexed words
 }
+SUMMARY = "book/10_summary.html"
 
 
 @pytest.mark.parametrize("term", list(SEARCHES))
-def test_search_finds(browser, term):
-    links, problems = _search(browser, term)
+def test_search_ranks_the_teaching_chapter_first(browser, term):
+    paths, _, problems = _search(browser, term)
     assert not problems, "\n".join(problems)
-    assert links, f"search found nothing for {term}"
-    paths = []
-    for href in links:
-        path = unquote(urlparse(href).path).lstrip("/")
-        assert (HTML / path).exists(), f"search result {href} does not resolve"
-        paths.append(path)
-    assert f"{SEARCHES[term]}.html" in paths, (
-        f"{term}: {SEARCHES[term]} not among {paths[:12]}"
-    )
+    assert paths, f"search found nothing for {term}"
+    for path in paths:
+        assert (HTML / path).exists(), f"search result {path} does not resolve"
+    assert len(paths) == len(set(paths)), f"{term}: a page listed twice: {paths}"
+    want = f"{SEARCHES[term]}.html"
+    assert paths[0] == want, f"{term}: first result {paths[0]}, not {want}: {paths[:6]}"
+    if SUMMARY in paths:
+        assert paths.index(SUMMARY) > paths.index(want)
+
+
+# page chrome and hidden code a snippet must not quote
+SNIPPET_NOISE = [
+    ".pdf",
+    "pdf ",
+    "显示代码",
+    "显示准备代码",
+    "import ",
+    "from coursekit",
+    "setup()",
+    "COURSE_GPU=",
+]
+PAGE_TOC = re.compile(r"目录\s*\d+\.\d")  # the page-contents list: "目录 3.1 …"
+
+
+@pytest.mark.parametrize("term", ["显存", "LoRA"])
+def test_search_snippets_are_prose(browser, term):
+    paths, texts, problems = _search(browser, term, snippets=True)
+    assert not problems, "\n".join(problems)
+    assert texts and len(texts) == len(paths), (len(texts), len(paths))
+    for path, text in zip(paths, texts):
+        assert text.strip(), f"{path}: empty snippet"
+        noise = [w for w in SNIPPET_NOISE if w in text]
+        assert not noise, f"{path}: snippet quotes {noise}: {text[:160]!r}"
+        assert not PAGE_TOC.search(text), f"{path}: page contents: {text[:160]!r}"
+        assert "\\(" not in text and "\\)" not in text and "$" not in text, (
+            f"{path}: raw TeX in the snippet: {text[:160]!r}"
+        )
 
 
 def test_chinese_words_in_search_index(build):
@@ -235,6 +311,7 @@ def test_chinese_words_in_search_index(build):
 
 
 CHAPTERS = [d for d in DOCS if d.startswith("book/") and d[5:7].isdigit()]
+PAGES = [d for d in DOCS if d.startswith("book/") or d.startswith("labs/")]
 
 
 @pytest.mark.parametrize("doc", [CHAPTERS[1], "book/intro"])
@@ -278,6 +355,60 @@ def test_phone_menu_opens_chapter_list(browser, doc):
                 "#pst-secondary-sidebar-modal[open] a.nav-link"
             ).count()
             assert links >= 1, "page contents dialog is empty"
+        assert not problems, "\n".join(problems)
+    finally:
+        page.context.close()
+
+
+def test_phone_page_contents_drawer_closes_after_a_tap(browser):
+    """A tap on a section in the phone's page-contents drawer closes the drawer and
+    lands on that section."""
+    page, problems = _open(browser, "book/03_training_memory.html", viewport=PHONE)
+    try:
+        page.locator(".bd-header-article .secondary-toggle").click()
+        dialog = page.locator("#pst-secondary-sidebar-modal[open]")
+        dialog.wait_for(state="visible", timeout=5000)
+        links = dialog.locator("a.nav-link:visible")
+        assert links.count() >= 3, "page contents drawer is empty"
+        link = links.nth(2)
+        target = unquote(link.get_attribute("href").split("#", 1)[1])
+        link.click()
+        page.wait_for_selector(
+            "#pst-secondary-sidebar-modal[open]", state="detached", timeout=5000
+        )
+        page.wait_for_function(
+            "id => { const r = document.getElementById(id)?.getBoundingClientRect();"
+            " return r && r.top >= -2 && r.top < window.innerHeight / 2; }",
+            arg=target,
+            timeout=5000,
+        )
+        assert page.evaluate("() => window.scrollY") > 100, "did not scroll"
+        # the drawer's list went back to its sidebar: it opens again
+        page.locator(".bd-header-article .secondary-toggle").click()
+        dialog.wait_for(state="visible", timeout=5000)
+        assert dialog.locator("a.nav-link:visible").count() >= 3
+        assert not problems, "\n".join(problems)
+    finally:
+        page.context.close()
+
+
+def test_phone_figure_opens_full_size(browser):
+    """On a phone a figure is shown scaled down; a tap opens it at its full size, a
+    second tap closes it."""
+    page, problems = _open(browser, "book/03_training_memory.html", viewport=PHONE)
+    try:
+        page.wait_for_selector("img.course-zoomable", state="attached", timeout=10000)
+        img = page.locator("img.course-zoomable").first
+        img.scroll_into_view_if_needed()
+        shown, natural = img.evaluate("i => [i.clientWidth, i.naturalWidth]")
+        assert shown < natural, (shown, natural)
+        img.click()
+        big = page.locator(".course-lightbox img")
+        big.wait_for(state="visible", timeout=5000)
+        width = big.evaluate("i => i.getBoundingClientRect().width")
+        assert width >= natural - 1, f"opened at {width}px, the figure is {natural}px"
+        page.locator(".course-lightbox").click(position={"x": 5, "y": 5})
+        page.wait_for_selector(".course-lightbox", state="detached", timeout=5000)
         assert not problems, "\n".join(problems)
     finally:
         page.context.close()
@@ -400,10 +531,30 @@ def _article_text(doc: str) -> str:
     return "".join(p.out)
 
 
-@pytest.mark.parametrize("doc", [d for d in DOCS if d.startswith(("book/", "labs/"))])
+def _code_cells_text(doc: str) -> list[str]:
+    """The text of every code cell's source shown on a built page."""
+    import html as html_lib
+
+    page = (HTML / f"{doc}.html").read_text(encoding="utf-8")
+    out = []
+    for m in re.finditer(
+        r'<div class="cell_input[^"]*"[^>]*>(.*?)</pre>', page, flags=re.S
+    ):
+        out.append(html_lib.unescape(re.sub(r"<[^>]+>", "", m.group(1))))
+    return out
+
+
+ENV_LINE = re.compile(r"COURSE_GPU=\w+; CUDA:")
+
+
+@pytest.mark.parametrize("doc", PAGES)
 def test_no_authoring_plumbing_on_pages(build, doc):
-    """glue calls and nbval markers are machinery: no page shows them (open or
-    collapsed)."""
+    """Machinery is not the lesson: no page shows (open or collapsed) a glue call, an
+    nbval marker or comment, a setup cell or its environment line, a ``with
+    measured(...)`` wrapper or a table's ``rtol=``, or a GPU cell's skip line; every GPU
+    cell's output starts with the note saying where it ran."""
+    from coursekit.gpu import SKIP_PREFIX
+
     text = _article_text(doc)
     lines = [line.strip() for line in text.splitlines()]
     glue = [line for line in lines if re.search(r"\bglue\(", line)]
@@ -414,6 +565,62 @@ def test_no_authoring_plumbing_on_pages(build, doc):
         f"{(glue + nbval)[:3]} (run `python -m coursekit tidy`, or move the call out "
         f"of the code)"
     )
+    assert SKIP_PREFIX not in text, (
+        f"a GPU cell shows its skip line: re-execute {source_of(doc).name} "
+        "(make nb NB=...) so it stores the cell's CPU small-size run"
+    )
+    assert not ENV_LINE.search(text), "a setup cell's environment line is shown"
+    page = (HTML / f"{doc}.html").read_text(encoding="utf-8")
+    assert not re.search(r'class="cell[^"]*\btag_(colab-)?setup\b', page)
+    for code in _code_cells_text(doc):
+        assert "with measured(" not in code, code[:200]
+        assert "nbval" not in code.lower(), code[:200]
+        for line in code.splitlines():
+            if "md_table(" in line:
+                assert not re.search(r"\b[ar]tol=", line), line
+    if doc.startswith("book/"):  # labs are shown without outputs
+        gpu_cells = len(re.findall(r'class="cell[^"]*\btag_gpu\b', page))
+        notes = len(re.findall(r'<p class="gpu-run-note">', page))
+        assert notes == gpu_cells, f"{gpu_cells} GPU cell(s), {notes} run note(s)"
+
+
+def test_footer_is_chinese(build):
+    page = (HTML / "book/03_training_memory.html").read_text(encoding="utf-8")
+    footer = re.sub(r"<[^>]+>", " ", page[page.index('class="bd-footer-content') :])
+    footer = re.sub(r"\s+", " ", footer)[:400]
+    assert "Copyright" not in footer and "By " not in footer, footer
+    assert "课程贡献者" in footer and "©" in footer, footer
+
+
+def test_prose_text_leaves_code_math_and_outputs_out():
+    from docutils.core import publish_doctree
+
+    ui = _course_ui()
+    doctree = publish_doctree(
+        "Title\n=====\n\nProse :math:`\\Psi` here.\n\n.. code-block:: python\n\n"
+        "   import secret_code\n\n.. math::\n\n   x^2\n\nMore prose.\n"
+    )
+    text = ui.prose_text(doctree)
+    assert "Prose" in text and "More prose." in text and "Title" in text
+    assert "secret_code" not in text and "Psi" not in text and "x^2" not in text
+
+
+def test_search_data_counts_prose_words(build):
+    text = (HTML / "_static" / "course-search-data.js").read_text(encoding="utf-8")
+    data = json.loads(text[text.index("=") + 1 : text.rindex(";")])
+    docs = data["docs"]
+    ch3 = docs.index("book/03_training_memory")
+    assert data["tf"]["显存"][str(ch3)] >= 10
+    assert len(data["len"]) == len(docs) == len(data["titles"])
+    # words only in code (the setup cell's imports) are not counted
+    assert "coursekit" not in data["tf"] or str(ch3) not in data["tf"]["coursekit"]
+    # loaded by the search page only
+    assert "course-search-data.js" in (HTML / "search.html").read_text("utf-8")
+    assert "course-search-data.js" not in page_text("book/03_training_memory")
+
+
+def page_text(doc: str) -> str:
+    return (HTML / f"{doc}.html").read_text(encoding="utf-8")
 
 
 # "## 1. 标题", "### 2.1 标题", "## 3、标题" — not "## 8 位优化器" (a quantity, not a
@@ -480,27 +687,63 @@ def test_internal_links_and_anchors_resolve(build):
     assert not bad, "\n".join(sorted(set(bad))[:50])
 
 
-@pytest.mark.parametrize(
-    "doc", [d for d in DOCS if d.startswith("book/") or d.startswith("labs/")]
-)
-def test_screenshots_and_phone_layout(browser, doc):
+# every block of code or output on a page that scrolls sideways (scrollWidth beyond
+# clientWidth): code and output <pre>, tables, and display math
+WIDE_BLOCKS = """() => [...document.querySelectorAll(
+    'article pre, article table, article .pst-scrollable-table-container,'
+    + ' article div.cell_output > div, article mjx-container[display="true"]')]
+    .filter(e => e.offsetParent !== null && e.scrollWidth > e.clientWidth + 1)
+    .map(e => ({what: e.closest('.cell_output') ? 'output' :
+                      e.closest('.cell_input') ? 'code' : e.tagName.toLowerCase(),
+               over: e.scrollWidth - e.clientWidth,
+               text: e.textContent.trim().slice(0, 70)}))"""
+_FACTS: dict[str, dict] = {}
+
+
+def _facts(browser, doc: str) -> dict:
+    """Visit ``doc`` once at each size (tests share the visit): full-page screenshots,
+    the blocks that scroll sideways on the desktop, and how much wider than a phone the
+    page is."""
+    if doc in _FACTS:
+        return _FACTS[doc]
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    facts = {}
     for label, vp in (("desktop", DESKTOP), ("phone", PHONE)):
         page, _ = _open(browser, f"{doc}.html", viewport=vp)
         try:
             wait_for_math(page)
+            page.evaluate("() => document.fonts && document.fonts.ready")
             page.wait_for_timeout(200)
             page.screenshot(
                 path=str(SCREENSHOTS / screenshot_name(doc, label)), full_page=True
             )
-            if label == "phone":
-                over = page.evaluate(
+            if label == "desktop":
+                facts["wide"] = page.evaluate(WIDE_BLOCKS)
+            else:
+                facts["phone_over"] = page.evaluate(
                     "() => document.documentElement.scrollWidth - "
                     "document.documentElement.clientWidth"
                 )
-                assert over <= 1, f"page is {over}px wider than a phone screen"
         finally:
             page.context.close()
+    _FACTS[doc] = facts
+    return facts
+
+
+@pytest.mark.parametrize("doc", PAGES)
+def test_screenshots_and_phone_layout(browser, doc):
+    over = _facts(browser, doc)["phone_over"]
+    assert over <= 1, f"page is {over}px wider than a phone screen"
+
+
+@pytest.mark.parametrize("doc", PAGES)
+def test_no_block_scrolls_sideways_on_desktop(browser, doc):
+    """At 1366×900 no code block, output, table or formula hides part of itself behind
+    a sideways scroll."""
+    wide = _facts(browser, doc)["wide"]
+    assert not wide, f"{len(wide)} block(s) scroll sideways at {DESKTOP}: " + "; ".join(
+        f"{w['what']} +{w['over']}px {w['text']!r}" for w in wide[:6]
+    )
 
 
 @pytest.mark.parametrize("doc", CHAPTERS)
@@ -552,3 +795,16 @@ def test_ui_strings_translated_in_attributes_only():
         '<button title="章节目录">Toggle primary sidebar</button>'
         '<a title="Link to this heading2" aria-label="颜色模式">'
     )
+
+
+def test_flat_dict_reprs_become_tables():
+    ui = _course_ui()
+    assert ui.repr_rows("{'7B': 6738415616, '13B': 1.5, 'ok': True}") == [
+        ("7B", "6,738,415,616"),
+        ("13B", "1.5"),
+        ("ok", "True"),
+    ]
+    assert ui.repr_rows("{'a': [1, 2]}") is None  # nested: left as printed
+    assert ui.repr_rows("{1: 2}") is None
+    assert ui.repr_rows("{'use_reentrant': True} -> backward fails") is None
+    assert ui.repr_rows("tensor([1, 2])") is None
