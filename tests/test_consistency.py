@@ -459,3 +459,20 @@ def test_consistent_sentences_pass():
     )
     values = {"bpp": "20.0", "gib": "125.5", "s": "37.7", "save": "8"}
     assert prose_mismatches(ok, values) == []
+
+
+@pytest.mark.parametrize("path", sorted(BOOK.glob("*.ipynb")), ids=lambda p: p.stem)
+def test_every_glue_role_has_a_stored_value(path):
+    """A role whose key no cell glues renders as a build warning and an empty number."""
+    values = _glued(path.name[:2])
+    nb = nbformat.read(path, as_version=4)
+    missing = sorted(
+        {
+            m.group(1)
+            for c in nb.cells
+            if c.cell_type == "markdown"
+            for m in GLUE_ROLE.finditer(c.source)
+            if m.group(1) not in values
+        }
+    )
+    assert not missing, f"{path.stem}: glue roles without a glued value: {missing}"
