@@ -7,12 +7,23 @@ parameter, a fraction) and asserts it equals the reference to within the roundin
 displayed digits. A chapter that was not re-executed after a change of the library, or
 that computes a shared number its own way, fails here with the chapter, the glue key and
 both values in the message.
+
+Each quantity's name carries its conditions (precision, the optimizer states' dtype,
+batch, sequence length, attention, GB or GiB): two numbers with different conditions are
+different quantities and get different entries.
+
+The second half reads the prose with the glued values put in: a sentence that states
+bytes per parameter next to a 7B size in GB/GiB must multiply out, and the named claims
+in ``CLAIMS`` (a saving, a ratio a chapter asserts in words) must equal their
+reference.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
@@ -21,6 +32,8 @@ import pytest
 from coursekit.labs import glued_values
 from trainmem import quant
 from trainmem import reference as R
+from trainmem import zero
+from trainmem.estimate import estimate
 from trainmem.lora import lora_param_count_for_config
 from trainmem.models import get_config
 
@@ -37,6 +50,12 @@ ALL_LINEARS = (
 )
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 CFG7 = get_config(R.MODEL_7B)
+
+
+def _peak7(**kw) -> float:
+    """One 7B full fine-tuning step: bf16 AMP, AdamW (foreach), batch 1, 512 tokens,
+    SDPA."""
+    return estimate(R.MODEL_7B, batch=1, seq=512, **kw).total_bytes
 
 
 def _lora_states(r: int, targets) -> int:
@@ -59,6 +78,7 @@ QUANTITIES = {
             ("06", "e7_w_full", GiB),
             ("09", "ckpt7_gib", GiB),
             ("10", "q_ckpt7_gib", GiB),
+            ("10", "q_full_ckpt_gib", GiB),
         ],
     ),
     "extra bytes on GPU 0 when 8 ranks load a 7B bf16 checkpoint saved from cuda:0": (
@@ -158,7 +178,7 @@ QUANTITIES = {
         lambda: 16,
         [("03", "amp_bpp", 1), ("10", "cs_amp_bpp", 1)],
     ),
-    "the same at the peak, with autocast's bf16 weight copies": (
+    "+ autocast's bf16 weight copies, kept until backward (not the step's peak)": (
         lambda: 18,
         [("03", "amp_peak_bpp", 1), ("10", "cs_amp18_bpp", 1)],
     ),
@@ -168,8 +188,75 @@ QUANTITIES = {
             ("03", "lora_trainable", 1),
             ("06", "p_qv_tr", 1),
             ("08", "lora_params_m", M),
+            ("08", "lora_qv_n", 1),
             ("10", "q_peft_qv", 1),
+            ("10", "q_tutorial_count", 1),
         ],
+    ),
+    "7B full fine-tuning step peak, bf16 AMP, AdamW foreach, batch 1, 512 tokens": (
+        lambda: _peak7(),
+        [
+            ("03", "p7_gib", GiB),
+            ("03", "p7_gb", GB),
+            ("10", "cs_peak_gib", GiB),
+            ("10", "q_amp7_peak", GiB),
+        ],
+    ),
+    "the same per parameter (the optimizer step: model states + foreach scratch)": (
+        lambda: _peak7() / R.n_params(),
+        [("03", "p7_bpp", 1), ("10", "cs_peak_bpp", 1), ("08", "bpp_amp_peak", 1)],
+    ),
+    "mixed-precision AdamW model states, bytes/param (fp32 m, v)": (
+        lambda: 16,
+        [("08", "bpp_amp_states", 1), ("09", "bpp_states", 1), ("10", "q_bpp_amp", 1)],
+    ),
+    "pure bf16 AdamW model states, bytes/param (bf16 weights, grads, m, v)": (
+        lambda: 8,
+        [("08", "bpp_pure_states", 1), ("10", "q_bpp_pure", 1)],
+    ),
+    "AdamW m and v in fp32, bytes per trainable parameter": (
+        lambda: 8,
+        [
+            ("06", "bpp_mv32", 1),
+            ("06", "opt_bpp_adamw", 1),
+            ("10", "q_states32_bpp", 1),
+        ],
+    ),
+    "7B mixed-precision model states in GB (16 B/param)": (
+        lambda: 16 * R.n_params(),
+        [("08", "states_amp_gb", GB), ("10", "q_amp7", GiB)],
+    ),
+    "ZeRO-3 traffic per GPU per step, 7B, bf16, 8 GPUs, ring factor (N-1)/N, GiB": (
+        lambda: 2 * zero.comm_volume(R.n_params(), "zero3", 8, exact=True),
+        [
+            ("09", "comm_z3_7b", GiB),
+            ("09", "net_comm_gib", GiB),
+            ("10", "q_z3_comm_gib", GiB),
+        ],
+    ),
+    "ZeRO-3 traffic over DP traffic": (
+        lambda: 1.5,
+        [("09", "comm_ratio", 1), ("10", "q_comm_ratio", 1)],
+    ),
+    "7B ZeRO-3 model states per GPU on 8 GPUs (16 B/param)": (
+        lambda: zero.per_gpu_memory(R.n_params(), "zero3", 8).total,
+        [("09", "z3_7b_8", GiB), ("10", "q_z3_7b_8", GiB)],
+    ),
+    "first update with summed micro-batch losses over loss / k: SGD, k = 4": (
+        lambda: 4.0,
+        [("04", "guide_SGD", 1), ("10", "q_acc_sgd", 1)],
+    ),
+    "the same with Adam (scale-invariant)": (
+        lambda: 1.0,
+        [("04", "guide_Adam", 1), ("10", "q_acc_adam", 1)],
+    ),
+    "7B lm_head parameters (modules_to_save)": (
+        lambda: CFG7.vocab_size * CFG7.hidden_size,
+        [("06", "sw_lm_head", 1), ("10", "q_lm_head", 1)],
+    ),
+    "7B LoRA r=8 q, k, v, o adapter file, fp32, MiB": (
+        lambda: 4 * lora_param_count_for_config(CFG7, QKVO, 8),
+        [("06", "sz7_adapter", MiB), ("10", "q_adapter_mib", MiB)],
     ),
 }
 
@@ -220,3 +307,172 @@ def test_parse_reads_the_displayed_precision():
     assert _parse("74.61%") == pytest.approx((0.7461, 0.00005))
     with pytest.raises(ValueError, match="not a plain number"):
         _parse("QLoRA r=8 + ckpt")
+
+
+# ---------------------------------------------------------------- claims in the prose
+GLUE_ROLE = re.compile(r"\{glue(?::\w*)?\}`([^`:]+)[^`]*`")
+SENTENCE = re.compile(r"(?<=[。！？；])|\n\s*\n|\n(?=\s*[|#>*-])")
+NUM = r"\d+(?:\.\d+)?"
+# "20.0 字节/参数，7B 为 125.5 GiB", "每参数共 16 字节，估算 135 GB", and the size
+# first: "共 37.7 GiB（fp32 下 4 + 8 字节/参数）" (a sum of bytes is added up)
+BPP = (
+    rf"(?P<bpp>{NUM}(?:\s*\+\s*{NUM})*)\s*(?:字节/参数|字节每参数|B/param)"
+    rf"|每参数[^\d，,；。]{{0,4}}(?P<bpp2>{NUM})\s*字节(?!/)"
+)
+SIZE = rf"(?P<size>{NUM})\s*(?P<unit>GiB|GB)\b"
+# Between the two: no sentence end, no closing parenthesis (the bytes belonged to what
+# came before it) and no other number (digits inside a name such as fp32 are fine). A
+# size written before its bytes per parameter must be in the same short clause (no
+# comma, colon or line break): "临时张量达 27.0 GB，使峰值达到每参数 20.0 字节" pairs
+# nothing.
+GAP = r"(?:[^；。）)\d]|(?<=[A-Za-z])\d+){0,24}?"
+CLAUSE_GAP = r"(?:[^；。，,：:\n\d]|(?<=[A-Za-z])\d+){0,12}?"
+PAIRS = (
+    re.compile(rf"(?:{BPP}){GAP}{SIZE}"),
+    re.compile(rf"{SIZE}{CLAUSE_GAP}(?:{BPP})"),
+)
+UNITS = {"GB": GB, "GiB": GiB}
+
+
+@dataclass(frozen=True)
+class Claim:
+    name: str  # the quantity and its conditions
+    context: str  # regex a markdown cell must match for the claim to apply
+    pattern: str  # regex with one group: the stated number
+    reference: Callable[[], float]
+
+
+CLAIMS = [
+    Claim(
+        "pure bf16 (no fp32 master, bf16 m, v) saves bytes/param over mixed precision",
+        r"纯\s*BF16",
+        rf"(?:省下?每参数|每参数省)\s*({NUM})\s*字节",
+        lambda: 16 - 8,
+    ),
+    Claim(
+        "not dividing the loss by k: SGD's first update over the correct one (k = 4)",
+        r"累积",
+        rf"SGD\s*({NUM})[，,]",
+        lambda: 4.0,
+    ),
+]
+
+
+def rendered_cells(source: str, values: dict[str, str]) -> list[str]:
+    """Markdown cells of a notebook text with each glue role replaced by its value."""
+    nb = nbformat.reads(source, as_version=4)
+    return [
+        GLUE_ROLE.sub(lambda m: values.get(m.group(1), m.group(0)), c.source)
+        for c in nb.cells
+        if c.cell_type == "markdown"
+    ]
+
+
+def bpp_size_mismatches(text: str, n_params: int) -> list[str]:
+    """Sentences about 7B where N bytes/param sits next to a size that is not N x Ψ."""
+    out = []
+    for sentence in SENTENCE.split(text):
+        if not sentence or "7B" not in sentence and "7B" not in text:
+            continue
+        for m in (m for p in PAIRS for m in p.finditer(sentence)):
+            bpp_text = m.group("bpp") or m.group("bpp2")
+            bpp = sum(float(x) for x in re.findall(NUM, bpp_text))
+            size, unit = float(m.group("size")), UNITS[m.group("unit")]
+            decimals = (
+                len(m.group("size").split(".")[1]) if "." in m.group("size") else 0
+            )
+            tol = 0.5 * 10.0**-decimals + 0.005 * size
+            if abs(bpp * n_params / unit - size) > tol:
+                out.append(
+                    f"{bpp_text} B/param x {n_params:,} = "
+                    f"{bpp * n_params / unit:.1f} {m.group('unit')}, "
+                    f"the text says {m.group('size')} {m.group('unit')}: "
+                    f"{sentence.strip()}"
+                )
+    return out
+
+
+def claim_mismatches(text: str) -> list[str]:
+    out = []
+    for claim in CLAIMS:
+        if not re.search(claim.context, text):
+            continue
+        for m in re.finditer(claim.pattern, text):
+            if abs(float(m.group(1)) - claim.reference()) > 1e-6:
+                out.append(
+                    f"{claim.name}: the text says {m.group(1)}, the reference is "
+                    f"{claim.reference():g}: {m.group(0)}"
+                )
+    return out
+
+
+def prose_mismatches(source: str, values: dict[str, str]) -> list[str]:
+    out = []
+    for text in rendered_cells(source, values):
+        out += bpp_size_mismatches(text, R.n_params()) + claim_mismatches(text)
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(BOOK.glob("*.ipynb")), ids=lambda p: p.stem)
+def test_prose_numbers_agree_with_their_conditions(path):
+    values = _glued(path.name[:2])
+    bad = prose_mismatches(path.read_text(encoding="utf-8"), values)
+    assert not bad, f"{path.stem}:\n" + "\n".join(bad)
+
+
+def _synthetic(*markdown: str) -> str:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell(m) for m in markdown]
+    return nbformat.writes(nb)
+
+
+# The three contradictions the question bank once had, reintroduced with glued values.
+@pytest.mark.parametrize(
+    "markdown, values",
+    [
+        (  # 16 B/param x 6.74 B parameters is 107.8 GB; 135 GB is the 20 B/param peak
+            "7B：BF16 权重与梯度、FP32 主权重、Adam m、v，每参数共 {glue:}`bpp` 字节，"
+            "估算 {glue:}`peak` GB。",
+            {"bpp": "16", "peak": "135"},
+        ),
+        (  # 37.7 GiB is pure bf16 (2 + 4 B/param); fp32 4 + 8 would be 75.3 GiB
+            "7B 上：梯度 + 优化器状态共 {glue:}`s` GiB（fp32 下 4 + 8 字节/参数）。",
+            {"s": "37.7"},
+        ),
+        (  # pure bf16 is 8 B/param against 16: it saves 8, not 4
+            ":::{admonition} Q20：纯 BF16 训练有什么风险？\n:class: dropdown\n"
+            "它省下每参数 {glue:}`save` 字节。\n:::",
+            {"save": "4"},
+        ),
+    ],
+    ids=["ch8-Q1 16 B = 135 GB", "ch6 fp32 4 + 8 = 37.7 GiB", "S-Q20 saves 4 bytes"],
+)
+def test_reintroduced_contradictions_fail(markdown, values):
+    assert prose_mismatches(_synthetic(markdown), values)
+
+
+def test_consistent_sentences_pass():
+    ok = _synthetic(
+        "7B：共 {glue:}`bpp` 字节/参数，7B 为 {glue:}`gib` GiB。",
+        "7B 上：梯度 + 优化器状态共 {glue:}`s` GiB（纯 bf16：2 + 4 字节/参数）。",
+        "纯 BF16：模型状态从 16 降到 8 字节/参数，每参数省 {glue:}`save` 字节。",
+    )
+    values = {"bpp": "20.0", "gib": "125.5", "s": "37.7", "save": "8"}
+    assert prose_mismatches(ok, values) == []
+
+
+@pytest.mark.parametrize("path", sorted(BOOK.glob("*.ipynb")), ids=lambda p: p.stem)
+def test_every_glue_role_has_a_stored_value(path):
+    """A role whose key no cell glues renders as a build warning and an empty number."""
+    values = _glued(path.name[:2])
+    nb = nbformat.read(path, as_version=4)
+    missing = sorted(
+        {
+            m.group(1)
+            for c in nb.cells
+            if c.cell_type == "markdown"
+            for m in GLUE_ROLE.finditer(c.source)
+            if m.group(1) not in values
+        }
+    )
+    assert not missing, f"{path.stem}: glue roles without a glued value: {missing}"

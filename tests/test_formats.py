@@ -255,3 +255,15 @@ def test_describe_rows_are_the_text_table():
     text = F.describe_value(0.1, ["fp16", "bf16"]).splitlines()
     for row, line in zip(rows, text[2:]):
         assert line.split() == " ".join(row.values()).split()
+
+
+def test_e4m3_has_no_neighbour_beyond_its_largest_finite():
+    """E4M3 ("fn") has no infinity: past 448 there is no next value, in either
+    direction; formats with IEEE specials still show inf."""
+    e4m3, fp16 = F.describe_rows(1000.0, ["fp8_e4m3", "fp16"])
+    assert e4m3["next above"] == F.NO_NEIGHBOUR != "inf"
+    assert e4m3["next below"] == "448"
+    (neg,) = F.describe_rows(-1000.0, ["fp8_e4m3"])
+    assert neg["next below"] == F.NO_NEIGHBOUR and neg["next above"] == "-448"
+    assert F.describe_rows(70000.0, ["fp16"])[0]["next above"] == "inf"
+    assert fp16["next above"] == "1000.5"

@@ -502,6 +502,15 @@ def _g(v: float) -> str:
     return f"{v:.10g}"
 
 
+#: What ``describe_rows`` shows for a neighbour beyond the largest finite value of a
+#: format without infinities (E4M3 "fn"): there is no such value.
+NO_NEIGHBOUR = "none (no inf)"
+
+
+def _neighbour(v: float, f: FloatFormat) -> str:
+    return NO_NEIGHBOUR if math.isinf(v) and not f.ieee_specials else _g(v)
+
+
 def describe_rows(
     x: float,
     formats: Iterable[str] = ("fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"),
@@ -510,8 +519,9 @@ def describe_rows(
 
     Keys: ``format``, ``bits`` (sign exponent mantissa of the stored, rounded value),
     ``stored``, ``next below`` / ``next above`` (nearest representable values strictly
-    below and above ``x``), ``ulp`` (the spacing at ``x``) and ``rel.err`` (relative
-    rounding error).
+    below and above ``x``; :data:`NO_NEIGHBOUR` past the largest finite value of a
+    format without infinities, such as E4M3), ``ulp`` (the spacing at ``x``) and
+    ``rel.err`` (relative rounding error).
     """
     x = float(x)
     rows = []
@@ -528,8 +538,8 @@ def describe_rows(
                 "format": f.name,
                 "bits": d.bit_string(),
                 "stored": _g(d.value),
-                "next below": _g(lo),
-                "next above": _g(hi),
+                "next below": _neighbour(lo, f),
+                "next above": _neighbour(hi, f),
                 "ulp": _g(ulp(x, f)),
                 "rel.err": err,
             }
