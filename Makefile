@@ -73,7 +73,7 @@ book: $(STAMP) node_modules/.package-lock.json
 ## declared measured numbers within their tolerance; on the NBVAL_ENV kernel path), GPU cells in
 ## COURSE_GPU=cpu mode, labs regenerated, grader, book build with -W, browser tests; then the
 ## same chapters and solutions executed at the declared floor versions (make floor).
-test: $(STAMP) browser-deps
+test: $(STAMP) browser-deps sandbox-deps
 	$(PY) -m pytest -n $(JOBS) --dist loadfile -q tests book solutions --nbval --timeout=1200 --nbval-cell-timeout=600 \
 	    $(NBVAL_OPTS) --durations=15
 	$(MAKE) --no-print-directory floor
@@ -113,6 +113,14 @@ browser-deps:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium chromium-driver fonts-noto-cjk >/dev/null \
 	  || echo "WARNING: could not install chromium; browser tests will be skipped"; }
+
+## bubblewrap for the grader's sandbox (Debian package; needs root or sudo). Skipped if present;
+## without it the sandbox tests fail under CI=true (and are skipped elsewhere).
+sandbox-deps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq bubblewrap >/dev/null \
+	  || echo "WARNING: could not install bubblewrap (sudo apt-get install bubblewrap)"; }
 
 ## Benchmarks print tables (ours vs a reference, measured in the same run); never timed tests.
 bench: $(STAMP)
