@@ -103,7 +103,32 @@ def kill_tree(pid: int | None) -> None:
             p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(procs, timeout=3)
+    _wait_gone(procs, 3.0)
+
+
+def _wait_gone(procs, timeout: float) -> None:
+    """Until every process of ``procs`` is gone or a zombie (dead; its parent reaps it:
+    inside a PID namespace that can take a while, and no one needs to wait for it),
+    reaping those that are our own children."""
+    import psutil
+
+    end = time.monotonic() + timeout
+    while True:
+        left = []
+        for p in procs:
+            try:
+                os.waitpid(p.pid, os.WNOHANG)
+            except (ChildProcessError, OSError):
+                pass
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+            except psutil.Error:
+                pass
+        if not left or time.monotonic() > end:
+            return
+        procs = left
+        time.sleep(0.02)
 
 
 def _limits(disk_mb: int) -> None:
