@@ -41,7 +41,7 @@ SETTINGS = dict(
     memory_mb=768,
     disk_mb=DISK_MB,
 )
-FORKS = 600  # the bounded fork bomb: this many processes that would sleep 30 s
+FORKS = 400  # the bounded fork bomb: this many processes that would sleep 30 s
 
 
 def require_sandbox() -> None:
@@ -82,7 +82,7 @@ for _ in range({FORKS}):
         time.sleep(30)
         os._exit(0)
     kids.append(pid)
-time.sleep(1.5)
+time.sleep(1.0)
 alive = sum(os.waitpid(k, os.WNOHANG) == (0, 0) for k in kids)
 for k in kids:
     try:
@@ -231,12 +231,23 @@ assert seen, 'no grader process in sight'
 """,
         ),
         "fork_bomb": attack("fork_bomb", FORK_BOMB),
-        "fill_disk": attack("fill_disk", fill("big.bin"), fill("/tmp/big.bin")),
+        "fill_disk": attack(
+            "fill_disk",
+            fill("big.bin"),
+            fill("/tmp/big.bin"),
+            fill("/dev/shm/big.bin"),
+            fill("/dev/big.bin"),
+        ),
     }
 
 
 HONEST = ("honest_a", "honest_b", "honest_c")
-UNSANDBOXED = ("read_hidden_tests", "read_grader_env", "connect_localhost")
+UNSANDBOXED = (
+    "read_hidden_tests",
+    "read_grader_env",
+    "connect_localhost",
+    "modify_other_submission",
+)
 
 
 @pytest.fixture(scope="module")
@@ -280,11 +291,14 @@ def suite(tmp_path_factory):
             "lab99", subs, out, jobs=2, tests_dir=hidden_dir, log=None, **SETTINGS
         )
         accepted, signals = server.accepted, list(received)
-        # control: the same three attacks without the sandbox do succeed
+        # control: the same attacks without the sandbox do succeed (aimed at the
+        # control run's own folders)
         ctrl_subs, ctrl_out = base / "ctrl_subs", base / "ctrl_out"
         ctrl_subs.mkdir()
+        ctrl = attacks(base, ctrl_subs, ctrl_out, hidden_dir / "lab99.py", server.port)
         for name in UNSANDBOXED:
-            (ctrl_subs / f"{name}.ipynb").write_text(nb(ADD, MEAN, cells[name]))
+            (ctrl_subs / f"{name}.ipynb").write_text(nb(ADD, MEAN, ctrl[name]))
+        (ctrl_subs / "honest_b.ipynb").write_text(nb(ADD, MEAN, CHECK))
         logs: list[str] = []
         control = grade(
             "lab99",
@@ -390,10 +404,18 @@ def test_memory_cap_is_resident_memory(suite):
 
 def test_attacks_succeed_without_sandbox(suite):
     """The control run: without the sandbox the same cells read the hidden tests, find
-    the grader's environment and reach the localhost server; the run warns on the
-    terminal, in grades.csv and on every feedback page."""
+    the grader's environment, reach the localhost server and overwrite a classmate's
+    notebook — which the before/after hashes report; the run warns on the terminal, in
+    grades.csv and on every feedback page."""
     for name in UNSANDBOXED:
         assert "SUCCEEDED" in outcome(suite["control"][name], name), name
+    logs = suite["control_logs"]
+    assert any("honest_b.ipynb changed" in line for line in logs), logs
+    assert (
+        "honest_b.ipynb 在评分过程中被改动" in suite["control"]["honest_b"]["message"]
+    )
+    page = (suite["control_out"] / "feedback" / "honest_b.html").read_text()
+    assert "在评分过程中被改动" in page
     assert suite["server"].accepted > suite["accepted"] == 0
     assert any("WITHOUT a sandbox" in line for line in suite["control_logs"])
     rows = list(csv.DictReader((suite["control_out"] / "grades.csv").open()))
@@ -436,6 +458,23 @@ def test_refuses_without_sandbox_naming_the_fix(tmp_path, monkeypatch, capsys):
         assert rc == 2 and len(err) == 1 and "apt-get install bubblewrap" in err[0]
     finally:
         sandbox.unavailable.cache_clear()
+
+
+def test_layout_refusals(tmp_path, monkeypatch):
+    """The output folder may not lie in the submissions; with the sandbox, hidden tests
+    inside a folder every kernel can read are refused."""
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    with pytest.raises(ValueError, match="inside the submissions"):
+        grade(
+            "lab99", subs, subs / "out", tests_dir=tmp_path, log=None, sandboxed=False
+        )
+    require_sandbox()
+    seen = tmp_path / "seen"
+    (seen / "hidden").mkdir(parents=True)
+    monkeypatch.setattr(sandbox, "visible_paths", lambda: [str(seen)])
+    with pytest.raises(ValueError, match="the hidden tests .* every sandboxed kernel"):
+        grade("lab99", subs, tmp_path / "out", tests_dir=seen / "hidden", log=None)
 
 
 def test_shard_and_merge(tmp_path):

@@ -121,11 +121,11 @@ def visible_paths() -> list[str]:
 
 
 def inside(path: str | Path, folders: list[str]) -> str | None:
-    """The folder of ``folders`` that contains ``path`` (or is inside it), if any."""
+    """The folder of ``folders`` that contains ``path`` (or is it), if any."""
     p = os.path.realpath(path)
     for f in folders:
         f = os.path.realpath(f)
-        if p == f or p.startswith(f + os.sep) or f.startswith(p + os.sep):
+        if p == f or p.startswith(f + os.sep):
             return f
     return None
 
@@ -152,8 +152,12 @@ def command(workdir: str, env: dict[str, str], gpu: str, tmp_mb: int) -> list[st
         for name in sorted(os.listdir("/dev")):
             if name.startswith(("nvidia", "dri")):
                 args += ["--dev-bind-try", f"/dev/{name}", f"/dev/{name}"]
-    args += ["--size", str(int(tmp_mb) * 2**20), "--tmpfs", "/tmp"]
-    args += ["--bind", workdir, workdir, "--remount-ro", "/", "--chdir", workdir]
+    size = str(int(tmp_mb) * 2**20)
+    # /tmp and /dev/shm: private tmpfs of a fixed size; /dev itself read-only (bwrap
+    # makes it a writable tmpfs of unbounded size)
+    args += ["--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/dev/shm"]
+    args += ["--bind", workdir, workdir, "--remount-ro", "/", "--remount-ro", "/dev"]
+    args += ["--chdir", workdir]
     args += ["--clearenv"]
     for k, v in sorted(env.items()):
         args += ["--setenv", k, str(v)]

@@ -234,6 +234,22 @@ class Watchdog(threading.Thread):
         self.stop = threading.Event()
         self.peak = 0
         self.kernel: int | None = None
+        self._pss: tuple[int, int] | None = None  # (RSS, PSS) when PSS was last read
+
+    def resident(self, tree: list[int]) -> int:
+        """Resident memory of ``tree``. RSS is cheap but counts a page shared by
+        several processes (forked children, libraries) once per process; over the cap
+        the proportional count (PSS) decides. PSS is read again only when RSS has grown
+        by more than the margin the last PSS left below the cap."""
+        rss = sum(rss_bytes(p) for p in tree)
+        if rss <= self.cap:
+            self._pss = None
+            return rss
+        if self._pss is not None and rss - self._pss[0] + self._pss[1] <= self.cap:
+            return rss - self._pss[0] + self._pss[1]
+        pss = sum(pss_bytes(p) for p in tree)
+        self._pss = (rss, pss)
+        return pss
 
     def _kernel_pid(self, tree: list[int]) -> int | None:
         if self.kernel is None:
@@ -275,11 +291,7 @@ class Watchdog(threading.Thread):
                     except OSError:
                         pass
                 tree = process_tree(self.pid)
-            # RSS is cheap but counts shared pages once per process; over the cap, the
-            # proportional count decides
-            rss = sum(rss_bytes(p) for p in tree)
-            if rss > self.cap:
-                rss = sum(pss_bytes(p) for p in tree)
+            rss = self.resident(tree)
             self.peak = max(self.peak, rss)
             if rss > self.cap:
                 self.session.note(
