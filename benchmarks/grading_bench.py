@@ -55,6 +55,14 @@ def run(
     return time.perf_counter() - t0
 
 
+def ok_count(out: Path) -> int:
+    return [
+        r["status"]
+        for r in csv.DictReader((out / "grades.csv").open())
+        if r["student"] != "MAX"
+    ].count("ok")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -91,12 +99,14 @@ def main() -> int:
         if why is None:
             jobs = args.jobs[0]
             best = {True: float("inf"), False: float("inf")}
+            oks = {True: [], False: []}
             for r in range(args.rounds):
                 for sandboxed in (False, True) if r % 2 == 0 else (True, False):
                     out = Path(tmp) / f"cost-{sandboxed}"
                     t = run(args.lab, subs, out, jobs, True, sandboxed)
                     best[sandboxed] = min(best[sandboxed], t)
-            cost = [(jobs, best[False], best[True])]
+                    oks[sandboxed].append(ok_count(out))
+            cost = [(jobs, best[False], best[True], min(oks[False]), min(oks[True]))]
     print(
         f"grading benchmark: {args.copies} copies of {args.lab} "
         f"({args.copies - args.copies // 2} solutions + "
@@ -124,12 +134,16 @@ def main() -> int:
         f"sandboxed and --no-sandbox taking turns, fastest of {args.rounds} each"
     )
     print()
-    print("| jobs | s / submission, --no-sandbox | s / submission, sandboxed | ratio |")
-    print("|---:|---:|---:|---:|")
-    for jobs, plain, boxed in cost:
+    print(
+        "| jobs | s / submission, --no-sandbox | s / submission, sandboxed | ratio | "
+        "status ok (worst round), --no-sandbox / sandboxed |"
+    )
+    print("|---:|---:|---:|---:|---:|")
+    for jobs, plain, boxed, ok_plain, ok_boxed in cost:
         print(
             f"| {jobs} | {plain / args.copies:.2f} | {boxed / args.copies:.2f} | "
-            f"{boxed / plain:.3f} |"
+            f"{boxed / plain:.3f} | {ok_plain}/{args.copies} / "
+            f"{ok_boxed}/{args.copies} |"
         )
     return 0
 

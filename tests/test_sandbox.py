@@ -31,6 +31,7 @@ from coursekit.grading.core import SandboxUnavailable, merge, shard_of
 from coursekit.grading.worker import MAX_PROCS
 from tests.test_grader import ADD, CHECK, HIDDEN, MEAN, STUB_ADD, STUB_MEAN, nb
 
+pytestmark = pytest.mark.slow  # end-to-end grading runs; `make unit` leaves them out
 ROOT = Path(__file__).resolve().parents[1]
 SECRET_NAME = "COURSEKIT_TEST_SECRET"
 DISK_MB = 48

@@ -92,17 +92,19 @@ def _system_binds() -> list[str]:
 def python_paths() -> list[str]:
     """Read-only folders the kernel needs: the interpreter, the virtual environment and
     the course packages (their own folders only: never the repository around them)."""
-    import coursekit
-    import trainmem
+    import importlib.util
 
     paths = {
         sys.prefix,
         sys.base_prefix,
         sys.exec_prefix,
         str(Path(sys.executable).resolve().parent.parent),
-        str(Path(coursekit.__file__).resolve().parent),
-        str(Path(trainmem.__file__).resolve().parent),
     }
+    for package in ("coursekit", "trainmem"):  # found, not imported
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.origin:
+            raise RuntimeError(f"the course package {package} is not installed")
+        paths.add(str(Path(spec.origin).resolve().parent))
     out = []
     for p in sorted(paths, key=len):
         rp = os.path.realpath(p)

@@ -14,6 +14,7 @@ results are plain data that the parent checks against the reference in its own p
 Spec keys: notebook (path), workdir, cell_timeout, notebook_timeout (s), memory_mb
 (resident memory of the kernel's process tree), max_output (bytes kept per student
 cell), env (dict: the kernel's environment on top of the minimal one), sandbox (bool),
+disk_mb (largest file, size of the private /tmp; the work dir may hold twice that),
 gpu, labels (a name per code cell, for messages), probes: [{name, source, per_case,
 inputs_json, timeout}]. Result keys: status (ok|timeout|kernel_died|memory_limit|
 grader_error), message, cells: [{index, error, timeout}] (index: 1-based among code
