@@ -80,6 +80,8 @@ DISK_MB = 512  # default of spec["disk_mb"]: the largest file the kernel may wri
 # that in all (the watchdog)
 MAX_PROCS = 256  # processes in the kernel's tree; the extra ones are killed
 WATCH_EVERY = 0.1  # seconds between two looks of the watchdog
+IOPUB_TIMEOUT = 20  # s for a cell's last output after its reply (a loaded machine)
+IOPUB_AFTER_TIMEOUT = 3  # s for it after the cell hit its time limit (interrupted)
 
 
 def kill_tree(pid: int | None) -> None:
@@ -384,6 +386,15 @@ class Session:
             """Keeps at most ``cap`` characters of output per student cell."""
 
             _sizes: dict = {}
+            # after a time limit the kernel is interrupted: one that obeys goes idle at
+            # once, one that does not is never going to; so the wait for its idle
+            # message is short then (a fixed 20 s wait, twice per stuck kernel, made
+            # one such submission cost 50 s)
+            iopub_after_timeout = IOPUB_AFTER_TIMEOUT
+
+            async def _async_handle_timeout(self, timeout, cell=None):
+                self.iopub_timeout = self.iopub_after_timeout
+                return await super()._async_handle_timeout(timeout, cell)
 
             def output(self, outs, msg, display_id, cell_index):
                 content = msg.get("content", {})
@@ -412,7 +423,7 @@ class Session:
             allow_errors=True,
             interrupt_on_timeout=True,
             error_on_timeout=timeout_error,
-            iopub_timeout=20,
+            iopub_timeout=IOPUB_TIMEOUT,
             shutdown_kernel="immediate",
             resources={"metadata": {"path": self.spec["workdir"]}},
         )
@@ -470,6 +481,7 @@ class Session:
 
         cell = self.nb.cells[idx]
         self.client.timeout = max(1, int(min(limit, self.deadline - time.monotonic())))
+        self.client.iopub_timeout = IOPUB_TIMEOUT
         t0 = time.monotonic()
         try:
             self.client.execute_cell(cell, idx)
@@ -502,12 +514,16 @@ class Session:
         import nbformat
 
         self.client.timeout = 5
+        self.client.iopub_timeout = IOPUB_TIMEOUT
+        self.client.iopub_after_timeout = 1  # no reply in 5 s: stuck, whatever follows
         t1 = time.monotonic()
         try:
             self.client.execute_cell(nbformat.v4.new_code_cell("pass"), idx)
             stuck = time.monotonic() - t1 >= 4.5
         except Exception:
             stuck = True
+        finally:
+            self.client.iopub_after_timeout = IOPUB_AFTER_TIMEOUT
         if stuck:
             self.note("timeout", "时间到后 kernel 不响应中断，已被终止")
             kill_tree(self.kernel_pid)
