@@ -26,7 +26,7 @@ STAGE_LOG := $(VENV)/test-stages.jsonl
 export PYTHONHASHSEED := 0
 
 .PHONY: book test unit nbval browser venv nb labs labs-check clean browser-deps bench tidy floor floor-venv \
-        kernel-path
+        kernel-path sandbox-deps
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -80,7 +80,7 @@ book: $(STAMP) node_modules/.package-lock.json
 ## cells in COURSE_GPU=cpu mode, labs regenerated, grader, book build with -W, browser tests;
 ## then the same chapters and solutions executed at the declared floor versions (make floor).
 ## Ends with the wall time of each stage.
-test: $(STAMP) browser-deps
+test: $(STAMP) browser-deps sandbox-deps
 	@rm -f $(STAGE_LOG)
 	@t0=$$(date +%s); $(MAKE) --no-print-directory kernel-path \
 	  && $(PY) -m tests.stages since $(STAGE_LOG) "kernel-path probe" $$t0
@@ -141,6 +141,17 @@ browser-deps:
 	              "Fix: apt-get install -y chromium chromium-driver fonts-noto-cjk"; exit 1; \
 	       else echo "WARNING: could not install $$missing; browser tests will be skipped" \
 	              "(apt-get install -y chromium chromium-driver fonts-noto-cjk)"; fi; }; }
+
+## bubblewrap for the grader's sandbox (Debian package; needs root or sudo). Skipped if present;
+## without it the sandbox tests fail under CI=true (and are skipped elsewhere).
+sandbox-deps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq bubblewrap >/dev/null \
+	  || { if [ "$$CI" = true ]; then \
+	         echo "ERROR: could not install bubblewrap; the grader's sandbox tests need it." \
+	              "Fix: apt-get install -y bubblewrap"; exit 1; \
+	       else echo "WARNING: could not install bubblewrap (sudo apt-get install bubblewrap)"; fi; }; }
 
 ## Benchmarks print tables (ours vs a reference, measured in the same run); never timed tests.
 bench: $(STAMP)

@@ -31,10 +31,24 @@ def _cmd_labs(args: argparse.Namespace) -> int:
 
 def _cmd_grade(args: argparse.Namespace) -> int:
     from .grading import grade
+    from .grading.core import merge
 
+    if args.merge:
+        if args.shard:
+            raise ValueError("--merge and --shard exclude each other")
+        done = merge(args.lab, args.submissions, args.out)
+        print(
+            f"merged {done['shards']} shards: {done['students']} students → "
+            f"{args.out}/grades.csv and {args.out}/feedback/"
+        )
+        return 0
+    if len(args.submissions) != 1:
+        raise ValueError(
+            "give one submissions folder (several folders only with --merge)"
+        )
     records = grade(
         args.lab,
-        args.submissions,
+        args.submissions[0],
         args.out,
         jobs=args.jobs,
         force=args.force,
@@ -45,6 +59,8 @@ def _cmd_grade(args: argparse.Namespace) -> int:
         probe_timeout=args.probe_timeout,
         memory_mb=args.memory_mb,
         gpu=args.gpu,
+        sandboxed=not args.no_sandbox,
+        shard=args.shard,
     )
     print(
         f"wrote {args.out}/grades.csv and {len(records)} feedback pages in "
@@ -82,7 +98,10 @@ def register(sub) -> None:
         help="lab id, e.g. lab01 (hidden tests: tests/grading/lab01.py)",
     )
     g.add_argument(
-        "submissions", help="folder of <student>.ipynb files or <student>/ folders"
+        "submissions",
+        nargs="+",
+        help="folder of <student>.ipynb files or <student>/ folders (with --merge: "
+        "the output folders of every shard)",
     )
     g.add_argument(
         "--out", required=True, help="output folder (grades.csv, feedback/, cache)"
@@ -116,7 +135,26 @@ def register(sub) -> None:
         "--memory-mb",
         type=int,
         default=None,
-        help="address-space cap of the kernel (MiB)",
+        help="resident-memory cap of the kernel's process tree (MiB); over it the "
+        "kernel is stopped with status memory_limit",
+    )
+    g.add_argument(
+        "--no-sandbox",
+        action="store_true",
+        help="run the kernels without bubblewrap (warned on the terminal, in "
+        "grades.csv and on every feedback page)",
+    )
+    g.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="grade only shard I of N (a fixed share of the students by name hash); "
+        "join the N output folders with --merge",
+    )
+    g.add_argument(
+        "--merge",
+        action="store_true",
+        help="join the output folders of grade --shard 1/N … N/N into --out",
     )
     g.add_argument(
         "--gpu",

@@ -1,19 +1,97 @@
 """``grade()``: one grading run over a folder of submissions (the ``grade`` command
-calls it)."""
+calls it); ``--shard i/n`` grades a deterministic share, :func:`merge` joins the shards.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from . import cache
+from . import cache, sandbox
 from .api import load_tests
-from .report import total, write_outputs
+from .report import SHARD_NAME, total, write_outputs
 from .runner import grade_one, new_record
 from .scoring import prepare
 from .submissions import discover
+
+NO_SANDBOX_WARNING = (
+    "WARNING: grading WITHOUT a sandbox (--no-sandbox): every submission runs with "
+    "your user's rights and can read, change or delete your files; grades.csv and "
+    "every feedback page say so"
+)
+
+
+class SandboxUnavailable(ValueError):
+    """No sandbox can be had here and --no-sandbox was not given (one line: the fix)."""
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    """ "i/n" → (i, n) with 1 ≤ i ≤ n; None → None."""
+    if text is None:
+        return None
+    try:
+        i, n = (int(x) for x in str(text).split("/"))
+    except ValueError:
+        raise ValueError(f"--shard must look like 2/8, got {text!r}") from None
+    if not 1 <= i <= n:
+        raise ValueError(f"--shard {text}: need 1 ≤ i ≤ n")
+    return i, n
+
+
+def shard_of(student: str, n: int) -> int:
+    """The shard (1..n) a student belongs to: a hash of the name, so it does not move
+    when classmates are added or removed."""
+    return int(hashlib.sha256(student.encode()).hexdigest()[:12], 16) % n + 1
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """sha256 of every file under the submissions folder (relative path → digest)."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            p = Path(dirpath) / name
+            try:
+                out[str(p.relative_to(root))] = hashlib.sha256(
+                    p.read_bytes()
+                ).hexdigest()
+            except OSError as e:
+                out[str(p.relative_to(root))] = f"unreadable: {e}"
+    return out
+
+
+def changed_files(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    return sorted(
+        k for k in before.keys() | after.keys() if before.get(k) != after.get(k)
+    )
+
+
+def _check_layout(subs: Path, out: Path, tests_dir: Path, use_sandbox: bool) -> None:
+    """The grader never writes into the submissions; with a sandbox, no folder the
+    kernel must not see may lie inside one it sees."""
+    s, o = os.path.realpath(subs), os.path.realpath(out)
+    if o == s or o.startswith(s + os.sep):
+        raise ValueError(f"--out {out} lies inside the submissions folder {subs}")
+    if s.startswith(o + os.sep):
+        raise ValueError(f"the submissions folder {subs} lies inside --out {out}")
+    if use_sandbox:
+        seen = sandbox.visible_paths()
+        for what, path in (
+            ("the hidden tests", tests_dir),
+            ("the submissions folder", subs),
+            ("the output folder", out),
+        ):
+            hit = sandbox.inside(path, seen)
+            if hit:
+                raise ValueError(
+                    f"{what} ({path}) overlaps {hit}, which every sandboxed kernel "
+                    "can read; move it elsewhere"
+                )
 
 
 def grade(
@@ -29,15 +107,25 @@ def grade(
     notebook_timeout: float | None = None,
     probe_timeout: float | None = None,
     memory_mb: int | None = None,
+    disk_mb: int = 512,
     gpu: str = "off",
+    sandboxed: bool = True,
+    shard: str | tuple[int, int] | None = None,
     log: Callable[[str], None] | None = print,
 ) -> list[dict]:
     """Grade every submission of ``lab``; write grades.csv + feedback/; return the
-    records (sorted by student). ``seed`` defaults to :attr:`LabTests.default_seed`."""
+    records (sorted by student). ``seed`` defaults to :attr:`LabTests.default_seed`.
+    ``sandboxed=False`` runs the kernels without bubblewrap (a warning everywhere);
+    ``shard=(i, n)`` grades only the students of shard i (see :func:`merge`).
+    ``disk_mb``: the largest file a kernel may write and the size of its /tmp."""
+    if sandboxed and (why := sandbox.unavailable()):
+        raise SandboxUnavailable(why)
     if tests_dir is None:
         from ..labs import find_root
 
         tests_dir = find_root() / "tests" / "grading"
+    shard = parse_shard(shard) if isinstance(shard, str) or shard is None else shard
+    _check_layout(Path(submissions), Path(out), Path(tests_dir), sandboxed)
     tests = load_tests(lab, tests_dir)
     if jobs < 1:
         raise ValueError(f"--jobs must be ≥ 1, got {jobs}")
@@ -48,12 +136,19 @@ def grade(
         "notebook_timeout": notebook_timeout or tests.notebook_timeout,
         "probe_timeout": probe_timeout or tests.probe_timeout,
         "memory_mb": memory_mb or tests.memory_mb,
+        "disk_mb": int(disk_mb),
         "gpu": gpu,
         "seed": tests.default_seed if seed is None else seed,
+        "sandbox": bool(sandboxed),
     }
+    if not sandboxed and log:
+        log(NO_SANDBOX_WARNING)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     subs = discover(submissions, tests.notebook)
+    if shard is not None:
+        subs = [s for s in subs if shard_of(s.student, shard[1]) == shard[0]]
+    before = snapshot(Path(submissions))
     old = cache.load(out)
     records: dict[str, dict] = {}
     keys = {s.student: cache.key(s, tests.digest, settings) for s in subs}
@@ -88,6 +183,16 @@ def grade(
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for student, rec in pool.map(work, todo):
             records[student] = rec
+    changed = changed_files(before, snapshot(Path(submissions)))
+    for f in changed:
+        who = Path(f).parts[0]
+        who = who[:-6] if who.endswith(".ipynb") else who
+        msg = f"警告：提交的文件 {f} 在评分过程中被改动或删除（评分器从不写提交文件夹）"
+        if log:
+            log(f"WARNING: submission file {f} changed during the grading run")
+        for rec in records.values():
+            if rec["student"] == who or Path(rec.get("file") or "/").name == f:
+                rec["message"] = (msg + " " + rec.get("message", "")).strip()
     # Everything below is written from this process's memory, after every worker is
     # gone, so files a submission wrote into OUT_DIR while it ran are overwritten or
     # removed.
@@ -99,5 +204,86 @@ def grade(
         cache.dumps(keys, records),
         cache.CACHE_NAME,
         Path(submissions).resolve(),
+        shard_info=None
+        if shard is None
+        else {
+            "lab": lab,
+            "shard": shard[0],
+            "of": shard[1],
+            "seed": settings["seed"],
+            "tests": tests.digest,
+            "students": [s.student for s in subs],
+        },
     )
     return ordered
+
+
+def merge(lab: str, shard_dirs: list[str | Path], out: str | Path) -> dict:
+    """Join the outputs of ``grade --shard i/n`` (one folder per shard, all n present)
+    into one grades.csv, one feedback/ folder and one cache in ``out``."""
+    infos = []
+    for d in map(Path, shard_dirs):
+        try:
+            info = json.loads((d / SHARD_NAME).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{d} is not the output of grade --shard ({e})") from None
+        if info.get("lab") != lab:
+            raise ValueError(f"{d} holds grades of {info.get('lab')}, not {lab}")
+        infos.append((d, info))
+    ns = {i["of"] for _, i in infos}
+    if len(ns) != 1:
+        raise ValueError(f"shards of different splits: /{sorted(ns)}")
+    n = ns.pop()
+    got = sorted(i["shard"] for _, i in infos)
+    if got != list(range(1, n + 1)):
+        missing = sorted(set(range(1, n + 1)) - set(got))
+        raise ValueError(
+            f"need each shard 1..{n} exactly once, got {got}"
+            + (f" (missing {missing})" if missing else "")
+        )
+    for key in ("seed", "tests"):
+        if len({json.dumps(i[key]) for _, i in infos}) != 1:
+            raise ValueError(f"shards were graded with different {key}s")
+    headers, rows, max_row = set(), {}, None
+    import csv
+
+    for d, info in infos:
+        with (d / "grades.csv").open(encoding="utf-8", newline="") as f:
+            table = list(csv.reader(f))
+        headers.add(tuple(table[0]))
+        for row in table[1:]:
+            if row and row[0] == "MAX":
+                max_row = row
+            elif row:
+                if row[0] in rows:
+                    raise ValueError(f"student {row[0]} is in two shards")
+                rows[row[0]] = row
+        if set(info["students"]) != {r[0] for r in table[1:] if r and r[0] != "MAX"}:
+            raise ValueError(f"{d}/grades.csv does not match its {SHARD_NAME}")
+    if len(headers) != 1:
+        raise ValueError("shards have different grades.csv columns")
+    out = Path(out)
+    (out / "feedback").mkdir(parents=True, exist_ok=True)
+    merged_cache: dict = {}
+    for d, _ in infos:
+        for page in sorted((d / "feedback").glob("*.html")):
+            shutil.copyfile(page, out / "feedback" / page.name)
+        merged_cache.update(cache.load(d))
+    import csv as _csv
+    import io
+
+    buf = io.StringIO()
+    w = _csv.writer(buf, lineterminator="\n")
+    w.writerow(headers.pop())
+    for student in sorted(rows):
+        w.writerow(rows[student])
+    if max_row:
+        w.writerow(max_row)
+    from .report import atomic_write
+
+    atomic_write(out / "grades.csv", buf.getvalue())
+    atomic_write(
+        out / cache.CACHE_NAME,
+        json.dumps(merged_cache, ensure_ascii=False, indent=1),
+    )
+    return {"students": len(rows), "shards": n}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 import shutil
 from pathlib import Path
@@ -15,9 +16,21 @@ from .cache import GRADER_VERSION
 STATUS_TEXT = {
     "ok": "notebook 已运行完，隐藏测试已运行",
     "timeout": "触到了时间上限；还能评的题照常评分",
-    "kernel_died": "kernel 退出或崩溃（exit、段错误或内存上限）；尚未测试的题记 0 分",
+    "kernel_died": (
+        "kernel 退出或崩溃（exit、段错误、写满磁盘上限）；尚未测试的题记 0 分"
+    ),
+    "memory_limit": "kernel 的常驻内存超过上限，被评分器终止；尚未测试的题记 0 分",
     "invalid": "不是可读的 notebook",
     "grader_error": "评分器自身对这份提交出错——请告诉老师",
+}
+
+
+SHARD_NAME = "shard.json"
+SANDBOX_TEXT = {
+    True: (
+        "这份提交在沙箱（bubblewrap）里运行：看不到网络、隐藏测试、别人的提交和评分器。"
+    ),
+    False: ("注意：这次评分没有使用沙箱（--no-sandbox），提交以评分者的用户权限运行。"),
 }
 
 
@@ -74,6 +87,7 @@ def feedback_html(
             graded=graded,
             stub_limit=STUB_LIMIT,
             version=GRADER_VERSION,
+            sandbox_text=SANDBOX_TEXT[bool(rec.get("sandbox", True))],
         )
     )
 
@@ -89,6 +103,7 @@ def grades_csv(records: list[dict], tests: LabTests) -> str:
             "status",
             "seed",
             "file",
+            "sandbox",
         ]
     )
     for rec in records:
@@ -100,6 +115,7 @@ def grades_csv(records: list[dict], tests: LabTests) -> str:
                 rec["status"],
                 rec.get("seed", ""),
                 Path(rec["file"]).name if rec.get("file") else "",
+                "yes" if rec.get("sandbox", True) else "no",
             ]
         )
     w.writerow(
@@ -107,6 +123,7 @@ def grades_csv(records: list[dict], tests: LabTests) -> str:
             "MAX",
             *[f"{q.points:g}" for q in tests.questions],
             f"{tests.max_points:g}",
+            "",
             "",
             "",
             "",
@@ -133,10 +150,13 @@ def write_outputs(
     cache_text: str,
     cache_name: str,
     submissions_root: Path,
+    shard_info: dict | None = None,
 ) -> None:
-    """Rewrite everything in ``out`` from memory; remove whatever else a submission left
-    there."""
+    """Rewrite everything in ``out`` from memory; remove whatever else is there (a
+    previous run's leftovers; with --no-sandbox, whatever a submission wrote)."""
     atomic_write(out / cache_name, cache_text)
+    if shard_info is not None:
+        atomic_write(out / SHARD_NAME, json.dumps(shard_info, indent=1))
     atomic_write(out / "grades.csv", grades_csv(ordered, tests))
     fb = out / "feedback"
     fb.mkdir(exist_ok=True)
@@ -153,5 +173,8 @@ def write_outputs(
     for (
         p
     ) in out.iterdir():  # stray files a submission may have dropped next to grades.csv
-        if p.name not in ("grades.csv", "feedback", cache_name) and p.is_file():
+        keep = ("grades.csv", "feedback", cache_name)
+        if shard_info is not None:
+            keep += (SHARD_NAME,)
+        if p.name not in keep and p.is_file():
             p.unlink()

@@ -3,17 +3,22 @@ probes, in a kernel.
 
 Started by :mod:`coursekit.grading.runner` as ``python -m coursekit.grading.worker`` in
 its own session (process group). It reads a JSON spec on stdin and writes one JSON
-result on the stdout it was given; before starting the kernel it caps its own address
-space / file sizes (the kernel inherits the caps), points fds 1 and 2 at /dev/null (so
-the kernel cannot write to the grader's pipe through them), and at the end kills the
-kernel's process tree. It never scores anything: probe results are plain data that the
-parent checks against the reference in its own process.
+result on the stdout it was given; before starting the kernel it caps file sizes (the
+kernel inherits the cap), points fds 1 and 2 at /dev/null (so the kernel cannot write to
+the grader's pipe through them), starts the kernel inside the sandbox
+(:mod:`coursekit.grading.sandbox`) with only the environment the spec gives, watches the
+kernel's resident memory, number of processes and work-directory size (a watchdog
+thread), and at the end kills the kernel's process tree. It never scores anything: probe
+results are plain data that the parent checks against the reference in its own process.
 
-Spec keys: notebook (path), workdir, cell_timeout, notebook_timeout (s), memory_mb,
-max_output (bytes kept per student cell), env (dict), labels (a name per code cell, for
-messages), probes: [{name, source, per_case, inputs_json, timeout}]. Result keys: status
-(ok|timeout|kernel_died|grader_error), message, cells: [{index, error, timeout}] (index:
-1-based among code cells), probes: {name: {ok, value | error, timeout}}, seconds.
+Spec keys: notebook (path), workdir, cell_timeout, notebook_timeout (s), memory_mb
+(resident memory of the kernel's process tree), max_output (bytes kept per student
+cell), env (dict: the kernel's environment on top of the minimal one), sandbox (bool),
+disk_mb (largest file, size of the private /tmp; the work dir may hold twice that),
+gpu, labels (a name per code cell, for messages), probes: [{name, source, per_case,
+inputs_json, timeout}]. Result keys: status (ok|timeout|kernel_died|memory_limit|
+grader_error), message, cells: [{index, error, timeout}] (index: 1-based among code
+cells), probes: {name: {ok, value | error, timeout}}, seconds, peak_rss_mb.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import resource
 import secrets
 import signal
 import sys
+import threading
 import time
 
 # The probe cell: runs the hidden test's source in a copy of the student's namespace and
@@ -68,7 +74,14 @@ _grader_probe_{fid}()
 
 PROBE_OUTPUT_CAP = 20_000_000  # characters kept from a probe cell (its result is JSON)
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-STATUS_ORDER = ["ok", "timeout", "kernel_died"]
+STATUS_ORDER = ["ok", "timeout", "kernel_died", "memory_limit"]
+DISK_MB = 512  # default of spec["disk_mb"]: the largest file the kernel may write
+# (RLIMIT_FSIZE) and the size of its private /tmp; its work directory may hold twice
+# that in all (the watchdog)
+MAX_PROCS = 256  # processes in the kernel's tree; the extra ones are killed
+WATCH_EVERY = 0.1  # seconds between two looks of the watchdog
+IOPUB_TIMEOUT = 20  # s for a cell's last output after its reply (a loaded machine)
+IOPUB_AFTER_TIMEOUT = 3  # s for it after the cell hit its time limit (interrupted)
 
 
 def kill_tree(pid: int | None) -> None:
@@ -93,15 +106,211 @@ def kill_tree(pid: int | None) -> None:
             p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(procs, timeout=3)
+    _wait_gone(procs, 3.0)
 
 
-def _limits(memory_mb: int) -> None:
-    cap = int(memory_mb) * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    fsize = 512 * 1024 * 1024
+def _wait_gone(procs, timeout: float) -> None:
+    """Until every process of ``procs`` is gone or a zombie (dead; its parent reaps it:
+    inside a PID namespace that can take a while, and no one needs to wait for it),
+    reaping those that are our own children."""
+    import psutil
+
+    end = time.monotonic() + timeout
+    while True:
+        left = []
+        for p in procs:
+            try:
+                os.waitpid(p.pid, os.WNOHANG)
+            except (ChildProcessError, OSError):
+                pass
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+            except psutil.Error:
+                pass
+        if not left or time.monotonic() > end:
+            return
+        procs = left
+        time.sleep(0.02)
+
+
+def _limits(disk_mb: int) -> None:
+    """File size and core dumps; memory is the watchdog's job: an address-space cap
+    (RLIMIT_AS) would kill CUDA builds of torch, which reserve far more virtual memory
+    than they ever touch."""
+    fsize = int(disk_mb) * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (all its threads'), from /proc; psutil elsewhere."""
+    try:
+        kids: list[int] = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+        return kids
+    except FileNotFoundError:
+        if os.path.exists(f"/proc/{pid}"):  # no children files: ask psutil
+            import psutil
+
+            try:
+                return [p.pid for p in psutil.Process(pid).children()]
+            except psutil.Error:
+                return []
+        return []
+    except (OSError, ValueError):
+        return []
+
+
+def process_tree(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += _children(p)
+    return out
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+    except (OSError, ValueError, IndexError):
+        import psutil
+
+        try:
+            return psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            return 0
+
+
+def pss_bytes(pid: int) -> int:
+    """Proportional set size: resident memory with pages shared between processes
+    (forked children, libraries) divided among them; falls back to RSS."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return rss_bytes(pid)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _dir_bytes(path: str, stop: int) -> int:
+    total = 0
+    for root, dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+            if total > stop:
+                return total
+    return total
+
+
+class Watchdog(threading.Thread):
+    """Every WATCH_EVERY seconds: the resident memory (sum of RSS) of the kernel's
+    process tree, the number of processes in it, and (every second) the size of its
+    work directory. Over the memory or disk cap the whole tree is killed (the kernel
+    dies with a clear status); over the process cap the kernel's own children are
+    killed and the kernel lives on."""
+
+    def __init__(self, session: "Session", pid: int):
+        super().__init__(daemon=True)
+        self.session, self.pid = session, pid
+        self.cap = int(session.spec["memory_mb"]) * 2**20
+        self.stop = threading.Event()
+        self.peak = 0
+        self.kernel: int | None = None
+        self._pss: tuple[int, int] | None = None  # (RSS, PSS) when PSS was last read
+
+    def resident(self, tree: list[int]) -> int:
+        """Resident memory of ``tree``. RSS is cheap but counts a page shared by
+        several processes (forked children, libraries) once per process; over the cap
+        the proportional count (PSS) decides. PSS is read again only when RSS has grown
+        by more than the margin the last PSS left below the cap."""
+        rss = sum(rss_bytes(p) for p in tree)
+        if rss <= self.cap:
+            self._pss = None
+            return rss
+        if self._pss is not None and rss - self._pss[0] + self._pss[1] <= self.cap:
+            return rss - self._pss[0] + self._pss[1]
+        pss = sum(pss_bytes(p) for p in tree)
+        self._pss = (rss, pss)
+        return pss
+
+    def _kernel_pid(self, tree: list[int]) -> int | None:
+        if self.kernel is None:
+            for p in sorted(tree):  # the python process, not bwrap's (same argv tail)
+                argv = _cmdline(p).split(b"\0")
+                if b"coursekit.grading.kernel_main" in argv and not argv[0].endswith(
+                    b"bwrap"
+                ):
+                    self.kernel = p
+                    break
+        return self.kernel
+
+    def run(self) -> None:
+        try:
+            self._watch()
+        except Exception as e:  # a broken watchdog must not pass silently
+            self.session.note(
+                "kernel_died", f"评分器的监视线程出错（{type(e).__name__}: {e}）"
+            )
+            kill_tree(self.pid)
+
+    def _watch(self) -> None:
+        work, n = self.session.spec["workdir"], 0
+        disk = 2 * int(self.session.spec.get("disk_mb", DISK_MB)) * 2**20
+        while not self.stop.wait(WATCH_EVERY):
+            n += 1
+            tree = process_tree(self.pid)
+            if len(tree) > MAX_PROCS:
+                kernel = self._kernel_pid(tree)
+                extra = (
+                    [p for p in process_tree(kernel) if p != kernel] if kernel else []
+                )
+                self.session.note(
+                    "ok", f"进程数超过上限 {MAX_PROCS}，kernel 的子进程已被终止"
+                )
+                for p in extra:
+                    try:
+                        os.kill(p, signal.SIGKILL)
+                    except OSError:
+                        pass
+                tree = process_tree(self.pid)
+            rss = self.resident(tree)
+            self.peak = max(self.peak, rss)
+            if rss > self.cap:
+                self.session.note(
+                    "memory_limit",
+                    f"kernel 的常驻内存超过上限 {self.cap // 2**20} MiB（约 "
+                    f"{rss // 2**20} MiB），已被终止",
+                )
+                kill_tree(self.pid)
+                return
+            if n % 10 == 0 and _dir_bytes(work, disk) > disk:
+                self.session.note(
+                    "kernel_died",
+                    f"工作目录里的文件超过 {disk // 2**20} MiB，kernel 已被终止",
+                )
+                kill_tree(self.pid)
+                return
 
 
 def _error_text(cell) -> str | None:
@@ -163,6 +372,8 @@ class Session:
             nbformat.v4.new_code_cell(str(c.get("source", ""))) for c in code
         ]
         self.n_student = len(self.nb.cells)
+        self.watchdog: Watchdog | None = None
+        self.env: dict = {}
         self.client = self._client()
         self.kernel_pid: int | None = None
 
@@ -175,6 +386,15 @@ class Session:
             """Keeps at most ``cap`` characters of output per student cell."""
 
             _sizes: dict = {}
+            # after a time limit the kernel is interrupted: one that obeys goes idle at
+            # once, one that does not is never going to; so the wait for its idle
+            # message is short then (a fixed 20 s wait, twice per stuck kernel, made
+            # one such submission cost 50 s)
+            iopub_after_timeout = IOPUB_AFTER_TIMEOUT
+
+            async def _async_handle_timeout(self, timeout, cell=None):
+                self.iopub_timeout = self.iopub_after_timeout
+                return await super()._async_handle_timeout(timeout, cell)
 
             def output(self, outs, msg, display_id, cell_index):
                 content = msg.get("content", {})
@@ -197,15 +417,54 @@ class Session:
         # at the kernel's idle message, so a generous iopub bound costs nothing normally
         return CappedClient(
             self.nb,
+            km=self._kernel_manager(),
             timeout=int(self.spec["cell_timeout"]),
             kernel_name="python3",
             allow_errors=True,
             interrupt_on_timeout=True,
             error_on_timeout=timeout_error,
-            iopub_timeout=20,
+            iopub_timeout=IOPUB_TIMEOUT,
             shutdown_kernel="immediate",
             resources={"metadata": {"path": self.spec["workdir"]}},
         )
+
+    def _kernel_manager(self):
+        """A kernel manager that starts ``kernel_main`` (ipykernel) over ZMQ's ipc
+        transport, the sockets and connection file in the work directory; sandboxed:
+        inside bwrap."""
+        from jupyter_client.manager import AsyncKernelManager
+
+        from . import sandbox
+
+        work, gpu = self.spec["workdir"], str(self.spec.get("gpu", "off"))
+        sandboxed = bool(self.spec.get("sandbox"))
+        tmp = "/tmp" if sandboxed else os.path.join(work, ".tmp")
+        os.makedirs(tmp, exist_ok=True) if not sandboxed else None
+        self.env = sandbox.kernel_env(self.spec.get("env", {}), work, gpu, tmp)
+        launch = [sys.executable, "-m", "coursekit.grading.kernel_main"]
+        if sandboxed:
+            tmp_mb = int(self.spec.get("disk_mb", DISK_MB))
+            prefix = sandbox.command(work, self.env, gpu, tmp_mb)
+            if sandbox.nproc_counted_per_namespace():
+                launch += ["--nproc", str(sandbox.NPROC)]
+        else:
+            prefix = []
+
+        class Manager(AsyncKernelManager):
+            def format_kernel_cmd(self, extra_arguments=None):
+                cmd = [*launch, "-f", self.connection_file, *(extra_arguments or [])]
+                return [*prefix, *cmd]
+
+        km = Manager(
+            kernel_name="python3",
+            transport="ipc",
+            ip=os.path.join(work, "kernel"),
+            connection_file=os.path.join(work, "kernel.json"),
+        )
+        # interrupts travel as a control message: the kernel signals itself inside
+        # its namespace (a SIGINT to the sandbox's process group would reach bwrap)
+        km.kernel_spec.interrupt_mode = "message"
+        return km
 
     def note(self, status: str, message: str) -> None:
         if STATUS_ORDER.index(status) > STATUS_ORDER.index(self.result["status"]):
@@ -222,6 +481,7 @@ class Session:
 
         cell = self.nb.cells[idx]
         self.client.timeout = max(1, int(min(limit, self.deadline - time.monotonic())))
+        self.client.iopub_timeout = IOPUB_TIMEOUT
         t0 = time.monotonic()
         try:
             self.client.execute_cell(cell, idx)
@@ -254,12 +514,16 @@ class Session:
         import nbformat
 
         self.client.timeout = 5
+        self.client.iopub_timeout = IOPUB_TIMEOUT
+        self.client.iopub_after_timeout = 1  # no reply in 5 s: stuck, whatever follows
         t1 = time.monotonic()
         try:
             self.client.execute_cell(nbformat.v4.new_code_cell("pass"), idx)
             stuck = time.monotonic() - t1 >= 4.5
         except Exception:
             stuck = True
+        finally:
+            self.client.iopub_after_timeout = IOPUB_AFTER_TIMEOUT
         if stuck:
             self.note("timeout", "时间到后 kernel 不响应中断，已被终止")
             kill_tree(self.kernel_pid)
@@ -338,8 +602,11 @@ class Session:
             )
             self.nb.cells.append(nbformat.v4.new_code_cell(src))
         try:
-            with self.client.setup_kernel():
+            with self.client.setup_kernel(env=self.env):
                 self.kernel_pid = getattr(self.client.km.provisioner, "pid", None)
+                if self.kernel_pid:
+                    self.watchdog = Watchdog(self, self.kernel_pid)
+                    self.watchdog.start()
                 steps = [
                     lambda i=i: self.student_cell(i) for i in range(self.n_student)
                 ]
@@ -354,6 +621,9 @@ class Session:
         except Exception as e:  # kernel start-up or shutdown broken by the submission
             self.note("kernel_died", f"kernel 出错：{type(e).__name__}: {str(e)[:200]}")
         finally:
+            if self.watchdog is not None:
+                self.watchdog.stop.set()
+                self.result["peak_rss_mb"] = round(self.watchdog.peak / 2**20, 1)
             kill_tree(self.kernel_pid)
         why = self.result["message"] or "kernel 死了"
         for p in self.spec["probes"]:
@@ -386,8 +656,7 @@ def main() -> int:
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
-    os.environ.update({k: str(v) for k, v in spec.get("env", {}).items()})
-    _limits(int(spec["memory_mb"]))
+    _limits(int(spec.get("disk_mb", DISK_MB)))
     try:
         result = run(spec)
     except BaseException as e:  # report instead of dying silently

@@ -1,0 +1,518 @@
+"""The sandbox every submission runs in (bubblewrap): an attack suite graded next to
+honest submissions in ONE run, the refusal without a sandbox, --no-sandbox's warnings,
+and --shard / --merge.
+
+Every attack is its own submission: the honest ``add``/``mean`` of the toy lab
+``lab99`` (tests/test_grader.py) and one cell that tries its attack and then raises
+``RuntimeError("ATTACK <name>: SUCCEEDED …" or "blocked …")``; the grader reports that
+error like any student error, so each attack's outcome comes back through the grader's
+own channel, and the host side is checked as well (files, server, signals). Each attack
+must fail, the honest submissions keep full marks and their files byte for byte, and
+each attacker earns what its honest code earns. A second, unsandboxed run of three of
+the attacks shows they do succeed without the sandbox (so the suite can fail).
+
+Under ``CI=true`` a missing bwrap is an error naming the fix, never a skip.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from coursekit.grading import grade, sandbox
+from coursekit.grading.core import SandboxUnavailable, merge, shard_of
+from coursekit.grading.worker import MAX_PROCS
+from tests.test_grader import ADD, CHECK, HIDDEN, MEAN, STUB_ADD, STUB_MEAN, nb
+
+pytestmark = pytest.mark.slow  # end-to-end grading runs; `make unit` leaves them out
+ROOT = Path(__file__).resolve().parents[1]
+SECRET_NAME = "COURSEKIT_TEST_SECRET"
+DISK_MB = 48
+SETTINGS = dict(
+    cell_timeout=20,
+    notebook_timeout=60,
+    probe_timeout=6,
+    memory_mb=768,
+    disk_mb=DISK_MB,
+)
+FORKS = 400  # the bounded fork bomb: this many processes that would sleep 30 s
+
+
+def require_sandbox() -> None:
+    why = sandbox.unavailable()
+    if why is None:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true and {why} (make sandbox-deps installs it)")
+    pytest.skip(why)
+
+
+def attack(name: str, *tries: str) -> str:
+    """A cell trying each statement of ``tries`` (success = no exception), then raising
+    one RuntimeError that says which succeeded or how each was blocked."""
+    lines = ["_res = []"]
+    for src in tries:
+        body = "\n".join("    " + ln for ln in src.strip().splitlines())
+        lines += [
+            "try:",
+            body,
+            f"    _res.append('SUCCEEDED: ' + {src.strip().splitlines()[0][:50]!r})",
+            "except BaseException as _e:",
+            "    _res.append(f'blocked ({type(_e).__name__}: {str(_e)[:70]})')",
+        ]
+    lines.append(f"raise RuntimeError('ATTACK {name}: ' + ' | '.join(_res))")
+    return "\n".join(lines)
+
+
+FORK_BOMB = f"""
+import os, time
+kids = []
+for _ in range({FORKS}):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    kids.append(pid)
+time.sleep(1.0)
+alive = sum(os.waitpid(k, os.WNOHANG) == (0, 0) for k in kids)
+for k in kids:
+    try:
+        os.kill(k, 9)
+        os.waitpid(k, 0)
+    except OSError:
+        pass
+assert alive > {MAX_PROCS}, f"only {{alive}} of {{len(kids)}} forks alive"
+"""
+
+
+def fill(path: str) -> str:
+    return f"""
+try:
+    with open({path!r}, "wb") as f:
+        for _ in range({2 * DISK_MB}):
+            f.write(bytes(2**20))
+finally:
+    import os
+    if os.path.exists({path!r}):
+        os.remove({path!r})
+"""
+
+
+class Server:
+    """A TCP server on localhost counting the connections it accepts."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while not self.done.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.accepted += 1
+            conn.close()
+
+    def close(self):
+        self.done.set()
+        self.thread.join()
+        self.sock.close()
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def attacks(base: Path, subs: Path, out: Path, hidden: Path, port: int) -> dict:
+    """attack name → its cell."""
+    outside = base / "outside.txt"
+    repo_file = ROOT / "sandbox_attack.txt"
+    home = Path.home()
+    home_entries = [
+        home / e
+        for e in sorted(os.listdir(home))
+        if not any(p.startswith(str(home / e)) for p in sandbox.python_paths())
+    ]
+    pid = os.getpid()
+    return {
+        "write_outside_workdir": attack(
+            "write_outside_workdir",
+            f"open({str(outside)!r}, 'w').write('x')",
+            f"open({str(repo_file)!r}, 'w').write('x')",
+            "open('/evil.txt', 'w').write('x')",
+            "open('/usr/evil.txt', 'w').write('x')",
+        ),
+        "read_hidden_tests": attack(
+            "read_hidden_tests",
+            f"open({str(hidden)!r}).read()",
+            f"open({str(ROOT / 'tests' / 'grading' / 'lab01.py')!r}).read()",
+        ),
+        "read_home": attack(
+            "read_home",
+            f"os = __import__('os'); os.stat({str(home_entries[0])!r})"
+            if home_entries
+            else "raise FileNotFoundError('the home folder is empty here')",
+        ),
+        "read_other_submission": attack(
+            "read_other_submission",
+            f"open({str(subs / 'honest_a.ipynb')!r}, 'rb').read()",
+            f"__import__('os').listdir({str(subs)!r})",
+        ),
+        "modify_other_submission": attack(
+            "modify_other_submission",
+            f"open({str(subs / 'honest_b.ipynb')!r}, 'w').write('{{}}')",
+        ),
+        "delete_other_submission": attack(
+            "delete_other_submission",
+            f"__import__('os').remove({str(subs / 'honest_c.ipynb')!r})",
+        ),
+        "write_output_folder": attack(
+            "write_output_folder",
+            f"open({str(out / 'grades.csv')!r}, 'w').write('mallory,2,3,5,ok')",
+            f"open({str(out / 'feedback' / 'honest_a.html')!r}, 'w').write('hacked')",
+            f"open({str(out / 'evil.txt')!r}, 'w').write('evil')",
+        ),
+        "write_cache": attack(
+            "write_cache",
+            f"open({str(out / '.grade_cache.json')!r}, 'w').write('{{}}')",
+        ),
+        "connect_localhost": attack(
+            "connect_localhost",
+            f"__import__('socket').create_connection(('127.0.0.1', {port}), 2)",
+            f"__import__('socket').create_connection(('localhost', {port}), 2)",
+        ),
+        "read_grader_env": attack(
+            "read_grader_env",
+            f"__import__('os').environ[{SECRET_NAME!r}]",
+            f"""
+import os
+found = []
+for p in os.listdir('/proc'):
+    try:
+        if {SECRET_NAME.encode()!r} in open(f'/proc/{{p}}/environ', 'rb').read():
+            found.append(p)
+    except OSError:
+        pass
+assert found, 'no process environment holds it'
+""",
+        ),
+        "signal_grader": attack(
+            "signal_grader",
+            f"__import__('os').kill({pid}, __import__('signal').SIGUSR1)",
+            f"import os, signal; os.killpg(os.getpgid({pid}), signal.SIGUSR1)",
+            """
+import os
+seen = []
+for p in os.listdir('/proc'):
+    try:
+        cmd = open(f'/proc/{p}/cmdline', 'rb').read()
+    except OSError:
+        continue
+    if b'pytest' in cmd or b'coursekit.grading.worker' in cmd:
+        seen.append(p)
+assert seen, 'no grader process in sight'
+""",
+        ),
+        "fork_bomb": attack("fork_bomb", FORK_BOMB),
+        "fill_disk": attack(
+            "fill_disk",
+            fill("big.bin"),
+            fill("/tmp/big.bin"),
+            fill("/dev/shm/big.bin"),
+            fill("/dev/big.bin"),
+        ),
+    }
+
+
+HONEST = ("honest_a", "honest_b", "honest_c")
+UNSANDBOXED = (
+    "read_hidden_tests",
+    "read_grader_env",
+    "connect_localhost",
+    "modify_other_submission",
+)
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    require_sandbox()
+    base = tmp_path_factory.mktemp("sandbox")
+    hidden_dir, subs, out = base / "hidden", base / "subs", base / "out"
+    for d in (hidden_dir, subs):
+        d.mkdir()
+    (hidden_dir / "lab99.py").write_text(HIDDEN)
+    server = Server()
+    cells = attacks(base, subs, out, hidden_dir / "lab99.py", server.port)
+    for name in HONEST:
+        (subs / f"{name}.ipynb").write_text(nb(ADD, MEAN, CHECK))
+    for name, cell in cells.items():
+        (subs / f"{name}.ipynb").write_text(nb(ADD, MEAN, cell))
+    # resident memory, not address space: a huge untouched mapping is fine, touching
+    # more than the cap stops the kernel
+    (subs / "virtual_64gib.ipynb").write_text(
+        nb(
+            ADD,
+            MEAN,
+            "import mmap\nm = mmap.mmap(-1, 64 * 2**30, flags=mmap.MAP_PRIVATE | "
+            "mmap.MAP_ANONYMOUS | getattr(mmap, 'MAP_NORESERVE', 0x4000))\n"
+            "m[:1000] = b'x' * 1000",
+        )
+    )
+    (subs / "touch_memory.ipynb").write_text(
+        nb(
+            ADD,
+            MEAN,
+            "blocks = []\nfor _ in range(40):\n    blocks.append(b'x' * 2**26)",
+        )
+    )
+    before = {p.name: digest(p) for p in subs.iterdir()}
+    received = []
+    old_handler = signal.signal(signal.SIGUSR1, lambda *a: received.append(a[0]))
+    os.environ[SECRET_NAME] = "s3cret-" + os.urandom(8).hex()
+    try:
+        records = grade(
+            "lab99", subs, out, jobs=2, tests_dir=hidden_dir, log=None, **SETTINGS
+        )
+        accepted, signals = server.accepted, list(received)
+        # control: the same attacks without the sandbox do succeed (aimed at the
+        # control run's own folders)
+        ctrl_subs, ctrl_out = base / "ctrl_subs", base / "ctrl_out"
+        ctrl_subs.mkdir()
+        ctrl = attacks(base, ctrl_subs, ctrl_out, hidden_dir / "lab99.py", server.port)
+        for name in UNSANDBOXED:
+            (ctrl_subs / f"{name}.ipynb").write_text(nb(ADD, MEAN, ctrl[name]))
+        (ctrl_subs / "honest_b.ipynb").write_text(nb(ADD, MEAN, CHECK))
+        logs: list[str] = []
+        control = grade(
+            "lab99",
+            ctrl_subs,
+            ctrl_out,
+            jobs=2,
+            tests_dir=hidden_dir,
+            log=logs.append,
+            sandboxed=False,
+            **SETTINGS,
+        )
+    finally:
+        del os.environ[SECRET_NAME]
+        signal.signal(signal.SIGUSR1, old_handler)
+        server.close()
+    rows = {r["student"]: r for r in csv.DictReader((out / "grades.csv").open())}
+    return dict(
+        base=base,
+        subs=subs,
+        out=out,
+        records={r["student"]: r for r in records},
+        rows=rows,
+        before=before,
+        server=server,
+        accepted=accepted,
+        signals=signals,
+        control={r["student"]: r for r in control},
+        control_out=ctrl_out,
+        control_logs=logs,
+        names=sorted(cells),
+    )
+
+
+def outcome(rec: dict, name: str) -> str:
+    """The attack cell's verdict ("blocked (...) | ..." or "SUCCEEDED: ...")."""
+    for c in rec["cells"]:
+        marker = f"ATTACK {name}: "
+        if marker in c["error"]:
+            return c["error"].rsplit(marker, 1)[1].splitlines()[0]
+    return f"no verdict (status {rec['status']}: {rec['message'][:120]})"
+
+
+ATTACK_NAMES = [
+    "write_outside_workdir",
+    "read_hidden_tests",
+    "read_home",
+    "read_other_submission",
+    "modify_other_submission",
+    "delete_other_submission",
+    "write_output_folder",
+    "write_cache",
+    "connect_localhost",
+    "read_grader_env",
+    "signal_grader",
+    "fork_bomb",
+    "fill_disk",
+]
+
+
+@pytest.mark.parametrize("name", ATTACK_NAMES)
+def test_attack_fails_and_attacker_keeps_honest_score(suite, name):
+    rec = suite["records"][name]
+    verdict = outcome(rec, name)
+    assert "SUCCEEDED" not in verdict and verdict.startswith("blocked"), verdict
+    assert (rec["status"], rec["scores"]) == ("ok", {"add": 2, "mean": 3}), rec
+
+
+def test_host_side_untouched(suite):
+    """Nothing the attacks aimed at changed: the submissions byte for byte, the output
+    folder (only the grader's files), no file outside, no connection, no signal."""
+    subs, out = suite["subs"], suite["out"]
+    assert {p.name: digest(p) for p in subs.iterdir()} == suite["before"]
+    for name in HONEST:
+        rec = suite["records"][name]
+        assert (rec["status"], sum(rec["scores"].values())) == ("ok", 5), rec
+        assert "hacked" not in (out / "feedback" / f"{name}.html").read_text()
+    assert not (suite["base"] / "outside.txt").exists()
+    assert not (ROOT / "sandbox_attack.txt").exists()
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".grade_cache.json",
+        "feedback",
+        "grades.csv",
+    ]
+    assert "mallory" not in (out / "grades.csv").read_text()
+    assert suite["accepted"] == 0 and suite["signals"] == []
+    assert {r["sandbox"] for r in suite["rows"].values() if r["student"] != "MAX"} == {
+        "yes"
+    }
+
+
+def test_memory_cap_is_resident_memory(suite):
+    """64 GiB mapped but untouched passes (an address-space cap would kill it, as it
+    killed the CUDA build of torch); touching 2.5 GiB against a 768 MiB cap stops the
+    kernel with status memory_limit."""
+    virt = suite["records"]["virtual_64gib"]
+    assert (virt["status"], sum(virt["scores"].values())) == ("ok", 5), virt
+    touch = suite["records"]["touch_memory"]
+    assert touch["status"] == "memory_limit", touch
+    assert "768 MiB" in touch["message"]
+    page = (suite["out"] / "feedback" / "touch_memory.html").read_text()
+    assert "memory_limit" in page and "常驻内存" in page
+
+
+def test_attacks_succeed_without_sandbox(suite):
+    """The control run: without the sandbox the same cells read the hidden tests, find
+    the grader's environment, reach the localhost server and overwrite a classmate's
+    notebook — which the before/after hashes report; the run warns on the terminal, in
+    grades.csv and on every feedback page."""
+    for name in UNSANDBOXED:
+        assert "SUCCEEDED" in outcome(suite["control"][name], name), name
+    logs = suite["control_logs"]
+    assert any("honest_b.ipynb changed" in line for line in logs), logs
+    assert (
+        "honest_b.ipynb 在评分过程中被改动" in suite["control"]["honest_b"]["message"]
+    )
+    page = (suite["control_out"] / "feedback" / "honest_b.html").read_text()
+    assert "在评分过程中被改动" in page
+    assert suite["server"].accepted > suite["accepted"] == 0
+    assert any("WITHOUT a sandbox" in line for line in suite["control_logs"])
+    rows = list(csv.DictReader((suite["control_out"] / "grades.csv").open()))
+    assert {r["sandbox"] for r in rows if r["student"] != "MAX"} == {"no"}
+    for name in UNSANDBOXED:
+        page = (suite["control_out"] / "feedback" / f"{name}.html").read_text()
+        assert "没有使用沙箱" in page
+
+
+def test_print_attack_table(suite, capsys):
+    lines = ["| attack | result | score | status |", "|---|---|---:|---|"]
+    for name in ATTACK_NAMES + ["virtual_64gib", "touch_memory"]:
+        rec = suite["records"][name]
+        verdict = outcome(rec, name) if name in ATTACK_NAMES else rec["message"][:70]
+        lines.append(
+            f"| {name} | {verdict.replace('|', '/')} | "
+            f"{sum(rec['scores'].values()):g} / 5 | {rec['status']} |"
+        )
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    assert len(lines) == len(ATTACK_NAMES) + 4
+
+
+def test_refuses_without_sandbox_naming_the_fix(tmp_path, monkeypatch, capsys):
+    """No bwrap on PATH: grade refuses in one line naming the fix; the CLI exits 2."""
+    from coursekit.cli import main
+
+    sandbox.unavailable.cache_clear()
+    monkeypatch.setenv("PATH", str(tmp_path))
+    try:
+        why = sandbox.unavailable()
+        assert why and "bubblewrap" in why and "--no-sandbox" in why
+        assert "\n" not in why
+        with pytest.raises(SandboxUnavailable):
+            grade("lab99", tmp_path, tmp_path / "out", log=None)
+        rc = main(
+            ["grade", "--lab", "lab01", str(tmp_path), "--out", str(tmp_path / "o")]
+        )
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and "apt-get install bubblewrap" in err[0]
+    finally:
+        sandbox.unavailable.cache_clear()
+
+
+def test_layout_refusals(tmp_path, monkeypatch):
+    """The output folder may not lie in the submissions; with the sandbox, hidden tests
+    inside a folder every kernel can read are refused."""
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    with pytest.raises(ValueError, match="inside the submissions"):
+        grade(
+            "lab99", subs, subs / "out", tests_dir=tmp_path, log=None, sandboxed=False
+        )
+    require_sandbox()
+    seen = tmp_path / "seen"
+    (seen / "hidden").mkdir(parents=True)
+    monkeypatch.setattr(sandbox, "visible_paths", lambda: [str(seen)])
+    with pytest.raises(ValueError, match="the hidden tests .* every sandboxed kernel"):
+        grade("lab99", subs, tmp_path / "out", tests_dir=seen / "hidden", log=None)
+
+
+def test_shard_and_merge(tmp_path):
+    """Two shards graded apart and merged give one grades.csv and feedback folder with
+    every student once, each where the name hash puts it; a missing shard is refused."""
+    require_sandbox()
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "lab99.py").write_text(HIDDEN)
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    want = {"ann": 5, "bob": 0, "cai": 5, "dee": 0}
+    for s, total in want.items():
+        (subs / f"{s}.ipynb").write_text(
+            nb(ADD, MEAN) if total else nb(STUB_ADD, STUB_MEAN)
+        )
+    from coursekit.cli import main
+
+    outs = []
+    for i in (1, 2):  # the commands of the CI recipe in README.md
+        o = tmp_path / f"shard{i}"
+        args = ["grade", "--lab", "lab99", str(subs), "--out", str(o), "--jobs", "2"]
+        args += ["--shard", f"{i}/2", "--tests", str(hidden), "--memory-mb", "768"]
+        assert main(args) == 0
+        rows = list(csv.DictReader((o / "grades.csv").open()))
+        assert {r["student"] for r in rows[:-1]} == {
+            s for s in want if shard_of(s, 2) == i
+        }
+        outs.append(o)
+    merged = tmp_path / "merged"
+    args = ["grade", "--lab", "lab99", "--merge", *map(str, outs), "--out", str(merged)]
+    assert main(args) == 0
+    rows = list(csv.DictReader((merged / "grades.csv").open()))
+    assert [r["student"] for r in rows] == [*sorted(want), "MAX"]
+    assert {r["student"]: float(r["total"]) for r in rows[:-1]} == want
+    assert sorted(p.stem for p in (merged / "feedback").iterdir()) == sorted(want)
+    with pytest.raises(ValueError, match="missing"):
+        merge("lab99", outs[:1], tmp_path / "bad")
+    with pytest.raises(ValueError, match="--shard"):
+        grade("lab99", subs, tmp_path / "x", tests_dir=hidden, log=None, shard="3/2")
