@@ -19,16 +19,17 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+from .dtypes import DTYPES as _DTYPES
+from .dtypes import FLOAT_DTYPES
 from .estimate import estimate, lora_trainable_params, model_shape
 
 #: bytes per element and safetensors dtype tag of the adapter dtypes the demo offers
+#: (from the one table, :data:`trainmem.dtypes.DTYPES`)
 DTYPES: dict[str, tuple[int, str]] = {
-    "fp32": (4, "F32"),
-    "bf16": (2, "BF16"),
-    "fp16": (2, "F16"),
+    name: (int(_DTYPES[name].bytes), _DTYPES[name].safetensors) for name in FLOAT_DTYPES
 }
 
-# : where each Llama linear sits inside one decoder layer
+# where each Llama linear sits inside one decoder layer
 # (``model.layers.{i}.<parent>.<name>``)
 _PARENT = {
     "q_proj": "self_attn",

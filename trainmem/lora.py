@@ -89,13 +89,14 @@ class LoRALinear(nn.Module):
 
     Args:
         base: the ``nn.Linear`` to adapt; its weight (and bias) get
-        ``requires_grad=False``. r: rank, ``1 ≤ r ≤ min(in_features, out_features)``.
+            ``requires_grad=False``.
+        r: rank, ``1 ≤ r ≤ min(in_features, out_features)``.
         alpha: scaling numerator; the adapter output is multiplied by ``alpha / r``.
         dropout: dropout probability on the adapter input only (the base path never
-        drops). init: ``"kaiming"`` (A ~ Kaiming-uniform, a=√5, as nn.Linear/peft) or
-        ``"gaussian"``
-            (A ~ N(0, (1/r)²), peft's ``init_lora_weights="gaussian"``). B is always
-            zeros.
+            drops).
+        init: ``"kaiming"`` (A ~ Kaiming-uniform, a=√5, as nn.Linear/peft) or
+            ``"gaussian"`` (A ~ N(0, (1/r)²), peft's ``init_lora_weights="gaussian"``).
+            B is always zeros.
     """
 
     def __init__(

@@ -241,7 +241,7 @@ def simulate_step(shape, step) -> dict:
     (categories at the peak), ``activations`` (forward-allocated bytes alive at the end
     of the forward pass), ``model_states`` (weights + gradients + optimizer states +
     master weights when the optimizer step starts), ``phase_peaks``."""
-    if shape.arch != "llama":
+    if shape.family.replay != "llama":
         raise NotImplementedError("the step replay models Llama-family decoders")
     sim = Simulator()
     sim.set_phase("idle")
