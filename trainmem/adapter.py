@@ -19,6 +19,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+from .config import split_targets
 from .dtypes import DTYPES as _DTYPES
 from .dtypes import FLOAT_DTYPES
 from .estimate import estimate, lora_trainable_params, model_shape
@@ -43,9 +44,7 @@ _PARENT = {
 
 
 def _targets(targets: Iterable[str] | str) -> list[str]:
-    if isinstance(targets, str):
-        return [t.strip() for t in targets.split(",") if t.strip()]
-    return list(targets)
+    return list(split_targets(targets))
 
 
 def _dtype(dtype: str) -> tuple[int, str]:

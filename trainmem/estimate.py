@@ -144,7 +144,7 @@ from .config import (
     step_signature,
 )
 from .dtypes import GB, GiB
-from .families import FAMILIES
+from .families import FAMILIES, lora_adapter_params
 from .from_hf import ALL_LINEAR, HF_OPTIMS, hf_field_error, hf_options
 
 __all__ = [
@@ -201,7 +201,7 @@ def lora_trainable_params(
     step.check_model(shape)
     linears = shape.linear_shapes()
     return shape.layers * sum(
-        rank * (linears[t][0] + linears[t][1]) for t in step.lora_targets
+        lora_adapter_params(*linears[t], rank) for t in step.lora_targets
     )
 
 

@@ -92,6 +92,12 @@ class Shape:
 # --------------------------------------------------------------------------------------
 # the families
 # --------------------------------------------------------------------------------------
+def lora_adapter_params(d_in: int, d_out: int, rank: int) -> int:
+    """Parameters of one LoRA adapter on a ``d_in → d_out`` Linear: A (r × d_in) and B
+    (d_out × r), ``r·(d_in + d_out)`` — the one LoRA parameter formula."""
+    return rank * (d_in + d_out)
+
+
 @dataclass(frozen=True)
 class Family:
     """One decoder layout: how its :class:`Shape` is read from a config, its Linear
