@@ -402,8 +402,9 @@ def test_estimate_modules_import_no_torch():
     import sys
 
     code = (
-        "import sys, trainmem.estimate, trainmem.simulate, trainmem.models, "
-        "trainmem.cli, trainmem.config, trainmem.from_hf;"
+        "import sys, trainmem.estimate, trainmem.memory.step, trainmem.models, "
+        "trainmem.cli, trainmem.config, trainmem.from_hf, trainmem.optimizers, "
+        "trainmem.dtypes;"
         "print(sorted(m for m in ('torch', 'numpy', 'transformers') "
         "if m in sys.modules))"
     )
@@ -479,7 +480,7 @@ def test_estimate_from_hf_maps_trainer_arguments():
 @pytest.mark.parametrize(
     "args,needle",
     [
-        ({"optim": "adafactor"}, "optim must be one of adamw_torch_fused"),
+        ({"optim": "galore_adamw"}, "optim must be one of adamw_torch_fused"),
         ({"bf16": True, "fp16": True}, "bf16 and fp16 cannot both be set"),
         (
             {
@@ -507,7 +508,7 @@ def test_estimate_from_hf_bad_input(args, needle):
         (lambda: estimate("tiny", optimizer_impl="fast"), "optimizer_impl"),
         (
             lambda: __import__("trainmem.estimate").estimate.estimate_from_hf(
-                "tiny", {"optim": "adafactor"}, seq=8
+                "tiny", {"optim": "galore_adamw"}, seq=8
             ),
             "training_args",
         ),
@@ -600,9 +601,11 @@ def test_estimates_equal_the_recorded_pre_refactor_values():
     """32 configurations across every option (all methods, precisions, optimizers,
     ZeRO stages, attention and optimizer implementations, checkpointing, accumulation),
     whose ``to_dict()`` was recorded from the estimator before its code was reorganised
-    into ``trainmem.config`` / ``StepConfig``: the reorganisation changed no number. The
-    independent checks are the tests above (transformers' parameter counts, peft, the
-    CPU measurement)."""
+    into ``trainmem.config`` / ``StepConfig``: the reorganisation changed no number. One
+    row was re-recorded since: GPT-2 under QLoRA, whose closed form counted 0.55 B for
+    every parameter and now counts NF4 for the decoder Linears only (see
+    ``test_gpt2_qlora_counts_nf4_on_the_decoder_linears``). The independent checks are
+    the tests above (transformers' parameter counts, peft, the CPU measurement)."""
     from pathlib import Path
 
     rows = json.loads(
@@ -611,3 +614,23 @@ def test_estimates_equal_the_recorded_pre_refactor_values():
     assert len(rows) == 32
     for row in rows:
         assert estimate(**row["options"]).to_dict() == row["result"], row["options"]
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_gpt2_qlora_counts_nf4_on_the_decoder_linears(double_quant):
+    """GPT-2's closed form holds the base model as the replay does: the Linears of the
+    12 blocks (c_attn 768×2304, attn.c_proj 768×768, c_fc 768×3072, mlp.c_proj
+    3072×768) in NF4, embeddings, biases and norms in 16 bit."""
+    n_linear = 12 * (768 * 2304 + 768 * 768 + 768 * 3072 + 3072 * 768)
+    per_weight = 0.5 + (1 / 64 + 4 / (64 * 256) if double_quant else 4 / 64)
+    want = int(n_linear * per_weight) + 2 * (124_439_808 - n_linear)
+    est = estimate(
+        "gpt2",
+        method="qlora",
+        precision="bf16-amp",
+        lora_targets=("c_attn",),
+        qlora_double_quant=double_quant,
+        seq=64,
+    )
+    assert est.n_params == 124_439_808
+    assert est.breakdown["weights"] == want

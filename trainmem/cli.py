@@ -9,10 +9,10 @@ naming the argument and the allowed values."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
-from .estimate import ATTN_IMPLS, METHODS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 from .models import preset_names
 
 _EPILOG = """\
@@ -80,99 +80,48 @@ def _rank(text):
     return v  # range (≥ 1 and ≤ layer width) is checked against the model
 
 
-def _add_common(p: argparse.ArgumentParser):
+#: the model each command runs when ``--model`` is not given: the functions' own
+#: defaults (``estimate()`` a 7B shape, ``measure()`` the tiny Llama on real tensors)
+MODEL_DEFAULTS = {"estimate": "llama-7b", "measure": "tiny", "hf": "llama-7b"}
+
+_KINDS = {"positive": None, "int": int, "list": str}
+
+
+def _add_step_options(p: argparse.ArgumentParser, command: str) -> None:
+    """``--model``, one flag per :class:`~trainmem.config.StepConfig` field (its
+    default, choices and help from the field), and ``--json``."""
+    from .config import StepConfig
+
     p.add_argument(
         "--model",
-        default="llama-7b",
+        default=MODEL_DEFAULTS[command],
         help=f"preset name ({', '.join(preset_names())}) or path to an HF config.json "
-        "(model_type llama, mistral, qwen2, gpt2); default llama-7b",
+        f"(model_type llama, mistral, qwen2, gpt2); default {MODEL_DEFAULTS[command]}",
     )
-    p.add_argument(
-        "--method",
-        default="full",
-        choices=METHODS,
-        help="full fine-tuning, LoRA, or QLoRA (4-bit NF4 base weights); default full",
-    )
-    p.add_argument(
-        "--precision",
-        default="bf16-amp",
-        choices=PRECISIONS,
-        help="fp32; fp16-amp / bf16-amp = torch.autocast over fp32 parameters (fp16 "
-        "with loss scaling); bf16 = pure bf16 parameters, grads and states; default "
-        "bf16-amp",
-    )
-    p.add_argument(
-        "--optimizer",
-        default="adamw",
-        choices=OPTIMIZERS,
-        help="torch AdamW (foreach), bitsandbytes 8-bit AdamW, SGD, SGD with momentum; "
-        "default adamw",
-    )
-    p.add_argument(
-        "--optimizer-impl",
-        default="foreach",
-        choices=OPTIMIZER_IMPLS,
-        help="torch's AdamW implementation, which sets the scratch memory of the step: "
-        "foreach (what torch.optim.AdamW(params) picks on CUDA; the default here), "
-        "fused (Hugging Face Trainer's default optim adamw_torch_fused), for-loop "
-        "(foreach=False); default foreach",
-    )
-    p.add_argument(
-        "--batch",
-        type=_positive("batch"),
-        default=1,
-        help="micro-batch size (≥ 1); default 1",
-    )
-    p.add_argument(
-        "--seq",
-        type=_positive("seq"),
-        default=512,
-        help="sequence length in tokens (≥ 1); default 512",
-    )
-    p.add_argument(
-        "--grad-accum",
-        type=_positive("grad_accum"),
-        default=1,
-        help="gradient-accumulation micro-steps per optimizer step; default 1",
-    )
-    p.add_argument(
-        "--lora-rank",
-        type=_rank,
-        default=8,
-        help="LoRA rank r (1 ≤ r ≤ smallest in/out width of the targets); default 8",
-    )
-    p.add_argument(
-        "--lora-alpha",
-        type=int,
-        default=16,
-        help="LoRA alpha (scaling alpha/r; no memory effect); default 16",
-    )
-    p.add_argument(
-        "--lora-targets",
-        default="q_proj,v_proj",
-        help="comma-separated module names: q_proj,k_proj,v_proj,o_proj,gate_proj,"
-        "up_proj,down_proj (gpt2: c_attn,attn.c_proj,c_fc,mlp.c_proj); default "
-        "q_proj,v_proj",
-    )
-    p.add_argument(
-        "--lora-dtype",
-        default=None,
-        choices=("fp32", "bf16", "fp16"),
-        help="adapter dtype; default: peft's (fp32 adapters)",
-    )
-    p.add_argument(
-        "--checkpointing",
-        action="store_true",
-        help="activation (gradient) checkpointing of every decoder layer "
-        "(non-reentrant)",
-    )
-    p.add_argument(
-        "--attn",
-        default="sdpa",
-        choices=ATTN_IMPLS,
-        help="attention implementation: sdpa (flash: same memory) or eager (stores the "
-        "b x heads x s x s scores); default sdpa",
-    )
+    for f in dataclasses.fields(StepConfig):
+        meta = f.metadata
+        if meta.get("estimate_only") and command != "estimate":
+            continue
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        if isinstance(f.default, bool):
+            action = "store_false" if f.default else "store_true"
+            p.add_argument(flag, dest=f.name, action=action, help=meta["help"])
+            continue
+        kind = meta.get("kind")
+        kw: dict = {"dest": f.name}
+        if "choices" in meta:
+            kw["choices"] = tuple(c for c in meta["choices"] if c is not None)
+            if isinstance(f.default, int):
+                kw["type"] = int
+        elif kind == "positive":
+            kw["type"] = _positive(f.name)
+        elif kind == "int":
+            kw["type"] = _rank
+        default = f.default
+        if kind == "list":
+            default = ",".join(default)
+        shown = "" if default is None else f"; default {default}"
+        p.add_argument(flag, default=default, help=meta["help"] + shown, **kw)
     p.add_argument(
         "--json",
         action="store_true",
@@ -196,28 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_EPILOG,
     )
-    _add_common(pe)
-    pe.add_argument(
-        "--no-double-quant",
-        action="store_true",
-        help="QLoRA without double quantization of the NF4 constants",
-    )
-    pe.add_argument(
-        "--zero",
-        type=int,
-        default=0,
-        choices=(0, 1, 2, 3),
-        help="ZeRO/FSDP stage: 1 shards optimizer states + master weights, 2 also "
-        "gradients, 3 also weights; default 0. With fp16/bf16-amp and stage >= 1 the "
-        "ZeRO-paper layout is used (16-bit weights and grads, fp32 master/m/v); "
-        "stage 0 is torch.autocast over fp32 parameters",
-    )
-    pe.add_argument(
-        "--gpus",
-        type=_positive("gpus"),
-        default=1,
-        help="data-parallel GPUs (≥ 1); default 1",
-    )
+    _add_step_options(pe, "estimate")
     pm = sub.add_parser(
         "measure",
         help="run two real training steps and account every tensor",
@@ -226,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_EPILOG,
     )
-    _add_common(pm)
+    _add_step_options(pm, "measure")
     pm.add_argument(
         "--device",
         default="cpu",
@@ -255,8 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ph.add_argument(
         "--model",
-        default="llama-7b",
-        help="preset name or path to the model's config.json; default llama-7b",
+        default=MODEL_DEFAULTS["hf"],
+        help="preset name or path to the model's config.json; default "
+        + MODEL_DEFAULTS["hf"],
     )
     ph.add_argument(
         "--training-args",
@@ -319,29 +248,15 @@ def _one_line(err: ValueError) -> str:
 
 def _step_config(args):
     """The :class:`~trainmem.config.StepConfig` of the parsed ``estimate``/``measure``
-    arguments (``measure`` has no ZeRO and always double-quantizes nothing)."""
+    arguments: every field that has a flag of the command."""
     from .config import StepConfig
 
-    extra = {}
-    if args.command == "estimate":
-        extra = dict(
-            qlora_double_quant=not args.no_double_quant, zero=args.zero, gpus=args.gpus
-        )
-    return StepConfig(
-        method=args.method,
-        precision=args.precision,
-        optimizer=args.optimizer,
-        optimizer_impl=args.optimizer_impl,
-        batch=args.batch,
-        seq=args.seq,
-        grad_accum=args.grad_accum,
-        lora_rank=args.lora_rank,
-        lora_alpha=args.lora_alpha,
-        lora_targets=args.lora_targets,
-        lora_dtype=args.lora_dtype,
-        checkpointing=args.checkpointing,
-        attn=args.attn,
-        **extra,
+    return StepConfig.from_options(
+        {
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(StepConfig)
+            if hasattr(args, f.name)
+        }
     )
 
 

@@ -6,59 +6,47 @@
   :func:`estimate <trainmem.estimate.estimate>`, :func:`simulate_step
   <trainmem.memory.step.simulate_step>` and :func:`measure <trainmem.measure.measure>`
   all take one.
-* :class:`Shape` — the numbers of a decoder-only transformer that decide its memory.
-* :func:`load_model_config` — the one place a model is read: a preset name, a
-  ``config.json`` path, a dict of its fields or a ``transformers`` config becomes a
-  config object; :func:`read_json_object` is the one function that opens a JSON file
-  (model configs, training arguments, adapter configs) and says which file is wrong and
-  why.
+* re-exported: :class:`Shape`, :func:`load_model_config` and :func:`model_shape` (the
+  model, from :mod:`trainmem.families`), :class:`OptionError` and
+  :func:`read_json_object` (from :mod:`trainmem.errors`).
 
 Standard library only (the book's in-page calculator runs this module in Pyodide).
 """
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from .dtypes import FLOAT_DTYPES
+from .errors import OptionError as OptionError
+from .errors import check_choice as check_choice
+from .errors import check_positive_int as check_positive_int
+from .errors import read_json_object as read_json_object
+from .families import Shape as Shape
+from .families import load_model_config as load_model_config
+from .families import model_shape as model_shape
 
 # the six byte categories every result uses (re-exported)
 from .memory.accounting import CATEGORIES as CATEGORIES
+from .optimizers import IMPLS
+from .optimizers import OPTIMIZERS as _OPTIMIZERS
+from .optimizers import optimizer as optimizer_entry
 
 METHODS = ("full", "lora", "qlora")
 PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16")
-OPTIMIZERS = ("adamw", "adamw8bit", "sgd", "sgd-momentum")
+#: the optimizer names (:data:`trainmem.optimizers.OPTIMIZERS`, one entry each)
+OPTIMIZERS = tuple(_OPTIMIZERS)
 ATTN_IMPLS = ("sdpa", "eager", "flash")
-#: torch.optim implementations of AdamW / SGD; they differ only in the scratch memory of
-#: the step. ``foreach`` (the default here) is what ``torch.optim.AdamW(params)`` picks
-#: on CUDA; ``fused`` is what Hugging Face Trainer runs by default
-#: (``optim="adamw_torch_fused"``, transformers 5); ``for-loop`` is ``foreach=False``
-#: (also what the plain constructor picks on CPU).
-OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
-LORA_DTYPES = (None, "fp32", "bf16", "fp16")
+#: torch.optim implementations; they differ only in the scratch memory of the step.
+#: ``foreach`` is what ``torch.optim.AdamW(params)`` picks on CUDA; ``fused`` is what
+#: Hugging Face Trainer runs by default (``optim="adamw_torch_fused"``, transformers
+#: 5); ``for-loop`` is ``foreach=False`` (also what the plain constructor picks on
+#: CPU). Each optimizer entry lists the ones it has and its default.
+OPTIMIZER_IMPLS = IMPLS
+LORA_DTYPES = (None, *FLOAT_DTYPES)
 ZERO_STAGES = (0, 1, 2, 3)
-
-
-class OptionError(ValueError):
-    """Bad input to the estimator or the measurement; ``option`` names the argument it
-    came from (``"lora_rank"``, ``"model"``, ``"training_args"``, ...), so a front end
-    can name its own flag without parsing the message."""
-
-    def __init__(self, option: str, message: str):
-        super().__init__(message)
-        self.option = option
-
-
-def check_choice(name: str, value, allowed) -> None:
-    if value not in allowed:
-        shown = ", ".join("None" if a is None else str(a) for a in allowed)
-        raise OptionError(name, f"{name} must be one of {shown}, got {value!r}")
-
-
-def check_positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise OptionError(name, f"{name} must be an integer ≥ 1, got {value!r}")
 
 
 def split_targets(lora_targets) -> tuple[str, ...]:
@@ -69,237 +57,17 @@ def split_targets(lora_targets) -> tuple[str, ...]:
 
 
 # --------------------------------------------------------------------------------------
-# the model
-# --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Shape:
-    """The numbers of a decoder-only transformer that decide its memory (counts, no
-    units). Validated when built: every size is a positive integer."""
-
-    arch: str  # "llama" (also Qwen2/Mistral-style) or "gpt2"
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tied: bool
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    positions: int = 0  # learned position embeddings (gpt2); 0 for RoPE models
-    name: str = "config"
-
-    def __post_init__(self):
-        if self.arch not in ("llama", "gpt2"):
-            raise OptionError(
-                "model", f"model: arch must be llama or gpt2, got {self.arch!r}"
-            )
-        for size in (
-            "vocab",
-            "hidden",
-            "intermediate",
-            "layers",
-            "heads",
-            "kv_heads",
-            "head_dim",
-        ):
-            value = getattr(self, size)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise OptionError(
-                    "model",
-                    f"model {self.name!r}: {size} must be a positive integer, "
-                    f"got {value!r}",
-                )
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(d_in, d_out) of each Linear of one decoder layer, by module name (the LoRA
-        targets)."""
-        hidden, inner = self.hidden, self.intermediate
-        if self.arch == "gpt2":
-            return {
-                "c_attn": (hidden, 3 * hidden),
-                "attn.c_proj": (hidden, hidden),
-                "c_fc": (hidden, inner),
-                "mlp.c_proj": (inner, hidden),
-            }
-        return {
-            "q_proj": (hidden, self.q_dim),
-            "k_proj": (hidden, self.kv_dim),
-            "v_proj": (hidden, self.kv_dim),
-            "o_proj": (self.q_dim, hidden),
-            "gate_proj": (hidden, inner),
-            "up_proj": (hidden, inner),
-            "down_proj": (inner, hidden),
-        }
-
-
-def read_json_object(
-    path: str, option: str, what: str = "file", missing_hint: str = ""
-) -> dict[str, Any]:
-    """The JSON object in the file ``path`` — the only place a JSON file is read.
-
-    ``option`` names the argument the path came from and ``what`` describes the file
-    (``"model config file"``); a missing file (with ``missing_hint`` appended), invalid
-    JSON or anything but an object raises :class:`OptionError` with one line naming the
-    file and the problem."""
-    if not os.path.isfile(path):
-        raise OptionError(option, f"{what} {path!r} does not exist{missing_hint}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        reason = e.msg if hasattr(e, "msg") else e
-        raise OptionError(
-            option, f"{what} {path!r} is not valid JSON ({reason})"
-        ) from None
-    if not isinstance(data, dict):
-        raise OptionError(
-            option,
-            f"{what} {path!r} must hold a JSON object, got {type(data).__name__}",
-        )
-    return data
-
-
-def load_model_config(model: Any):
-    """``model`` as a config object with the fields of a ``transformers`` config: a
-    preset name (:data:`trainmem.models.PRESETS`), a path to a ``config.json``
-    (:func:`trainmem.models.load_config_file`, which reads it with
-    :func:`read_json_object`), a dict of a ``config.json``'s fields, or a config
-    (returned as it is). Anything else raises :class:`OptionError` for ``model``."""
-    from . import models
-
-    if isinstance(model, str):
-        if model.endswith(".json") or os.path.sep in model:
-            return models.load_config_file(model)
-        return models.get_config(model)
-    if isinstance(model, dict):
-        from types import SimpleNamespace
-
-        return SimpleNamespace(**{"name_or_path": "config", **model})
-    if hasattr(model, "vocab_size") and (
-        hasattr(model, "to_dict") or hasattr(model, "model_type")
-    ):
-        return model  # a transformers config, or any object with its fields
-    if isinstance(model, Shape):
-        raise OptionError(
-            "model",
-            "model: pass a preset name, a config .json path or a transformers config",
-        )
-    raise OptionError(
-        "model",
-        f"model must be a preset name ({', '.join(models.preset_names())}), a config "
-        f".json path or a transformers config, got {type(model).__name__}",
-    )
-
-
-def _shape_from_config(config) -> Shape:
-    name = getattr(config, "name_or_path", "") or "config"
-    model_type = getattr(config, "model_type", "")
-    if model_type == "gpt2":
-        hidden = config.n_embd
-        return Shape(
-            "gpt2",
-            config.vocab_size,
-            hidden,
-            config.n_inner or 4 * hidden,
-            config.n_layer,
-            config.n_head,
-            config.n_head,
-            hidden // config.n_head,
-            True,
-            qkv_bias=True,
-            o_bias=True,
-            mlp_bias=True,
-            positions=config.n_positions,
-            name=name,
-        )
-    hidden = config.hidden_size
-    heads = config.num_attention_heads
-    attention_bias = bool(getattr(config, "attention_bias", False))
-    return Shape(
-        "llama",
-        config.vocab_size,
-        hidden,
-        config.intermediate_size,
-        config.num_hidden_layers,
-        heads,
-        getattr(config, "num_key_value_heads", None) or heads,
-        getattr(config, "head_dim", None) or hidden // heads,
-        bool(getattr(config, "tie_word_embeddings", False)),
-        qkv_bias=attention_bias or model_type == "qwen2",
-        o_bias=attention_bias,
-        mlp_bias=bool(getattr(config, "mlp_bias", False)),
-        name=name,
-    )
-
-
-def _shape_from_preset(name: str) -> Shape:
-    """The :class:`Shape` of a preset, from its fields (no ``transformers`` import)."""
-    from . import models
-
-    fields = dict(models.PRESETS[name])
-    arch = fields.pop("arch")
-    if arch == "gpt2":
-        hidden = fields["n_embd"]
-        return Shape(
-            "gpt2",
-            fields["vocab_size"],
-            hidden,
-            fields.get("n_inner") or 4 * hidden,
-            fields["n_layer"],
-            fields["n_head"],
-            fields["n_head"],
-            hidden // fields["n_head"],
-            True,
-            qkv_bias=True,
-            o_bias=True,
-            mlp_bias=True,
-            positions=fields.get("n_positions", 1024),
-            name=name,
-        )
-    hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
-    return Shape(
-        "llama",
-        fields["vocab_size"],
-        hidden,
-        fields["intermediate_size"],
-        fields["num_hidden_layers"],
-        heads,
-        fields.get("num_key_value_heads") or heads,
-        fields.get("head_dim") or hidden // heads,
-        bool(fields.get("tie_word_embeddings", arch == "qwen2")),
-        qkv_bias=arch == "qwen2",
-        o_bias=bool(fields.get("attention_bias", False)),
-        mlp_bias=bool(fields.get("mlp_bias", False)),
-        name=name,
-    )
-
-
-def model_shape(model: Any) -> Shape:
-    """The :class:`Shape` of a preset name, config .json path, config dict or
-    ``transformers`` config (a :class:`Shape` is returned as it is)."""
-    if isinstance(model, Shape):
-        return model
-    from . import models
-
-    if isinstance(model, str) and model in models.PRESETS:
-        return _shape_from_preset(model)
-    return _shape_from_config(load_model_config(model))
-
-
-# --------------------------------------------------------------------------------------
 # the training step
 # --------------------------------------------------------------------------------------
+def _option(default, help: str, **cli):
+    """A :class:`StepConfig` field whose metadata tells the command line how to take it
+    (``help``; ``choices``; ``kind``: ``"positive"``, ``"int"``, ``"list"`` or, for a
+    bool, a flag; ``flag``: the flag's name when not ``--field-name``;
+    ``estimate_only``: not a flag of ``measure``)."""
+    value = field(default=default, metadata=dict(help=help, **cli))
+    return value
+
+
 @dataclass(frozen=True)
 class StepConfig:
     """The options of one training step, validated when built (see
@@ -310,31 +78,108 @@ class StepConfig:
     The LoRA targets and rank depend on the model as well: :meth:`check_model` checks
     them against a :class:`Shape` (for ``method="lora"``/``"qlora"`` only)."""
 
-    method: str = "full"
-    precision: str = "bf16-amp"
-    optimizer: str = "adamw"
-    optimizer_impl: str = "foreach"
-    batch: int = 1
-    seq: int = 512
-    grad_accum: int = 1
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
-    lora_dtype: str | None = None
-    qlora_double_quant: bool = True
-    checkpointing: bool = False
-    attn: str = "sdpa"
-    zero: int = 0
-    gpus: int = 1
+    method: str = _option(
+        "full",
+        "full fine-tuning, LoRA, or QLoRA (4-bit NF4 base weights)",
+        choices=METHODS,
+    )
+    precision: str = _option(
+        "bf16-amp",
+        "fp32; fp16-amp / bf16-amp = torch.autocast over fp32 parameters (fp16 with "
+        "loss scaling); bf16 = pure bf16 parameters, grads and states",
+        choices=PRECISIONS,
+    )
+    optimizer: str = _option(
+        "adamw",
+        "; ".join(f"{o.name}: {o.summary}" for o in _OPTIMIZERS.values()),
+        choices=OPTIMIZERS,
+    )
+    optimizer_impl: str | None = _option(
+        None,
+        "torch's implementation, which sets the scratch memory of the step: foreach "
+        "(what torch.optim.AdamW(params) picks on CUDA), fused (Hugging Face Trainer's "
+        "default optim adamw_torch_fused), for-loop (foreach=False); default: the "
+        "optimizer's own ("
+        + ", ".join(f"{o.name} {o.default_impl}" for o in _OPTIMIZERS.values())
+        + ")",
+        choices=OPTIMIZER_IMPLS,
+    )
+    batch: int = _option(1, "micro-batch size (≥ 1)", kind="positive")
+    seq: int = _option(512, "sequence length in tokens (≥ 1)", kind="positive")
+    grad_accum: int = _option(
+        1, "gradient-accumulation micro-steps per optimizer step", kind="positive"
+    )
+    lora_rank: int = _option(
+        8,
+        "LoRA rank r (1 ≤ r ≤ smallest in/out width of the targets)",
+        kind="int",
+    )
+    lora_alpha: int = _option(
+        16, "LoRA alpha (scaling alpha/r; no memory effect)", kind="int"
+    )
+    lora_targets: tuple[str, ...] = _option(
+        ("q_proj", "v_proj"),
+        "comma-separated module names: q_proj,k_proj,v_proj,o_proj,gate_proj,"
+        "up_proj,down_proj (gpt2: c_attn,attn.c_proj,c_fc,mlp.c_proj)",
+        kind="list",
+    )
+    lora_dtype: str | None = _option(
+        None, "adapter dtype; default: peft's (fp32 adapters)", choices=FLOAT_DTYPES
+    )
+    qlora_double_quant: bool = _option(
+        True,
+        "QLoRA without double quantization of the NF4 constants",
+        flag="--no-double-quant",
+        estimate_only=True,
+    )
+    checkpointing: bool = _option(
+        False,
+        "activation (gradient) checkpointing of every decoder layer (non-reentrant)",
+    )
+    attn: str = _option(
+        "sdpa",
+        "attention implementation: sdpa (flash: same memory) or eager (stores the b x "
+        "heads x s x s scores)",
+        choices=ATTN_IMPLS,
+    )
+    zero: int = _option(
+        0,
+        "ZeRO/FSDP stage: 1 shards optimizer states + master weights, 2 also "
+        "gradients, 3 also weights. With fp16/bf16-amp and stage >= 1 the ZeRO-paper "
+        "layout is used (16-bit weights and grads, fp32 master/m/v); stage 0 is "
+        "torch.autocast over fp32 parameters",
+        choices=ZERO_STAGES,
+        estimate_only=True,
+    )
+    gpus: int = _option(
+        1, "data-parallel GPUs (≥ 1)", kind="positive", estimate_only=True
+    )
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "StepConfig":
+        """A :class:`StepConfig` of keyword options; a name that is not a field
+        raises :class:`OptionError` naming it and the fields."""
+        names = [f.name for f in fields(cls)]
+        for name in options:
+            if name not in names:
+                raise OptionError(
+                    name,
+                    f"{name} is not an option of a training step; allowed: "
+                    f"{', '.join(names)}",
+                )
+        return cls(**options)
 
     def __post_init__(self):
         object.__setattr__(self, "lora_targets", split_targets(self.lora_targets))
         check_choice("method", self.method, METHODS)
         check_choice("precision", self.precision, PRECISIONS)
-        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        spec = optimizer_entry(self.optimizer)
+        if self.optimizer_impl is None:
+            object.__setattr__(self, "optimizer_impl", spec.default_impl)
         check_choice("attn", self.attn, ATTN_IMPLS)
         check_choice("lora_dtype", self.lora_dtype, LORA_DTYPES)
         check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        spec.impl(self.optimizer_impl)
         check_positive_int("batch", self.batch)
         check_positive_int("seq", self.seq)
         check_positive_int("grad_accum", self.grad_accum)
@@ -378,3 +223,15 @@ class StepConfig:
                 "lora_rank",
                 f"lora_rank must be ≥ 1 and ≤ min(d_in, d_out)={width}, got {rank!r}",
             )
+
+
+def step_signature(func, *before: inspect.Parameter):
+    """Give ``func(..., **options)`` the signature it runs with: the parameters
+    ``before`` (the model, the device, ...) then every :class:`StepConfig` field as a
+    keyword with its default, so ``help()`` and editors list the one option list."""
+    params = list(before) + [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+        for f in fields(StepConfig)
+    ]
+    func.__signature__ = inspect.Signature(params)
+    return func

@@ -73,7 +73,7 @@ grad_accum, optimizer_impl)``:
 
 How the peak is computed.  Parameters, gradients and optimizer states are counted
 exactly from the config.  Activations and temporaries come from
-:mod:`trainmem.simulate`, a symbolic replay of the step: the Llama forward written op by
+:mod:`trainmem.memory`, a symbolic replay of the step: the Llama forward written op by
 op as ``transformers`` runs it, each op saving for backward what PyTorch's autograd
 saves, backward in autograd's order, then the optimizer's scratch memory. It agrees with
 the tensor-level measurement of :mod:`trainmem.measure` (real CPU tensors, and fake
@@ -119,7 +119,9 @@ StepConfig(method="lora", batch=4))``)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -136,9 +138,14 @@ from .config import (
     StepConfig,
     check_choice,
     load_model_config,
+    optimizer_entry,
     model_shape,
     split_targets,
+    step_signature,
 )
+from .dtypes import GB, GiB, nf4_bytes_per_weight
+from .families import FAMILIES, lora_adapter_params
+from .from_hf import ALL_LINEAR, HF_OPTIMS, hf_field_error, hf_options
 
 __all__ = [
     "ATTN_IMPLS",
@@ -171,9 +178,6 @@ __all__ = [
     "hf_options",
 ]
 
-GiB = 1024**3
-GB = 1000**3
-
 
 # --------------------------------------------------------------------------------------
 # parameter counts and bytes per parameter
@@ -182,31 +186,7 @@ def count_params(model: Any) -> int:
     """Number of parameters of the base model (no adapters), exactly as ``transformers``
     builds it."""
     shape = model_shape(model)
-    hidden, inner, layers = shape.hidden, shape.intermediate, shape.layers
-    if shape.arch == "gpt2":
-        per_layer = (
-            (2 * hidden)
-            + (hidden * 3 * hidden + 3 * hidden)
-            + (hidden * hidden + hidden)
-            + (2 * hidden)
-            + (hidden * inner + inner)
-            + (inner * hidden + hidden)
-        )
-        return (
-            shape.vocab * hidden
-            + shape.positions * hidden
-            + layers * per_layer
-            + 2 * hidden
-        )
-    attention = hidden * shape.q_dim + 2 * hidden * shape.kv_dim + shape.q_dim * hidden
-    if shape.qkv_bias:
-        attention += shape.q_dim + 2 * shape.kv_dim
-    if shape.o_bias:
-        attention += hidden
-    mlp = 3 * hidden * inner + ((2 * inner + hidden) if shape.mlp_bias else 0)
-    per_layer = attention + mlp + 2 * hidden
-    embeddings = shape.vocab * hidden * (1 if shape.tied else 2)
-    return embeddings + layers * per_layer + hidden
+    return shape.family.count_params(shape)
 
 
 def lora_trainable_params(
@@ -221,7 +201,7 @@ def lora_trainable_params(
     step.check_model(shape)
     linears = shape.linear_shapes()
     return shape.layers * sum(
-        rank * (linears[t][0] + linears[t][1]) for t in step.lora_targets
+        lora_adapter_params(*linears[t], rank) for t in step.lora_targets
     )
 
 
@@ -242,30 +222,35 @@ def bytes_per_param(
     * ``"accelerate"`` — ``accelerate estimate-memory``: 4 x the dtype size (16 fp32, 8
       half).
 
-    Optimizer states: AdamW 8 (two fp32 moments; 4 in pure bf16), 8-bit AdamW ≈ 2, SGD
-    with momentum 4 (2 in bf16), plain SGD 0."""
+    Optimizer states (``nominal_bytes`` of each :mod:`trainmem.optimizers` entry): AdamW
+    8 (two fp32 moments; 4 in pure bf16), 8-bit AdamW ≈ 2, SGD with momentum and Lion 4
+    (2 in bf16), plain SGD 0; Adafactor has no per-parameter figure."""
     check_choice("precision", precision, PRECISIONS)
-    check_choice("optimizer", optimizer, OPTIMIZERS)
+    spec = optimizer_entry(optimizer)
     check_choice("convention", convention, ("torch-amp", "zero-paper", "accelerate"))
     if convention == "accelerate":
         return 16.0 if precision == "fp32" else 8.0
     p = 2 if precision == "bf16" else 4
-    states = {"adamw": 2 * p, "adamw8bit": 2.0 + 8 / 256, "sgd": 0, "sgd-momentum": p}[
-        optimizer
-    ]
+    if convention == "zero-paper" and precision in ("fp16-amp", "bf16-amp"):
+        return 2 + 2 + 4 + _nominal_state_bytes(spec, 4)
+    states = _nominal_state_bytes(spec, p)
     if convention == "zero-paper":
-        if precision in ("fp16-amp", "bf16-amp"):
-            return (
-                2
-                + 2
-                + 4
-                + {"adamw": 8, "adamw8bit": 2 + 8 / 256, "sgd": 0, "sgd-momentum": 4}[
-                    optimizer
-                ]
-            )
         return p + p + states
     copy = 2 if precision in ("fp16-amp", "bf16-amp") else 0
     return p + copy + p + states
+
+
+def _nominal_state_bytes(spec, itemsize: int) -> float:
+    """State bytes per parameter of ``spec`` (an optimizer entry) for the closed forms;
+    an optimizer whose states depend on each tensor's shape has none."""
+    if spec.nominal_bytes is None:
+        raise OptionError(
+            "optimizer",
+            f"optimizer {spec.name!r} keeps states whose size depends on each "
+            "parameter's shape: no bytes-per-parameter figure (the Llama replay "
+            "counts them)",
+        )
+    return spec.nominal_bytes(itemsize)
 
 
 def accelerate_rule_bytes(n_params: int, precision: str) -> int:
@@ -351,6 +336,16 @@ def format_table(
     return "\n".join(lines)
 
 
+def _qlora_weights(shape: Shape, step: StepConfig) -> int:
+    """Bytes of a QLoRA base model in the closed form: the decoder blocks' Linear
+    weights in NF4 (:func:`trainmem.dtypes.nf4_bytes_per_weight`, with or without
+    double quantisation), everything else (embeddings, biases, norms) in 16 bit — the
+    layout the replay holds."""
+    n_linear = shape.layers * sum(i * o for i, o in shape.linear_shapes().values())
+    nf4 = nf4_bytes_per_weight(step.qlora_double_quant)
+    return int(n_linear * nf4) + 2 * (count_params(shape) - n_linear)
+
+
 def _gpt2_estimate(shape: Shape, step: StepConfig) -> dict:
     """Closed-form estimate (not replayed): model states exact, activations after
     Korthikanti et al. 2022 (34·s·b·h + 5·a·s²·b bytes per layer in 16-bit, the s² term
@@ -365,28 +360,18 @@ def _gpt2_estimate(shape: Shape, step: StepConfig) -> dict:
         n_trainable = lora_trainable_params(shape, step.lora_rank, step.lora_targets)
     lora_bytes = 4 if (step.lora_dtype in (None, "fp32")) else 2
     trainable_bytes = param_bytes if method == "full" else lora_bytes
-    weights = n_params * param_bytes if method != "qlora" else int(n_params * 0.55)
+    qlora = method == "qlora"
+    weights = _qlora_weights(shape, step) if qlora else n_params * param_bytes
     master = n_trainable * 4 if amp and method == "full" else 0
     if amp and method == "full":
         weights = 2 * n_params  # low-precision working copies
     grads = n_trainable * trainable_bytes
-    state_bytes = {
-        "adamw": 2 * trainable_bytes,
-        "adamw8bit": 2 + 8 / 256,
-        "sgd": 0,
-        "sgd-momentum": trainable_bytes,
-    }
-    states = int(n_trainable * state_bytes[optimizer])
+    spec = optimizer_entry(optimizer)
+    states = int(n_trainable * _nominal_state_bytes(spec, trainable_bytes))
     if amp and step.zero >= 1:  # ZeRO/DeepSpeed: 16-bit module, fp32 master + states
-        weights = 2 * n_params if method != "qlora" else int(n_params * 0.55)
+        weights = _qlora_weights(shape, step) if qlora else 2 * n_params
         grads, master = 2 * n_trainable, 4 * n_trainable
-        state_bytes = {
-            "adamw": 8,
-            "adamw8bit": 2 + 8 / 256,
-            "sgd": 0,
-            "sgd-momentum": 4,
-        }
-        states = int(n_trainable * state_bytes[optimizer])
+        states = int(n_trainable * _nominal_state_bytes(spec, 4))
     act_scale = 1.0 if precision != "fp32" else 2.0
     batch, seq, hidden, heads = step.batch, step.seq, shape.hidden, shape.heads
     eager = step.attn_memory == "eager"
@@ -456,7 +441,7 @@ def estimate_step(model: Any, step: StepConfig) -> MemoryEstimate:
     shape = model_shape(model)
     step.check_model(shape)
     n_params = count_params(shape)
-    if shape.arch == "gpt2":
+    if shape.family.replay is None:
         result = _gpt2_estimate(shape, step)
         exact = False
         n_trainable = result["n_trainable"]
@@ -487,52 +472,24 @@ def estimate_step(model: Any, step: StepConfig) -> MemoryEstimate:
     )
 
 
-def estimate(
-    model: Any = "llama-7b",
-    method: str = "full",
-    precision: str = "bf16-amp",
-    optimizer: str = "adamw",
-    batch: int = 1,
-    seq: int = 512,
-    lora_rank: int = 8,
-    lora_alpha: int = 16,
-    lora_targets=("q_proj", "v_proj"),
-    lora_dtype: str | None = None,
-    qlora_double_quant: bool = True,
-    checkpointing: bool = False,
-    attn: str = "sdpa",
-    zero: int = 0,
-    gpus: int = 1,
-    grad_accum: int = 1,
-    optimizer_impl: str = "foreach",
-) -> MemoryEstimate:
+def estimate(model: Any = "llama-7b", **options: Any) -> MemoryEstimate:
     """Estimate the peak memory (bytes, per GPU) of one training step; see the module
-    docstring. The options are checked by :class:`StepConfig`, then
-    :func:`estimate_step` runs.
+    docstring. ``options`` are the fields of :class:`StepConfig` (its defaults apply),
+    checked when it is built; then :func:`estimate_step` runs.
 
     Raises :class:`OptionError` (a ``ValueError``) naming the argument and the allowed
     values for bad input.
     """
     shape = model_shape(model)
-    step = StepConfig(
-        method=method,
-        precision=precision,
-        optimizer=optimizer,
-        optimizer_impl=optimizer_impl,
-        batch=batch,
-        seq=seq,
-        grad_accum=grad_accum,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_targets=lora_targets,
-        lora_dtype=lora_dtype,
-        qlora_double_quant=qlora_double_quant,
-        checkpointing=checkpointing,
-        attn=attn,
-        zero=zero,
-        gpus=gpus,
-    )
-    return estimate_step(shape, step)
+    return estimate_step(shape, StepConfig.from_options(options))
+
+
+step_signature(
+    estimate,
+    inspect.Parameter(
+        "model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="llama-7b"
+    ),
+)
 
 
 def activation_bytes_per_layer(
@@ -554,10 +511,12 @@ def activation_bytes_per_layer(
     from .memory.step import simulate_step
 
     shape = model_shape(model)
-    if shape.arch != "llama":
-        raise ValueError(
-            "activation_bytes_per_layer models Llama-family configs (llama, mistral, "
-            "qwen2)"
+    if shape.family.replay is None:
+        raise OptionError(
+            "model",
+            "activation_bytes_per_layer models the replayed families ("
+            + ", ".join(f.name for f in FAMILIES.values() if f.replay)
+            + f"), got {shape.arch}",
         )
     step = StepConfig(
         method=method,
@@ -576,5 +535,98 @@ def activation_bytes_per_layer(
     return held[1] - held[0]
 
 
-# the Hugging Face front end lives in its own module; its names belong to this API
-from .from_hf import ALL_LINEAR, HF_OPTIMS, estimate_from_hf, hf_options  # noqa: E402
+def estimate_from_hf(
+    model: Any,
+    training_args: Any = None,
+    peft_config: Any = None,
+    *,
+    seq: int | None = None,
+    quantization_config: Any = None,
+    **overrides: Any,
+) -> MemoryEstimate:
+    """:func:`estimate` from a model config, ``TrainingArguments`` and a ``LoraConfig``.
+
+    ``model``: a preset name, a ``config.json`` path or dict, or a ``transformers``
+    config. The other arguments are those of :func:`hf_options`; ``overrides`` are
+    passed to :func:`estimate` last (e.g. ``precision="bf16"`` for a model loaded in
+    bf16, ``zero``, ``gpus``). Example::
+
+        from transformers import AutoConfig, TrainingArguments
+        from peft import LoraConfig
+        est = estimate_from_hf(AutoConfig.from_pretrained(path),
+                               TrainingArguments("out", bf16=True,
+                               gradient_checkpointing=True,
+                                                 per_device_train_batch_size=4),
+                               LoraConfig(r=16, target_modules="all-linear"), seq=1024)
+    """
+    if isinstance(model, dict) or (
+        isinstance(model, str) and (model.endswith(".json") or os.path.sep in model)
+    ):
+        model = load_model_config(model)  # a preset name stays a name (its exact shape)
+    opts = hf_options(
+        model,
+        training_args,
+        peft_config,
+        seq=seq,
+        quantization_config=quantization_config,
+    )
+    opts.update(overrides)
+    try:
+        est = estimate(model, **opts)
+    except OptionError as e:  # name the Hugging Face field the bad value came from
+        renamed = hf_field_error(e, overrides)
+        if renamed is e:
+            raise
+        raise renamed from None
+    est.options["source"] = "hf"
+    return est
+
+
+def fit_batch(free_bytes: int, need_bytes, want: int, margin: float = 0.85) -> int:
+    """Largest batch ``b <= want`` whose ``need_bytes(b)`` fits in ``margin *
+    free_bytes``.
+
+    ``need_bytes`` maps a batch size to the estimated peak (bytes); ``margin`` leaves
+    room for the caching allocator's rounding and fragmentation. Raises ``ValueError``
+    with both sizes in GiB when not even one sample fits.
+    """
+    budget = margin * free_bytes
+    for b in range(want, 0, -1):
+        if need_bytes(b) <= budget:
+            return b
+    raise ValueError(
+        f"batch 1 needs {need_bytes(1) / GiB:.2f} GiB; the device has "
+        f"{free_bytes / GiB:.2f} GiB free ({margin:.0%} of it usable)"
+    )
+
+
+@dataclass(frozen=True)
+class EstimateCheckPlan:
+    """Chapter 3's "check the estimate on the GPU" cell: what to run."""
+
+    precision: str
+    batch: int
+    seq: int
+    need_bytes: int  # the estimate for that batch
+
+
+def estimate_check_plan(
+    cfg,
+    precision: str,
+    free_bytes: int | None = None,
+    want_batch: int = 4,
+    seq: int = 512,
+) -> EstimateCheckPlan:
+    """Full fine-tuning of ``cfg`` at ``precision`` (the device decides it:
+    :func:`coursekit.gpu.estimate_check_plan`), the batch scaled to ``free_bytes``
+    (:func:`fit_batch`), and the estimate of that step."""
+
+    def need(b):
+        return estimate(
+            cfg, method="full", precision=precision, batch=b, seq=seq
+        ).total_bytes
+
+    batch = (
+        want_batch if free_bytes is None else fit_batch(free_bytes, need, want_batch)
+    )
+    return EstimateCheckPlan(precision, batch, seq, need(batch))

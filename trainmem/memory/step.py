@@ -6,37 +6,99 @@ from __future__ import annotations
 
 import math
 
-from .accounting import ITEMSIZE, SimTensor, Simulator, new, shrink
+from .accounting import ITEMSIZE, Simulator, new, shrink
 from .autograd import backward
-from .llama import build_params, llama_loss, trainable_params
+from .llama import Model, build_params, llama_loss, trainable_params
 from .ops import mul_scalar
 
+from ..optimizers import optimizer
 
-def adamw_step_scratch(sim: Simulator, sizes: list[int], impl: str) -> None:
-    """The scratch tensors torch's AdamW allocates in ``step()`` (``sizes``: bytes of
-    each parameter's ``exp_avg_sq``, in the optimizer's parameter order).
 
-    * ``foreach`` (``_multi_tensor_adam``): ``torch.tensor(1.0)`` for the step count,
-      then ``_foreach_sqrt(exp_avg_sq)``: one copy of every state at once.
-    * ``for-loop`` (``_single_tensor_adam``): per parameter ``denom = (exp_avg_sq.sqrt()
-      / bc) .add_(eps)`` — the ``sqrt`` and the quotient coexist, and the previous
-      parameter's ``denom`` is released only when the name is rebound, after the new one
-      exists.
-    * ``fused`` (``_fused_adamw_``): updates in place, no scratch.
-    """
-    if impl == "foreach":
-        step_one = new(sim, (), "fp32")
-        tmp = [sim.alloc(n) for n in sizes]
-        del tmp, step_one
-    elif impl == "for-loop":
-        denom = None
-        for n in sizes:
-            root = sim.alloc(n)
-            quotient = sim.alloc(n)
-            del root
-            denom = quotient
-            del quotient
-        del denom
+def _adamw_foreach(sim: Simulator, params: list, state_dtype, part: float) -> None:
+    """torch's ``_multi_tensor_adam``: ``torch.tensor(1.0)`` for the step count, then
+    ``_foreach_sqrt(exp_avg_sq)``: one copy of every state at once."""
+    step_one = new(sim, (), "fp32")
+    tmp = [sim.alloc(n) for n in _state_sizes(params, state_dtype, part)]
+    del tmp, step_one
+
+
+def _adamw_for_loop(sim: Simulator, params: list, state_dtype, part: float) -> None:
+    """torch's ``_single_tensor_adam``: per parameter ``denom = (exp_avg_sq.sqrt() / bc)
+    .add_(eps)`` — the ``sqrt`` and the quotient coexist, and the previous parameter's
+    ``denom`` is released only when the name is rebound, after the new one exists."""
+    denom = None
+    for n in _state_sizes(params, state_dtype, part):
+        root = sim.alloc(n)
+        quotient = sim.alloc(n)
+        del root
+        denom = quotient
+        del quotient
+    del denom
+
+
+def _lion_for_loop(sim: Simulator, params: list, state_dtype, part: float) -> None:
+    """:class:`trainmem.lion.Lion` (lion-pytorch's update), per parameter: ``update =
+    exp_avg.clone().mul_(b1).add(grad, alpha=1 - b1).sign_()`` — the clone and the sum
+    coexist, the clone goes, and ``update`` is released when the per-parameter update
+    function returns."""
+    for n in _state_sizes(params, state_dtype, part):
+        clone = sim.alloc(n)
+        added = sim.alloc(n)
+        del clone, added
+
+
+def _adafactor_for_loop(sim: Simulator, params: list, state_dtype, part: float) -> None:
+    """torch's ``_single_tensor_adafactor`` (``foreach=False``), per parameter: a
+    matrix allocates ``row_mean`` (rows × 1) and ``col_mean`` (1 × cols), then
+    ``var_estimate = row_var @ col_var`` (a full-size tensor) and the scalar
+    ``row_var.mean()`` it is divided by; a vector allocates ``grad * grad`` and
+    ``variance.clone()``. ``update`` is ``var_estimate`` updated in place, and each
+    loop variable keeps the previous parameter's tensor until it is rebound. The norms
+    that end in ``.item()`` are 0-d tensors freed at once."""
+    live: dict[str, object] = {}
+
+    def bind(name: str, nbytes: int) -> None:
+        buffer = sim.alloc(nbytes)  # the new tensor exists before the old is released
+        live[name] = buffer
+
+    for p in params:
+        size = ITEMSIZE[state_dtype or p.dtype]
+        shape = p.shape
+        scalar = sim.alloc(size)  # param.norm(2)
+        del scalar
+        if len(shape) > 1:
+            rows = math.prod(shape[:-1])
+            cols = math.prod(shape[:-2]) * shape[-1]
+            bind("row_mean", int(math.ceil(rows * size * part)))
+            bind("col_mean", int(math.ceil(cols * size * part)))
+            bind("var_estimate", int(math.ceil(p.numel * size * part)))
+            mean = sim.alloc(size * math.prod(shape[:-2]))  # row_var.mean(dim=-2)
+            del mean
+        else:
+            bind("grad_squared", int(math.ceil(p.numel * size * part)))
+            bind("var_estimate", int(math.ceil(p.numel * size * part)))
+        live["update"] = live["var_estimate"]
+        scalar = sim.alloc(size)  # update.norm(2)
+        del scalar
+    live.clear()
+
+
+#: How ``optimizer.step()`` allocates scratch memory, by the rule names the optimizer
+#: registry (:mod:`trainmem.optimizers`) gives each implementation.
+SCRATCH_RULES = {
+    "adamw-foreach": _adamw_foreach,
+    "adamw-for-loop": _adamw_for_loop,
+    "lion-for-loop": _lion_for_loop,
+    "adafactor-for-loop": _adafactor_for_loop,
+}
+
+
+def _state_sizes(params: list, state_dtype, part: float) -> list[int]:
+    """Bytes of one full-size state of each parameter, in the optimizer's order."""
+    return [
+        int(math.ceil(p.numel * ITEMSIZE[state_dtype or p.dtype] * part))
+        for p in params
+    ]
 
 
 _HALF = {"fp16-amp": "fp16", "bf16-amp": "bf16"}  # the 16-bit dtype of a precision
@@ -44,7 +106,7 @@ _HALF = {"fp16-amp": "fp16", "bf16-amp": "bf16"}  # the 16-bit dtype of a precis
 
 def _build_model(sim: Simulator, shape, step, zero_dtype):
     """The parameters (and buffers) of the model, QLoRA's base weights quantized;
-    returns the model dict and its trainable parameters."""
+    returns the :class:`~.llama.Model` and its trainable parameters."""
     # QLoRA (bitsandbytes ``load_in_4bit`` with a 16-bit ``torch_dtype``): only the
     # Linear layers inside the decoder blocks are NF4; embeddings, norms and lm_head
     # stay in the 16-bit dtype.
@@ -68,30 +130,16 @@ def _build_model(sim: Simulator, shape, step, zero_dtype):
         # blocks.
         double_quant = (1 / 64 + 4 / (64 * 256)) if step.qlora_double_quant else 4 / 64
         bytes_per_weight = 0.5 + double_quant
-        for layer in model["layers"]:
-            for linear in layer.values():
-                if isinstance(linear, dict) and "w" in linear:
-                    weight = linear["w"]
-                    shrink(
-                        sim, weight.buffer, bytes_per_weight / ITEMSIZE[weight.dtype]
-                    )
-                    linear["q"] = True
+        for layer in model.layers:
+            for linear in layer.linears.values():
+                shrink(
+                    sim, linear.w.buffer, bytes_per_weight / ITEMSIZE[linear.w.dtype]
+                )
+                linear.quantized = True
     return model, trainable_params(model)
 
 
-def _layer_tensors(layer: dict) -> list[SimTensor]:
-    """The tensors of one decoder layer: its Linear weights, biases, adapters, norms."""
-    tensors = [
-        t
-        for linear in layer.values()
-        if isinstance(linear, dict)
-        for t in linear.values()
-        if isinstance(t, SimTensor)
-    ]
-    return tensors + [t for t in layer.values() if isinstance(t, SimTensor)]
-
-
-def _shard_for_zero(sim: Simulator, model: dict, params: list, step, zero_dtype):
+def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype):
     """ZeRO partitioning over ``step.gpus``: the optimizer's fp32 master copies
     (DeepSpeed layout) and the master weights from stage 1, gradients from 2, weights
     from 3 (plus one all-gathered layer). Returns the master copies and the gathered
@@ -109,18 +157,17 @@ def _shard_for_zero(sim: Simulator, model: dict, params: list, step, zero_dtype)
                 shrink(sim, p.buffer, shard)
     if step.zero >= 3:
         frozen = [
-            w
-            for layer in model["layers"]
-            for linear in layer.values()
-            if isinstance(linear, dict)
-            for w in linear.values()
-            if isinstance(w, SimTensor) and not w.requires_grad
+            t
+            for layer in model.layers
+            for linear in layer.linears.values()
+            for t in linear.tensors()
+            if not t.requires_grad
         ]
         for p in trainable_params(model) + frozen:
             if p.buffer.category == "weights":
                 shrink(sim, p.buffer, shard)
         # the layer being computed is all-gathered (FSDP/ZeRO-3 prefetch ignored)
-        layer_bytes = sum(t.nbytes for t in _layer_tensors(model["layers"][0]))
+        layer_bytes = sum(t.nbytes for t in model.layers[0].tensors())
         gathered_layer = sim.alloc(layer_bytes, "weights")
         sim.param_cast_scale = shard
     sim.grad_scale = shard if step.zero >= 2 else 1.0
@@ -130,36 +177,21 @@ def _shard_for_zero(sim: Simulator, model: dict, params: list, step, zero_dtype)
 def _optimizer_states(sim: Simulator, params: list, step, state_dtype) -> list:
     """The optimizer states created in step 1 (``state_dtype`` ``None``: each
     parameter's own dtype), sharded under ZeRO."""
-    states = []
-
-    def state(shape, dtype):
-        return new(sim, shape, dtype, category="optimizer_states")
-
-    for p in params:
-        if step.optimizer == "adamw8bit":
-            if p.numel >= 4096:  # bitsandbytes keeps small tensors in 32-bit states
-                blocks = (2 * math.ceil(p.numel / 256),)
-                states += [
-                    state(p.shape, "bool"),
-                    state(p.shape, "bool"),
-                    state(blocks, "fp32"),
-                ]
-            else:
-                states += [state(p.shape, "fp32"), state(p.shape, "fp32")]
-            states.append(state((), "fp32"))
-        elif step.optimizer == "adamw":
-            dtype = state_dtype or p.dtype
-            states += [state(p.shape, dtype), state(p.shape, dtype)]
-            states.append(state((), "fp32"))  # step
-        elif step.optimizer == "sgd-momentum":
-            states.append(state(p.shape, state_dtype or p.dtype))
+    spec = optimizer(step.optimizer)
+    states = [
+        new(sim, st.shape, st.dtype, category="optimizer_states")
+        for p in params
+        for st in spec.states(p.shape, state_dtype or p.dtype)
+    ]
     if step.zero >= 1:
         for st in states:
             shrink(sim, st.buffer, 1.0 / step.gpus)
     return states
 
 
-def _forward_backward(sim: Simulator, model: dict, shape, step, autocast, batch) -> int:
+def _forward_backward(
+    sim: Simulator, model: Model, shape, step, autocast, batch
+) -> int:
     """The ``grad_accum`` micro-batches of the step (forward, loss scaling, backward);
     returns the forward-allocated bytes alive at the end of the (last) forward pass."""
     ids, labels = batch
@@ -196,7 +228,7 @@ def simulate_step(shape, step) -> dict:
     (categories at the peak), ``activations`` (forward-allocated bytes alive at the end
     of the forward pass), ``model_states`` (weights + gradients + optimizer states +
     master weights when the optimizer step starts), ``phase_peaks``."""
-    if shape.arch != "llama":
+    if shape.family.replay != "llama":
         raise NotImplementedError("the step replay models Llama-family decoders")
     sim = Simulator()
     sim.set_phase("idle")
@@ -221,13 +253,10 @@ def simulate_step(shape, step) -> dict:
     )
     sim.set_phase("optimizer")
     sim.mark("optimizer_start")
-    if step.optimizer == "adamw":
+    rule = optimizer(step.optimizer).impl(step.optimizer_impl).scratch
+    if rule is not None:
         part = 1.0 / step.gpus if step.zero >= 1 else 1.0
-        sizes = [
-            int(math.ceil(p.numel * ITEMSIZE[state_dtype or p.dtype] * part))
-            for p in params
-        ]
-        adamw_step_scratch(sim, sizes, step.optimizer_impl)
+        SCRATCH_RULES[rule](sim, params, state_dtype, part)
     del masters, gathered_layer
     sim.set_phase("idle")
     at_step = sim.marks["optimizer_start"]
