@@ -68,6 +68,9 @@ def row_options(row: dict) -> dict:
         opts["lora_dropout"] = c.get("lora_dropout") or 0.0
     if c.get("quantize"):
         opts["qlora_double_quant"] = c["quantize"].endswith("-dq")
+        # LitGPT quantizes through Fabric's BitsandbytesPrecision, without peft's
+        # prepare_model_for_kbit_training: the rest of the model stays bf16
+        opts["kbit_prepare"] = "peft" if framework == "hf" else "none"
     if row.get("devices", 1) > 1 and c["method"] == "full":
         opts["zero"], opts["gpus"] = 3, row["devices"]  # FSDP full sharding
     if framework != "hf":
@@ -93,14 +96,15 @@ def compare(rows: list[dict]) -> list[dict]:
             rec["kind"] = m["kind"] + " (sequence not published)"
         d = est.to_dict()
         if m["kind"] == "oom":
-            rec.update(published="OOM", estimate=d.get("fits"), unit="")
-            rec["ok"] = d.get("fits") is False
-            rec["shown"] = _gb(d.get("device_bytes") or d["total_bytes"])
+            rec.update(published="OOM", estimate=d["fits"], unit="")
+            rec["ok"] = d["fits"] is False
+            rec["shown"] = _gb(d["device_bytes"])
         else:
-            key = {"allocated": "total_bytes", "active": "total_bytes"}.get(
-                m["kind"], "reserved_bytes"
-            )
-            value = d.get(key, d["total_bytes"])
+            # allocated: max_memory_allocated counts whole blocks (512 B rounding,
+            # unsplit remainders) and the cuBLAS workspaces: the allocator replay's
+            # peak; active: the same blocks; reserved: the replay's segments
+            key = {"allocated": "gpu_allocated_bytes", "active": "gpu_allocated_bytes"}
+            value = d[key.get(m["kind"], "reserved_bytes")]
             published = m["value"] * UNITS[m["unit"]]
             rec.update(
                 published=published,

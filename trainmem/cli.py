@@ -174,9 +174,98 @@ def _add_common(p: argparse.ArgumentParser):
         "b x heads x s x s scores); default sdpa",
     )
     p.add_argument(
+        "--lora-dropout",
+        type=_dropout,
+        default=0.0,
+        help="peft's lora_dropout (0 ≤ p < 1; > 0 adds a mask and a dropped copy of "
+        "each adapted module's input); default 0.0",
+    )
+    p.add_argument(
+        "--use-cache",
+        default=None,
+        choices=("on", "off"),
+        help="the forward's KV cache; default: as transformers decides (the config's "
+        "use_cache=True, turned off by checkpointing)",
+    )
+    p.add_argument(
+        "--versions",
+        default=None,
+        help="library versions the modelled behaviours depend on, e.g. "
+        "transformers=4.48.1,peft=0.13.2,bitsandbytes=0.43.3,torch=2.4.1 (any "
+        "subset; default: the versions this course pins)",
+    )
+    p.add_argument(
+        "--kbit-prepare",
+        default="peft",
+        choices=("peft", "none"),
+        help="QLoRA: peft = prepare_model_for_kbit_training (non-quantized weights "
+        "upcast to fp32), none = base kept in its 16-bit load dtype; default peft",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object (total_bytes, breakdown, ...) instead of the table",
+    )
+
+
+def _dropout(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a number in [0, 1), got {text!r}"
+        ) from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {v}")
+    return v
+
+
+def _add_gpu_options(p: argparse.ArgumentParser, required: bool) -> None:
+    from .gpus import GPUS
+
+    p.add_argument(
+        "--gpu",
+        required=required,
+        type=_gpu_name,
+        default=None,
+        help=f"GPU preset ({', '.join(GPUS)}): adds reserved_bytes (caching "
+        "allocator), device_bytes (what nvidia-smi shows, a lower bound), fits and "
+        "headroom" + ("" if required else "; default: none"),
+    )
+
+
+def _gpu_name(text):
+    from .gpus import GPUS
+
+    for name in GPUS:
+        if name.lower() == text.lower():
+            return name
+    raise argparse.ArgumentTypeError(
+        f"must be one of {', '.join(GPUS)}, got {text!r}"
+    )
+
+
+def _add_parallel_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-double-quant",
+        action="store_true",
+        help="QLoRA without double quantization of the NF4 constants",
+    )
+    p.add_argument(
+        "--zero",
+        type=int,
+        default=0,
+        choices=(0, 1, 2, 3),
+        help="ZeRO/FSDP stage: 1 shards optimizer states + master weights, 2 also "
+        "gradients, 3 also weights; default 0. With fp16/bf16-amp and stage >= 1 the "
+        "ZeRO-paper layout is used (16-bit weights and grads, fp32 master/m/v); "
+        "stage 0 is torch.autocast over fp32 parameters",
+    )
+    p.add_argument(
+        "--gpus",
+        type=_positive("gpus"),
+        default=1,
+        help="data-parallel GPUs (≥ 1); default 1",
     )
 
 
@@ -197,26 +286,28 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
     )
     _add_common(pe)
-    pe.add_argument(
-        "--no-double-quant",
-        action="store_true",
-        help="QLoRA without double quantization of the NF4 constants",
+    _add_parallel_options(pe)
+    _add_gpu_options(pe, required=False)
+    pf = sub.add_parser(
+        "fit",
+        help="the largest micro-batch (or sequence) that fits a GPU, and the cheapest "
+        "change that makes an out-of-memory configuration fit",
+        description="What fits on a GPU: the largest micro-batch (--vary batch) or "
+        "sequence (--vary seq), from the step replay and the caching-allocator "
+        "model, and the cheapest change (smaller micro-batch with accumulation, 8-bit "
+        "AdamW, checkpointing, QLoRA) that makes the given configuration fit.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
     )
-    pe.add_argument(
-        "--zero",
-        type=int,
-        default=0,
-        choices=(0, 1, 2, 3),
-        help="ZeRO/FSDP stage: 1 shards optimizer states + master weights, 2 also "
-        "gradients, 3 also weights; default 0. With fp16/bf16-amp and stage >= 1 the "
-        "ZeRO-paper layout is used (16-bit weights and grads, fp32 master/m/v); "
-        "stage 0 is torch.autocast over fp32 parameters",
-    )
-    pe.add_argument(
-        "--gpus",
-        type=_positive("gpus"),
-        default=1,
-        help="data-parallel GPUs (≥ 1); default 1",
+    _add_common(pf)
+    _add_parallel_options(pf)
+    _add_gpu_options(pf, required=True)
+    pf.add_argument(
+        "--vary",
+        default="batch",
+        choices=("batch", "seq"),
+        help="what to maximise: the micro-batch (--seq fixed) or the sequence length "
+        "(--batch fixed); default batch",
     )
     pm = sub.add_parser(
         "measure",
@@ -323,7 +414,7 @@ def _step_config(args):
     from .config import StepConfig
 
     extra = {}
-    if args.command == "estimate":
+    if args.command in ("estimate", "fit"):
         extra = dict(
             qlora_double_quant=not args.no_double_quant, zero=args.zero, gpus=args.gpus
         )
@@ -341,6 +432,10 @@ def _step_config(args):
         lora_dtype=args.lora_dtype,
         checkpointing=args.checkpointing,
         attn=args.attn,
+        lora_dropout=args.lora_dropout,
+        use_cache=args.use_cache,
+        versions=args.versions,
+        kbit_prepare=args.kbit_prepare,
         **extra,
     )
 
@@ -351,7 +446,11 @@ def _run(args):
     if args.command == "estimate":
         from .estimate import estimate_step
 
-        return estimate_step(args.model, step)
+        return estimate_step(args.model, step, gpu=args.gpu)
+    if args.command == "fit":
+        from .fit import fit
+
+        return _FitResult(fit(args.model, step, args.gpu, args.vary))
     from .measure import measure_step
 
     return measure_step(
@@ -360,6 +459,43 @@ def _run(args):
         device=args.device,
         extrapolate=False if args.no_extrapolate else None,
     )
+
+
+class _FitResult:
+    """``trainmem fit``'s answer with the ``to_dict``/``table`` of the other
+    commands."""
+
+    def __init__(self, result: dict):
+        self.result = result
+
+    def to_dict(self):
+        return self.result
+
+    def table(self) -> str:
+        r = self.result
+        key = "max_batch" if "max_batch" in r else "max_seq"
+        gib = 1024**3
+        lines = [f"{r['gpu']}: {key} = {r[key]}"]
+        if r[key]:
+            lines.append(
+                f"  at {key[4:]} {r[key]}: tensors {r['total_bytes'] / gib:.2f} GiB, "
+                f"reserved {r['reserved_bytes'] / gib:.2f} GiB, device "
+                f"{r['device_bytes'] / gib:.2f} GiB, headroom "
+                f"{r['headroom_bytes'] / gib:.2f} GiB"
+            )
+        req = r["requested"]
+        what = ", ".join(f"{k} {v}" for k, v in req.items() if k != "fits")
+        lines.append(f"requested ({what}): {'fits' if req['fits'] else 'does NOT fit'}")
+        change = r.get("cheapest_change")
+        if change:
+            if change["change"]:
+                lines.append(
+                    f"cheapest change that fits: {change['change']} (device "
+                    f"{change['device_bytes'] / gib:.2f} GiB)"
+                )
+            else:
+                lines.append("no single or combined change tried makes it fit")
+        return "\n".join(lines)
 
 
 def main(argv=None) -> int:

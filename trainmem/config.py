@@ -38,6 +38,8 @@ ATTN_IMPLS = ("sdpa", "eager", "flash")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 LORA_DTYPES = (None, "fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
+USE_CACHE = (None, "on", "off")
+KBIT_PREPARE = ("peft", "none")
 
 
 class OptionError(ValueError):
@@ -326,6 +328,19 @@ class StepConfig:
     attn: str = "sdpa"
     zero: int = 0
     gpus: int = 1
+    # peft's lora_dropout (0.0: nn.Identity, nothing saved)
+    lora_dropout: float = 0.0
+    # None: as transformers decides (the config's use_cache, turned off by
+    # checkpointing); "on"/"off" override
+    use_cache: str | None = None
+    # "transformers=4.48.1,bitsandbytes=0.43.1" (any subset; trainmem.versions)
+    versions: str | None = None
+    # QLoRA: "peft" = prepare_model_for_kbit_training (non-quantized weights in fp32);
+    # "none" = the base kept in its 16-bit load dtype
+    kbit_prepare: str = "peft"
+    # whose kernels the step runs: "cuda" (what the estimate describes) or "cpu"
+    # (where trainmem.measure checks it; dropout keeps a float mask there)
+    device: str = "cuda"
 
     def __post_init__(self):
         object.__setattr__(self, "lora_targets", split_targets(self.lora_targets))
@@ -340,6 +355,35 @@ class StepConfig:
         check_positive_int("grad_accum", self.grad_accum)
         check_positive_int("gpus", self.gpus)
         check_choice("zero", self.zero, ZERO_STAGES)
+        check_choice("use_cache", self.use_cache, USE_CACHE)
+        check_choice("kbit_prepare", self.kbit_prepare, KBIT_PREPARE)
+        check_choice("device", self.device, ("cuda", "cpu"))
+        p = self.lora_dropout
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+            raise OptionError(
+                "lora_dropout", f"lora_dropout must be a number in [0, 1), got {p!r}"
+            )
+        from .versions import parse_versions
+
+        parse_versions(self.versions)  # raises OptionError for a bad entry
+
+    @property
+    def library_versions(self) -> dict:
+        from .versions import parse_versions
+
+        return parse_versions(self.versions)
+
+    @property
+    def cache_on(self) -> bool:
+        """Whether the forward builds a KV cache: transformers' default is the config's
+        ``use_cache`` (True for Llama-family configs), and
+        ``gradient_checkpointing_enable`` makes training forwards run with
+        ``use_cache=False`` (the decoder warns and turns it off)."""
+        if self.checkpointing:
+            # LlamaModel.forward: "use_cache=True is incompatible with gradient
+            # checkpointing. Setting use_cache=False" (in training mode)
+            return False
+        return self.use_cache != "off"
 
     @property
     def uses_lora(self) -> bool:

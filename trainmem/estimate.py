@@ -296,8 +296,31 @@ class MemoryEstimate:
     #: the peak, which may fall in backward before every gradient exists) this is the
     #: resident model state that :func:`trainmem.zero.per_gpu_memory` counts.
     model_state_bytes: int = 0
+    #: with ``gpu``: trainmem.gpus.device_report's numbers (reserved_bytes,
+    #: device_bytes, fits, headroom_bytes, ...) and the step's memory timeline
+    device: dict[str, Any] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    @property
+    def reserved_bytes(self) -> int | None:
+        return None if self.device is None else self.device["reserved_bytes"]
+
+    @property
+    def device_bytes(self) -> int | None:
+        return None if self.device is None else self.device["device_bytes"]
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device is None else self.device["fits"]
+
+    def to_dict(self, timeline: bool = False) -> dict[str, Any]:
+        out = self._base_dict()
+        if self.device is not None:
+            out.update(
+                {k: v for k, v in self.device.items() if k != "timeline" or timeline}
+            )
+        return out
+
+    def _base_dict(self) -> dict[str, Any]:
         return {
             "total_bytes": int(self.total_bytes),
             "breakdown": {k: int(self.breakdown[k]) for k in CATEGORIES},
@@ -320,13 +343,25 @@ class MemoryEstimate:
     def table(self) -> str:
         title = f"estimated peak (peak in {self.peak_phase})"
         extra = {"activations at end of forward": self.activation_bytes}
-        return format_table(
+        if self.device is not None:
+            d = self.device
+            extra["reserved (max_memory_reserved)"] = d["reserved_bytes"]
+            extra["device (nvidia-smi, lower bound)"] = d["device_bytes"]
+            extra[f"{d['gpu']} memory"] = d["capacity_bytes"]
+        text = format_table(
             title,
             self.breakdown,
             self.total_bytes,
             extra,
             params=(self.n_params, self.n_trainable),
         )
+        if self.device is not None:
+            d = self.device
+            verdict = "fits" if d["fits"] else "does NOT fit"
+            text += (
+                f"\n{d['gpu']}: {verdict}; headroom {d['headroom_bytes'] / GiB:.2f} GiB"
+            )
+        return text
 
 
 def format_table(
@@ -447,10 +482,14 @@ def _options_record(shape: Shape, step: StepConfig) -> dict[str, Any]:
         gpus=step.gpus,
         grad_accum=step.grad_accum,
         optimizer_impl=step.optimizer_impl,
+        lora_dropout=step.lora_dropout,
+        use_cache="on" if step.cache_on else "off",
+        versions={k: ".".join(map(str, v)) for k, v in step.library_versions.items()},
+        kbit_prepare=step.kbit_prepare,
     )
 
 
-def estimate_step(model: Any, step: StepConfig) -> MemoryEstimate:
+def estimate_step(model: Any, step: StepConfig, gpu: str | None = None) -> MemoryEstimate:
     """Estimate the peak memory (bytes, per GPU) of the training step ``step`` of
     ``model`` (a preset name, config .json path, config or :class:`Shape`)."""
     shape = model_shape(model)
@@ -463,7 +502,7 @@ def estimate_step(model: Any, step: StepConfig) -> MemoryEstimate:
     else:
         from .memory.step import simulate_step
 
-        result = simulate_step(shape, step)
+        result = simulate_step(shape, step, record_events=gpu is not None)
         exact = True
         if step.method == "full":
             n_trainable = n_params
@@ -484,7 +523,19 @@ def estimate_step(model: Any, step: StepConfig) -> MemoryEstimate:
         exact,
         _options_record(shape, step),
         int(result["model_states"]),
+        _device(result, step, gpu),
     )
+
+
+def _device(result: dict, step: StepConfig, gpu: str | None):
+    if gpu is None:
+        return None
+    from .gpus import device_report, get_gpu
+
+    get_gpu(gpu)  # a bad name raises OptionError("gpu") also for gpt2
+    if not result.get("events"):
+        return None
+    return device_report(result["events"], gpu, step.library_versions, 200)
 
 
 def estimate(
@@ -505,6 +556,12 @@ def estimate(
     gpus: int = 1,
     grad_accum: int = 1,
     optimizer_impl: str = "foreach",
+    lora_dropout: float = 0.0,
+    use_cache: str | None = None,
+    versions: str | None = None,
+    kbit_prepare: str = "peft",
+    gpu: str | None = None,
+    device: str = "cuda",
 ) -> MemoryEstimate:
     """Estimate the peak memory (bytes, per GPU) of one training step; see the module
     docstring. The options are checked by :class:`StepConfig`, then
@@ -531,8 +588,13 @@ def estimate(
         attn=attn,
         zero=zero,
         gpus=gpus,
+        lora_dropout=lora_dropout,
+        use_cache=use_cache,
+        versions=versions,
+        kbit_prepare=kbit_prepare,
+        device=device,
     )
-    return estimate_step(shape, step)
+    return estimate_step(shape, step, gpu=gpu)
 
 
 def activation_bytes_per_layer(

@@ -175,8 +175,10 @@ class _TrackedTraining:
             else contextlib.nullcontext()
         )
         with autocast:
+            # use_cache as the estimate describes it (StepConfig.cache_on: the
+            # config's default, off under checkpointing, or --use-cache)
             loss = self.model(
-                input_ids=self.inputs, labels=self.labels, use_cache=False
+                input_ids=self.inputs, labels=self.labels, use_cache=self.step.cache_on
             ).loss
         if step.grad_accum > 1:
             loss = loss / step.grad_accum
@@ -390,6 +392,8 @@ def measure(
     extrapolate: bool | None = None,
     seed: int = 0,
     optimizer_impl: str = "foreach",
+    lora_dropout: float = 0.0,
+    use_cache: str | None = None,
 ) -> Measurement:
     """Measure one training step of ``model`` (preset name, config .json path, or HF
     config): builds a :class:`~trainmem.config.StepConfig` of the options and runs
@@ -416,6 +420,8 @@ def measure(
         lora_dtype=lora_dtype,
         checkpointing=checkpointing,
         attn=attn,
+        lora_dropout=lora_dropout,
+        use_cache=use_cache,
     )
     return measure_step(model, step, device=device, extrapolate=extrapolate, seed=seed)
 

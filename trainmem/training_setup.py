@@ -28,7 +28,7 @@ def build_training_setup(
             r=step.lora_rank,
             lora_alpha=step.lora_alpha,
             target_modules=list(step.lora_targets),
-            lora_dropout=0.0,
+            lora_dropout=step.lora_dropout,
             bias="none",
             task_type="CAUSAL_LM",
         )

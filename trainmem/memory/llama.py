@@ -12,12 +12,14 @@ from .ops import (
     bmm,
     cast,
     clone_contig,
+    dropout,
     embedding,
     linear,
     log_softmax,
     mean_last,
     mul,
     mul_scalar,
+    narrow,
     nll_loss,
     pow2,
     repeat_kv,
@@ -45,13 +47,25 @@ def rmsnorm(sim: Simulator, x: SimTensor, w: SimTensor) -> SimTensor:
 def lora_linear(sim: Simulator, x: SimTensor, lin: dict) -> SimTensor:
     """peft ``lora.Linear.forward``: base(x) + lora_B(lora_A(x.to(A.dtype))) *
     scaling."""
-    result = linear(sim, x, lin["w"], lin.get("b"), quant=lin.get("q", False))
+    result = linear(
+        sim,
+        x,
+        lin["w"],
+        lin.get("b"),
+        quant=lin.get("q", False),
+        quant_compute=lin.get("compute"),
+        quant_saves_input=lin.get("saves_input", False),
+    )
     if "A" not in lin:
         return result
     result_dtype = result.dtype
     x = cast(
         sim, x, lin["A"].dtype
     )  # x = self._cast_input_dtype(x, ...): lives to the end
+    if lin.get("dropout"):
+        # lora_B(lora_A(dropout(x))): peft's nn.Dropout for lora_dropout > 0 (one per
+        # adapted module, so q/k/v each make their own mask and dropped copy)
+        x = dropout(sim, x, lin.get("device", "cuda"))
     h = linear(sim, x, lin["A"])
     h2 = linear(sim, h, lin["B"])
     del h
@@ -82,6 +96,13 @@ def attention(
     qe = add(sim, mul(sim, q, cos), mul(sim, rotate_half(sim, q), sin))
     ke = add(sim, mul(sim, k, cos), mul(sim, rotate_half(sim, k), sin))
     del q, k
+    if cfg.get("kv_cache") is not None:
+        # past_key_values.update(k, v, layer_idx): DynamicLayer torch.cat's them onto
+        # its empty initial tensors, so the cache holds (and returns) new K and V that
+        # live until the model output is dropped
+        ke = clone_contig(sim, ke)
+        v = clone_contig(sim, v)
+        cfg["kv_cache"] += [ke, v]
     if cfg["attn"] == "eager":
         ke = repeat_kv(sim, ke, a)
         v = repeat_kv(sim, v, a)
@@ -201,6 +222,23 @@ def llama_loss(
     # (h, the model output's last_hidden_state, lives until the causal-LM forward
     # returns) ForCausalLMLoss: logits.float(); pad+shift labels; cross_entropy =
     # log_softmax + nll_loss
+    form = cfg.get("loss_form", "pad")
+    if form != "pad":
+        # transformers < 4.50: logits.float() and logits[..., :-1, :].contiguous()
+        # (trainmem.versions.loss_form); before 4.46 the 16-bit logits are rebound
+        # away at once
+        lf = cast(sim, logits, "fp32")
+        if form == "per-model":
+            del logits
+            logits = None
+        vocab = lf.shape[-1]
+        shifted = clone_contig(sim, narrow(sim, lf, (b, s - 1, vocab)))
+        target = new(sim, (b, s - 1), "i64")  # labels[..., 1:].contiguous()
+        logp = log_softmax(sim, view(shifted, (b * (s - 1), vocab)))
+        loss = nll_loss(sim, logp, target)
+        del logp, target, shifted, lf, logits, h
+        cfg["kv_cache"] = None if cfg.get("kv_cache") is None else []
+        return loss
     lf = cast(sim, logits, "fp32")
     padded = new(
         sim, (b, s + 1), "i64"
@@ -210,6 +248,8 @@ def llama_loss(
     del lf
     loss = nll_loss(sim, logp, target)
     del logp, target, padded, logits, h
+    if cfg.get("kv_cache") is not None:
+        cfg["kv_cache"] = []  # the output (and its past_key_values) is dropped
     return loss
 
 
