@@ -226,22 +226,11 @@ def _add_gpu_options(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument(
         "--gpu",
         required=required,
-        type=_gpu_name,
+        choices=tuple(GPUS),
         default=None,
         help=f"GPU preset ({', '.join(GPUS)}): adds reserved_bytes (caching "
         "allocator), device_bytes (what nvidia-smi shows, a lower bound), fits and "
         "headroom" + ("" if required else "; default: none"),
-    )
-
-
-def _gpu_name(text):
-    from .gpus import GPUS
-
-    for name in GPUS:
-        if name.lower() == text.lower():
-            return name
-    raise argparse.ArgumentTypeError(
-        f"must be one of {', '.join(GPUS)}, got {text!r}"
     )
 
 
