@@ -66,6 +66,7 @@ def measure_memtracker(
     grad_accum: int = 1,
     optimizer_impl: str = "foreach",
     seed: int = 0,
+    use_cache: str | None = None,
 ) -> int:
     """Peak bytes of the same training step measured by torch's own tracker instead of
     ours.
@@ -103,7 +104,9 @@ def measure_memtracker(
         lora_dtype=lora_dtype,
         checkpointing=checkpointing,
         attn=attn,
+        use_cache=use_cache,
     )
+    cache_on = step.cache_on  # the program trainmem.measure runs
     config = load_model_config(model)
     step.check_model(model_shape(config))
     torch.manual_seed(seed)
@@ -129,7 +132,7 @@ def measure_memtracker(
                 else contextlib.nullcontext()
             )
             with autocast:
-                loss = net(input_ids=inputs, labels=labels, use_cache=False).loss
+                loss = net(input_ids=inputs, labels=labels, use_cache=cache_on).loss
             if grad_accum > 1:
                 loss = loss / grad_accum
             (scaler.scale(loss) if scaler is not None else loss).backward()
