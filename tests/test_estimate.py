@@ -409,8 +409,9 @@ def test_estimate_modules_import_no_torch():
     import sys
 
     code = (
-        "import sys, trainmem.estimate, trainmem.simulate, trainmem.models, "
-        "trainmem.cli, trainmem.config, trainmem.from_hf;"
+        "import sys, trainmem.estimate, trainmem.memory.step, trainmem.models, "
+        "trainmem.cli, trainmem.config, trainmem.from_hf, trainmem.optimizers, "
+        "trainmem.dtypes;"
         "print(sorted(m for m in ('torch', 'numpy', 'transformers') "
         "if m in sys.modules))"
     )
@@ -486,7 +487,7 @@ def test_estimate_from_hf_maps_trainer_arguments():
 @pytest.mark.parametrize(
     "args,needle",
     [
-        ({"optim": "adafactor"}, "optim must be one of adamw_torch_fused"),
+        ({"optim": "galore_adamw"}, "optim must be one of adamw_torch_fused"),
         ({"bf16": True, "fp16": True}, "bf16 and fp16 cannot both be set"),
         (
             {
@@ -514,7 +515,7 @@ def test_estimate_from_hf_bad_input(args, needle):
         (lambda: estimate("tiny", optimizer_impl="fast"), "optimizer_impl"),
         (
             lambda: __import__("trainmem.estimate").estimate.estimate_from_hf(
-                "tiny", {"optim": "adafactor"}, seq=8
+                "tiny", {"optim": "galore_adamw"}, seq=8
             ),
             "training_args",
         ),

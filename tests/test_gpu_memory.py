@@ -80,8 +80,8 @@ def test_new_options_agree_with_cpu_measurement(kw):
     scalars that the other agreement tests allow."""
     from trainmem.measure import measure
 
-    est = estimate(SMALL, batch=2, seq=32, device="cpu", **kw)
-    meas = measure(_config(), batch=2, seq=32, device="cpu", **kw)
+    est = estimate(SMALL, batch=2, seq=32, kernels="cpu", **kw)
+    meas = measure(_config(), batch=2, seq=32, kernels="cpu", **kw)
     assert abs(est.total_bytes - meas.total_bytes) <= 16, (est.total_bytes, meas)
     assert abs(est.activation_bytes - meas.activation_bytes) <= 16
 
@@ -95,7 +95,7 @@ def test_dropout_mask_per_adapted_module():
     kw["lora_targets"] = "o_proj"  # the attention output: its own tensor, not shared
     base = estimate(SMALL, **kw, use_cache="off")
     cuda = estimate(SMALL, **kw, use_cache="off", lora_dropout=0.1)
-    cpu = estimate(SMALL, **kw, use_cache="off", lora_dropout=0.1, device="cpu")
+    cpu = estimate(SMALL, **kw, use_cache="off", lora_dropout=0.1, kernels="cpu")
     per_module = b * s * h
     # o_proj's input (SDPA's output) is saved by SDPA anyway; with dropout LoRA's A
     # saves the dropped copy (bf16) and dropout its mask, in layers 1 and 2. Layer 0's

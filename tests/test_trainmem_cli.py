@@ -244,7 +244,7 @@ def test_hf_subcommand(tmp_path, capsys):
         (
             lambda d: [
                 "--training-args",
-                str(_write(d / "a.json", '{"optim": "adafactor"}')),
+                str(_write(d / "a.json", '{"optim": "galore_adamw"}')),
                 "--seq",
                 "8",
             ],

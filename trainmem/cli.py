@@ -1,18 +1,21 @@
-"""``python -m trainmem estimate|measure|hf`` — training memory from the shell.
+"""``python -m trainmem estimate|measure|hf|fit`` — training memory from the shell.
 
-Both print a table in GiB (2**30 bytes) and GB (10**9 bytes), or with ``--json`` one
+They print a table in GiB (2**30 bytes) and GB (10**9 bytes), or with ``--json`` one
 JSON object whose top level has ``total_bytes`` (the peak) and ``breakdown``
 (``weights``, ``gradients``, ``optimizer_states``, ``master_weights``, ``activations``,
-``temporaries``; integer bytes). Bad input exits with status 2 and one line on stderr
-naming the argument and the allowed values."""
+``temporaries``; integer bytes); ``estimate --gpu NAME`` adds ``reserved_bytes``,
+``device_bytes``, ``fits`` and ``headroom_bytes`` (:mod:`trainmem.gpus`), and ``fit``
+answers ``{"max_batch": N}`` or ``{"max_seq": N}`` with the cheapest change that makes
+an out-of-memory configuration fit (:mod:`trainmem.fit`). Bad input exits with status 2
+and one line on stderr naming the argument and the allowed values."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
-from .estimate import ATTN_IMPLS, METHODS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS
 from .models import preset_names
 
 _EPILOG = """\
@@ -46,6 +49,10 @@ examples:
   python -m trainmem estimate --model mistral-7b --optimizer-impl fused --checkpointing
   python -m trainmem hf --model config.json --training-args args.json \\
       --peft-config adapter_config.json --seq 1024
+  python -m trainmem estimate --model llama2-7b --method qlora --batch 4 --gpu T4
+  python -m trainmem fit --model llama2-7b --method lora --gpu A100-40GB --json
+  python -m trainmem fit --model llama2-7b --method qlora --gpu T4 --vary seq \\
+      --batch 1
 """
 
 
@@ -80,127 +87,57 @@ def _rank(text):
     return v  # range (≥ 1 and ≤ layer width) is checked against the model
 
 
-def _add_common(p: argparse.ArgumentParser):
+#: the model each command runs when ``--model`` is not given: the functions' own
+#: defaults (``estimate()`` a 7B shape, ``measure()`` the tiny Llama on real tensors)
+MODEL_DEFAULTS = {
+    "estimate": "llama-7b",
+    "fit": "llama-7b",
+    "measure": "tiny",
+    "hf": "llama-7b",
+}
+
+_KINDS = {"positive": None, "int": int, "list": str}
+
+
+def _add_step_options(p: argparse.ArgumentParser, command: str) -> None:
+    """``--model``, one flag per :class:`~trainmem.config.StepConfig` field (its
+    default, choices and help from the field), and ``--json``."""
+    from .config import StepConfig
+
     p.add_argument(
         "--model",
-        default="llama-7b",
+        default=MODEL_DEFAULTS[command],
         help=f"preset name ({', '.join(preset_names())}) or path to an HF config.json "
-        "(model_type llama, mistral, qwen2, gpt2); default llama-7b",
+        f"(model_type llama, mistral, qwen2, gpt2); default {MODEL_DEFAULTS[command]}",
     )
-    p.add_argument(
-        "--method",
-        default="full",
-        choices=METHODS,
-        help="full fine-tuning, LoRA, or QLoRA (4-bit NF4 base weights); default full",
-    )
-    p.add_argument(
-        "--precision",
-        default="bf16-amp",
-        choices=PRECISIONS,
-        help="fp32; fp16-amp / bf16-amp = torch.autocast over fp32 parameters (fp16 "
-        "with loss scaling); bf16 = pure bf16 parameters, grads and states; default "
-        "bf16-amp",
-    )
-    p.add_argument(
-        "--optimizer",
-        default="adamw",
-        choices=OPTIMIZERS,
-        help="torch AdamW (foreach), bitsandbytes 8-bit AdamW, SGD, SGD with momentum; "
-        "default adamw",
-    )
-    p.add_argument(
-        "--optimizer-impl",
-        default="foreach",
-        choices=OPTIMIZER_IMPLS,
-        help="torch's AdamW implementation, which sets the scratch memory of the step: "
-        "foreach (what torch.optim.AdamW(params) picks on CUDA; the default here), "
-        "fused (Hugging Face Trainer's default optim adamw_torch_fused), for-loop "
-        "(foreach=False); default foreach",
-    )
-    p.add_argument(
-        "--batch",
-        type=_positive("batch"),
-        default=1,
-        help="micro-batch size (≥ 1); default 1",
-    )
-    p.add_argument(
-        "--seq",
-        type=_positive("seq"),
-        default=512,
-        help="sequence length in tokens (≥ 1); default 512",
-    )
-    p.add_argument(
-        "--grad-accum",
-        type=_positive("grad_accum"),
-        default=1,
-        help="gradient-accumulation micro-steps per optimizer step; default 1",
-    )
-    p.add_argument(
-        "--lora-rank",
-        type=_rank,
-        default=8,
-        help="LoRA rank r (1 ≤ r ≤ smallest in/out width of the targets); default 8",
-    )
-    p.add_argument(
-        "--lora-alpha",
-        type=int,
-        default=16,
-        help="LoRA alpha (scaling alpha/r; no memory effect); default 16",
-    )
-    p.add_argument(
-        "--lora-targets",
-        default="q_proj,v_proj",
-        help="comma-separated module names: q_proj,k_proj,v_proj,o_proj,gate_proj,"
-        "up_proj,down_proj (gpt2: c_attn,attn.c_proj,c_fc,mlp.c_proj); default "
-        "q_proj,v_proj",
-    )
-    p.add_argument(
-        "--lora-dtype",
-        default=None,
-        choices=("fp32", "bf16", "fp16"),
-        help="adapter dtype; default: peft's (fp32 adapters)",
-    )
-    p.add_argument(
-        "--checkpointing",
-        action="store_true",
-        help="activation (gradient) checkpointing of every decoder layer "
-        "(non-reentrant)",
-    )
-    p.add_argument(
-        "--attn",
-        default="sdpa",
-        choices=ATTN_IMPLS,
-        help="attention implementation: sdpa (flash: same memory) or eager (stores the "
-        "b x heads x s x s scores); default sdpa",
-    )
-    p.add_argument(
-        "--lora-dropout",
-        type=_dropout,
-        default=0.0,
-        help="peft's lora_dropout (0 ≤ p < 1; > 0 adds a mask and a dropped copy of "
-        "each adapted module's input); default 0.0",
-    )
-    p.add_argument(
-        "--use-cache",
-        default=None,
-        choices=("on", "off"),
-        help="the forward's KV cache; default: as transformers decides (the config's "
-        "use_cache=True, turned off by checkpointing)",
-    )
-    p.add_argument(
-        "--versions",
-        default=None,
-        help="library versions the modelled behaviours depend on, e.g. "
-        "transformers=4.48.1,peft=0.13.2,bitsandbytes=0.43.3,torch=2.4.1 (any "
-        "subset; default: the versions this course pins)",
-    )
-    p.add_argument(
-        "--kbit-prepare",
-        default="peft",
-        choices=("peft", "none"),
-        help="QLoRA: peft = prepare_model_for_kbit_training (non-quantized weights "
-        "upcast to fp32), none = base kept in its 16-bit load dtype; default peft",
-    )
+    for f in dataclasses.fields(StepConfig):
+        meta = f.metadata
+        if meta.get("no_flag"):
+            continue
+        if meta.get("estimate_only") and command not in ("estimate", "fit"):
+            continue
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        if isinstance(f.default, bool):
+            action = "store_false" if f.default else "store_true"
+            p.add_argument(flag, dest=f.name, action=action, help=meta["help"])
+            continue
+        kind = meta.get("kind")
+        kw: dict = {"dest": f.name}
+        if "choices" in meta:
+            kw["choices"] = tuple(c for c in meta["choices"] if c is not None)
+            if isinstance(f.default, int):
+                kw["type"] = int
+        elif kind == "positive":
+            kw["type"] = _positive(f.name)
+        elif kind == "int":
+            kw["type"] = _rank
+        elif kind == "fraction":
+            kw["type"] = _fraction
+        default = f.default
+        if kind == "list":
+            default = ",".join(default)
+        shown = "" if default is None else f"; default {default}"
+        p.add_argument(flag, default=default, help=meta["help"] + shown, **kw)
     p.add_argument(
         "--json",
         action="store_true",
@@ -208,7 +145,7 @@ def _add_common(p: argparse.ArgumentParser):
     )
 
 
-def _dropout(text):
+def _fraction(text):
     try:
         v = float(text)
     except ValueError:
@@ -220,7 +157,7 @@ def _dropout(text):
     return v
 
 
-def _add_gpu_options(p: argparse.ArgumentParser, required: bool) -> None:
+def _add_gpu_option(p: argparse.ArgumentParser, required: bool) -> None:
     from .gpus import GPUS
 
     p.add_argument(
@@ -228,33 +165,9 @@ def _add_gpu_options(p: argparse.ArgumentParser, required: bool) -> None:
         required=required,
         choices=tuple(GPUS),
         default=None,
-        help=f"GPU preset ({', '.join(GPUS)}): adds reserved_bytes (caching "
-        "allocator), device_bytes (what nvidia-smi shows, a lower bound), fits and "
-        "headroom" + ("" if required else "; default: none"),
-    )
-
-
-def _add_parallel_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--no-double-quant",
-        action="store_true",
-        help="QLoRA without double quantization of the NF4 constants",
-    )
-    p.add_argument(
-        "--zero",
-        type=int,
-        default=0,
-        choices=(0, 1, 2, 3),
-        help="ZeRO/FSDP stage: 1 shards optimizer states + master weights, 2 also "
-        "gradients, 3 also weights; default 0. With fp16/bf16-amp and stage >= 1 the "
-        "ZeRO-paper layout is used (16-bit weights and grads, fp32 master/m/v); "
-        "stage 0 is torch.autocast over fp32 parameters",
-    )
-    p.add_argument(
-        "--gpus",
-        type=_positive("gpus"),
-        default=1,
-        help="data-parallel GPUs (≥ 1); default 1",
+        help=f"GPU preset ({', '.join(GPUS)}): adds reserved_bytes (the caching "
+        "allocator's max_memory_reserved), device_bytes (what nvidia-smi shows, a "
+        "lower bound), fits and headroom_bytes",
     )
 
 
@@ -274,9 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_EPILOG,
     )
-    _add_common(pe)
-    _add_parallel_options(pe)
-    _add_gpu_options(pe, required=False)
+    _add_step_options(pe, "estimate")
+    _add_gpu_option(pe, required=False)
     pf = sub.add_parser(
         "fit",
         help="the largest micro-batch (or sequence) that fits a GPU, and the cheapest "
@@ -288,9 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_EPILOG,
     )
-    _add_common(pf)
-    _add_parallel_options(pf)
-    _add_gpu_options(pf, required=True)
+    _add_step_options(pf, "fit")
+    _add_gpu_option(pf, required=True)
     pf.add_argument(
         "--vary",
         default="batch",
@@ -306,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_EPILOG,
     )
-    _add_common(pm)
+    _add_step_options(pm, "measure")
     pm.add_argument(
         "--device",
         default="cpu",
@@ -335,8 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ph.add_argument(
         "--model",
-        default="llama-7b",
-        help="preset name or path to the model's config.json; default llama-7b",
+        default=MODEL_DEFAULTS["hf"],
+        help="preset name or path to the model's config.json; default "
+        + MODEL_DEFAULTS["hf"],
     )
     ph.add_argument(
         "--training-args",
@@ -399,33 +311,15 @@ def _one_line(err: ValueError) -> str:
 
 def _step_config(args):
     """The :class:`~trainmem.config.StepConfig` of the parsed ``estimate``/``measure``
-    arguments (``measure`` has no ZeRO and always double-quantizes nothing)."""
+    arguments: every field that has a flag of the command."""
     from .config import StepConfig
 
-    extra = {}
-    if args.command in ("estimate", "fit"):
-        extra = dict(
-            qlora_double_quant=not args.no_double_quant, zero=args.zero, gpus=args.gpus
-        )
-    return StepConfig(
-        method=args.method,
-        precision=args.precision,
-        optimizer=args.optimizer,
-        optimizer_impl=args.optimizer_impl,
-        batch=args.batch,
-        seq=args.seq,
-        grad_accum=args.grad_accum,
-        lora_rank=args.lora_rank,
-        lora_alpha=args.lora_alpha,
-        lora_targets=args.lora_targets,
-        lora_dtype=args.lora_dtype,
-        checkpointing=args.checkpointing,
-        attn=args.attn,
-        lora_dropout=args.lora_dropout,
-        use_cache=args.use_cache,
-        versions=args.versions,
-        kbit_prepare=args.kbit_prepare,
-        **extra,
+    return StepConfig.from_options(
+        {
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(StepConfig)
+            if hasattr(args, f.name)
+        }
     )
 
 

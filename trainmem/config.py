@@ -18,49 +18,39 @@ Standard library only (the book's in-page calculator runs this module in Pyodide
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from .dtypes import FLOAT_DTYPES
+from .errors import OptionError as OptionError
+from .errors import check_choice as check_choice
+from .errors import check_positive_int as check_positive_int
 
 # the six byte categories every result uses (re-exported)
 from .memory.accounting import CATEGORIES as CATEGORIES
+from .optimizers import IMPLS
+from .optimizers import OPTIMIZERS as _OPTIMIZERS
+from .optimizers import optimizer as optimizer_entry
 
 METHODS = ("full", "lora", "qlora")
 PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16")
-OPTIMIZERS = ("adamw", "adamw8bit", "sgd", "sgd-momentum")
+#: the optimizer names (:data:`trainmem.optimizers.OPTIMIZERS`, one entry each)
+OPTIMIZERS = tuple(_OPTIMIZERS)
 ATTN_IMPLS = ("sdpa", "eager", "flash")
-#: torch.optim implementations of AdamW / SGD; they differ only in the scratch memory of
-#: the step. ``foreach`` (the default here) is what ``torch.optim.AdamW(params)`` picks
-#: on CUDA; ``fused`` is what Hugging Face Trainer runs by default
-#: (``optim="adamw_torch_fused"``, transformers 5); ``for-loop`` is ``foreach=False``
-#: (also what the plain constructor picks on CPU).
-OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
-LORA_DTYPES = (None, "fp32", "bf16", "fp16")
+#: torch.optim implementations; they differ only in the scratch memory of the step.
+#: ``foreach`` is what ``torch.optim.AdamW(params)`` picks on CUDA; ``fused`` is what
+#: Hugging Face Trainer runs by default (``optim="adamw_torch_fused"``, transformers
+#: 5); ``for-loop`` is ``foreach=False`` (also what the plain constructor picks on
+#: CPU). Each optimizer entry lists the ones it has and its default.
+OPTIMIZER_IMPLS = IMPLS
+LORA_DTYPES = (None, *FLOAT_DTYPES)
 ZERO_STAGES = (0, 1, 2, 3)
 USE_CACHE = (None, "on", "off")
 KBIT_PREPARE = ("peft", "none")
-
-
-class OptionError(ValueError):
-    """Bad input to the estimator or the measurement; ``option`` names the argument it
-    came from (``"lora_rank"``, ``"model"``, ``"training_args"``, ...), so a front end
-    can name its own flag without parsing the message."""
-
-    def __init__(self, option: str, message: str):
-        super().__init__(message)
-        self.option = option
-
-
-def check_choice(name: str, value, allowed) -> None:
-    if value not in allowed:
-        shown = ", ".join("None" if a is None else str(a) for a in allowed)
-        raise OptionError(name, f"{name} must be one of {shown}, got {value!r}")
-
-
-def check_positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise OptionError(name, f"{name} must be an integer ≥ 1, got {value!r}")
+KERNELS = ("cuda", "cpu")
 
 
 def split_targets(lora_targets) -> tuple[str, ...]:
@@ -302,6 +292,15 @@ def model_shape(model: Any) -> Shape:
 # --------------------------------------------------------------------------------------
 # the training step
 # --------------------------------------------------------------------------------------
+def _option(default, help: str, **cli):
+    """A :class:`StepConfig` field whose metadata tells the command line how to take it
+    (``help``; ``choices``; ``kind``: ``"positive"``, ``"int"``, ``"list"`` or, for a
+    bool, a flag; ``flag``: the flag's name when not ``--field-name``;
+    ``estimate_only``: not a flag of ``measure``)."""
+    value = field(default=default, metadata=dict(help=help, **cli))
+    return value
+
+
 @dataclass(frozen=True)
 class StepConfig:
     """The options of one training step, validated when built (see
@@ -312,44 +311,140 @@ class StepConfig:
     The LoRA targets and rank depend on the model as well: :meth:`check_model` checks
     them against a :class:`Shape` (for ``method="lora"``/``"qlora"`` only)."""
 
-    method: str = "full"
-    precision: str = "bf16-amp"
-    optimizer: str = "adamw"
-    optimizer_impl: str = "foreach"
-    batch: int = 1
-    seq: int = 512
-    grad_accum: int = 1
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
-    lora_dtype: str | None = None
-    qlora_double_quant: bool = True
-    checkpointing: bool = False
-    attn: str = "sdpa"
-    zero: int = 0
-    gpus: int = 1
-    # peft's lora_dropout (0.0: nn.Identity, nothing saved)
-    lora_dropout: float = 0.0
-    # None: as transformers decides (the config's use_cache, turned off by
-    # checkpointing); "on"/"off" override
-    use_cache: str | None = None
-    # "transformers=4.48.1,bitsandbytes=0.43.1" (any subset; trainmem.versions)
-    versions: str | None = None
-    # QLoRA: "peft" = prepare_model_for_kbit_training (non-quantized weights in fp32);
-    # "none" = the base kept in its 16-bit load dtype
-    kbit_prepare: str = "peft"
-    # whose kernels the step runs: "cuda" (what the estimate describes) or "cpu"
-    # (where trainmem.measure checks it; dropout keeps a float mask there)
-    device: str = "cuda"
+    method: str = _option(
+        "full",
+        "full fine-tuning, LoRA, or QLoRA (4-bit NF4 base weights)",
+        choices=METHODS,
+    )
+    precision: str = _option(
+        "bf16-amp",
+        "fp32; fp16-amp / bf16-amp = torch.autocast over fp32 parameters (fp16 with "
+        "loss scaling); bf16 = pure bf16 parameters, grads and states",
+        choices=PRECISIONS,
+    )
+    optimizer: str = _option(
+        "adamw",
+        "; ".join(f"{o.name}: {o.summary}" for o in _OPTIMIZERS.values()),
+        choices=OPTIMIZERS,
+    )
+    optimizer_impl: str | None = _option(
+        None,
+        "torch's implementation, which sets the scratch memory of the step: foreach "
+        "(what torch.optim.AdamW(params) picks on CUDA), fused (Hugging Face Trainer's "
+        "default optim adamw_torch_fused), for-loop (foreach=False); default: the "
+        "optimizer's own ("
+        + ", ".join(f"{o.name} {o.default_impl}" for o in _OPTIMIZERS.values())
+        + ")",
+        choices=OPTIMIZER_IMPLS,
+    )
+    batch: int = _option(1, "micro-batch size (≥ 1)", kind="positive")
+    seq: int = _option(512, "sequence length in tokens (≥ 1)", kind="positive")
+    grad_accum: int = _option(
+        1, "gradient-accumulation micro-steps per optimizer step", kind="positive"
+    )
+    lora_rank: int = _option(
+        8,
+        "LoRA rank r (1 ≤ r ≤ smallest in/out width of the targets)",
+        kind="int",
+    )
+    lora_alpha: int = _option(
+        16, "LoRA alpha (scaling alpha/r; no memory effect)", kind="int"
+    )
+    lora_targets: tuple[str, ...] = _option(
+        ("q_proj", "v_proj"),
+        "comma-separated module names: q_proj,k_proj,v_proj,o_proj,gate_proj,"
+        "up_proj,down_proj (gpt2: c_attn,attn.c_proj,c_fc,mlp.c_proj)",
+        kind="list",
+    )
+    lora_dtype: str | None = _option(
+        None, "adapter dtype; default: peft's (fp32 adapters)", choices=FLOAT_DTYPES
+    )
+    qlora_double_quant: bool = _option(
+        True,
+        "QLoRA without double quantization of the NF4 constants",
+        flag="--no-double-quant",
+        estimate_only=True,
+    )
+    checkpointing: bool = _option(
+        False,
+        "activation (gradient) checkpointing of every decoder layer (non-reentrant)",
+    )
+    attn: str = _option(
+        "sdpa",
+        "attention implementation: sdpa (flash: same memory) or eager (stores the b x "
+        "heads x s x s scores)",
+        choices=ATTN_IMPLS,
+    )
+    zero: int = _option(
+        0,
+        "ZeRO/FSDP stage: 1 shards optimizer states + master weights, 2 also "
+        "gradients, 3 also weights. With fp16/bf16-amp and stage >= 1 the ZeRO-paper "
+        "layout is used (16-bit weights and grads, fp32 master/m/v); stage 0 is "
+        "torch.autocast over fp32 parameters",
+        choices=ZERO_STAGES,
+        estimate_only=True,
+    )
+    gpus: int = _option(
+        1, "data-parallel GPUs (≥ 1)", kind="positive", estimate_only=True
+    )
+    lora_dropout: float = _option(
+        0.0,
+        "peft's lora_dropout (0 ≤ p < 1; > 0 adds a mask and a dropped copy of each "
+        "adapted module's input; 0 is nn.Identity)",
+        kind="fraction",
+    )
+    use_cache: str | None = _option(
+        None,
+        "the forward's KV cache; default: as transformers decides (the config's "
+        "use_cache=True, turned off by checkpointing)",
+        choices=USE_CACHE,
+    )
+    versions: str | None = _option(
+        None,
+        "library versions the modelled behaviours depend on, e.g. transformers=4.48.1,"
+        "peft=0.13.2,bitsandbytes=0.43.3,torch=2.4.1 (any subset; default: the "
+        "versions this course pins)",
+    )
+    kbit_prepare: str = _option(
+        "peft",
+        "QLoRA: peft = prepare_model_for_kbit_training (non-quantized weights upcast "
+        "to fp32), none = the base kept in its 16-bit load dtype",
+        choices=KBIT_PREPARE,
+        estimate_only=True,
+    )
+    kernels: str = _option(
+        "cuda",
+        "whose kernels the step runs: cuda (what the estimate describes) or cpu "
+        "(where trainmem.measure checks it; dropout keeps a float mask there)",
+        choices=KERNELS,
+        no_flag=True,
+    )
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "StepConfig":
+        """A :class:`StepConfig` of keyword options; a name that is not a field
+        raises :class:`OptionError` naming it and the fields."""
+        names = [f.name for f in fields(cls)]
+        for name in options:
+            if name not in names:
+                raise OptionError(
+                    name,
+                    f"{name} is not an option of a training step; allowed: "
+                    f"{', '.join(names)}",
+                )
+        return cls(**options)
 
     def __post_init__(self):
         object.__setattr__(self, "lora_targets", split_targets(self.lora_targets))
         check_choice("method", self.method, METHODS)
         check_choice("precision", self.precision, PRECISIONS)
-        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        spec = optimizer_entry(self.optimizer)
+        if self.optimizer_impl is None:
+            object.__setattr__(self, "optimizer_impl", spec.default_impl)
         check_choice("attn", self.attn, ATTN_IMPLS)
         check_choice("lora_dtype", self.lora_dtype, LORA_DTYPES)
         check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        spec.impl(self.optimizer_impl)
         check_positive_int("batch", self.batch)
         check_positive_int("seq", self.seq)
         check_positive_int("grad_accum", self.grad_accum)
@@ -357,7 +452,7 @@ class StepConfig:
         check_choice("zero", self.zero, ZERO_STAGES)
         check_choice("use_cache", self.use_cache, USE_CACHE)
         check_choice("kbit_prepare", self.kbit_prepare, KBIT_PREPARE)
-        check_choice("device", self.device, ("cuda", "cpu"))
+        check_choice("kernels", self.kernels, KERNELS)
         p = self.lora_dropout
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
             raise OptionError(
@@ -376,12 +471,11 @@ class StepConfig:
     @property
     def cache_on(self) -> bool:
         """Whether the forward builds a KV cache: transformers' default is the config's
-        ``use_cache`` (True for Llama-family configs), and
-        ``gradient_checkpointing_enable`` makes training forwards run with
-        ``use_cache=False`` (the decoder warns and turns it off)."""
+        ``use_cache`` (True for Llama-family configs), ``--use-cache off`` turns it
+        off, and under gradient checkpointing the decoder always turns it off
+        ("use_cache=True is incompatible with gradient checkpointing. Setting
+        use_cache=False")."""
         if self.checkpointing:
-            # LlamaModel.forward: "use_cache=True is incompatible with gradient
-            # checkpointing. Setting use_cache=False" (in training mode)
             return False
         return self.use_cache != "off"
 
@@ -422,3 +516,15 @@ class StepConfig:
                 "lora_rank",
                 f"lora_rank must be ≥ 1 and ≤ min(d_in, d_out)={width}, got {rank!r}",
             )
+
+
+def step_signature(func, *before: inspect.Parameter):
+    """Give ``func(..., **options)`` the signature it runs with: the parameters
+    ``before`` (the model, the device, ...) then every :class:`StepConfig` field as a
+    keyword with its default, so ``help()`` and editors list the one option list."""
+    params = list(before) + [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+        for f in fields(StepConfig)
+    ]
+    func.__signature__ = inspect.Signature(params)
+    return func

@@ -73,7 +73,7 @@ grad_accum, optimizer_impl)``:
 
 How the peak is computed.  Parameters, gradients and optimizer states are counted
 exactly from the config.  Activations and temporaries come from
-:mod:`trainmem.simulate`, a symbolic replay of the step: the Llama forward written op by
+:mod:`trainmem.memory`, a symbolic replay of the step: the Llama forward written op by
 op as ``transformers`` runs it, each op saving for backward what PyTorch's autograd
 saves, backward in autograd's order, then the optimizer's scratch memory. It agrees with
 the tensor-level measurement of :mod:`trainmem.measure` (real CPU tensors, and fake
@@ -119,6 +119,7 @@ StepConfig(method="lora", batch=4))``)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -136,8 +137,10 @@ from .config import (
     StepConfig,
     check_choice,
     load_model_config,
+    optimizer_entry,
     model_shape,
     split_targets,
+    step_signature,
 )
 
 __all__ = [
@@ -242,30 +245,35 @@ def bytes_per_param(
     * ``"accelerate"`` — ``accelerate estimate-memory``: 4 x the dtype size (16 fp32, 8
       half).
 
-    Optimizer states: AdamW 8 (two fp32 moments; 4 in pure bf16), 8-bit AdamW ≈ 2, SGD
-    with momentum 4 (2 in bf16), plain SGD 0."""
+    Optimizer states (``nominal_bytes`` of each :mod:`trainmem.optimizers` entry): AdamW
+    8 (two fp32 moments; 4 in pure bf16), 8-bit AdamW ≈ 2, SGD with momentum and Lion 4
+    (2 in bf16), plain SGD 0; Adafactor has no per-parameter figure."""
     check_choice("precision", precision, PRECISIONS)
-    check_choice("optimizer", optimizer, OPTIMIZERS)
+    spec = optimizer_entry(optimizer)
     check_choice("convention", convention, ("torch-amp", "zero-paper", "accelerate"))
     if convention == "accelerate":
         return 16.0 if precision == "fp32" else 8.0
     p = 2 if precision == "bf16" else 4
-    states = {"adamw": 2 * p, "adamw8bit": 2.0 + 8 / 256, "sgd": 0, "sgd-momentum": p}[
-        optimizer
-    ]
+    if convention == "zero-paper" and precision in ("fp16-amp", "bf16-amp"):
+        return 2 + 2 + 4 + _nominal_state_bytes(spec, 4)
+    states = _nominal_state_bytes(spec, p)
     if convention == "zero-paper":
-        if precision in ("fp16-amp", "bf16-amp"):
-            return (
-                2
-                + 2
-                + 4
-                + {"adamw": 8, "adamw8bit": 2 + 8 / 256, "sgd": 0, "sgd-momentum": 4}[
-                    optimizer
-                ]
-            )
         return p + p + states
     copy = 2 if precision in ("fp16-amp", "bf16-amp") else 0
     return p + copy + p + states
+
+
+def _nominal_state_bytes(spec, itemsize: int) -> float:
+    """State bytes per parameter of ``spec`` (an optimizer entry) for the closed forms;
+    an optimizer whose states depend on each tensor's shape has none."""
+    if spec.nominal_bytes is None:
+        raise OptionError(
+            "optimizer",
+            f"optimizer {spec.name!r} keeps states whose size depends on each "
+            "parameter's shape: no bytes-per-parameter figure (the Llama replay "
+            "counts them)",
+        )
+    return spec.nominal_bytes(itemsize)
 
 
 def accelerate_rule_bytes(n_params: int, precision: str) -> int:
@@ -405,23 +413,12 @@ def _gpt2_estimate(shape: Shape, step: StepConfig) -> dict:
     if amp and method == "full":
         weights = 2 * n_params  # low-precision working copies
     grads = n_trainable * trainable_bytes
-    state_bytes = {
-        "adamw": 2 * trainable_bytes,
-        "adamw8bit": 2 + 8 / 256,
-        "sgd": 0,
-        "sgd-momentum": trainable_bytes,
-    }
-    states = int(n_trainable * state_bytes[optimizer])
+    spec = optimizer_entry(optimizer)
+    states = int(n_trainable * _nominal_state_bytes(spec, trainable_bytes))
     if amp and step.zero >= 1:  # ZeRO/DeepSpeed: 16-bit module, fp32 master + states
         weights = 2 * n_params if method != "qlora" else int(n_params * 0.55)
         grads, master = 2 * n_trainable, 4 * n_trainable
-        state_bytes = {
-            "adamw": 8,
-            "adamw8bit": 2 + 8 / 256,
-            "sgd": 0,
-            "sgd-momentum": 4,
-        }
-        states = int(n_trainable * state_bytes[optimizer])
+        states = int(n_trainable * _nominal_state_bytes(spec, 4))
     act_scale = 1.0 if precision != "fp32" else 2.0
     batch, seq, hidden, heads = step.batch, step.seq, shape.hidden, shape.heads
     eager = step.attn_memory == "eager"
@@ -489,7 +486,9 @@ def _options_record(shape: Shape, step: StepConfig) -> dict[str, Any]:
     )
 
 
-def estimate_step(model: Any, step: StepConfig, gpu: str | None = None) -> MemoryEstimate:
+def estimate_step(
+    model: Any, step: StepConfig, gpu: str | None = None
+) -> MemoryEstimate:
     """Estimate the peak memory (bytes, per GPU) of the training step ``step`` of
     ``model`` (a preset name, config .json path, config or :class:`Shape`)."""
     shape = model_shape(model)
@@ -528,6 +527,7 @@ def estimate_step(model: Any, step: StepConfig, gpu: str | None = None) -> Memor
 
 
 def _device(result: dict, step: StepConfig, gpu: str | None):
+    """trainmem.gpus.device_report of the replayed step on ``gpu`` (None without)."""
     if gpu is None:
         return None
     from .gpus import device_report, get_gpu
@@ -539,62 +539,26 @@ def _device(result: dict, step: StepConfig, gpu: str | None):
 
 
 def estimate(
-    model: Any = "llama-7b",
-    method: str = "full",
-    precision: str = "bf16-amp",
-    optimizer: str = "adamw",
-    batch: int = 1,
-    seq: int = 512,
-    lora_rank: int = 8,
-    lora_alpha: int = 16,
-    lora_targets=("q_proj", "v_proj"),
-    lora_dtype: str | None = None,
-    qlora_double_quant: bool = True,
-    checkpointing: bool = False,
-    attn: str = "sdpa",
-    zero: int = 0,
-    gpus: int = 1,
-    grad_accum: int = 1,
-    optimizer_impl: str = "foreach",
-    lora_dropout: float = 0.0,
-    use_cache: str | None = None,
-    versions: str | None = None,
-    kbit_prepare: str = "peft",
-    gpu: str | None = None,
-    device: str = "cuda",
+    model: Any = "llama-7b", *, gpu: str | None = None, **options: Any
 ) -> MemoryEstimate:
     """Estimate the peak memory (bytes, per GPU) of one training step; see the module
-    docstring. The options are checked by :class:`StepConfig`, then
-    :func:`estimate_step` runs.
+    docstring. ``options`` are the fields of :class:`StepConfig` (its defaults apply),
+    checked when it is built; then :func:`estimate_step` runs.
 
     Raises :class:`OptionError` (a ``ValueError``) naming the argument and the allowed
     values for bad input.
     """
     shape = model_shape(model)
-    step = StepConfig(
-        method=method,
-        precision=precision,
-        optimizer=optimizer,
-        optimizer_impl=optimizer_impl,
-        batch=batch,
-        seq=seq,
-        grad_accum=grad_accum,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_targets=lora_targets,
-        lora_dtype=lora_dtype,
-        qlora_double_quant=qlora_double_quant,
-        checkpointing=checkpointing,
-        attn=attn,
-        zero=zero,
-        gpus=gpus,
-        lora_dropout=lora_dropout,
-        use_cache=use_cache,
-        versions=versions,
-        kbit_prepare=kbit_prepare,
-        device=device,
-    )
-    return estimate_step(shape, step, gpu=gpu)
+    return estimate_step(shape, StepConfig.from_options(options), gpu=gpu)
+
+
+step_signature(
+    estimate,
+    inspect.Parameter(
+        "model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="llama-7b"
+    ),
+    inspect.Parameter("gpu", inspect.Parameter.KEYWORD_ONLY, default=None),
+)
 
 
 def activation_bytes_per_layer(

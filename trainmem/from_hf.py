@@ -12,22 +12,17 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from .config import ATTN_IMPLS, OptionError, load_model_config
+from .optimizers import hf_optims
 
 if TYPE_CHECKING:  # pragma: no cover
     from .estimate import MemoryEstimate
 
-#: ``TrainingArguments.optim`` -> (optimizer, optimizer_impl). Trainer builds
-#: ``torch.optim.AdamW`` with ``fused=True`` for ``adamw_torch_fused`` (the default of
-#: transformers 5 with torch >= 2.8) and with no implementation flag for
-#: ``adamw_torch``, which on CUDA is ``foreach``.
-HF_OPTIMS = {
-    "adamw_torch_fused": ("adamw", "fused"),
-    "adamw_torch": ("adamw", "foreach"),
-    "adamw_bnb_8bit": ("adamw8bit", "foreach"),
-    "adamw_8bit": ("adamw8bit", "foreach"),
-    "paged_adamw_8bit": ("adamw8bit", "foreach"),
-    "sgd": ("sgd", "foreach"),
-}
+#: ``TrainingArguments.optim`` -> (optimizer, optimizer_impl), from the ``hf_optims`` of
+#: every :mod:`trainmem.optimizers` entry. Trainer builds ``torch.optim.AdamW`` with
+#: ``fused=True`` for ``adamw_torch_fused`` (the default of transformers 5 with torch >=
+#: 2.8) and with no implementation flag for ``adamw_torch``, which on CUDA is
+#: ``foreach``.
+HF_OPTIMS = hf_optims()
 #: target_modules="all-linear": every Linear of the decoder blocks (peft leaves lm_head
 #: out)
 ALL_LINEAR = (

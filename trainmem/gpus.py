@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import OptionError
+from .errors import OptionError
 
 MiB = 1 << 20
 

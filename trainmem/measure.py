@@ -55,13 +55,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .config import CATEGORIES, OptionError, StepConfig, load_model_config, model_shape
+from .config import (
+    CATEGORIES,
+    OptionError,
+    StepConfig,
+    load_model_config,
+    model_shape,
+    step_signature,
+)
 from .tracker import MemoryTracker
 from .training_setup import (
     build_training_setup,
@@ -175,10 +183,12 @@ class _TrackedTraining:
             else contextlib.nullcontext()
         )
         with autocast:
-            # use_cache as the estimate describes it (StepConfig.cache_on: the
-            # config's default, off under checkpointing, or --use-cache)
             loss = self.model(
-                input_ids=self.inputs, labels=self.labels, use_cache=self.step.cache_on
+                # use_cache as the estimate describes it (StepConfig.cache_on: the
+                # config's default, off under checkpointing, or --use-cache)
+                input_ids=self.inputs,
+                labels=self.labels,
+                use_cache=self.step.cache_on,
             ).loss
         if step.grad_accum > 1:
             loss = loss / step.grad_accum
@@ -376,54 +386,35 @@ def _measurable_config(model: Any, step: StepConfig):
 def measure(
     model: Any = "tiny",
     *,
-    method: str = "full",
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    batch: int = 1,
-    seq: int = 512,
-    lora_rank: int = 8,
-    lora_alpha: int = 16,
-    lora_targets=("q_proj", "v_proj"),
-    lora_dtype: str | None = None,
-    checkpointing: bool = False,
-    attn: str = "sdpa",
-    grad_accum: int = 1,
     device: str = "cpu",
     extrapolate: bool | None = None,
     seed: int = 0,
-    optimizer_impl: str = "foreach",
-    lora_dropout: float = 0.0,
-    use_cache: str | None = None,
+    **options: Any,
 ) -> Measurement:
     """Measure one training step of ``model`` (preset name, config .json path, or HF
-    config): builds a :class:`~trainmem.config.StepConfig` of the options and runs
-    :func:`measure_step`.
+    config): ``options`` are the fields of :class:`~trainmem.config.StepConfig` (its
+    defaults apply, as in :func:`trainmem.estimate.estimate`); then
+    :func:`measure_step` runs.
 
     Returns a :class:`Measurement` (bytes). See the module docstring for the categories
     and the devices (``"cpu"``, ``"fake"``, ``"cuda"``). ``extrapolate`` (fake device
     only) measures 2 and 3 layers and extends linearly; ``None`` means "when the model
     has more than 3 layers". ``optimizer_impl`` (``"foreach"``, ``"fused"``,
-    ``"for-loop"``) selects torch's AdamW/SGD implementation explicitly (see
+    ``"for-loop"``) selects torch's implementation explicitly (see
     :data:`trainmem.config.OPTIMIZER_IMPLS`)."""
     _check_device(device)
-    step = StepConfig(
-        method=method,
-        precision=precision,
-        optimizer=optimizer,
-        optimizer_impl=optimizer_impl,
-        batch=batch,
-        seq=seq,
-        grad_accum=grad_accum,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_targets=lora_targets,
-        lora_dtype=lora_dtype,
-        checkpointing=checkpointing,
-        attn=attn,
-        lora_dropout=lora_dropout,
-        use_cache=use_cache,
-    )
+    step = StepConfig.from_options(options)
     return measure_step(model, step, device=device, extrapolate=extrapolate, seed=seed)
+
+
+_KEYWORD = inspect.Parameter.KEYWORD_ONLY
+step_signature(
+    measure,
+    inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="tiny"),
+    inspect.Parameter("device", _KEYWORD, default="cpu"),
+    inspect.Parameter("extrapolate", _KEYWORD, default=None),
+    inspect.Parameter("seed", _KEYWORD, default=0),
+)
 
 
 def _options_record(config, step: StepConfig, device: str, seed: int) -> dict:

@@ -6,11 +6,18 @@ second measurement of ``benchmarks/memory_accuracy.py`` (re-exported by
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any
 
 import torch
 
-from .config import StepConfig, load_model_config, model_shape
+from .config import (
+    OptionError,
+    StepConfig,
+    load_model_config,
+    model_shape,
+    step_signature,
+)
 from .training_setup import build_training_setup, until_states_exist
 
 
@@ -49,25 +56,7 @@ class _NoHook:
         pass
 
 
-def measure_memtracker(
-    model: Any = "tiny",
-    *,
-    method: str = "full",
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    batch: int = 1,
-    seq: int = 512,
-    lora_rank: int = 8,
-    lora_alpha: int = 16,
-    lora_targets=("q_proj", "v_proj"),
-    lora_dtype: str | None = None,
-    checkpointing: bool = False,
-    attn: str = "sdpa",
-    grad_accum: int = 1,
-    optimizer_impl: str = "foreach",
-    seed: int = 0,
-    use_cache: str | None = None,
-) -> int:
+def measure_memtracker(model: Any = "tiny", *, seed: int = 0, **options: Any) -> int:
     """Peak bytes of the same training step measured by torch's own tracker instead of
     ours.
 
@@ -90,23 +79,15 @@ def measure_memtracker(
 
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    step = StepConfig(
-        method=method,
-        precision=precision,
-        optimizer=optimizer,
-        optimizer_impl=optimizer_impl,
-        batch=batch,
-        seq=seq,
-        grad_accum=grad_accum,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_targets=lora_targets,
-        lora_dtype=lora_dtype,
-        checkpointing=checkpointing,
-        attn=attn,
-        use_cache=use_cache,
+    step = StepConfig.from_options(options)
+    if step.zero != 0 or step.gpus != 1:
+        raise OptionError("zero", "zero must be 0 and gpus 1 for a measurement")
+    batch, seq, grad_accum, precision = (
+        step.batch,
+        step.seq,
+        step.grad_accum,
+        step.precision,
     )
-    cache_on = step.cache_on  # the program trainmem.measure runs
     config = load_model_config(model)
     step.check_model(model_shape(config))
     torch.manual_seed(seed)
@@ -132,7 +113,10 @@ def measure_memtracker(
                 else contextlib.nullcontext()
             )
             with autocast:
-                loss = net(input_ids=inputs, labels=labels, use_cache=cache_on).loss
+                # the program trainmem.measure runs: use_cache as the step says
+                loss = net(
+                    input_ids=inputs, labels=labels, use_cache=step.cache_on
+                ).loss
             if grad_accum > 1:
                 loss = loss / grad_accum
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -161,3 +145,10 @@ def measure_memtracker(
     tracker = net = opt = None  # free the step's tensors
     gc.collect()
     return int(peak)
+
+
+step_signature(
+    measure_memtracker,
+    inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="tiny"),
+    inspect.Parameter("seed", inspect.Parameter.KEYWORD_ONLY, default=0),
+)

@@ -4,13 +4,20 @@ way for every device (real CPU or CUDA tensors, or fake tensors for 7B shapes)."
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import torch
 
 from .config import OptionError, StepConfig
+from .dtypes import dtype as dtype_entry
 from .models import build_model
+from .optimizers import OPTIMIZERS
+from .optimizers import optimizer as optimizer_entry
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The ``torch.dtype`` of a :data:`trainmem.dtypes.DTYPES` name (``"bf16"``)."""
+    return getattr(torch, dtype_entry(name).torch)
 
 
 def build_training_setup(
@@ -34,7 +41,7 @@ def build_training_setup(
         )
         model = get_peft_model(model, lora_config)
         if step.lora_dtype is not None:
-            dtype = _DTYPES[step.lora_dtype]
+            dtype = torch_dtype(step.lora_dtype)
             for name, param in model.named_parameters():
                 if "lora_" in name:
                     param.data = param.data.to(dtype)
@@ -105,35 +112,33 @@ def to_fake(model, mode):
                 mod._buffers[name] = fake_of(b)
 
 
-def _impl_flags(optimizer_impl: str) -> dict:
-    """torch.optim keyword arguments that select one implementation explicitly."""
-    if optimizer_impl == "fused":
-        return {"fused": True}
-    return {"foreach": optimizer_impl == "foreach"}
-
-
 def make_optimizer(
-    model, optimizer: str, lr: float = 1e-4, optimizer_impl: str = "foreach"
+    model, optimizer: str, lr: float = 1e-4, optimizer_impl: str | None = None
 ):
-    """The optimizer :func:`measure` uses, over the trainable parameters, with the
-    implementation chosen explicitly (``foreach``, ``fused`` or ``for-loop``: the same
-    on every device, so the CPU measurement holds the scratch memory a GPU run
-    holds)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    flags = _impl_flags(optimizer_impl)
-    if optimizer == "adamw":
-        opt = torch.optim.AdamW(params, lr=lr, **flags)
-    elif optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=lr, momentum=0.0, **flags)
-    elif optimizer == "sgd-momentum":
-        opt = torch.optim.SGD(params, lr=lr, momentum=0.9, **flags)
-    else:
+    """The optimizer :func:`measure` uses, over the trainable parameters, built from its
+    :mod:`trainmem.optimizers` entry with the implementation chosen explicitly
+    (``foreach``, ``fused`` or ``for-loop``: the same on every device, so the CPU
+    measurement holds the scratch memory a GPU run holds)."""
+    spec = optimizer_entry(optimizer)
+    impl_name = optimizer_impl or spec.default_impl
+    impl = spec.impl(impl_name)
+    if spec.torch is None or impl.flags is None:
+        why = spec.unmeasurable or f"{impl_name} is not a torch implementation here"
+        runnable = {
+            o.name: [k for k, i in o.impls.items() if i.flags is not None]
+            for o in OPTIMIZERS.values()
+            if o.torch is not None
+        }
+        allowed = ", ".join(f"{n} ({', '.join(k)})" for n, k in runnable.items())
         raise OptionError(
             "optimizer",
-            f"optimizer {optimizer!r} cannot be measured here (needs bitsandbytes on "
-            "CUDA); allowed for measure: adamw, sgd, sgd-momentum",
+            f"optimizer {optimizer!r} with optimizer_impl {impl_name!r} cannot be "
+            f"measured here ({why}); allowed for measure: {allowed}",
         )
-    return opt
+    module_name, _, class_name = spec.torch[0].partition(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return cls(params, lr=lr, **spec.torch[1], **impl.flags)
 
 
 def until_states_exist(train_step, opt, **kw) -> None:

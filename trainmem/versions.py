@@ -9,7 +9,7 @@ Standard library only (the in-page calculator runs it in Pyodide)."""
 
 from __future__ import annotations
 
-from .config import OptionError
+from .errors import OptionError
 
 LIBRARIES = ("transformers", "peft", "bitsandbytes", "torch")
 #: the versions this course pins (constraints.txt; bitsandbytes: the current release,

@@ -17,7 +17,8 @@ gradients of tensors used twice, and freeing the saved tensors of each node afte
 ran. Non-reentrant activation checkpointing keeps only each layer's inputs and
 recomputes the layer's forward when its backward starts (with PyTorch's early stop once
 the last saved tensor is recomputed).  The optimizer step allocates what the chosen
-torch implementation allocates (:func:`adamw_step_scratch`: foreach, fused, for-loop).
+torch implementation allocates (``step.SCRATCH_RULES``, named by the optimizer
+registry :mod:`trainmem.optimizers`).
 
 The running total of live bytes, split into the six categories of the estimator, gives
 the peak (:class:`~.accounting.Simulator`). Python's reference counting frees a buffer
@@ -28,5 +29,4 @@ Parts (imports go one way): :mod:`.accounting` (tensors, buffers, bytes by categ
 :mod:`.autograd` (nodes, backward, checkpointing) <- :mod:`.ops` (the ops and their
 autograd rules) <- :mod:`.llama` (the decoder and its parameters) <- :mod:`.step` (one
 training step: layouts, optimizer). The entry point is ``step.simulate_step(shape,
-step)``: a :class:`trainmem.config.Shape` and a :class:`trainmem.config.StepConfig`.
-:mod:`trainmem.simulate` re-exports the public names. Standard library only."""
+step)``: a :class:`trainmem.config.Shape` and a :class:`trainmem.config.StepConfig`. Standard library only."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from itertools import count
 
+from ..dtypes import DTYPES
+
 #: The six categories every estimate and measurement sorts its bytes into (the one
 #: definition: ``trainmem.config`` and ``trainmem.tracker`` import it from here).
 CATEGORIES = (
@@ -21,7 +23,8 @@ CATEGORIES = (
     "activations",
     "temporaries",
 )
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "i64": 8, "bool": 1}
+#: bytes per element of the dtypes a replayed tensor may have (from the one table)
+ITEMSIZE = {d.name: int(d.bytes) for d in DTYPES.values() if d.bytes >= 1}
 
 
 class Simulator:

@@ -65,7 +65,7 @@ def lora_linear(sim: Simulator, x: SimTensor, lin: dict) -> SimTensor:
     if lin.get("dropout"):
         # lora_B(lora_A(dropout(x))): peft's nn.Dropout for lora_dropout > 0 (one per
         # adapted module, so q/k/v each make their own mask and dropped copy)
-        x = dropout(sim, x, lin.get("device", "cuda"))
+        x = dropout(sim, x, lin.get("kernels", "cuda"))
     h = linear(sim, x, lin["A"])
     h2 = linear(sim, h, lin["B"])
     del h

@@ -424,7 +424,7 @@ def dropout(sim: Simulator, x: SimTensor, device: str = "cuda") -> SimTensor:
     ``_dropout_impl`` builds ``noise = empty_like(x).bernoulli_(1 - p).div_(1 - p)``
     and returns ``x * noise``: the saved mask is a tensor of ``x``'s dtype."""
     out_first = device != "cuda"
-    mask_dtype = "bool" if device == "cuda" else x.dtype
+    mask_dtype = "u8" if device == "cuda" else x.dtype  # torch.bool: 1 byte
     if out_first:
         mask = new(sim, x.shape, mask_dtype, layout=x.layout)
         out = new(sim, x.shape, x.dtype, layout=x.layout)

@@ -12,32 +12,94 @@ from .llama import build_params, llama_loss, trainable_params
 from ..versions import bnb_saves_input, cache_copies_kv, loss_form
 from .ops import mul_scalar
 
+from ..optimizers import optimizer
 
-def adamw_step_scratch(sim: Simulator, sizes: list[int], impl: str) -> None:
-    """The scratch tensors torch's AdamW allocates in ``step()`` (``sizes``: bytes of
-    each parameter's ``exp_avg_sq``, in the optimizer's parameter order).
 
-    * ``foreach`` (``_multi_tensor_adam``): ``torch.tensor(1.0)`` for the step count,
-      then ``_foreach_sqrt(exp_avg_sq)``: one copy of every state at once.
-    * ``for-loop`` (``_single_tensor_adam``): per parameter ``denom = (exp_avg_sq.sqrt()
-      / bc) .add_(eps)`` — the ``sqrt`` and the quotient coexist, and the previous
-      parameter's ``denom`` is released only when the name is rebound, after the new one
-      exists.
-    * ``fused`` (``_fused_adamw_``): updates in place, no scratch.
-    """
-    if impl == "foreach":
-        step_one = new(sim, (), "fp32")
-        tmp = [sim.alloc(n) for n in sizes]
-        del tmp, step_one
-    elif impl == "for-loop":
-        denom = None
-        for n in sizes:
-            root = sim.alloc(n)
-            quotient = sim.alloc(n)
-            del root
-            denom = quotient
-            del quotient
-        del denom
+def _adamw_foreach(sim: Simulator, params: list, state_dtype, part: float) -> None:
+    """torch's ``_multi_tensor_adam``: ``torch.tensor(1.0)`` for the step count, then
+    ``_foreach_sqrt(exp_avg_sq)``: one copy of every state at once."""
+    step_one = new(sim, (), "fp32")
+    tmp = [sim.alloc(n) for n in _state_sizes(params, state_dtype, part)]
+    del tmp, step_one
+
+
+def _adamw_for_loop(sim: Simulator, params: list, state_dtype, part: float) -> None:
+    """torch's ``_single_tensor_adam``: per parameter ``denom = (exp_avg_sq.sqrt() / bc)
+    .add_(eps)`` — the ``sqrt`` and the quotient coexist, and the previous parameter's
+    ``denom`` is released only when the name is rebound, after the new one exists."""
+    denom = None
+    for n in _state_sizes(params, state_dtype, part):
+        root = sim.alloc(n)
+        quotient = sim.alloc(n)
+        del root
+        denom = quotient
+        del quotient
+    del denom
+
+
+def _lion_for_loop(sim: Simulator, params: list, state_dtype, part: float) -> None:
+    """:class:`trainmem.lion.Lion` (lion-pytorch's update), per parameter: ``update =
+    exp_avg.clone().mul_(b1).add(grad, alpha=1 - b1).sign_()`` — the clone and the sum
+    coexist, the clone goes, and ``update`` is released when the per-parameter update
+    function returns."""
+    for n in _state_sizes(params, state_dtype, part):
+        clone = sim.alloc(n)
+        added = sim.alloc(n)
+        del clone, added
+
+
+def _adafactor_for_loop(sim: Simulator, params: list, state_dtype, part: float) -> None:
+    """torch's ``_single_tensor_adafactor`` (``foreach=False``), per parameter: a
+    matrix allocates ``row_mean`` (rows × 1) and ``col_mean`` (1 × cols), then
+    ``var_estimate = row_var @ col_var`` (a full-size tensor) and the scalar
+    ``row_var.mean()`` it is divided by; a vector allocates ``grad * grad`` and
+    ``variance.clone()``. ``update`` is ``var_estimate`` updated in place, and each
+    loop variable keeps the previous parameter's tensor until it is rebound. The norms
+    that end in ``.item()`` are 0-d tensors freed at once."""
+    live: dict[str, object] = {}
+
+    def bind(name: str, nbytes: int) -> None:
+        buffer = sim.alloc(nbytes)  # the new tensor exists before the old is released
+        live[name] = buffer
+
+    for p in params:
+        size = ITEMSIZE[state_dtype or p.dtype]
+        shape = p.shape
+        scalar = sim.alloc(size)  # param.norm(2)
+        del scalar
+        if len(shape) > 1:
+            rows = math.prod(shape[:-1])
+            cols = math.prod(shape[:-2]) * shape[-1]
+            bind("row_mean", int(math.ceil(rows * size * part)))
+            bind("col_mean", int(math.ceil(cols * size * part)))
+            bind("var_estimate", int(math.ceil(p.numel * size * part)))
+            mean = sim.alloc(size * math.prod(shape[:-2]))  # row_var.mean(dim=-2)
+            del mean
+        else:
+            bind("grad_squared", int(math.ceil(p.numel * size * part)))
+            bind("var_estimate", int(math.ceil(p.numel * size * part)))
+        live["update"] = live["var_estimate"]
+        scalar = sim.alloc(size)  # update.norm(2)
+        del scalar
+    live.clear()
+
+
+#: How ``optimizer.step()`` allocates scratch memory, by the rule names the optimizer
+#: registry (:mod:`trainmem.optimizers`) gives each implementation.
+SCRATCH_RULES = {
+    "adamw-foreach": _adamw_foreach,
+    "adamw-for-loop": _adamw_for_loop,
+    "lion-for-loop": _lion_for_loop,
+    "adafactor-for-loop": _adafactor_for_loop,
+}
+
+
+def _state_sizes(params: list, state_dtype, part: float) -> list[int]:
+    """Bytes of one full-size state of each parameter, in the optimizer's order."""
+    return [
+        int(math.ceil(p.numel * ITEMSIZE[state_dtype or p.dtype] * part))
+        for p in params
+    ]
 
 
 _HALF = {"fp16-amp": "fp16", "bf16-amp": "bf16"}  # the 16-bit dtype of a precision
@@ -91,7 +153,7 @@ def _build_model(sim: Simulator, shape, step, zero_dtype):
             for linear in layer.values():
                 if isinstance(linear, dict) and "A" in linear:
                     linear["dropout"] = True
-                    linear["device"] = step.device
+                    linear["kernels"] = step.kernels
     return model, trainable_params(model)
 
 
@@ -146,29 +208,12 @@ def _shard_for_zero(sim: Simulator, model: dict, params: list, step, zero_dtype)
 def _optimizer_states(sim: Simulator, params: list, step, state_dtype) -> list:
     """The optimizer states created in step 1 (``state_dtype`` ``None``: each
     parameter's own dtype), sharded under ZeRO."""
-    states = []
-
-    def state(shape, dtype):
-        return new(sim, shape, dtype, category="optimizer_states")
-
-    for p in params:
-        if step.optimizer == "adamw8bit":
-            if p.numel >= 4096:  # bitsandbytes keeps small tensors in 32-bit states
-                blocks = (2 * math.ceil(p.numel / 256),)
-                states += [
-                    state(p.shape, "bool"),
-                    state(p.shape, "bool"),
-                    state(blocks, "fp32"),
-                ]
-            else:
-                states += [state(p.shape, "fp32"), state(p.shape, "fp32")]
-            states.append(state((), "fp32"))
-        elif step.optimizer == "adamw":
-            dtype = state_dtype or p.dtype
-            states += [state(p.shape, dtype), state(p.shape, dtype)]
-            states.append(state((), "fp32"))  # step
-        elif step.optimizer == "sgd-momentum":
-            states.append(state(p.shape, state_dtype or p.dtype))
+    spec = optimizer(step.optimizer)
+    states = [
+        new(sim, st.shape, st.dtype, category="optimizer_states")
+        for p in params
+        for st in spec.states(p.shape, state_dtype or p.dtype)
+    ]
     if step.zero >= 1:
         for st in states:
             shrink(sim, st.buffer, 1.0 / step.gpus)
@@ -242,13 +287,10 @@ def simulate_step(shape, step, record_events: bool = False) -> dict:
     )
     sim.set_phase("optimizer")
     sim.mark("optimizer_start")
-    if step.optimizer == "adamw":
+    rule = optimizer(step.optimizer).impl(step.optimizer_impl).scratch
+    if rule is not None:
         part = 1.0 / step.gpus if step.zero >= 1 else 1.0
-        sizes = [
-            int(math.ceil(p.numel * ITEMSIZE[state_dtype or p.dtype] * part))
-            for p in params
-        ]
-        adamw_step_scratch(sim, sizes, step.optimizer_impl)
+        SCRATCH_RULES[rule](sim, params, state_dtype, part)
     del masters, gathered_layer
     sim.set_phase("idle")
     events = sim.events
