@@ -88,7 +88,7 @@ LABELS = {
     "kbit-prepare": "k-bit 准备（kbit-prepare）",
     "gpu": "GPU 型号（gpu）",
 }
-SKIP = {"help", "json"}  # the page always asks for --json
+SKIP = {"help", "json", "timeline"}  # the page always asks for --json --timeline
 CONFIG_CHOICE = "config.json"  # model value that means: the pasted config.json
 
 

@@ -189,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_step_options(pe, "estimate")
     _add_gpu_option(pe, required=False)
+    pe.add_argument(
+        "--timeline",
+        action="store_true",
+        help="with --json: add the step's memory timeline (bytes by category over the "
+        "replayed allocations, about 200 points)",
+    )
     pf = sub.add_parser(
         "fit",
         help="the largest micro-batch (or sequence) that fits a GPU, and the cheapest "
@@ -329,7 +335,7 @@ def _run(args):
     if args.command == "estimate":
         from .estimate import estimate_step
 
-        return estimate_step(args.model, step, gpu=args.gpu)
+        return estimate_step(args.model, step, gpu=args.gpu, timeline=args.timeline)
     if args.command == "fit":
         from .fit import fit
 

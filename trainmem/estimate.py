@@ -307,6 +307,9 @@ class MemoryEstimate:
     #: with ``gpu``: trainmem.gpus.device_report's numbers (reserved_bytes,
     #: device_bytes, fits, headroom_bytes, ...) and the step's memory timeline
     device: dict[str, Any] | None = None
+    #: with ``timeline=True``: bytes by category sampled over the step's allocation
+    #: events (about 200 points: ``event``, ``phase``, ``reserved`` and the categories)
+    timeline: list[dict[str, Any]] | None = None
 
     @property
     def reserved_bytes(self) -> int | None:
@@ -320,12 +323,12 @@ class MemoryEstimate:
     def fits(self) -> bool | None:
         return None if self.device is None else self.device["fits"]
 
-    def to_dict(self, timeline: bool = False) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         out = self._base_dict()
         if self.device is not None:
-            out.update(
-                {k: v for k, v in self.device.items() if k != "timeline" or timeline}
-            )
+            out.update(self.device)
+        if self.timeline is not None:
+            out["timeline"] = self.timeline
         return out
 
     def _base_dict(self) -> dict[str, Any]:
@@ -487,7 +490,7 @@ def _options_record(shape: Shape, step: StepConfig) -> dict[str, Any]:
 
 
 def estimate_step(
-    model: Any, step: StepConfig, gpu: str | None = None
+    model: Any, step: StepConfig, gpu: str | None = None, timeline: bool = False
 ) -> MemoryEstimate:
     """Estimate the peak memory (bytes, per GPU) of the training step ``step`` of
     ``model`` (a preset name, config .json path, config or :class:`Shape`)."""
@@ -501,7 +504,7 @@ def estimate_step(
     else:
         from .memory.step import simulate_step
 
-        result = simulate_step(shape, step, record_events=gpu is not None)
+        result = simulate_step(shape, step, record_events=gpu is not None or timeline)
         exact = True
         if step.method == "full":
             n_trainable = n_params
@@ -522,20 +525,29 @@ def estimate_step(
         exact,
         _options_record(shape, step),
         int(result["model_states"]),
-        _device(result, step, gpu),
+        *_device(result, step, gpu, timeline),
     )
 
 
-def _device(result: dict, step: StepConfig, gpu: str | None):
-    """trainmem.gpus.device_report of the replayed step on ``gpu`` (None without)."""
-    if gpu is None:
-        return None
-    from .gpus import device_report, get_gpu
+def _device(result: dict, step: StepConfig, gpu: str | None, timeline: bool):
+    """trainmem.gpus.device_report of the replayed step on ``gpu`` (None without) and
+    the step's timeline (None unless asked for)."""
+    if gpu is not None:
+        from .gpus import get_gpu
 
-    get_gpu(gpu)  # a bad name raises OptionError("gpu") also for gpt2
-    if not result.get("events"):
-        return None
-    return device_report(result["events"], gpu, step.library_versions, 200)
+        get_gpu(gpu)  # a bad name raises OptionError("gpu") also for gpt2
+    events = result.get("events")
+    if not events:
+        return None, None
+    if gpu is None:
+        from .memory.allocator import replay
+
+        return None, replay(events, None, 200)["timeline"]
+    from .gpus import device_report
+
+    device = device_report(events, gpu, step.library_versions, 200 if timeline else 0)
+    points = device.pop("timeline")
+    return device, (points if timeline else None)
 
 
 def estimate(

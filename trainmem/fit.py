@@ -41,6 +41,7 @@ def _fits(model, step: StepConfig, gpu: str) -> tuple[bool, Any]:
 
 def _largest(model, step: StepConfig, gpu: str, field: str, cap: int) -> int:
     """The largest value of ``field`` (batch or seq) in [1, cap] that fits (0: none)."""
+
     def ok(n):
         return _fits(model, dataclasses.replace(step, **{field: n}), gpu)[0]
 

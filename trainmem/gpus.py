@@ -88,9 +88,7 @@ def get_gpu(name: str) -> GPU:
     for key, gpu in GPUS.items():
         if key.lower() == str(name).lower():
             return gpu
-    raise OptionError(
-        "gpu", f"gpu must be one of {', '.join(GPUS)}, got {name!r}"
-    )
+    raise OptionError("gpu", f"gpu must be one of {', '.join(GPUS)}, got {name!r}")
 
 
 def cublas_workspace_bytes(gpu: GPU, torch_version: tuple) -> int:

@@ -62,7 +62,8 @@ def parse_versions(spec) -> dict[str, tuple[int, ...]]:
             named[lib.strip()] = ver.strip()
     else:
         raise OptionError(
-            "versions", f"versions must be a string or a dict, got {type(spec).__name__}"
+            "versions",
+            f"versions must be a string or a dict, got {type(spec).__name__}",
         )
     out = {}
     for lib in named:

@@ -200,7 +200,8 @@ def replay(events: list, capacity: int | None = None, timeline_points: int = 0):
     sizes, as ``max_memory_allocated`` counts them), ``oom`` (the event index where an
     allocation failed under ``capacity``, else ``None``) and, with
     ``timeline_points``, about that many samples of the live bytes by category
-    (``timeline``: dicts with ``event``, ``phase``, the categories and ``reserved``)."""
+    (``timeline``: dicts with ``event``, ``phase``, the categories and ``reserved``;
+    each the highest point of its stretch of events)."""
     events = _setup_at_final_size(events)
     alloc = CachingAllocator(capacity)
     blocks: dict[int, Block | None] = {}
@@ -210,6 +211,7 @@ def replay(events: list, capacity: int | None = None, timeline_points: int = 0):
     phase = "idle"
     timeline = []
     every = max(1, len(events) // timeline_points) if timeline_points else 0
+    best = None
     oom = None
     for i, ev in enumerate(events):
         kind, uid = ev[0], ev[1]
@@ -237,10 +239,18 @@ def replay(events: list, capacity: int | None = None, timeline_points: int = 0):
         except OutOfMemory:
             oom = i
             break
-        if every and i % every == 0:
-            timeline.append(
-                dict(event=i, phase=phase, reserved=alloc.reserved, **live)
-            )
+        if every:
+            # each bucket of ``every`` events keeps its highest point, so the
+            # timeline shows every peak (the optimizer's spike too)
+            total = sum(live.values())
+            if best is None or total > best[0]:
+                best = (
+                    total,
+                    dict(event=i, phase=phase, reserved=alloc.reserved, **live),
+                )
+            if i % every == every - 1 or i == len(events) - 1:
+                timeline.append(best[1])
+                best = None
     return {
         "peak_reserved": alloc.peak_reserved,
         "peak_allocated": alloc.peak_allocated,
