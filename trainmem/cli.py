@@ -274,6 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per sequence; default: max_length of the training arguments",
     )
     ph.add_argument(
+        "--versions",
+        default=None,
+        help="the user's library versions, e.g. transformers=4.48.1,peft=0.13.2,"
+        "bitsandbytes=0.43.3,torch=2.4.1 (any subset; default: the pinned ones)",
+    )
+    _add_gpu_option(ph, required=False)
+    ph.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object (total_bytes, breakdown, ...) instead of the table",
@@ -298,6 +305,8 @@ def _run_hf(args):
         _read_json("training_args", args.training_args),
         _read_json("peft_config", args.peft_config),
         seq=args.seq,
+        versions=args.versions,
+        gpu=args.gpu,
     )
 
 

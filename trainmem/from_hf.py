@@ -191,6 +191,8 @@ def _lora_options(peft_config: Any) -> dict[str, Any]:
         lora_rank=hf_field(peft_config, "r", 8),
         lora_alpha=hf_field(peft_config, "lora_alpha", 8),
         lora_targets=tuple(sorted(targets, key=lambda t: (ALL_LINEAR + (t,)).index(t))),
+        # peft's default 0.0 (nn.Identity); > 0 keeps a mask per adapted module
+        lora_dropout=float(hf_field(peft_config, "lora_dropout", 0.0) or 0.0),
     )
 
 
