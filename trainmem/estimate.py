@@ -81,10 +81,22 @@ tensors for 7B shapes) and with torch's own ``MemTracker`` to a few bytes in mos
 configurations; ``benchmarks/results/memory_accuracy.md`` lists a fixed grid and a
 random grid of tiny Llama, Qwen2 and Mistral configurations (GQA, tied embeddings, odd
 widths, every option) with the worst rows.  The ``forward`` phase peak under
-checkpointing is modelled less exactly (it is rarely the step's peak).  On a GPU,
-``max_memory_allocated`` adds the caching allocator's 512-byte rounding and kernel
-workspaces; ``max_memory_reserved`` adds fragmentation and the device total adds the
-CUDA context (several hundred MiB) — none of these is in the estimate. Llama-family
+checkpointing is modelled less exactly (it is rarely the step's peak).  With
+``gpu="T4"`` (any preset of :data:`trainmem.gpus.GPUS`) the step's allocations are
+replayed through a model of PyTorch's caching allocator (:mod:`trainmem.memory.
+allocator`) and the result adds ``reserved_bytes`` (``max_memory_reserved``: rounding,
+segments, fragmentation, the cuBLAS workspaces), ``device_bytes`` (plus the CUDA
+context: what ``nvidia-smi`` shows, a lower bound), ``fits`` and ``headroom_bytes``;
+``total_bytes`` stays the tensors' peak.
+
+The step as the user's stack runs it: ``lora_dropout`` (peft's dropout on each adapted
+module's input: a mask and a dropped copy), ``use_cache`` (``None``: as transformers
+decides — the config's ``use_cache``, off under checkpointing; from transformers 4.56
+the cache holds a copy of every layer's K and V), ``versions`` (the behaviours keyed on
+transformers, peft, bitsandbytes and torch releases, :mod:`trainmem.versions`: the loss
+forms before 4.46 / 4.46-4.48 / from 4.49, bitsandbytes' saved 4-bit inputs up to
+0.43.1) and ``kbit_prepare`` (QLoRA: ``"peft"`` = ``prepare_model_for_kbit_training``,
+the non-quantized weights in fp32; ``"none"`` = kept in 16 bit). Llama-family
 configs (llama, mistral, qwen2) are replayed; ``gpt2`` uses the closed-form activation
 estimate of Korthikanti et al. (2022) and is marked ``exact=False``.
 
