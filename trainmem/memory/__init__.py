@@ -29,4 +29,6 @@ Parts (imports go one way): :mod:`.accounting` (tensors, buffers, bytes by categ
 :mod:`.autograd` (nodes, backward, checkpointing) <- :mod:`.ops` (the ops and their
 autograd rules) <- :mod:`.llama` (the decoder and its parameters) <- :mod:`.step` (one
 training step: layouts, optimizer). The entry point is ``step.simulate_step(shape,
-step)``: a :class:`trainmem.config.Shape` and a :class:`trainmem.config.StepConfig`. Standard library only."""
+step)``: a :class:`trainmem.config.Shape` and a :class:`trainmem.config.StepConfig`.
+:mod:`.allocator` replays the step's recorded allocations through a model of PyTorch's
+CUDA caching allocator. Standard library only."""
