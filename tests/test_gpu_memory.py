@@ -72,6 +72,13 @@ def _config():
         ),
         dict(method="lora", precision="bf16-amp", use_cache="on"),
         dict(method="full", precision="fp32", use_cache="on", attn="eager"),
+        # reentrant checkpointing: the whole layer is recomputed, its output kept
+        dict(
+            method="lora",
+            precision="bf16-amp",
+            checkpointing=True,
+            checkpointing_mode="reentrant",
+        ),
     ],
 )
 def test_new_options_agree_with_cpu_measurement(kw):
@@ -84,6 +91,20 @@ def test_new_options_agree_with_cpu_measurement(kw):
     meas = measure(_config(), batch=2, seq=32, kernels="cpu", **kw)
     assert abs(est.total_bytes - meas.total_bytes) <= 16, (est.total_bytes, meas)
     assert abs(est.activation_bytes - meas.activation_bytes) <= 16
+
+
+def test_reentrant_keeps_the_recomputed_layer_output():
+    """use_reentrant=True (transformers' default before 5.0) recomputes the whole layer
+    and holds its output until the layer's backward ends: one bf16 hidden state more
+    than the non-reentrant form's early-stopping recompute, at the backward peak."""
+    kw = dict(method="lora", precision="bf16-amp", batch=2, seq=64, checkpointing=True)
+    non = estimate(SMALL, **kw)
+    re = estimate(SMALL, **kw, checkpointing_mode="reentrant")
+    assert re.options["checkpointing_mode"] == "reentrant"
+    assert re.total_bytes - non.total_bytes == 2 * 64 * 128 * 2
+    with pytest.raises(OptionError) as e:
+        StepConfig(checkpointing_mode="both")
+    assert e.value.option == "checkpointing_mode"
 
 
 def test_dropout_mask_per_adapted_module():

@@ -387,6 +387,14 @@ class StepConfig:
     gpus: int = _option(
         1, "data-parallel GPUs (≥ 1)", kind="positive", estimate_only=True
     )
+    checkpointing_mode: str = _option(
+        "non-reentrant",
+        "with --checkpointing: torch.utils.checkpoint's form — non-reentrant (what "
+        "transformers >= 5.0 asks for) or reentrant (use_reentrant=True, the default "
+        "of gradient_checkpointing_enable() before 5.0): the whole layer is "
+        "recomputed and its output kept until the layer's backward ends",
+        choices=("non-reentrant", "reentrant"),
+    )
     lora_dropout: float = _option(
         0.0,
         "peft's lora_dropout (0 ≤ p < 1; > 0 adds a mask and a dropped copy of each "
@@ -453,6 +461,11 @@ class StepConfig:
         check_choice("use_cache", self.use_cache, USE_CACHE)
         check_choice("kbit_prepare", self.kbit_prepare, KBIT_PREPARE)
         check_choice("kernels", self.kernels, KERNELS)
+        check_choice(
+            "checkpointing_mode",
+            self.checkpointing_mode,
+            ("non-reentrant", "reentrant"),
+        )
         p = self.lora_dropout
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
             raise OptionError(

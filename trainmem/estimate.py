@@ -494,6 +494,7 @@ def _options_record(shape: Shape, step: StepConfig) -> dict[str, Any]:
         gpus=step.gpus,
         grad_accum=step.grad_accum,
         optimizer_impl=step.optimizer_impl,
+        checkpointing_mode=step.checkpointing_mode,
         lora_dropout=step.lora_dropout,
         use_cache="on" if step.cache_on else "off",
         versions={k: ".".join(map(str, v)) for k, v in step.library_versions.items()},

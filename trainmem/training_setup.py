@@ -47,7 +47,9 @@ def build_training_setup(
                     param.data = param.data.to(dtype)
     if step.checkpointing:
         model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False}
+            gradient_checkpointing_kwargs={
+                "use_reentrant": step.checkpointing_mode == "reentrant"
+            }
         )
     model.train()
     return model, make_optimizer(model, step.optimizer, lr, step.optimizer_impl)

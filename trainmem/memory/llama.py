@@ -210,6 +210,7 @@ def llama_loss(
                 cos,
                 sin,
                 pos,
+                reentrant=cfg.get("reentrant", False),
             )
         else:
             h = decoder_layer(sim, h, cos, sin, layer, cfg, mask)

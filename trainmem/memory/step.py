@@ -231,6 +231,7 @@ def _forward_backward(sim: Simulator, model: dict, shape, step, autocast, batch)
         "attn": step.attn_memory,
         "checkpointing": step.checkpointing,
         "loss_form": loss_form(step.library_versions),
+        "reentrant": step.checkpointing_mode == "reentrant",
     }
     activations_at_end = 0
     for _ in range(step.grad_accum):
