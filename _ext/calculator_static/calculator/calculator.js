@@ -370,6 +370,7 @@ def tm_formats(text):
         root.dataset.timings = JSON.stringify(timings);
       }
       root.dataset.state = "ready";
+      if (res.rc !== 0) return;   // render() has put the error (in Chinese) in the status
       status.textContent = `就绪（浏览器内 Python，首次结果用时 ${(root.dataset.firstAnswerMs / 1000).toFixed(1)} s；`
         + `本次计算 ${ms.toFixed(0)} ms）。修改任一选项即重新计算，结果与 python -m trainmem estimate 相同。`;
     }
