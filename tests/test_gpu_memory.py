@@ -329,21 +329,19 @@ def test_three_numbers_and_fits():
 
 
 def test_fit_max_batch_is_the_boundary(capsys):
-    from trainmem.fit import fit
-
-    step = StepConfig(method="qlora", batch=64, seq=512)
-    r = fit("llama2-7b", step, "T4")
+    argv = ["fit", "--model", "llama2-7b", "--method", "qlora", "--gpu", "T4"]
+    assert main(argv + ["--batch", "8", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
     n = r["max_batch"]
     assert n >= 1 and r["device_bytes"] <= GPUS["T4"].capacity_bytes
-    assert estimate("llama2-7b", method="qlora", batch=n, seq=512, gpu="T4").fits
-    assert not estimate(
-        "llama2-7b", method="qlora", batch=n + 1, seq=512, gpu="T4"
-    ).fits
-    change = r["cheapest_change"]
-    assert change["change"].startswith("micro-batch") and change["options"]["batch"]
-    assert main(["fit", "--model", "llama2-7b", "--method", "qlora", "--gpu", "T4",
-                 "--batch", "64", "--json"]) == 0  # fmt: skip
-    assert json.loads(capsys.readouterr().out)["max_batch"] == n
+    kw = dict(method="qlora", seq=512, gpu="T4")
+    assert estimate("llama2-7b", batch=n, **kw).fits
+    assert not estimate("llama2-7b", batch=n + 1, **kw).fits
+    assert r["requested"] == {"batch": 8, "fits": n >= 8}
+    change = r["cheapest_change"]  # 8 does not fit: halve it, accumulate twice as much
+    assert change["change"].startswith("micro-batch")
+    b = change["options"]["batch"]
+    assert b <= n and change["options"]["grad_accum"] * b == 8
 
 
 def test_fit_vary_seq_and_oom_change(capsys):

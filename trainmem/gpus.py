@@ -123,10 +123,12 @@ def device_report(events: list, gpu_name: str, versions: dict, timeline_points=0
     workspace = cublas_workspace_bytes(gpu, torch_version)
     context = context_bytes(gpu, torch_version)
     prelude = [("alloc", -1 - i, workspace, "temporaries", "idle") for i in range(2)]
-    unlimited = replay(prelude + events, None, timeline_points)
     # under the card's limit the allocator releases its free cached segments before
     # it gives up, so a step can fit although its unlimited reserved peak does not
-    limited = replay(prelude + events, gpu.capacity_bytes - context)
+    limited = replay(prelude + events, gpu.capacity_bytes - context, timeline_points)
+    unlimited = limited
+    if limited["oom"] is not None or limited["released"]:
+        unlimited = replay(prelude + events, None, timeline_points)
     fits = limited["oom"] is None
     reserved = limited["peak_reserved"] if fits else unlimited["peak_reserved"]
     device = reserved + context

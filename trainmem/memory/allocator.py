@@ -81,6 +81,7 @@ class CachingAllocator:
     peak_reserved: int = 0
     peak_allocated: int = 0
     segments: int = 0
+    released: bool = False  # cached segments were given back to make room
     _free: dict = field(default_factory=lambda: {True: [], False: []})
     _blocks: dict = field(default_factory=dict)  # segment id -> first block
     _segment_pool: dict = field(default_factory=dict)
@@ -113,6 +114,7 @@ class CachingAllocator:
         return block
 
     def _release_cached(self) -> None:
+        self.released = True
         for small in (True, False):
             keep = []
             for key, block in self._free[small]:
@@ -255,5 +257,6 @@ def replay(events: list, capacity: int | None = None, timeline_points: int = 0):
         "peak_reserved": alloc.peak_reserved,
         "peak_allocated": alloc.peak_allocated,
         "oom": oom,
+        "released": alloc.released,
         "timeline": timeline,
     }
