@@ -36,6 +36,7 @@ from collections import defaultdict
 
 import torch
 
+from trainmem.dtypes import GiB, MiB
 from trainmem.estimate import (
     OPTIMIZER_IMPLS,
     PRECISIONS,
@@ -46,7 +47,6 @@ from trainmem.estimate import (
 )
 from trainmem.measure import measure, measure_memtracker
 
-GiB = 2**30
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -90,7 +90,7 @@ GRID = [
 
 
 def fmt(n: int, unit: str) -> str:
-    return f"{n / 2**20:,.3f} MiB" if unit == "MiB" else f"{n / GiB:,.3f} GiB"
+    return f"{n / MiB:,.3f} MiB" if unit == "MiB" else f"{n / GiB:,.3f} GiB"
 
 
 def rel(a: int, b: int) -> float:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 ENV_VAR = "COURSE_GPU"
 ALLOWED = ("auto", "cpu", "on", "off", "1", "0")
@@ -288,54 +288,28 @@ def matmul_rows(
     return rows
 
 
-FP16_MAX = 65504.0
+# the chapters' domain logic lives in trainmem; the device decides the precision here
+# (standard-library modules only at import time; torch ones inside the functions)
+from trainmem.estimate import EstimateCheckPlan as EstimateCheckPlan  # noqa: E402
+from trainmem.estimate import fit_batch as fit_batch  # noqa: E402
+from trainmem.formats import FP16_MAX as FP16_MAX  # noqa: E402
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainmem.quant import QLoRAPlan
 
 
 def loss_scale_demo(steps: int, tokens_per_batch: int) -> dict:
-    """GradScaler settings that make a short fp16 run show both back-off and growth.
+    """:func:`trainmem.scaler.loss_scale_demo` (chapter 2's GradScaler settings)."""
+    from trainmem.scaler import loss_scale_demo as demo
 
-    The gradient of the mean cross-entropy w.r.t. one logit is at most 1/N (N tokens per
-    batch), so the scaled gradient entering the fp16 ``lm_head`` backward overflows once
-    ``S / N > 65504``. Starting 4x above that guarantees overflows (back-off, step
-    skipped) in the first steps; a growth interval of a sixth of the run then lets the
-    scale grow and overflow again several times. (The default ``growth_interval=2000``
-    shows nothing in a 60-step demo.)
-    """
-    import math
-
-    if steps < 6 or tokens_per_batch < 1:
-        raise ValueError(
-            "loss_scale_demo needs steps >= 6 and tokens_per_batch >= 1, "
-            f"got {steps}, {tokens_per_batch}"
-        )
-    init = 2.0 ** (math.ceil(math.log2(FP16_MAX * tokens_per_batch)) + 2)
-    return {"init_scale": init, "growth_interval": max(2, steps // 6)}
+    return demo(steps, tokens_per_batch)
 
 
 def scale_events(scales: list[float]) -> dict[str, int]:
-    """Count growths (scale went up) and back-offs (went down) in a per-step list of
-    scales."""
-    ups = sum(b > a for a, b in zip(scales, scales[1:]))
-    downs = sum(b < a for a, b in zip(scales, scales[1:]))
-    return {"growth": ups, "backoff": downs}
+    """:func:`trainmem.scaler.scale_events` (growths and back-offs of a run)."""
+    from trainmem.scaler import scale_events as events
 
-
-def fit_batch(free_bytes: int, need_bytes, want: int, margin: float = 0.85) -> int:
-    """Largest batch ``b <= want`` whose ``need_bytes(b)`` fits in ``margin *
-    free_bytes``.
-
-    ``need_bytes`` maps a batch size to the estimated peak (bytes); ``margin`` leaves
-    room for the caching allocator's rounding and fragmentation. Raises ``ValueError``
-    with both sizes in GiB when not even one sample fits.
-    """
-    budget = margin * free_bytes
-    for b in range(want, 0, -1):
-        if need_bytes(b) <= budget:
-            return b
-    raise ValueError(
-        f"batch 1 needs {need_bytes(1) / 2**30:.2f} GiB; the device has "
-        f"{free_bytes / 2**30:.2f} GiB free ({margin:.0%} of it usable)"
-    )
+    return events(scales)
 
 
 def free_memory(device_type: str) -> int | None:
@@ -348,16 +322,6 @@ def free_memory(device_type: str) -> int | None:
     return int(torch.cuda.mem_get_info()[0])
 
 
-@dataclass(frozen=True)
-class EstimateCheckPlan:
-    """Chapter 3's "check the estimate on the GPU" cell: what to run."""
-
-    precision: str
-    batch: int
-    seq: int
-    need_bytes: int  # the estimate for that batch
-
-
 def estimate_check_plan(
     cfg,
     device_type: str,
@@ -367,21 +331,12 @@ def estimate_check_plan(
     seq: int = 512,
 ) -> EstimateCheckPlan:
     """Precision from the capability (fp16-amp below sm_80, where SDPA's
-    memory-efficient kernel runs and the estimate's ``attn="sdpa"`` holds), batch scaled
-    to ``free_bytes``."""
-    from trainmem.estimate import estimate
+    memory-efficient kernel runs and the estimate's ``attn="sdpa"`` holds), then
+    :func:`trainmem.estimate.estimate_check_plan` (batch scaled to ``free_bytes``)."""
+    from trainmem.estimate import estimate_check_plan as plan_for
 
-    plan = amp_plan(device_type, capability)
-
-    def need(b):
-        return estimate(
-            cfg, method="full", precision=plan.precision, batch=b, seq=seq
-        ).total_bytes
-
-    batch = (
-        want_batch if free_bytes is None else fit_batch(free_bytes, need, want_batch)
-    )
-    return EstimateCheckPlan(plan.precision, batch, seq, need(batch))
+    precision = amp_plan(device_type, capability).precision
+    return plan_for(cfg, precision, free_bytes, want_batch, seq)
 
 
 SDPA_OPS = {  # aten op seen by a TorchDispatchMode -> the SDPA backend that ran
@@ -461,9 +416,9 @@ def sdpa_backend_ran(fn) -> str:
     return sdpa_backend_from_ops(rec.ops)
 
 
-# : Memory a GPU reports (``torch.cuda.get_device_properties(0).total_memory / 2**30``,
-# recent : drivers, ECC on), not the marketing number: a "16 GB" T4 exposes about 14.6
-# GiB.
+#: Memory a GPU reports (``torch.cuda.get_device_properties(0).total_memory / 2**30``,
+#: recent drivers, ECC on), not the marketing number: a "16 GB" T4 exposes about 14.6
+#: GiB.
 REPORTED_GIB = {
     "T4 16GB": 14.56,
     "A10 24GB": 22.06,
@@ -487,27 +442,11 @@ def usable_capacities(include_current: bool = True) -> dict[str, float]:
     return caps
 
 
-@dataclass(frozen=True)
-class QLoRAPlan:
-    """Chapter 7's QLoRA cell: the BitsAndBytesConfig arguments and the optimizer to
-    use."""
-
-    quant_kwargs: dict  # for transformers.BitsAndBytesConfig
-    compute_dtype: object
-    optimizer: str  # bitsandbytes optimizer class name (paged 8-bit AdamW)
-    lora_baseline_dtype: object  # dtype of the plain-LoRA comparison run
-
-
 def qlora_plan(
     device_type: str, capability: tuple[int, int] | None = None
 ) -> QLoRAPlan:
     """NF4 + double quantization; compute in bf16 (fp16 below sm_80); paged 8-bit
-    AdamW."""
-    plan = amp_plan(device_type, capability)
-    kwargs = {
-        "load_in_4bit": True,
-        "bnb_4bit_quant_type": "nf4",
-        "bnb_4bit_use_double_quant": True,
-        "bnb_4bit_compute_dtype": plan.dtype,
-    }
-    return QLoRAPlan(kwargs, plan.dtype, "PagedAdamW8bit", plan.dtype)
+    AdamW (:func:`trainmem.quant.qlora_plan`)."""
+    from trainmem.quant import qlora_plan as plan_for
+
+    return plan_for(amp_plan(device_type, capability).dtype)

@@ -19,16 +19,18 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+from .config import split_targets
+from .dtypes import DTYPES as _DTYPES
+from .dtypes import FLOAT_DTYPES
 from .estimate import estimate, lora_trainable_params, model_shape
 
 #: bytes per element and safetensors dtype tag of the adapter dtypes the demo offers
+#: (from the one table, :data:`trainmem.dtypes.DTYPES`)
 DTYPES: dict[str, tuple[int, str]] = {
-    "fp32": (4, "F32"),
-    "bf16": (2, "BF16"),
-    "fp16": (2, "F16"),
+    name: (int(_DTYPES[name].bytes), _DTYPES[name].safetensors) for name in FLOAT_DTYPES
 }
 
-# : where each Llama linear sits inside one decoder layer
+# where each Llama linear sits inside one decoder layer
 # (``model.layers.{i}.<parent>.<name>``)
 _PARENT = {
     "q_proj": "self_attn",
@@ -42,9 +44,7 @@ _PARENT = {
 
 
 def _targets(targets: Iterable[str] | str) -> list[str]:
-    if isinstance(targets, str):
-        return [t.strip() for t in targets.split(",") if t.strip()]
-    return list(targets)
+    return list(split_targets(targets))
 
 
 def _dtype(dtype: str) -> tuple[int, str]:

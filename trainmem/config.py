@@ -6,12 +6,9 @@
   :func:`estimate <trainmem.estimate.estimate>`, :func:`simulate_step
   <trainmem.memory.step.simulate_step>` and :func:`measure <trainmem.measure.measure>`
   all take one.
-* :class:`Shape` — the numbers of a decoder-only transformer that decide its memory.
-* :func:`load_model_config` — the one place a model is read: a preset name, a
-  ``config.json`` path, a dict of its fields or a ``transformers`` config becomes a
-  config object; :func:`read_json_object` is the one function that opens a JSON file
-  (model configs, training arguments, adapter configs) and says which file is wrong and
-  why.
+* re-exported: :class:`Shape`, :func:`load_model_config` and :func:`model_shape` (the
+  model, from :mod:`trainmem.families`), :class:`OptionError` and
+  :func:`read_json_object` (from :mod:`trainmem.errors`).
 
 Standard library only (the book's in-page calculator runs this module in Pyodide).
 """
@@ -19,8 +16,6 @@ Standard library only (the book's in-page calculator runs this module in Pyodide
 from __future__ import annotations
 
 import inspect
-import json
-import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -28,6 +23,10 @@ from .dtypes import FLOAT_DTYPES
 from .errors import OptionError as OptionError
 from .errors import check_choice as check_choice
 from .errors import check_positive_int as check_positive_int
+from .errors import read_json_object as read_json_object
+from .families import Shape as Shape
+from .families import load_model_config as load_model_config
+from .families import model_shape as model_shape
 
 # the six byte categories every result uses (re-exported)
 from .memory.accounting import CATEGORIES as CATEGORIES
@@ -58,235 +57,6 @@ def split_targets(lora_targets) -> tuple[str, ...]:
     if isinstance(lora_targets, str):
         return tuple(t.strip() for t in lora_targets.split(",") if t.strip())
     return tuple(lora_targets)
-
-
-# --------------------------------------------------------------------------------------
-# the model
-# --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Shape:
-    """The numbers of a decoder-only transformer that decide its memory (counts, no
-    units). Validated when built: every size is a positive integer."""
-
-    arch: str  # "llama" (also Qwen2/Mistral-style) or "gpt2"
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tied: bool
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    positions: int = 0  # learned position embeddings (gpt2); 0 for RoPE models
-    name: str = "config"
-
-    def __post_init__(self):
-        if self.arch not in ("llama", "gpt2"):
-            raise OptionError(
-                "model", f"model: arch must be llama or gpt2, got {self.arch!r}"
-            )
-        for size in (
-            "vocab",
-            "hidden",
-            "intermediate",
-            "layers",
-            "heads",
-            "kv_heads",
-            "head_dim",
-        ):
-            value = getattr(self, size)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise OptionError(
-                    "model",
-                    f"model {self.name!r}: {size} must be a positive integer, "
-                    f"got {value!r}",
-                )
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(d_in, d_out) of each Linear of one decoder layer, by module name (the LoRA
-        targets)."""
-        hidden, inner = self.hidden, self.intermediate
-        if self.arch == "gpt2":
-            return {
-                "c_attn": (hidden, 3 * hidden),
-                "attn.c_proj": (hidden, hidden),
-                "c_fc": (hidden, inner),
-                "mlp.c_proj": (inner, hidden),
-            }
-        return {
-            "q_proj": (hidden, self.q_dim),
-            "k_proj": (hidden, self.kv_dim),
-            "v_proj": (hidden, self.kv_dim),
-            "o_proj": (self.q_dim, hidden),
-            "gate_proj": (hidden, inner),
-            "up_proj": (hidden, inner),
-            "down_proj": (inner, hidden),
-        }
-
-
-def read_json_object(
-    path: str, option: str, what: str = "file", missing_hint: str = ""
-) -> dict[str, Any]:
-    """The JSON object in the file ``path`` — the only place a JSON file is read.
-
-    ``option`` names the argument the path came from and ``what`` describes the file
-    (``"model config file"``); a missing file (with ``missing_hint`` appended), invalid
-    JSON or anything but an object raises :class:`OptionError` with one line naming the
-    file and the problem."""
-    if not os.path.isfile(path):
-        raise OptionError(option, f"{what} {path!r} does not exist{missing_hint}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        reason = e.msg if hasattr(e, "msg") else e
-        raise OptionError(
-            option, f"{what} {path!r} is not valid JSON ({reason})"
-        ) from None
-    if not isinstance(data, dict):
-        raise OptionError(
-            option,
-            f"{what} {path!r} must hold a JSON object, got {type(data).__name__}",
-        )
-    return data
-
-
-def load_model_config(model: Any):
-    """``model`` as a config object with the fields of a ``transformers`` config: a
-    preset name (:data:`trainmem.models.PRESETS`), a path to a ``config.json``
-    (:func:`trainmem.models.load_config_file`, which reads it with
-    :func:`read_json_object`), a dict of a ``config.json``'s fields, or a config
-    (returned as it is). Anything else raises :class:`OptionError` for ``model``."""
-    from . import models
-
-    if isinstance(model, str):
-        if model.endswith(".json") or os.path.sep in model:
-            return models.load_config_file(model)
-        return models.get_config(model)
-    if isinstance(model, dict):
-        from types import SimpleNamespace
-
-        return SimpleNamespace(**{"name_or_path": "config", **model})
-    if hasattr(model, "vocab_size") and (
-        hasattr(model, "to_dict") or hasattr(model, "model_type")
-    ):
-        return model  # a transformers config, or any object with its fields
-    if isinstance(model, Shape):
-        raise OptionError(
-            "model",
-            "model: pass a preset name, a config .json path or a transformers config",
-        )
-    raise OptionError(
-        "model",
-        f"model must be a preset name ({', '.join(models.preset_names())}), a config "
-        f".json path or a transformers config, got {type(model).__name__}",
-    )
-
-
-def _shape_from_config(config) -> Shape:
-    name = getattr(config, "name_or_path", "") or "config"
-    model_type = getattr(config, "model_type", "")
-    if model_type == "gpt2":
-        hidden = config.n_embd
-        return Shape(
-            "gpt2",
-            config.vocab_size,
-            hidden,
-            config.n_inner or 4 * hidden,
-            config.n_layer,
-            config.n_head,
-            config.n_head,
-            hidden // config.n_head,
-            True,
-            qkv_bias=True,
-            o_bias=True,
-            mlp_bias=True,
-            positions=config.n_positions,
-            name=name,
-        )
-    hidden = config.hidden_size
-    heads = config.num_attention_heads
-    attention_bias = bool(getattr(config, "attention_bias", False))
-    return Shape(
-        "llama",
-        config.vocab_size,
-        hidden,
-        config.intermediate_size,
-        config.num_hidden_layers,
-        heads,
-        getattr(config, "num_key_value_heads", None) or heads,
-        getattr(config, "head_dim", None) or hidden // heads,
-        bool(getattr(config, "tie_word_embeddings", False)),
-        qkv_bias=attention_bias or model_type == "qwen2",
-        o_bias=attention_bias,
-        mlp_bias=bool(getattr(config, "mlp_bias", False)),
-        name=name,
-    )
-
-
-def _shape_from_preset(name: str) -> Shape:
-    """The :class:`Shape` of a preset, from its fields (no ``transformers`` import)."""
-    from . import models
-
-    fields = dict(models.PRESETS[name])
-    arch = fields.pop("arch")
-    if arch == "gpt2":
-        hidden = fields["n_embd"]
-        return Shape(
-            "gpt2",
-            fields["vocab_size"],
-            hidden,
-            fields.get("n_inner") or 4 * hidden,
-            fields["n_layer"],
-            fields["n_head"],
-            fields["n_head"],
-            hidden // fields["n_head"],
-            True,
-            qkv_bias=True,
-            o_bias=True,
-            mlp_bias=True,
-            positions=fields.get("n_positions", 1024),
-            name=name,
-        )
-    hidden, heads = fields["hidden_size"], fields["num_attention_heads"]
-    return Shape(
-        "llama",
-        fields["vocab_size"],
-        hidden,
-        fields["intermediate_size"],
-        fields["num_hidden_layers"],
-        heads,
-        fields.get("num_key_value_heads") or heads,
-        fields.get("head_dim") or hidden // heads,
-        bool(fields.get("tie_word_embeddings", arch == "qwen2")),
-        qkv_bias=arch == "qwen2",
-        o_bias=bool(fields.get("attention_bias", False)),
-        mlp_bias=bool(fields.get("mlp_bias", False)),
-        name=name,
-    )
-
-
-def model_shape(model: Any) -> Shape:
-    """The :class:`Shape` of a preset name, config .json path, config dict or
-    ``transformers`` config (a :class:`Shape` is returned as it is)."""
-    if isinstance(model, Shape):
-        return model
-    from . import models
-
-    if isinstance(model, str) and model in models.PRESETS:
-        return _shape_from_preset(model)
-    return _shape_from_config(load_model_config(model))
 
 
 # --------------------------------------------------------------------------------------

@@ -97,3 +97,14 @@ def nf4_bytes_per_weight(
     if not double_quant:
         return 0.5 + 4 / block_size
     return 0.5 + 1 / block_size + 4 / (block_size * dq_block_size)
+
+
+BLOCKWISE8_BLOCK = 256  # values per fp32 absmax in bitsandbytes' 8-bit optimizer states
+
+
+def blockwise8_bytes_per_value(block_size: int = BLOCKWISE8_BLOCK) -> float:
+    """Bytes one value of a blockwise 8-bit state occupies: 1 + its share of one fp32
+    absmax per ``block_size`` values (Dettmers et al. 2022; bitsandbytes: 256)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be ≥ 1, got {block_size}")
+    return 1 + 4 / block_size

@@ -1,8 +1,11 @@
-"""The one error type of the estimator and the measurement, and the checks that raise
-it. Standard library only."""
+"""The one error type of the estimator and the measurement, the checks that raise it,
+and the one function that reads a JSON file (model configs, training arguments, adapter
+configs). Standard library only."""
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Mapping, TypeVar
 
 T = TypeVar("T")
@@ -37,3 +40,30 @@ def lookup(registry: Mapping[Any, T], option: str, key: Any) -> T:
     except (KeyError, TypeError):
         check_choice(option, key, tuple(registry))
         raise  # pragma: no cover - check_choice raised
+
+
+def read_json_object(
+    path: str, option: str, what: str = "file", missing_hint: str = ""
+) -> dict[str, Any]:
+    """The JSON object in the file ``path`` — the only place a JSON file is read.
+
+    ``option`` names the argument the path came from and ``what`` describes the file
+    (``"model config file"``); a missing file (with ``missing_hint`` appended), invalid
+    JSON or anything but an object raises :class:`OptionError` with one line naming the
+    file and the problem."""
+    if not os.path.isfile(path):
+        raise OptionError(option, f"{what} {path!r} does not exist{missing_hint}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        reason = e.msg if hasattr(e, "msg") else e
+        raise OptionError(
+            option, f"{what} {path!r} is not valid JSON ({reason})"
+        ) from None
+    if not isinstance(data, dict):
+        raise OptionError(
+            option,
+            f"{what} {path!r} must hold a JSON object, got {type(data).__name__}",
+        )
+    return data

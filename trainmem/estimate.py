@@ -133,6 +133,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -154,6 +155,9 @@ from .config import (
     split_targets,
     step_signature,
 )
+from .dtypes import GB, GiB
+from .families import FAMILIES, lora_adapter_params
+from .from_hf import ALL_LINEAR, HF_OPTIMS, hf_field_error, hf_options
 
 __all__ = [
     "ATTN_IMPLS",
@@ -186,9 +190,6 @@ __all__ = [
     "hf_options",
 ]
 
-GiB = 1024**3
-GB = 1000**3
-
 
 # --------------------------------------------------------------------------------------
 # parameter counts and bytes per parameter
@@ -197,31 +198,7 @@ def count_params(model: Any) -> int:
     """Number of parameters of the base model (no adapters), exactly as ``transformers``
     builds it."""
     shape = model_shape(model)
-    hidden, inner, layers = shape.hidden, shape.intermediate, shape.layers
-    if shape.arch == "gpt2":
-        per_layer = (
-            (2 * hidden)
-            + (hidden * 3 * hidden + 3 * hidden)
-            + (hidden * hidden + hidden)
-            + (2 * hidden)
-            + (hidden * inner + inner)
-            + (inner * hidden + hidden)
-        )
-        return (
-            shape.vocab * hidden
-            + shape.positions * hidden
-            + layers * per_layer
-            + 2 * hidden
-        )
-    attention = hidden * shape.q_dim + 2 * hidden * shape.kv_dim + shape.q_dim * hidden
-    if shape.qkv_bias:
-        attention += shape.q_dim + 2 * shape.kv_dim
-    if shape.o_bias:
-        attention += hidden
-    mlp = 3 * hidden * inner + ((2 * inner + hidden) if shape.mlp_bias else 0)
-    per_layer = attention + mlp + 2 * hidden
-    embeddings = shape.vocab * hidden * (1 if shape.tied else 2)
-    return embeddings + layers * per_layer + hidden
+    return shape.family.count_params(shape)
 
 
 def lora_trainable_params(
@@ -236,7 +213,7 @@ def lora_trainable_params(
     step.check_model(shape)
     linears = shape.linear_shapes()
     return shape.layers * sum(
-        rank * (linears[t][0] + linears[t][1]) for t in step.lora_targets
+        lora_adapter_params(*linears[t], rank) for t in step.lora_targets
     )
 
 
@@ -510,7 +487,7 @@ def estimate_step(
     shape = model_shape(model)
     step.check_model(shape)
     n_params = count_params(shape)
-    if shape.arch == "gpt2":
+    if shape.family.replay is None:
         result = _gpt2_estimate(shape, step)
         exact = False
         n_trainable = result["n_trainable"]
@@ -605,10 +582,12 @@ def activation_bytes_per_layer(
     from .memory.step import simulate_step
 
     shape = model_shape(model)
-    if shape.arch != "llama":
-        raise ValueError(
-            "activation_bytes_per_layer models Llama-family configs (llama, mistral, "
-            "qwen2)"
+    if shape.family.replay is None:
+        raise OptionError(
+            "model",
+            "activation_bytes_per_layer models the replayed families ("
+            + ", ".join(f.name for f in FAMILIES.values() if f.replay)
+            + f"), got {shape.arch}",
         )
     step = StepConfig(
         method=method,
@@ -627,5 +606,98 @@ def activation_bytes_per_layer(
     return held[1] - held[0]
 
 
-# the Hugging Face front end lives in its own module; its names belong to this API
-from .from_hf import ALL_LINEAR, HF_OPTIMS, estimate_from_hf, hf_options  # noqa: E402
+def estimate_from_hf(
+    model: Any,
+    training_args: Any = None,
+    peft_config: Any = None,
+    *,
+    seq: int | None = None,
+    quantization_config: Any = None,
+    **overrides: Any,
+) -> MemoryEstimate:
+    """:func:`estimate` from a model config, ``TrainingArguments`` and a ``LoraConfig``.
+
+    ``model``: a preset name, a ``config.json`` path or dict, or a ``transformers``
+    config. The other arguments are those of :func:`hf_options`; ``overrides`` are
+    passed to :func:`estimate` last (e.g. ``precision="bf16"`` for a model loaded in
+    bf16, ``zero``, ``gpus``). Example::
+
+        from transformers import AutoConfig, TrainingArguments
+        from peft import LoraConfig
+        est = estimate_from_hf(AutoConfig.from_pretrained(path),
+                               TrainingArguments("out", bf16=True,
+                               gradient_checkpointing=True,
+                                                 per_device_train_batch_size=4),
+                               LoraConfig(r=16, target_modules="all-linear"), seq=1024)
+    """
+    if isinstance(model, dict) or (
+        isinstance(model, str) and (model.endswith(".json") or os.path.sep in model)
+    ):
+        model = load_model_config(model)  # a preset name stays a name (its exact shape)
+    opts = hf_options(
+        model,
+        training_args,
+        peft_config,
+        seq=seq,
+        quantization_config=quantization_config,
+    )
+    opts.update(overrides)
+    try:
+        est = estimate(model, **opts)
+    except OptionError as e:  # name the Hugging Face field the bad value came from
+        renamed = hf_field_error(e, overrides)
+        if renamed is e:
+            raise
+        raise renamed from None
+    est.options["source"] = "hf"
+    return est
+
+
+def fit_batch(free_bytes: int, need_bytes, want: int, margin: float = 0.85) -> int:
+    """Largest batch ``b <= want`` whose ``need_bytes(b)`` fits in ``margin *
+    free_bytes``.
+
+    ``need_bytes`` maps a batch size to the estimated peak (bytes); ``margin`` leaves
+    room for the caching allocator's rounding and fragmentation. Raises ``ValueError``
+    with both sizes in GiB when not even one sample fits.
+    """
+    budget = margin * free_bytes
+    for b in range(want, 0, -1):
+        if need_bytes(b) <= budget:
+            return b
+    raise ValueError(
+        f"batch 1 needs {need_bytes(1) / GiB:.2f} GiB; the device has "
+        f"{free_bytes / GiB:.2f} GiB free ({margin:.0%} of it usable)"
+    )
+
+
+@dataclass(frozen=True)
+class EstimateCheckPlan:
+    """Chapter 3's "check the estimate on the GPU" cell: what to run."""
+
+    precision: str
+    batch: int
+    seq: int
+    need_bytes: int  # the estimate for that batch
+
+
+def estimate_check_plan(
+    cfg,
+    precision: str,
+    free_bytes: int | None = None,
+    want_batch: int = 4,
+    seq: int = 512,
+) -> EstimateCheckPlan:
+    """Full fine-tuning of ``cfg`` at ``precision`` (the device decides it:
+    :func:`coursekit.gpu.estimate_check_plan`), the batch scaled to ``free_bytes``
+    (:func:`fit_batch`), and the estimate of that step."""
+
+    def need(b):
+        return estimate(
+            cfg, method="full", precision=precision, batch=b, seq=seq
+        ).total_bytes
+
+    batch = (
+        want_batch if free_bytes is None else fit_batch(free_bytes, need, want_batch)
+    )
+    return EstimateCheckPlan(precision, batch, seq, need(batch))

@@ -56,11 +56,10 @@ __all__ = [
     "describe_value",
 ]
 
-#: bytes in a (decimal, SI) gigabyte — what disk and model cards mean by "GB"
-GB = 10**9
-# : bytes in a gibibyte — what ``nvidia-smi`` / ``torch.cuda`` counts (often written
-# "GB")
-GiB = 2**30
+# the byte units and sizes (one definition each, in trainmem.dtypes)
+from .dtypes import DTYPES  # noqa: E402
+from .dtypes import GB as GB  # noqa: E402
+from .dtypes import GiB as GiB  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -95,12 +94,6 @@ class FloatFormat:
     def emin(self) -> int:
         """Unbiased exponent of the smallest normal number (1 - bias)."""
         return 1 - self.bias
-
-    @property
-    def emax(self) -> int:
-        """Unbiased exponent of the largest finite number."""
-        top = 2**self.exponent_bits - 1  # all-ones exponent field
-        return (top - 1 if self.ieee_specials else top) - self.bias
 
     @property
     def max_normal(self) -> float:
@@ -464,16 +457,19 @@ def round_tensor(t, fmt: str | FloatFormat, saturate: bool = False):
 # Memory: bytes per element (the number the chapter multiplies by a parameter count)
 # --------------------------------------------------------------------------------------
 BYTES_PER_ELEMENT: dict[str, float] = {
-    "fp32": 4,
-    "tf32": 4,
-    "fp16": 2,
-    "bf16": 2,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-    "int8": 1,
-    "int4": 0.5,
-}
+    name: DTYPES[name].bytes
+    for name in (
+        "fp32",
+        "tf32",
+        "fp16",
+        "bf16",
+        "fp8",
+        "fp8_e4m3",
+        "fp8_e5m2",
+        "int8",
+        "int4",
+    )
+}  # from the one table, trainmem.dtypes.DTYPES
 
 
 def bytes_per_element(dtype: str) -> float:
@@ -564,3 +560,7 @@ def describe_value(
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return f"x = {x!r}\n" + "\n".join(lines)
+
+
+#: the largest finite fp16 value, 65504 (the loss-scaling limit)
+FP16_MAX = get_format("fp16").max_normal

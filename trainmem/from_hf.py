@@ -1,21 +1,17 @@
 """The estimator from what a Hugging Face ``Trainer`` user has: a model config,
 ``TrainingArguments`` (or ``trl.SFTConfig``) and a peft ``LoraConfig``.
 
-:func:`hf_options` turns them into :func:`trainmem.estimate.estimate`'s options;
-:func:`estimate_from_hf` runs the estimate (CLI: ``python -m trainmem hf``). Both are
-re-exported by :mod:`trainmem.estimate`. Standard library only.
+:func:`hf_options` turns them into :func:`trainmem.estimate.estimate`'s options
+(re-exported there); :func:`trainmem.estimate.estimate_from_hf` runs the estimate (CLI:
+``python -m trainmem hf``). Standard library only.
 """
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .config import ATTN_IMPLS, OptionError, load_model_config
+from .config import ATTN_IMPLS, OptionError
 from .optimizers import hf_optims
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .estimate import MemoryEstimate
 
 #: ``TrainingArguments.optim`` -> (optimizer, optimizer_impl), from the ``hf_optims`` of
 #: every :mod:`trainmem.optimizers` entry. Trainer builds ``torch.optim.AdamW`` with
@@ -186,61 +182,24 @@ def _lora_options(peft_config: Any) -> dict[str, Any]:
         targets = ("q_proj", "v_proj")  # peft's default for Llama-family models
     elif isinstance(targets, str):
         targets = ALL_LINEAR if targets == "all-linear" else (targets,)
-    return dict(
+    options = dict(
         method="lora",
         lora_rank=hf_field(peft_config, "r", 8),
         lora_alpha=hf_field(peft_config, "lora_alpha", 8),
         lora_targets=tuple(sorted(targets, key=lambda t: (ALL_LINEAR + (t,)).index(t))),
-        # peft's default 0.0 (nn.Identity); > 0 keeps a mask per adapted module
-        lora_dropout=float(hf_field(peft_config, "lora_dropout", 0.0) or 0.0),
     )
+    # peft's default 0.0 is nn.Identity; > 0 keeps a mask per adapted module
+    dropout = float(hf_field(peft_config, "lora_dropout", 0.0) or 0.0)
+    if dropout:
+        options["lora_dropout"] = dropout
+    return options
 
 
-def estimate_from_hf(
-    model: Any,
-    training_args: Any = None,
-    peft_config: Any = None,
-    *,
-    seq: int | None = None,
-    quantization_config: Any = None,
-    **overrides: Any,
-) -> "MemoryEstimate":
-    """:func:`estimate` from a model config, ``TrainingArguments`` and a ``LoraConfig``.
-
-    ``model``: a preset name, a ``config.json`` path or dict, or a ``transformers``
-    config. The other arguments are those of :func:`hf_options`; ``overrides`` are
-    passed to :func:`estimate` last (e.g. ``precision="bf16"`` for a model loaded in
-    bf16, ``zero``, ``gpus``). Example::
-
-        from transformers import AutoConfig, TrainingArguments
-        from peft import LoraConfig
-        est = estimate_from_hf(AutoConfig.from_pretrained(path),
-                               TrainingArguments("out", bf16=True,
-                               gradient_checkpointing=True,
-                                                 per_device_train_batch_size=4),
-                               LoraConfig(r=16, target_modules="all-linear"), seq=1024)
-    """
-    if isinstance(model, dict) or (
-        isinstance(model, str) and (model.endswith(".json") or os.path.sep in model)
-    ):
-        model = load_model_config(model)  # a preset name stays a name (its exact shape)
-    opts = hf_options(
-        model,
-        training_args,
-        peft_config,
-        seq=seq,
-        quantization_config=quantization_config,
-    )
-    opts.update(overrides)
-    from .estimate import estimate
-
-    try:
-        est = estimate(model, **opts)
-    except OptionError as e:  # name the Hugging Face field the bad value came from
-        if e.option in _HF_NAMES and e.option not in overrides:
-            source, field_name = _HF_NAMES[e.option]
-            rest = str(e)[len(e.option) :] if str(e).startswith(e.option) else f": {e}"
-            raise OptionError(source, f"{source} {field_name}{rest}") from None
-        raise
-    est.options["source"] = "hf"
-    return est
+def hf_field_error(e: OptionError, overrides) -> OptionError:
+    """``e`` renamed to the Hugging Face field its option came from (``batch`` ->
+    ``training_args per_device_train_batch_size``), unless the caller overrode it."""
+    if e.option in _HF_NAMES and e.option not in overrides:
+        source, field_name = _HF_NAMES[e.option]
+        rest = str(e)[len(e.option) :] if str(e).startswith(e.option) else f": {e}"
+        return OptionError(source, f"{source} {field_name}{rest}")
+    return e

@@ -27,6 +27,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from .estimate import lora_trainable_params
+from .families import lora_adapter_params
+
 INITS = ("kaiming", "gaussian")
 
 
@@ -36,7 +39,7 @@ def lora_param_count(d_in: int, d_out: int, r: int) -> int:
     for name, v in (("d_in", d_in), ("d_out", d_out), ("r", r)):
         if int(v) != v or v < 1:
             raise ValueError(f"{name} must be an integer ≥ 1, got {v!r}")
-    return int(r) * (int(d_in) + int(d_out))
+    return lora_adapter_params(int(d_in), int(d_out), int(r))
 
 
 def llama_linear_shapes(config) -> dict[str, tuple[int, int]]:
@@ -69,8 +72,10 @@ def lora_param_count_for_config(config, target_modules: Iterable[str], r: int) -
             f"target_modules must be a non-empty subset of {sorted(shapes)}, got "
             f"{targets!r}"
         )
-    per_layer = sum(lora_param_count(*shapes[t], r) for t in targets)
-    return per_layer * config.num_hidden_layers
+    for name, v in (("r", r),):
+        if int(v) != v or v < 1:
+            raise ValueError(f"{name} must be an integer ≥ 1, got {v!r}")
+    return lora_trainable_params(config, int(r), targets)
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
@@ -89,13 +94,14 @@ class LoRALinear(nn.Module):
 
     Args:
         base: the ``nn.Linear`` to adapt; its weight (and bias) get
-        ``requires_grad=False``. r: rank, ``1 ≤ r ≤ min(in_features, out_features)``.
+            ``requires_grad=False``.
+        r: rank, ``1 ≤ r ≤ min(in_features, out_features)``.
         alpha: scaling numerator; the adapter output is multiplied by ``alpha / r``.
         dropout: dropout probability on the adapter input only (the base path never
-        drops). init: ``"kaiming"`` (A ~ Kaiming-uniform, a=√5, as nn.Linear/peft) or
-        ``"gaussian"``
-            (A ~ N(0, (1/r)²), peft's ``init_lora_weights="gaussian"``). B is always
-            zeros.
+            drops).
+        init: ``"kaiming"`` (A ~ Kaiming-uniform, a=√5, as nn.Linear/peft) or
+            ``"gaussian"`` (A ~ N(0, (1/r)²), peft's ``init_lora_weights="gaussian"``).
+            B is always zeros.
     """
 
     def __init__(

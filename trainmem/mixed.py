@@ -16,7 +16,10 @@ from typing import Callable, Iterable
 
 import torch
 
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+from .dtypes import FLOAT_DTYPES  # noqa: E402
+from .training_setup import torch_dtype  # noqa: E402
+
+_DTYPES = {name: torch_dtype(name) for name in FLOAT_DTYPES}
 
 
 def _dtype(dtype: torch.dtype | str) -> torch.dtype:

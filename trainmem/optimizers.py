@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+from .dtypes import BLOCKWISE8_BLOCK, blockwise8_bytes_per_value
 from .errors import OptionError, lookup
 
 IMPLS = ("foreach", "fused", "for-loop")
@@ -94,7 +95,7 @@ def _adamw8bit(shape, dtype):
     numel = math.prod(shape)
     if numel < 4096:  # bitsandbytes keeps small tensors in 32-bit states
         return (State(shape, "fp32"), State(shape, "fp32"), _step_count())
-    blocks = (2 * math.ceil(numel / 256),)  # one fp32 absmax per 256 values, each
+    blocks = (2 * math.ceil(numel / BLOCKWISE8_BLOCK),)  # one fp32 absmax per block
     return (
         State(shape, "u8"),
         State(shape, "u8"),
@@ -145,7 +146,7 @@ OPTIMIZERS: dict[str, Optimizer] = {
             "adamw8bit",
             "bitsandbytes 8-bit AdamW (blockwise-quantised states)",
             _adamw8bit,
-            lambda p: 2 + 8 / 256,
+            lambda p: 2 * blockwise8_bytes_per_value(),
             _impls(dict.fromkeys(IMPLS)),
             "foreach",
             unmeasurable="needs bitsandbytes on CUDA",

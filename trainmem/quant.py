@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .dtypes import blockwise8_bytes_per_value, nf4_bytes_per_weight
+
 __all__ = [
     "linear_code",
     "dynamic_code",
@@ -258,13 +260,11 @@ def adam_state_bytes_per_param(bits: int = 32, block_size: int = 256) -> float:
     ``bits=32`` → 8.0; ``bits=8`` with bitsandbytes' block of 256 (since 0.44) → 2 × (1
     + 4/256) = 2.03125; with the paper's 2048 → 2.00390625.
     """
-    if block_size < 1:
-        raise ValueError(f"block_size must be ≥ 1, got {block_size}")
     if bits not in (8, 16, 32):
         raise ValueError(f"bits must be 8, 16 or 32, got {bits}")
     if bits == 32 or bits == 16:
         return 2 * bits / 8
-    return 2 * (1 + 4 / block_size)
+    return 2 * blockwise8_bytes_per_value(block_size)
 
 
 # -------------------------------------------------------------------- weight
@@ -334,19 +334,13 @@ def int8_bytes_per_param(
 def nf4_bytes_per_param(
     block_size: int = 64, double_quant: bool = True, dq_block_size: int = 256
 ) -> float:
-    """NF4 storage per parameter: 4 bits + absmax constants (QLoRA §2).
+    """NF4 storage per parameter: 4 bits + absmax constants (QLoRA §2); the one
+    formula is :func:`trainmem.dtypes.nf4_bytes_per_weight`.
 
     Without double quantisation: 0.5 + 4/64 = 0.5625 bytes (0.5 bit/param of constants).
     With it: 0.5 + 1/64 + 4/(64·256) ≈ 0.5159 bytes (≈0.127 bit/param of constants).
     """
-    if block_size < 1 or dq_block_size < 1:
-        raise ValueError(
-            f"block_size and dq_block_size must be ≥ 1, got {block_size}, "
-            f"{dq_block_size}"
-        )
-    if not double_quant:
-        return 0.5 + 4 / block_size
-    return 0.5 + 1 / block_size + 4 / (block_size * dq_block_size)
+    return nf4_bytes_per_weight(double_quant, block_size, dq_block_size)
 
 
 def quantize_nf4(w: torch.Tensor, block_size: int = 64) -> Quantized:
@@ -359,3 +353,26 @@ def dequantize_nf4(qw: Quantized, dtype: torch.dtype = torch.bfloat16) -> torch.
     """Back to ``dtype`` — what a QLoRA layer does to each base weight at every forward
     *and* backward."""
     return dequantize_blockwise(qw, dtype)
+
+
+@dataclass(frozen=True)
+class QLoRAPlan:
+    """Chapter 7's QLoRA cell: the BitsAndBytesConfig arguments and the optimizer to
+    use."""
+
+    quant_kwargs: dict  # for transformers.BitsAndBytesConfig
+    compute_dtype: object
+    optimizer: str  # bitsandbytes optimizer class name (paged 8-bit AdamW)
+    lora_baseline_dtype: object  # dtype of the plain-LoRA comparison run
+
+
+def qlora_plan(compute_dtype) -> QLoRAPlan:
+    """NF4 + double quantization computing in ``compute_dtype`` (the device decides
+    it: :func:`coursekit.gpu.qlora_plan`); paged 8-bit AdamW."""
+    kwargs = {
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": compute_dtype,
+    }
+    return QLoRAPlan(kwargs, compute_dtype, "PagedAdamW8bit", compute_dtype)

@@ -27,6 +27,35 @@ from typing import Iterable, Sequence
 
 import torch
 
+from .formats import FP16_MAX
+
+
+def loss_scale_demo(steps: int, tokens_per_batch: int) -> dict:
+    """GradScaler settings that make a short fp16 run show both back-off and growth.
+
+    The gradient of the mean cross-entropy w.r.t. one logit is at most 1/N (N tokens per
+    batch), so the scaled gradient entering the fp16 ``lm_head`` backward overflows once
+    ``S / N > 65504``. Starting 4x above that guarantees overflows (back-off, step
+    skipped) in the first steps; a growth interval of a sixth of the run then lets the
+    scale grow and overflow again several times. (The default ``growth_interval=2000``
+    shows nothing in a 60-step demo.)
+    """
+    if steps < 6 or tokens_per_batch < 1:
+        raise ValueError(
+            "loss_scale_demo needs steps >= 6 and tokens_per_batch >= 1, "
+            f"got {steps}, {tokens_per_batch}"
+        )
+    init = 2.0 ** (math.ceil(math.log2(FP16_MAX * tokens_per_batch)) + 2)
+    return {"init_scale": init, "growth_interval": max(2, steps // 6)}
+
+
+def scale_events(scales: list[float]) -> dict[str, int]:
+    """Count growths (scale went up) and back-offs (went down) in a per-step list of
+    scales."""
+    ups = sum(b > a for a, b in zip(scales, scales[1:]))
+    downs = sum(b < a for a, b in zip(scales, scales[1:]))
+    return {"growth": ups, "backoff": downs}
+
 
 @dataclass
 class ScalerEvent:
@@ -152,7 +181,7 @@ def simulate_overflow(
     growth_factor: float = 2.0,
     backoff_factor: float = 0.5,
     growth_interval: int = 2000,
-    limit: float = 65504.0,
+    limit: float = FP16_MAX,
 ) -> list[ScalerEvent]:
     """Run the scaler against a toy model whose largest gradient is ``max_grad``
     (unscaled).
@@ -169,7 +198,7 @@ def simulate_overflow(
     return s.history
 
 
-def equilibrium_scale(max_grad: float, limit: float = 65504.0) -> float:
+def equilibrium_scale(max_grad: float, limit: float = FP16_MAX) -> float:
     """The largest power of two ``s`` with ``max_grad * s <= limit`` (where the scale
     hovers)."""
     if not max_grad > 0:

@@ -149,9 +149,6 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_event = self.event
         self.phase_peaks = {}
 
-    def live_records(self):
-        return [record for record, _ in self._live.values()]
-
     # -- the dispatch hook
     # --------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

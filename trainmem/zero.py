@@ -44,24 +44,22 @@ bytes).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+
+from .config import ZERO_STAGES
+from .dtypes import GiB
 
 STAGES = ("dp", "zero1", "zero2", "zero3", "fsdp")
+#: the estimator's ``zero`` option (:data:`trainmem.config.ZERO_STAGES`, 0-3) by name
 _STAGE_ALIASES = {
-    0: "dp",
-    1: "zero1",
-    2: "zero2",
-    3: "zero3",
+    **dict(zip(ZERO_STAGES, STAGES)),
     "ddp": "dp",
     "zero0": "dp",
     "fsdp2": "fsdp",
     "full_shard": "fsdp",
 }
 OFFLOAD_DEVICES = ("none", "cpu")
-GIB = 2**30
-
-# (weight bytes, grad bytes, K) for the ZeRO paper's mixed-precision Adam.
-ZERO_PAPER_BYTES = (2, 2, 12)
+GIB = GiB  # the book's name for it
 
 
 def normalize_stage(stage) -> str:
@@ -113,11 +111,6 @@ class ZeroMemory:
     @property
     def total_gib(self) -> float:
         return self.total / GIB
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d.update(model_states=self.model_states, total=self.total)
-        return d
 
 
 def per_gpu_memory(

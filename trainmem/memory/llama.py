@@ -3,6 +3,8 @@ parameters (including peft's LoRA adapters) as the measured model holds them."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from .accounting import SimTensor, Simulator, new, view
 from .autograd import AccumulateGrad, checkpoint, param
 from .ops import (
@@ -32,6 +34,72 @@ from .ops import (
 
 
 # --------------------------------------------------------------------------------------
+# the model's parameters
+# --------------------------------------------------------------------------------------
+@dataclass
+class Linear:
+    """One ``nn.Linear`` (``w``: ``(d_out, d_in)``, optional bias ``b``), with peft's
+    LoRA adapter (``A``: ``(r, d_in)``, ``B``: ``(d_out, r)``) when it is a target;
+    ``quantized``: QLoRA's NF4 base weight (dequantized at every use)."""
+
+    w: SimTensor
+    b: SimTensor | None = None
+    A: SimTensor | None = None
+    B: SimTensor | None = None
+    quantized: bool = False
+    # bitsandbytes < 0.43.2: MatMul4Bit keeps its input for backward
+    saves_input: bool = False
+    # bnb_4bit_compute_dtype when the input may arrive in another dtype (peft's k-bit
+    # preparation leaves an fp32 residual stream); the output is cast back
+    compute: str | None = None
+    # peft's lora_dropout > 0, and whose kernels run it ("cuda" / "cpu")
+    dropout: bool = False
+    kernels: str = "cuda"
+
+    def tensors(self) -> list[SimTensor]:
+        """Its tensors in torch's parameter order (weight, bias, lora_A, lora_B)."""
+        return [t for t in (self.w, self.b, self.A, self.B) if t is not None]
+
+
+@dataclass
+class Layer:
+    """One decoder layer: its Linear layers by module name (q, k, v, o, gate, up, down:
+    torch's module order) and the two RMSNorm weights."""
+
+    linears: dict[str, Linear]
+    input_layernorm: SimTensor
+    post_attention_layernorm: SimTensor
+
+    def tensors(self) -> list[SimTensor]:
+        """Its tensors in torch's parameter order."""
+        return [t for lin in self.linears.values() for t in lin.tensors()] + [
+            self.input_layernorm,
+            self.post_attention_layernorm,
+        ]
+
+
+@dataclass
+class Model:
+    """The parameters and buffers of the causal LM as the measured model holds them
+    (``lm_head`` is ``embed`` when the embeddings are tied)."""
+
+    embed: SimTensor
+    layers: list[Layer]
+    norm: SimTensor
+    lm_head: SimTensor
+    buffers: list[SimTensor] = field(default_factory=list)  # RoPE's inv_freq, twice
+
+    def parameters(self) -> list[SimTensor]:
+        """Every parameter once, in torch's order (a tied ``lm_head`` is not
+        repeated)."""
+        out = [self.embed] + [t for layer in self.layers for t in layer.tensors()]
+        out.append(self.norm)
+        if self.lm_head is not self.embed:
+            out.append(self.lm_head)
+        return out
+
+
+# --------------------------------------------------------------------------------------
 # Llama / Qwen2 decoder (transformers' modeling_llama.py, op by op)
 # --------------------------------------------------------------------------------------
 def rmsnorm(sim: Simulator, x: SimTensor, w: SimTensor) -> SimTensor:
@@ -44,30 +112,30 @@ def rmsnorm(sim: Simulator, x: SimTensor, w: SimTensor) -> SimTensor:
     return mul(sim, w, cast(sim, xn, x.dtype))  # weight * hidden_states.to(input_dtype)
 
 
-def lora_linear(sim: Simulator, x: SimTensor, lin: dict) -> SimTensor:
+def lora_linear(sim: Simulator, x: SimTensor, lin: Linear) -> SimTensor:
     """peft ``lora.Linear.forward``: base(x) + lora_B(lora_A(x.to(A.dtype))) *
     scaling."""
     result = linear(
         sim,
         x,
-        lin["w"],
-        lin.get("b"),
-        quant=lin.get("q", False),
-        quant_compute=lin.get("compute"),
-        quant_saves_input=lin.get("saves_input", False),
+        lin.w,
+        lin.b,
+        quant=lin.quantized,
+        quant_compute=lin.compute,
+        quant_saves_input=lin.saves_input,
     )
-    if "A" not in lin:
+    if lin.A is None:
         return result
     result_dtype = result.dtype
     x = cast(
-        sim, x, lin["A"].dtype
+        sim, x, lin.A.dtype
     )  # x = self._cast_input_dtype(x, ...): lives to the end
-    if lin.get("dropout"):
+    if lin.dropout:
         # lora_B(lora_A(dropout(x))): peft's nn.Dropout for lora_dropout > 0 (one per
         # adapted module, so q/k/v each make their own mask and dropped copy)
-        x = dropout(sim, x, lin.get("kernels", "cuda"))
-    h = linear(sim, x, lin["A"])
-    h2 = linear(sim, h, lin["B"])
+        x = dropout(sim, x, lin.kernels)
+    h = linear(sim, x, lin.A)
+    h2 = linear(sim, h, lin.B)
     del h
     h3 = mul_scalar(sim, h2)
     del h2
@@ -79,7 +147,7 @@ def lora_linear(sim: Simulator, x: SimTensor, lin: dict) -> SimTensor:
 def attention(
     sim: Simulator,
     x: SimTensor,
-    layer: dict,
+    layer: Layer,
     cos: SimTensor,
     sin: SimTensor,
     cfg: dict,
@@ -87,9 +155,9 @@ def attention(
 ) -> SimTensor:
     b, s, _ = x.shape
     a, kv, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
-    q = lora_linear(sim, x, layer["q_proj"])
-    k = lora_linear(sim, x, layer["k_proj"])
-    v = lora_linear(sim, x, layer["v_proj"])
+    q = lora_linear(sim, x, layer.linears["q_proj"])
+    k = lora_linear(sim, x, layer.linears["k_proj"])
+    v = lora_linear(sim, x, layer.linears["v_proj"])
     q = view(q, (b, a, s, d), "bshd")
     k = view(k, (b, kv, s, d), "bshd")
     v = view(v, (b, kv, s, d), "bshd")
@@ -114,7 +182,7 @@ def attention(
             w = add(sim, w, mask)
         p = softmax_fp32(sim, w)
         del w
-        p = cast(sim, p, _q_dtype(sim, x, layer))
+        p = cast(sim, p, _q_dtype(sim, layer, cos))
         o = bmm(sim, p, v, (b, a, s, d))
         del p, v
         o = clone_contig(
@@ -124,25 +192,25 @@ def attention(
         o = sdpa(sim, qe, ke, v)
         del qe, ke, v
     o = view(o, (b, s, a * d))
-    return lora_linear(sim, o, layer["o_proj"])
+    return lora_linear(sim, o, layer.linears["o_proj"])
 
 
-def _q_dtype(sim, x, layer):
+def _q_dtype(sim, layer: Layer, cos: SimTensor):
     """dtype of query_states after RoPE (the eager softmax is cast back to it)."""
-    linear_dtype = sim.autocast or layer["q_proj"]["w"].dtype
-    return _promote(linear_dtype, layer["_cos_dtype"])
+    linear_dtype = sim.autocast or layer.linears["q_proj"].w.dtype
+    return _promote(linear_dtype, cos.dtype)
 
 
-def mlp(sim: Simulator, x: SimTensor, layer: dict) -> SimTensor:
+def mlp(sim: Simulator, x: SimTensor, layer: Layer) -> SimTensor:
     # down_proj(act_fn(gate_proj(x)) * up_proj(x)): Python evaluates the left operand
     # first, so silu's output exists while up_proj runs
-    g = lora_linear(sim, x, layer["gate_proj"])
+    g = lora_linear(sim, x, layer.linears["gate_proj"])
     a = silu(sim, g)
     del g
-    u = lora_linear(sim, x, layer["up_proj"])
+    u = lora_linear(sim, x, layer.linears["up_proj"])
     h = mul(sim, a, u)
     del a, u
-    return lora_linear(sim, h, layer["down_proj"])
+    return lora_linear(sim, h, layer.linears["down_proj"])
 
 
 def decoder_layer(
@@ -150,26 +218,26 @@ def decoder_layer(
     h: SimTensor,
     cos: SimTensor,
     sin: SimTensor,
-    layer: dict,
+    layer: Layer,
     cfg: dict,
     mask,
 ) -> SimTensor:
     residual = h
-    x = rmsnorm(sim, h, layer["input_layernorm"])
+    x = rmsnorm(sim, h, layer.input_layernorm)
     x = attention(sim, x, layer, cos, sin, cfg, mask)
     h = add(sim, residual, x)
     del x, residual
     residual = h
-    x = rmsnorm(sim, h, layer["post_attention_layernorm"])
+    x = rmsnorm(sim, h, layer.post_attention_layernorm)
     x = mlp(sim, x, layer)
     return add(sim, residual, x)
 
 
 def llama_loss(
-    sim: Simulator, model: dict, ids: SimTensor, labels: SimTensor, cfg: dict
+    sim: Simulator, model: Model, ids: SimTensor, labels: SimTensor, cfg: dict
 ) -> SimTensor:
     b, s = ids.shape
-    h = embedding(sim, ids, model["embed"])
+    h = embedding(sim, ids, model.embed)
     if cfg["checkpointing"] and not h.requires_grad:
         # transformers' gradient_checkpointing_enable() calls
         # enable_input_require_grads(): the (frozen) embedding output is made a leaf
@@ -190,8 +258,6 @@ def llama_loss(
     cos = cast(sim, new(sim, (1, 1, s, d), "fp32"), dtype)
     sin = cast(sim, new(sim, (1, 1, s, d), "fp32"), dtype)
     del emb
-    for layer in model["layers"]:
-        layer["_cos_dtype"] = cos.dtype
     mask = None
     if cfg["attn"] == "eager":
         mask = new(sim, (b, 1, s, s), dtype)
@@ -199,7 +265,7 @@ def llama_loss(
         del pos
     else:
         pos = view(pos, pos.shape)  # position_ids: kept by every checkpointed layer
-    for layer in model["layers"]:
+    for layer in model.layers:
         if cfg["checkpointing"]:
             h = checkpoint(
                 sim,
@@ -217,15 +283,15 @@ def llama_loss(
     del cos, sin
     if cfg["checkpointing"]:
         del pos
-    h = rmsnorm(sim, h, model["norm"])
+    h = rmsnorm(sim, h, model.norm)
     del mask  # LlamaModel.forward returns here
-    logits = linear(sim, h, model["lm_head"])
+    logits = linear(sim, h, model.lm_head)
     # (h, the model output's last_hidden_state, lives until the causal-LM forward
     # returns) ForCausalLMLoss: logits.float(); pad+shift labels; cross_entropy =
     # log_softmax + nll_loss
     form = cfg.get("loss_form", "pad")
     if form != "pad":
-        # transformers < 4.50: logits.float() and logits[..., :-1, :].contiguous()
+        # transformers < 4.49: logits.float() and logits[..., :-1, :].contiguous()
         # (trainmem.versions.loss_form); before 4.46 the 16-bit logits are rebound
         # away at once
         lf = cast(sim, logits, "fp32")
@@ -238,7 +304,8 @@ def llama_loss(
         logp = log_softmax(sim, view(shifted, (b * (s - 1), vocab)))
         loss = nll_loss(sim, logp, target)
         del logp, target, shifted, lf, logits, h
-        cfg["kv_cache"] = None if cfg.get("kv_cache") is None else []
+        if cfg.get("kv_cache") is not None:
+            cfg["kv_cache"] = []  # the output (and its past_key_values) is dropped
         return loss
     lf = cast(sim, logits, "fp32")
     padded = new(
@@ -265,7 +332,7 @@ def build_params(
     lora_dtype: str | None,
     param_dtype: str | None = None,
     base_dtype: str | None = None,
-) -> dict:
+) -> Model:
     """Parameters (and buffers) as the measured model holds them.
 
     ``param_dtype`` (``"bf16"``/``"fp16"``) overrides the dtype of every parameter,
@@ -289,75 +356,46 @@ def build_params(
         return param(sim, param_shape, dtype, trainable, category)
 
     h = shape.hidden
-    model = {"embed": make_param((shape.vocab, h), full)}
+    embed = make_param((shape.vocab, h), full)
     # rotary buffers: inv_freq and original_inv_freq (head_dim/2 floats each)
     buffer_dtype = param_dtype or ("bf16" if precision == "bf16" else "fp32")
-    model["_buffers"] = [
+    buffers = [
         new(sim, (shape.head_dim // 2,), buffer_dtype, category="weights")
         for _ in range(2)
     ]
     adapter_dtype = (
         param_dtype or lora_dtype or "fp32"
     )  # peft upcasts adapters to fp32 by default
+    adapter_category = (
+        "master_weights" if (amp and adapter_dtype == "fp32") else "weights"
+    )
     layers = []
     lin_shapes = shape.linear_shapes()
     for _ in range(shape.layers):
-        layer = {}  # in torch's parameter order: self_attn, mlp, the two norms
+        linears = {}
         # linear_shapes() lists q, k, v, o, gate, up, down: torch's module order
         for name, (d_in, d_out) in lin_shapes.items():
-            lin = {"w": make_param((d_out, d_in), full)}
+            lin = Linear(make_param((d_out, d_in), full))
             if name in ("q_proj", "k_proj", "v_proj"):
                 has_bias = shape.qkv_bias
             else:
                 has_bias = shape.o_bias if name == "o_proj" else shape.mlp_bias
             if has_bias:
-                lin["b"] = make_param((d_out,), full)
+                lin.b = make_param((d_out,), full)
             if method != "full" and name in lora_targets:
-                lin["A"] = param(
-                    sim,
-                    (lora_rank, d_in),
-                    adapter_dtype,
-                    True,
-                    "master_weights"
-                    if (amp and adapter_dtype == "fp32")
-                    else "weights",
+                lin.A = param(
+                    sim, (lora_rank, d_in), adapter_dtype, True, adapter_category
                 )
-                lin["B"] = param(
-                    sim,
-                    (d_out, lora_rank),
-                    adapter_dtype,
-                    True,
-                    "master_weights"
-                    if (amp and adapter_dtype == "fp32")
-                    else "weights",
+                lin.B = param(
+                    sim, (d_out, lora_rank), adapter_dtype, True, adapter_category
                 )
-            layer[name] = lin
-        layer["input_layernorm"] = make_param((h,), full)
-        layer["post_attention_layernorm"] = make_param((h,), full)
-        layers.append(layer)
-    model["layers"] = layers
-    model["norm"] = make_param((h,), full)
-    model["lm_head"] = (
-        model["embed"] if shape.tied else make_param((shape.vocab, h), full)
-    )
-    return model
+            linears[name] = lin
+        layers.append(Layer(linears, make_param((h,), full), make_param((h,), full)))
+    norm = make_param((h,), full)
+    lm_head = embed if shape.tied else make_param((shape.vocab, h), full)
+    return Model(embed, layers, norm, lm_head, buffers)
 
 
-def trainable_params(model: dict) -> list[SimTensor]:
-    out, seen = [], set()
-
-    def walk(o):
-        if isinstance(o, SimTensor):
-            if o.requires_grad and id(o) not in seen:
-                seen.add(id(o))
-                out.append(o)
-        elif isinstance(o, dict):
-            for k, v in o.items():
-                if not k.startswith("_"):
-                    walk(v)
-        elif isinstance(o, list):
-            for v in o:
-                walk(v)
-
-    walk(model)
-    return out
+def trainable_params(model: Model) -> list[SimTensor]:
+    """The parameters that require grad, in torch's order."""
+    return [p for p in model.parameters() if p.requires_grad]

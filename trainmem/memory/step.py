@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 
-from .accounting import ITEMSIZE, SimTensor, Simulator, new, shrink
+from .accounting import ITEMSIZE, Simulator, new, shrink
 from .autograd import backward
-from .llama import build_params, llama_loss, trainable_params
-from ..versions import bnb_saves_input, cache_copies_kv, loss_form
+from .llama import Model, build_params, llama_loss, trainable_params
 from .ops import mul_scalar
+from ..versions import bnb_saves_input, cache_copies_kv, loss_form
 
 from ..optimizers import optimizer
 
@@ -107,7 +107,7 @@ _HALF = {"fp16-amp": "fp16", "bf16-amp": "bf16"}  # the 16-bit dtype of a precis
 
 def _build_model(sim: Simulator, shape, step, zero_dtype):
     """The parameters (and buffers) of the model, QLoRA's base weights quantized;
-    returns the model dict and its trainable parameters."""
+    returns the :class:`~.llama.Model` and its trainable parameters."""
     # QLoRA (bitsandbytes ``load_in_4bit`` with a 16-bit ``torch_dtype``): only the
     # Linear layers inside the decoder blocks are NF4; embeddings, norms and lm_head
     # stay in the 16-bit dtype.
@@ -137,39 +137,25 @@ def _build_model(sim: Simulator, shape, step, zero_dtype):
         # blocks.
         double_quant = (1 / 64 + 4 / (64 * 256)) if step.qlora_double_quant else 4 / 64
         bytes_per_weight = 0.5 + double_quant
-        for layer in model["layers"]:
-            for linear in layer.values():
-                if isinstance(linear, dict) and "w" in linear:
-                    weight = linear["w"]
-                    shrink(
-                        sim, weight.buffer, bytes_per_weight / ITEMSIZE[weight.dtype]
-                    )
-                    linear["q"] = True
-                    linear["saves_input"] = bnb_saves_input(versions)
-                    if step.kbit_prepare == "peft":
-                        linear["compute"] = compute_dtype
+        for layer in model.layers:
+            for linear in layer.linears.values():
+                shrink(
+                    sim, linear.w.buffer, bytes_per_weight / ITEMSIZE[linear.w.dtype]
+                )
+                linear.quantized = True
+                linear.saves_input = bnb_saves_input(versions)
+                if step.kbit_prepare == "peft":
+                    linear.compute = compute_dtype
     if step.lora_dropout > 0:
-        for layer in model["layers"]:
-            for linear in layer.values():
-                if isinstance(linear, dict) and "A" in linear:
-                    linear["dropout"] = True
-                    linear["kernels"] = step.kernels
+        for layer in model.layers:
+            for linear in layer.linears.values():
+                if linear.A is not None:
+                    linear.dropout = True
+                    linear.kernels = step.kernels
     return model, trainable_params(model)
 
 
-def _layer_tensors(layer: dict) -> list[SimTensor]:
-    """The tensors of one decoder layer: its Linear weights, biases, adapters, norms."""
-    tensors = [
-        t
-        for linear in layer.values()
-        if isinstance(linear, dict)
-        for t in linear.values()
-        if isinstance(t, SimTensor)
-    ]
-    return tensors + [t for t in layer.values() if isinstance(t, SimTensor)]
-
-
-def _shard_for_zero(sim: Simulator, model: dict, params: list, step, zero_dtype):
+def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype):
     """ZeRO partitioning over ``step.gpus``: the optimizer's fp32 master copies
     (DeepSpeed layout) and the master weights from stage 1, gradients from 2, weights
     from 3 (plus one all-gathered layer). Returns the master copies and the gathered
@@ -187,18 +173,17 @@ def _shard_for_zero(sim: Simulator, model: dict, params: list, step, zero_dtype)
                 shrink(sim, p.buffer, shard)
     if step.zero >= 3:
         frozen = [
-            w
-            for layer in model["layers"]
-            for linear in layer.values()
-            if isinstance(linear, dict)
-            for w in linear.values()
-            if isinstance(w, SimTensor) and not w.requires_grad
+            t
+            for layer in model.layers
+            for linear in layer.linears.values()
+            for t in linear.tensors()
+            if not t.requires_grad
         ]
         for p in trainable_params(model) + frozen:
             if p.buffer.category == "weights":
                 shrink(sim, p.buffer, shard)
         # the layer being computed is all-gathered (FSDP/ZeRO-3 prefetch ignored)
-        layer_bytes = sum(t.nbytes for t in _layer_tensors(model["layers"][0]))
+        layer_bytes = sum(t.nbytes for t in model.layers[0].tensors())
         gathered_layer = sim.alloc(layer_bytes, "weights")
         sim.param_cast_scale = shard
     sim.grad_scale = shard if step.zero >= 2 else 1.0
@@ -220,7 +205,9 @@ def _optimizer_states(sim: Simulator, params: list, step, state_dtype) -> list:
     return states
 
 
-def _forward_backward(sim: Simulator, model: dict, shape, step, autocast, batch) -> int:
+def _forward_backward(
+    sim: Simulator, model: Model, shape, step, autocast, batch
+) -> int:
     """The ``grad_accum`` micro-batches of the step (forward, loss scaling, backward);
     returns the forward-allocated bytes alive at the end of the (last) forward pass."""
     ids, labels = batch
@@ -261,7 +248,7 @@ def simulate_step(shape, step, record_events: bool = False) -> dict:
     (categories at the peak), ``activations`` (forward-allocated bytes alive at the end
     of the forward pass), ``model_states`` (weights + gradients + optimizer states +
     master weights when the optimizer step starts), ``phase_peaks``."""
-    if shape.arch != "llama":
+    if shape.family.replay != "llama":
         raise NotImplementedError("the step replay models Llama-family decoders")
     sim = Simulator()
     if record_events:

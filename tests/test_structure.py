@@ -1,0 +1,147 @@
+"""The shape of the two packages: no import cycles, ``trainmem`` never imports
+``coursekit``, and one option list (``StepConfig``) with the same defaults everywhere."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports (at module level or inside a
+    function, ``TYPE_CHECKING`` blocks left out), from the source with ``ast``."""
+    modules = {_module_name(p): p for p in (ROOT / package).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        is_pkg = path.name == "__init__.py"
+        base = name.split(".") if is_pkg else name.split(".")[:-1]
+        deps: set[str] = set()
+
+        def visit(node):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                return
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    stem = base[: len(base) - node.level + 1]
+                    mod = ".".join(stem + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                # "from pkg import sub" imports the submodule; a name is from pkg
+                subs = {f"{mod}.{a.name}" for a in node.names} & set(modules)
+                deps.update(subs)
+                if len(subs) < len(node.names):
+                    deps.add(mod)
+            for child in ast.iter_child_nodes(node):
+                visit(child)
+
+        visit(tree)
+        # a module's own packages run first whatever it imports: not an edge
+        ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        graph[name] = {d for d in deps if d in modules and d != name} - ancestors
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(node):
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep) :] + [dep]
+            if dep not in state and (found := walk(dep)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := walk(node)):
+            return found
+    return None
+
+
+@pytest.mark.parametrize("package", ["trainmem", "coursekit"])
+def test_no_import_cycle(package):
+    graph = import_graph(package)
+    assert len(graph) > 10
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_trainmem_never_imports_coursekit():
+    for path in (ROOT / "trainmem").rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            assert not any(n.split(".")[0] == "coursekit" for n in names), path
+
+
+def _step_defaults():
+    from trainmem.config import StepConfig
+
+    return {f.name: f.default for f in dataclasses.fields(StepConfig)}
+
+
+def test_one_option_list_with_the_same_defaults_everywhere():
+    """estimate, measure, measure_memtracker and both CLI commands take exactly the
+    fields of StepConfig, with its defaults; the model defaults of the CLI are the
+    functions' own."""
+    from trainmem.cli import MODEL_DEFAULTS, build_parser
+    from trainmem.estimate import estimate
+    from trainmem.measure import measure, measure_memtracker
+
+    step = _step_defaults()
+    funcs = {"estimate": estimate, "measure": measure, "memtracker": measure_memtracker}
+    for name, func in funcs.items():
+        params = inspect.signature(func).parameters
+        got = {k: p.default for k, p in params.items() if k in step}
+        assert got == step, name
+    assert inspect.signature(estimate).parameters["model"].default == "llama-7b"
+    assert inspect.signature(measure).parameters["model"].default == "tiny"
+    sub = build_parser()._subparsers._group_actions[0].choices
+    for command in ("estimate", "measure"):
+        args = sub[command].parse_args([])
+        for k, v in step.items():
+            if hasattr(args, k):
+                shown = ",".join(v) if k == "lora_targets" else v
+                assert getattr(args, k) == shown, (command, k)
+        assert args.model == MODEL_DEFAULTS[command]
+    assert MODEL_DEFAULTS["measure"] == "tiny"  # not a 7B model on real CPU tensors
+    est_args = vars(sub["estimate"].parse_args([]))
+    assert set(step) <= set(est_args)
+
+
+def test_an_unknown_option_is_an_option_error():
+    from trainmem.config import OptionError
+    from trainmem.estimate import estimate
+
+    with pytest.raises(OptionError, match="batch_size is not an option") as e:
+        estimate("tiny", batch_size=2)
+    assert e.value.option == "batch_size"

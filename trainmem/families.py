@@ -1,0 +1,564 @@
+"""Model families and presets, declared once: what the estimator knows about a model.
+
+* :data:`FAMILIES` — one :class:`Family` per decoder layout (``"llama"``: Llama,
+  Mistral and Qwen2; ``"gpt2"``): its :class:`Shape` builder (from a config's fields),
+  the Linear layers of one decoder layer (the LoRA targets), the parameter-count terms
+  and how the step is estimated (``replay``: the op-by-op replay of
+  :mod:`trainmem.memory`, or ``None`` for the closed form of
+  :func:`trainmem.estimate.estimate_step`).
+* :data:`MODEL_TYPES` — one :class:`ModelType` per ``config.json`` ``model_type``: its
+  family, its ``transformers`` config class, and the defaults that class gives the
+  fields the estimator reads (used where ``transformers`` is not installed: Pyodide).
+* :data:`PRESETS` — published shapes by name (no downloads).
+* :func:`load_model_config` — the one place a model is read; :func:`model_shape` — its
+  :class:`Shape`.
+
+Adding a Llama-like ``model_type`` is one :class:`ModelType` entry; a new layout is one
+:class:`Family` entry (plus its replay module or closed form). Standard library only
+(the book's in-page calculator runs it in Pyodide).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable
+
+from .errors import OptionError, lookup, read_json_object
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The numbers of a decoder-only transformer that decide its memory (counts, no
+    units). Validated when built: every size is a positive integer."""
+
+    arch: str  # a key of FAMILIES: "llama" (also Qwen2/Mistral-style) or "gpt2"
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    positions: int = 0  # learned position embeddings (gpt2); 0 for RoPE models
+    name: str = "config"
+
+    def __post_init__(self):
+        if self.arch not in FAMILIES:
+            raise OptionError(
+                "model",
+                f"model: arch must be {' or '.join(FAMILIES)}, got {self.arch!r}",
+            )
+        for size in (
+            "vocab",
+            "hidden",
+            "intermediate",
+            "layers",
+            "heads",
+            "kv_heads",
+            "head_dim",
+        ):
+            value = getattr(self, size)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise OptionError(
+                    "model",
+                    f"model {self.name!r}: {size} must be a positive integer, "
+                    f"got {value!r}",
+                )
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def family(self) -> "Family":
+        return FAMILIES[self.arch]
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(d_in, d_out) of each Linear of one decoder layer, by module name (the LoRA
+        targets)."""
+        return self.family.linear_shapes(self)
+
+
+# --------------------------------------------------------------------------------------
+# the families
+# --------------------------------------------------------------------------------------
+def lora_adapter_params(d_in: int, d_out: int, rank: int) -> int:
+    """Parameters of one LoRA adapter on a ``d_in → d_out`` Linear: A (r × d_in) and B
+    (d_out × r), ``r·(d_in + d_out)`` — the one LoRA parameter formula."""
+    return rank * (d_in + d_out)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One decoder layout: how its :class:`Shape` is read from a config, its Linear
+    layers, its parameter count, and how a training step is estimated (``replay``: the
+    name of the replayed decoder in :mod:`trainmem.memory`, ``None``: the closed form).
+    ``required``: the size fields a ``config.json`` of it must have."""
+
+    name: str
+    shape: Callable[[Callable[[str, Any], Any], str, str], "Shape"]
+    linear_shapes: Callable[["Shape"], dict[str, tuple[int, int]]]
+    params_per_layer: Callable[["Shape"], int]
+    other_params: Callable[["Shape"], int]  # embeddings, final norm, lm_head
+    required: tuple[str, ...]
+    replay: str | None = None
+
+    def count_params(self, shape: "Shape") -> int:
+        return self.other_params(shape) + shape.layers * self.params_per_layer(shape)
+
+
+@dataclass(frozen=True)
+class ModelType:
+    """One ``config.json`` ``model_type``: its family, its ``transformers`` config class
+    and the defaults that class gives the fields the estimator reads (where
+    ``transformers`` is missing, a config file is read with these)."""
+
+    name: str
+    family: str
+    config_class: str
+    plain_defaults: dict[str, Any] = field(default_factory=dict)
+    qkv_bias: bool = False  # q/k/v projections always have a bias (Qwen2)
+
+
+def _llama_shape(get, name: str, model_type: str) -> "Shape":
+    hidden = get("hidden_size", None)
+    heads = get("num_attention_heads", None)
+    attention_bias = bool(get("attention_bias", False))
+    return Shape(
+        "llama",
+        get("vocab_size", None),
+        hidden,
+        get("intermediate_size", None),
+        get("num_hidden_layers", None),
+        heads,
+        get("num_key_value_heads", None) or heads,
+        get("head_dim", None) or hidden // heads,
+        bool(get("tie_word_embeddings", False)),
+        qkv_bias=attention_bias
+        or (model_type in MODEL_TYPES and MODEL_TYPES[model_type].qkv_bias),
+        o_bias=attention_bias,
+        mlp_bias=bool(get("mlp_bias", False)),
+        name=name,
+    )
+
+
+def _llama_linears(s: "Shape") -> dict[str, tuple[int, int]]:
+    hidden, inner = s.hidden, s.intermediate
+    return {
+        "q_proj": (hidden, s.q_dim),
+        "k_proj": (hidden, s.kv_dim),
+        "v_proj": (hidden, s.kv_dim),
+        "o_proj": (s.q_dim, hidden),
+        "gate_proj": (hidden, inner),
+        "up_proj": (hidden, inner),
+        "down_proj": (inner, hidden),
+    }
+
+
+def _llama_layer_params(s: "Shape") -> int:
+    hidden, inner = s.hidden, s.intermediate
+    attention = hidden * s.q_dim + 2 * hidden * s.kv_dim + s.q_dim * hidden
+    if s.qkv_bias:
+        attention += s.q_dim + 2 * s.kv_dim
+    if s.o_bias:
+        attention += hidden
+    mlp = 3 * hidden * inner + ((2 * inner + hidden) if s.mlp_bias else 0)
+    return attention + mlp + 2 * hidden
+
+
+def _gpt2_shape(get, name: str, model_type: str) -> "Shape":
+    hidden = get("n_embd", None)
+    return Shape(
+        "gpt2",
+        get("vocab_size", None),
+        hidden,
+        get("n_inner", None) or 4 * hidden,
+        get("n_layer", None),
+        get("n_head", None),
+        get("n_head", None),
+        hidden // get("n_head", None),
+        True,
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        positions=get("n_positions", 1024),
+        name=name,
+    )
+
+
+def _gpt2_linears(s: "Shape") -> dict[str, tuple[int, int]]:
+    hidden, inner = s.hidden, s.intermediate
+    return {
+        "c_attn": (hidden, 3 * hidden),
+        "attn.c_proj": (hidden, hidden),
+        "c_fc": (hidden, inner),
+        "mlp.c_proj": (inner, hidden),
+    }
+
+
+def _gpt2_layer_params(s: "Shape") -> int:
+    hidden, inner = s.hidden, s.intermediate
+    return (
+        (2 * hidden)
+        + (hidden * 3 * hidden + 3 * hidden)
+        + (hidden * hidden + hidden)
+        + (2 * hidden)
+        + (hidden * inner + inner)
+        + (inner * hidden + hidden)
+    )
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            "llama",
+            _llama_shape,
+            _llama_linears,
+            _llama_layer_params,
+            lambda s: s.vocab * s.hidden * (1 if s.tied else 2) + s.hidden,
+            (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+            ),
+            replay="llama",
+        ),
+        Family(
+            "gpt2",
+            _gpt2_shape,
+            _gpt2_linears,
+            _gpt2_layer_params,
+            lambda s: s.vocab * s.hidden + s.positions * s.hidden + 2 * s.hidden,
+            ("vocab_size", "n_embd", "n_layer", "n_head"),
+        ),
+    )
+}
+
+MODEL_TYPES: dict[str, ModelType] = {
+    m.name: m
+    for m in (
+        ModelType(
+            "llama",
+            "llama",
+            "LlamaConfig",
+            dict(
+                num_key_value_heads=None,
+                head_dim=None,
+                tie_word_embeddings=False,
+                attention_bias=False,
+                mlp_bias=False,
+            ),
+        ),
+        ModelType(
+            "mistral",
+            "llama",
+            "MistralConfig",
+            dict(num_key_value_heads=8, head_dim=None, tie_word_embeddings=False),
+        ),
+        ModelType(
+            "qwen2",
+            "llama",
+            "Qwen2Config",
+            dict(num_key_value_heads=32, tie_word_embeddings=False),
+            qkv_bias=True,
+        ),
+        ModelType(
+            "gpt2",
+            "gpt2",
+            "GPT2Config",
+            dict(n_inner=None, n_positions=1024, tie_word_embeddings=True),
+        ),
+    )
+}
+
+
+def model_type(name: Any) -> ModelType:
+    """The :class:`ModelType` of a ``model_type`` string (unknown: :class:`OptionError`
+    for ``model``)."""
+    return lookup(MODEL_TYPES, "model_type", name)
+
+
+# --------------------------------------------------------------------------------------
+# presets
+# --------------------------------------------------------------------------------------
+# Published shapes (config.json of each model). Only fields that change memory are
+# listed.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-7b": dict(
+        arch="llama",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    ),
+    "llama2-7b": dict(
+        arch="llama",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
+    "llama2-13b": dict(
+        arch="llama",
+        vocab_size=32000,
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=40,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
+    "llama2-70b": dict(
+        arch="llama",
+        vocab_size=32000,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-0.5b": dict(
+        arch="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+    ),
+    # Mistral-7B-v0.3: GQA with 8 key/value heads, no sliding window
+    "mistral-7b": dict(
+        arch="mistral",
+        vocab_size=32768,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=32768,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    # Qwen2-7B and Qwen2-1.5B: GQA (4 and 2 key/value heads), q/k/v biases
+    "qwen2-7b": dict(
+        arch="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
+    "qwen2-1.5b": dict(
+        arch="qwen2",
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+    ),
+    "gpt2": dict(
+        arch="gpt2",
+        vocab_size=50257,
+        n_embd=768,
+        n_layer=12,
+        n_head=12,
+        n_positions=1024,
+    ),
+    # A 2-layer, 64-wide Llama for tests and CPU demos.
+    "tiny": dict(
+        arch="llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS)
+
+
+class PlainConfig(SimpleNamespace):
+    """The fields of a config.json as attributes (a stand-in for a transformers
+    config)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def plain_config(fields: dict[str, Any], name: str) -> PlainConfig:
+    """A config's ``fields`` (with ``model_type``) completed with the defaults of its
+    ``transformers`` class, as a :class:`PlainConfig`."""
+    mt = model_type(fields["model_type"])
+    cfg = PlainConfig(**{**mt.plain_defaults, **fields})
+    cfg.name_or_path = name
+    return cfg
+
+
+def _preset_fields(name: str) -> dict[str, Any]:
+    """The fields of preset ``name`` with its ``model_type`` (:data:`PRESETS` calls it
+    ``arch``)."""
+    if name not in PRESETS:
+        raise OptionError(
+            "model",
+            f"model must be one of {', '.join(preset_names())} or a config "
+            f".json file, got {name!r}",
+        )
+    fields = dict(PRESETS[name])
+    fields["model_type"] = fields.pop("arch")
+    return fields
+
+
+def transformers_config(fields: dict[str, Any], name: str):
+    """A ``transformers`` config of ``fields`` (with ``model_type``)."""
+    import transformers
+
+    fields = dict(fields)
+    cls = getattr(transformers, model_type(fields.pop("model_type")).config_class)
+    cfg = cls(**fields)
+    cfg.name_or_path = name
+    return cfg
+
+
+def get_config(name: str, **overrides: Any):
+    """A ``transformers`` config for preset ``name`` (see :data:`PRESETS`), with
+    ``overrides``.
+
+    Raises :class:`OptionError` naming the allowed presets for an unknown name.
+    """
+    return transformers_config({**_preset_fields(name), **overrides}, name)
+
+
+def load_config_file(path: str):
+    """A ``transformers`` config built from an HF-style ``config.json`` file (no
+    download); without ``transformers`` (the book's in-page calculator) a
+    :class:`PlainConfig`.
+
+    Supported ``model_type`` values: :data:`MODEL_TYPES`. Raises :class:`OptionError`
+    with one line naming the file and what is wrong (missing, not JSON, not an object,
+    unknown model_type, missing size fields).
+    """
+
+    def bad(message: str) -> OptionError:
+        return OptionError("model", message)
+
+    data = read_json_object(
+        path,
+        "model",
+        "model config file",
+        f"; model must be a preset ({', '.join(preset_names())}) or a config .json "
+        "file",
+    )
+    mt = data.get("model_type")
+    if mt not in MODEL_TYPES:
+        raise bad(
+            f"model config file {path!r}: model_type must be one of "
+            f"{', '.join(sorted(MODEL_TYPES))}, got {mt!r}"
+        )
+    for k in FAMILIES[MODEL_TYPES[mt].family].required:
+        v = data.get(k)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise bad(
+                f"model config file {path!r}: {k} must be a positive integer, got {v!r}"
+            )
+    fields = {
+        k: v
+        for k, v in data.items()
+        if k not in ("architectures", "transformers_version")
+    }
+    name = os.path.basename(path)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:  # the book's in-page calculator: the estimator's fields
+        return plain_config(fields, name)
+    try:
+        return transformers_config(fields, name)
+    except Exception as e:  # transformers validation
+        raise bad(
+            f"model config file {path!r} is not a valid {mt} config: {e}"
+        ) from None
+
+
+def load_model_config(model: Any):
+    """``model`` as a config object with the fields of a ``transformers`` config: a
+    preset name (:data:`PRESETS`), a path to a ``config.json``
+    (:func:`load_config_file`, which reads it with
+    :func:`~trainmem.errors.read_json_object`), a dict of a ``config.json``'s fields,
+    or a config (returned as it is). Anything else raises
+    :class:`OptionError` for ``model``."""
+    if isinstance(model, str):
+        if model.endswith(".json") or os.path.sep in model:
+            return load_config_file(model)
+        return get_config(model)
+    if isinstance(model, dict):
+        return SimpleNamespace(**{"name_or_path": "config", **model})
+    if hasattr(model, "vocab_size") and (
+        hasattr(model, "to_dict") or hasattr(model, "model_type")
+    ):
+        return model  # a transformers config, or any object with its fields
+    if isinstance(model, Shape):
+        raise OptionError(
+            "model",
+            "model: pass a preset name, a config .json path or a transformers config",
+        )
+    raise OptionError(
+        "model",
+        f"model must be a preset name ({', '.join(preset_names())}), a config "
+        f".json path or a transformers config, got {type(model).__name__}",
+    )
+
+
+def shape_of_config(config) -> Shape:
+    """The :class:`Shape` of a config object (a ``model_type`` missing or unknown is
+    read as Llama-like, as before)."""
+    name = getattr(config, "name_or_path", "") or "config"
+    mt = getattr(config, "model_type", "") or "llama"
+    family = FAMILIES[MODEL_TYPES[mt].family if mt in MODEL_TYPES else "llama"]
+    return family.shape(lambda k, d: getattr(config, k, d), name, mt)
+
+
+def model_shape(model: Any) -> Shape:
+    """The :class:`Shape` of a preset name, config .json path, config dict or
+    ``transformers`` config (a :class:`Shape` is returned as it is)."""
+    if isinstance(model, Shape):
+        return model
+    if isinstance(model, str) and model in PRESETS:
+        return shape_of_config(plain_config(_preset_fields(model), model))
+    return shape_of_config(load_model_config(model))
