@@ -87,6 +87,8 @@ LABELS = {
     "versions": "库版本（versions）",
     "kbit-prepare": "k-bit 准备（kbit-prepare）",
     "gpu": "GPU 型号（gpu）",
+    "kernels": "内核（kernels）",
+    "checkpointing-mode": "检查点形式（checkpointing-mode）",
 }
 SKIP = {"help", "json", "timeline"}  # the page always asks for --json --timeline
 CONFIG_CHOICE = "config.json"  # model value that means: the pasted config.json

@@ -608,9 +608,11 @@ def test_estimates_equal_the_recorded_pre_refactor_values():
     """32 configurations across every option (all methods, precisions, optimizers,
     ZeRO stages, attention and optimizer implementations, checkpointing, accumulation),
     whose ``to_dict()`` was recorded from the estimator before its code was reorganised
-    into ``trainmem.config`` / ``StepConfig``: the reorganisation changed no number. The
-    independent checks are the tests above (transformers' parameter counts, peft, the
-    CPU measurement)."""
+    into ``trainmem.config`` / ``StepConfig``: the reorganisation changed no number. One
+    row was re-recorded since: GPT-2 under QLoRA, whose closed form counted 0.55 B for
+    every parameter and now counts NF4 for the decoder Linears only (see
+    ``test_gpt2_qlora_counts_nf4_on_the_decoder_linears``). The independent checks are
+    the tests above (transformers' parameter counts, peft, the CPU measurement)."""
     from pathlib import Path
 
     rows = json.loads(
@@ -619,7 +621,13 @@ def test_estimates_equal_the_recorded_pre_refactor_values():
     assert len(rows) == 32
     # the options added since (KV cache, peft's k-bit preparation, ...) set to what
     # the recorded estimator did: no cache copy, the QLoRA base kept in 16 bit
-    added = ("lora_dropout", "use_cache", "versions", "kbit_prepare")
+    added = (
+        "lora_dropout",
+        "use_cache",
+        "versions",
+        "kbit_prepare",
+        "checkpointing_mode",
+    )
     for row in rows:
         result = estimate(**row["options"], use_cache="off", kbit_prepare="none")
         result = result.to_dict()
@@ -627,3 +635,23 @@ def test_estimates_equal_the_recorded_pre_refactor_values():
             k: v for k, v in result["options"].items() if k not in added
         }
         assert result == row["result"], row["options"]
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_gpt2_qlora_counts_nf4_on_the_decoder_linears(double_quant):
+    """GPT-2's closed form holds the base model as the replay does: the Linears of the
+    12 blocks (c_attn 768×2304, attn.c_proj 768×768, c_fc 768×3072, mlp.c_proj
+    3072×768) in NF4, embeddings, biases and norms in 16 bit."""
+    n_linear = 12 * (768 * 2304 + 768 * 768 + 768 * 3072 + 3072 * 768)
+    per_weight = 0.5 + (1 / 64 + 4 / (64 * 256) if double_quant else 4 / 64)
+    want = int(n_linear * per_weight) + 2 * (124_439_808 - n_linear)
+    est = estimate(
+        "gpt2",
+        method="qlora",
+        precision="bf16-amp",
+        lora_targets=("c_attn",),
+        qlora_double_quant=double_quant,
+        seq=64,
+    )
+    assert est.n_params == 124_439_808
+    assert est.breakdown["weights"] == want

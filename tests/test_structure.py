@@ -1,5 +1,6 @@
 """The shape of the two packages: no import cycles, ``trainmem`` never imports
-``coursekit``, and one option list (``StepConfig``) with the same defaults everywhere."""
+``coursekit``, and one option list (``StepConfig``) with the same defaults
+everywhere."""
 
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ def import_graph(package: str) -> dict[str, set[str]]:
 
         visit(tree)
         # a module's own packages run first whatever it imports: not an edge
-        ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        ancestors = {
+            ".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)
+        }
         graph[name] = {d for d in deps if d in modules and d != name} - ancestors
     return graph
 

@@ -30,18 +30,6 @@ DTYPES: dict[str, tuple[int, str]] = {
     name: (int(_DTYPES[name].bytes), _DTYPES[name].safetensors) for name in FLOAT_DTYPES
 }
 
-# where each Llama linear sits inside one decoder layer
-# (``model.layers.{i}.<parent>.<name>``)
-_PARENT = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
-
 
 def _targets(targets: Iterable[str] | str) -> list[str]:
     return list(split_targets(targets))
@@ -65,7 +53,8 @@ def adapter_tensors(
     a GPT-2 model, an unknown target or a rank outside ``1..min(d_in, d_out)``.
     """
     s = model_shape(model)
-    if s.arch != "llama":
+    paths = s.family.module_paths
+    if paths is None:
         raise ValueError(
             f"adapter_tensors needs a Llama-shaped model (llama, qwen2, mistral), "
             f"got arch {s.arch!r}"
@@ -78,7 +67,7 @@ def adapter_tensors(
     for i in range(s.layers):
         for t in targets:
             d_in, d_out = shapes[t]
-            stem = f"base_model.model.model.layers.{i}.{_PARENT[t]}.{t}"
+            stem = "base_model.model." + paths[t].format(i=i)
             out[f"{stem}.lora_A.weight"] = (rank, d_in)
             out[f"{stem}.lora_B.weight"] = (d_out, rank)
     return out

@@ -195,7 +195,7 @@ class StepConfig:
         "whose kernels the step runs: cuda (what the estimate describes) or cpu "
         "(where trainmem.measure checks it; dropout keeps a float mask there)",
         choices=KERNELS,
-        no_flag=True,
+        estimate_only=True,
     )
 
     @classmethod

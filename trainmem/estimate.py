@@ -155,7 +155,7 @@ from .config import (
     split_targets,
     step_signature,
 )
-from .dtypes import GB, GiB
+from .dtypes import GB, GiB, nf4_bytes_per_weight
 from .families import FAMILIES, lora_adapter_params
 from .from_hf import ALL_LINEAR, HF_OPTIMS, hf_field_error, hf_options
 
@@ -386,6 +386,16 @@ def format_table(
     return "\n".join(lines)
 
 
+def _qlora_weights(shape: Shape, step: StepConfig) -> int:
+    """Bytes of a QLoRA base model in the closed form: the decoder blocks' Linear
+    weights in NF4 (:func:`trainmem.dtypes.nf4_bytes_per_weight`, with or without
+    double quantisation), everything else (embeddings, biases, norms) in 16 bit — the
+    layout the replay holds."""
+    n_linear = shape.layers * sum(i * o for i, o in shape.linear_shapes().values())
+    nf4 = nf4_bytes_per_weight(step.qlora_double_quant)
+    return int(n_linear * nf4) + 2 * (count_params(shape) - n_linear)
+
+
 def _gpt2_estimate(shape: Shape, step: StepConfig) -> dict:
     """Closed-form estimate (not replayed): model states exact, activations after
     Korthikanti et al. 2022 (34·s·b·h + 5·a·s²·b bytes per layer in 16-bit, the s² term
@@ -400,7 +410,8 @@ def _gpt2_estimate(shape: Shape, step: StepConfig) -> dict:
         n_trainable = lora_trainable_params(shape, step.lora_rank, step.lora_targets)
     lora_bytes = 4 if (step.lora_dtype in (None, "fp32")) else 2
     trainable_bytes = param_bytes if method == "full" else lora_bytes
-    weights = n_params * param_bytes if method != "qlora" else int(n_params * 0.55)
+    qlora = method == "qlora"
+    weights = _qlora_weights(shape, step) if qlora else n_params * param_bytes
     master = n_trainable * 4 if amp and method == "full" else 0
     if amp and method == "full":
         weights = 2 * n_params  # low-precision working copies
@@ -408,7 +419,7 @@ def _gpt2_estimate(shape: Shape, step: StepConfig) -> dict:
     spec = optimizer_entry(optimizer)
     states = int(n_trainable * _nominal_state_bytes(spec, trainable_bytes))
     if amp and step.zero >= 1:  # ZeRO/DeepSpeed: 16-bit module, fp32 master + states
-        weights = 2 * n_params if method != "qlora" else int(n_params * 0.55)
+        weights = _qlora_weights(shape, step) if qlora else 2 * n_params
         grads, master = 2 * n_trainable, 4 * n_trainable
         states = int(n_trainable * _nominal_state_bytes(spec, 4))
     act_scale = 1.0 if precision != "fp32" else 2.0

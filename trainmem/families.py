@@ -112,6 +112,9 @@ class Family:
     other_params: Callable[["Shape"], int]  # embeddings, final norm, lm_head
     required: tuple[str, ...]
     replay: str | None = None
+    #: where each Linear sits in the ``transformers`` model (``"model.layers.{i}.
+    #: self_attn.q_proj"``): the names peft saves; ``None``: not modelled
+    module_paths: dict[str, str] | None = None
 
     def count_params(self, shape: "Shape") -> int:
         return self.other_params(shape) + shape.layers * self.params_per_layer(shape)
@@ -235,6 +238,18 @@ FAMILIES: dict[str, Family] = {
                 "num_attention_heads",
             ),
             replay="llama",
+            module_paths={
+                name: f"model.layers.{{i}}.{parent}.{name}"
+                for name, parent in (
+                    ("q_proj", "self_attn"),
+                    ("k_proj", "self_attn"),
+                    ("v_proj", "self_attn"),
+                    ("o_proj", "self_attn"),
+                    ("gate_proj", "mlp"),
+                    ("up_proj", "mlp"),
+                    ("down_proj", "mlp"),
+                )
+            },
         ),
         Family(
             "gpt2",
