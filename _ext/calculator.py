@@ -82,8 +82,15 @@ LABELS = {
     "no-double-quant": "QLoRA 不做双重量化（no-double-quant）",
     "zero": "ZeRO 阶段（zero）",
     "gpus": "GPU 数（gpus）",
+    "lora-dropout": "LoRA dropout（lora-dropout）",
+    "use-cache": "KV 缓存（use-cache）",
+    "versions": "库版本（versions）",
+    "kbit-prepare": "k-bit 准备（kbit-prepare）",
+    "gpu": "GPU 型号（gpu）",
+    "kernels": "内核（kernels）",
+    "checkpointing-mode": "检查点形式（checkpointing-mode）",
 }
-SKIP = {"help", "json"}  # the page always asks for --json
+SKIP = {"help", "json", "timeline"}  # the page always asks for --json --timeline
 CONFIG_CHOICE = "config.json"  # model value that means: the pasted config.json
 
 
@@ -282,7 +289,7 @@ def _field_html(f: dict, uid: str) -> str:
     when = ""
     if f["name"].startswith("lora-"):
         when = ' data-when="lora qlora"'
-    elif f["name"] == "no-double-quant":
+    elif f["name"] in ("no-double-quant", "kbit-prepare"):
         when = ' data-when="qlora"'
     if f["kind"] == "flag":
         return (

@@ -12,6 +12,7 @@ to _build/screenshots/.
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -203,6 +204,8 @@ ERRORS: list[tuple[dict, str | None]] = [
     ({"model": "config.json"}, '{"model_type": "llama", "vocab_size": 32000,'),
     ({"model": "config.json"}, json.dumps({"model_type": "bert", "vocab_size": 30522})),
     ({"model": "config.json"}, json.dumps({**LLAMA_MIN, "hidden_size": 0})),
+    ({"method": "lora", "lora-dropout": "1.5"}, None),
+    ({"versions": "jax=1"}, None),
 ]
 
 
@@ -302,7 +305,7 @@ def test_form_is_the_cli_estimate_options():
     want = {
         max(a.option_strings, key=len).lstrip("-"): a
         for a in parser._actions
-        if a.option_strings and a.dest not in ("help", "json")
+        if a.option_strings and a.dest not in ("help", "json", "timeline")
     }
     fields = {f["name"]: f for f in calc.form_fields()}
     assert set(fields) == set(want)
@@ -377,7 +380,7 @@ RESULT = """() => {
   const r = document.querySelector('.tm-calc-result');
   return {total: r.dataset.totalBytes || null, error: r.dataset.error || null,
           argv: JSON.parse(r.dataset.argv),
-          bytes: [...r.querySelectorAll('.tm-table tbody tr')].map(
+          bytes: [...r.querySelectorAll('.tm-table:not(.tm-gpu-table) tbody tr')].map(
                    tr => tr.querySelector('td:last-child')
                            .textContent.replaceAll(',', ''))};
 }"""
@@ -452,7 +455,16 @@ def test_bad_input_gets_the_cli_message(site, tmp_path):
                 "python -m trainmem estimate: error: "
             )
             assert got["total"] is None and got["error"] == line, (values, got, line)
-            assert page.locator(".tm-calc-error").inner_text().strip() == line
+            shown = page.locator(".tm-calc-error").inner_text()
+            assert line in shown and shown.startswith("输入有误"), shown
+            # the field the message names is marked on the form, and named in Chinese
+            flag = re.search(r"(--[a-z0-9-]+)", line)
+            marked = page.locator("[aria-invalid=true]")
+            if flag and page.locator(f"[data-flag='{flag.group(1)}']").count():
+                assert marked.count() == 1
+                assert marked.get_attribute("data-flag") == flag.group(1)
+                assert "标红" in shown
+            assert "输入有误" in page.locator(".tm-calc-status").inner_text()
         assert not problems, "\n".join(problems)
     finally:
         page.context.close()
@@ -507,6 +519,50 @@ def test_typing_recomputes_and_screenshots(site, tmp_path):
             assert not problems, "\n".join(problems)
         finally:
             page.context.close()
+
+
+def test_gpu_numbers_timeline_and_fit(site, tmp_path):
+    """With a GPU chosen the page shows the CLI's reserved / nvidia-smi bytes and the
+    fit verdict, draws the step's timeline (one area per category, its highest point
+    the peak), and the fit button answers what ``python -m trainmem fit`` answers."""
+    b, base = site
+    page, problems = open_offline(b, base, "book/calculator.html")
+    try:
+        _first_answer(page)
+        values = {"model": "llama2-7b", "method": "qlora", "batch": "4", "gpu": "T4"}
+        got = _ask(page, values, None)
+        ref = _cli(values, None, tmp_path)
+        want = json.loads(ref.stdout)
+        assert got["total"] == str(want["total_bytes"])
+        gpu = page.locator(".tm-calc-gpu")
+        assert gpu.get_attribute("data-fits") == str(want["fits"]).lower()
+        table = page.locator(".tm-gpu-table").inner_text().replace(",", "")
+        for key in ("reserved_bytes", "device_bytes", "capacity_bytes"):
+            assert str(want[key]) in table, key
+        assert page.locator(".tm-calc-timeline polygon").count() == 6
+        assert page.locator(".tm-calc-timeline polyline").count() == 1
+        page.click(".tm-fit-button")
+        page.wait_for_function(
+            "() => document.querySelector('.tm-fit-out').dataset.maxBatch"
+            " !== undefined",
+            timeout=120000,
+        )
+        argv = [sys.executable, "-m", "trainmem", "fit", "--model", "llama2-7b"]
+        argv += ["--method", "qlora", "--batch", "4", "--gpu", "T4", "--json"]
+        fit = json.loads(
+            subprocess.run(
+                argv, capture_output=True, text=True, cwd=ROOT, check=True
+            ).stdout
+        )
+        out = page.locator(".tm-fit-out")
+        assert out.get_attribute("data-max-batch") == str(fit["max_batch"])
+        text = out.inner_text()
+        assert f"最大微批 {fit['max_batch']}" in text
+        if "cheapest_change" in fit:
+            assert fit["cheapest_change"]["change"] in text
+        assert not problems, "\n".join(problems)
+    finally:
+        page.context.close()
 
 
 def test_chapter3_embeds_the_calculator(site, tmp_path):
@@ -592,6 +648,8 @@ def test_site_carries_the_runtime_not_a_cdn(site):
     for f in calc.PYODIDE_FILES:
         assert (root / "pyodide" / f).is_file(), f
     js = (root / "calculator.js").read_text(encoding="utf-8")
+    # the SVG namespace of the timeline is an identifier, not an address it fetches
+    js = js.replace('"http://www.w3.org/2000/svg"', "SVG_NS")
     assert "http://" not in js and "https://" not in js, (
         "the calculator must load nothing from another host"
     )

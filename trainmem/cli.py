@@ -1,10 +1,13 @@
-"""``python -m trainmem estimate|measure|hf`` — training memory from the shell.
+"""``python -m trainmem estimate|measure|hf|fit`` — training memory from the shell.
 
-Both print a table in GiB (2**30 bytes) and GB (10**9 bytes), or with ``--json`` one
+They print a table in GiB (2**30 bytes) and GB (10**9 bytes), or with ``--json`` one
 JSON object whose top level has ``total_bytes`` (the peak) and ``breakdown``
 (``weights``, ``gradients``, ``optimizer_states``, ``master_weights``, ``activations``,
-``temporaries``; integer bytes). Bad input exits with status 2 and one line on stderr
-naming the argument and the allowed values."""
+``temporaries``; integer bytes); ``estimate --gpu NAME`` adds ``reserved_bytes``,
+``device_bytes``, ``fits`` and ``headroom_bytes`` (:mod:`trainmem.gpus`), and ``fit``
+answers ``{"max_batch": N}`` or ``{"max_seq": N}`` with the cheapest change that makes
+an out-of-memory configuration fit (:mod:`trainmem.fit`). Bad input exits with status 2
+and one line on stderr naming the argument and the allowed values."""
 
 from __future__ import annotations
 
@@ -46,6 +49,10 @@ examples:
   python -m trainmem estimate --model mistral-7b --optimizer-impl fused --checkpointing
   python -m trainmem hf --model config.json --training-args args.json \\
       --peft-config adapter_config.json --seq 1024
+  python -m trainmem estimate --model llama2-7b --method qlora --batch 4 --gpu T4
+  python -m trainmem fit --model llama2-7b --method lora --gpu A100-40GB --json
+  python -m trainmem fit --model llama2-7b --method qlora --gpu T4 --vary seq \\
+      --batch 1
 """
 
 
@@ -82,7 +89,12 @@ def _rank(text):
 
 #: the model each command runs when ``--model`` is not given: the functions' own
 #: defaults (``estimate()`` a 7B shape, ``measure()`` the tiny Llama on real tensors)
-MODEL_DEFAULTS = {"estimate": "llama-7b", "measure": "tiny", "hf": "llama-7b"}
+MODEL_DEFAULTS = {
+    "estimate": "llama-7b",
+    "fit": "llama-7b",
+    "measure": "tiny",
+    "hf": "llama-7b",
+}
 
 _KINDS = {"positive": None, "int": int, "list": str}
 
@@ -100,7 +112,9 @@ def _add_step_options(p: argparse.ArgumentParser, command: str) -> None:
     )
     for f in dataclasses.fields(StepConfig):
         meta = f.metadata
-        if meta.get("estimate_only") and command != "estimate":
+        if meta.get("no_flag"):
+            continue
+        if meta.get("estimate_only") and command not in ("estimate", "fit"):
             continue
         flag = meta.get("flag", "--" + f.name.replace("_", "-"))
         if isinstance(f.default, bool):
@@ -117,6 +131,8 @@ def _add_step_options(p: argparse.ArgumentParser, command: str) -> None:
             kw["type"] = _positive(f.name)
         elif kind == "int":
             kw["type"] = _rank
+        elif kind == "fraction":
+            kw["type"] = _fraction
         default = f.default
         if kind == "list":
             default = ",".join(default)
@@ -126,6 +142,32 @@ def _add_step_options(p: argparse.ArgumentParser, command: str) -> None:
         "--json",
         action="store_true",
         help="print one JSON object (total_bytes, breakdown, ...) instead of the table",
+    )
+
+
+def _fraction(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a number in [0, 1), got {text!r}"
+        ) from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {v}")
+    return v
+
+
+def _add_gpu_option(p: argparse.ArgumentParser, required: bool) -> None:
+    from .gpus import GPUS
+
+    p.add_argument(
+        "--gpu",
+        required=required,
+        choices=tuple(GPUS),
+        default=None,
+        help=f"GPU preset ({', '.join(GPUS)}): adds reserved_bytes (the caching "
+        "allocator's max_memory_reserved), device_bytes (what nvidia-smi shows, a "
+        "lower bound), fits and headroom_bytes",
     )
 
 
@@ -146,6 +188,33 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
     )
     _add_step_options(pe, "estimate")
+    _add_gpu_option(pe, required=False)
+    pe.add_argument(
+        "--timeline",
+        action="store_true",
+        help="with --json: add the step's memory timeline (bytes by category over the "
+        "replayed allocations, about 200 points)",
+    )
+    pf = sub.add_parser(
+        "fit",
+        help="the largest micro-batch (or sequence) that fits a GPU, and the cheapest "
+        "change that makes an out-of-memory configuration fit",
+        description="What fits on a GPU: the largest micro-batch (--vary batch) or "
+        "sequence (--vary seq), from the step replay and the caching-allocator "
+        "model, and the cheapest change (smaller micro-batch with accumulation, 8-bit "
+        "AdamW, checkpointing, QLoRA) that makes the given configuration fit.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
+    )
+    _add_step_options(pf, "fit")
+    _add_gpu_option(pf, required=True)
+    pf.add_argument(
+        "--vary",
+        default="batch",
+        choices=("batch", "seq"),
+        help="what to maximise: the micro-batch (--seq fixed) or the sequence length "
+        "(--batch fixed); default batch",
+    )
     pm = sub.add_parser(
         "measure",
         help="run two real training steps and account every tensor",
@@ -205,6 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per sequence; default: max_length of the training arguments",
     )
     ph.add_argument(
+        "--versions",
+        default=None,
+        help="the user's library versions, e.g. transformers=4.48.1,peft=0.13.2,"
+        "bitsandbytes=0.43.3,torch=2.4.1 (any subset; default: the pinned ones)",
+    )
+    _add_gpu_option(ph, required=False)
+    ph.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object (total_bytes, breakdown, ...) instead of the table",
@@ -229,6 +305,8 @@ def _run_hf(args):
         _read_json("training_args", args.training_args),
         _read_json("peft_config", args.peft_config),
         seq=args.seq,
+        versions=args.versions,
+        gpu=args.gpu,
     )
 
 
@@ -266,7 +344,11 @@ def _run(args):
     if args.command == "estimate":
         from .estimate import estimate_step
 
-        return estimate_step(args.model, step)
+        return estimate_step(args.model, step, gpu=args.gpu, timeline=args.timeline)
+    if args.command == "fit":
+        from .fit import fit
+
+        return _FitResult(fit(args.model, step, args.gpu, args.vary))
     from .measure import measure_step
 
     return measure_step(
@@ -275,6 +357,43 @@ def _run(args):
         device=args.device,
         extrapolate=False if args.no_extrapolate else None,
     )
+
+
+class _FitResult:
+    """``trainmem fit``'s answer with the ``to_dict``/``table`` of the other
+    commands."""
+
+    def __init__(self, result: dict):
+        self.result = result
+
+    def to_dict(self):
+        return self.result
+
+    def table(self) -> str:
+        r = self.result
+        key = "max_batch" if "max_batch" in r else "max_seq"
+        gib = 1024**3
+        lines = [f"{r['gpu']}: {key} = {r[key]}"]
+        if r[key]:
+            lines.append(
+                f"  at {key[4:]} {r[key]}: tensors {r['total_bytes'] / gib:.2f} GiB, "
+                f"reserved {r['reserved_bytes'] / gib:.2f} GiB, device "
+                f"{r['device_bytes'] / gib:.2f} GiB, headroom "
+                f"{r['headroom_bytes'] / gib:.2f} GiB"
+            )
+        req = r["requested"]
+        what = ", ".join(f"{k} {v}" for k, v in req.items() if k != "fits")
+        lines.append(f"requested ({what}): {'fits' if req['fits'] else 'does NOT fit'}")
+        change = r.get("cheapest_change")
+        if change:
+            if change["change"]:
+                lines.append(
+                    f"cheapest change that fits: {change['change']} (device "
+                    f"{change['device_bytes'] / gib:.2f} GiB)"
+                )
+            else:
+                lines.append("no single or combined change tried makes it fit")
+        return "\n".join(lines)
 
 
 def main(argv=None) -> int:

@@ -47,6 +47,9 @@ ATTN_IMPLS = ("sdpa", "eager", "flash")
 OPTIMIZER_IMPLS = IMPLS
 LORA_DTYPES = (None, *FLOAT_DTYPES)
 ZERO_STAGES = (0, 1, 2, 3)
+USE_CACHE = (None, "on", "off")
+KBIT_PREPARE = ("peft", "none")
+KERNELS = ("cuda", "cpu")
 
 
 def split_targets(lora_targets) -> tuple[str, ...]:
@@ -154,6 +157,46 @@ class StepConfig:
     gpus: int = _option(
         1, "data-parallel GPUs (≥ 1)", kind="positive", estimate_only=True
     )
+    checkpointing_mode: str = _option(
+        "non-reentrant",
+        "with --checkpointing: torch.utils.checkpoint's form — non-reentrant (what "
+        "transformers >= 5.0 asks for) or reentrant (use_reentrant=True, the default "
+        "of gradient_checkpointing_enable() before 5.0): the whole layer is "
+        "recomputed and its output kept until the layer's backward ends",
+        choices=("non-reentrant", "reentrant"),
+    )
+    lora_dropout: float = _option(
+        0.0,
+        "peft's lora_dropout (0 ≤ p < 1; > 0 adds a mask and a dropped copy of each "
+        "adapted module's input; 0 is nn.Identity)",
+        kind="fraction",
+    )
+    use_cache: str | None = _option(
+        None,
+        "the forward's KV cache; default: as transformers decides (the config's "
+        "use_cache=True, turned off by checkpointing)",
+        choices=USE_CACHE,
+    )
+    versions: str | None = _option(
+        None,
+        "library versions the modelled behaviours depend on, e.g. transformers=4.48.1,"
+        "peft=0.13.2,bitsandbytes=0.43.3,torch=2.4.1 (any subset; default: the "
+        "versions this course pins)",
+    )
+    kbit_prepare: str = _option(
+        "peft",
+        "QLoRA: peft = prepare_model_for_kbit_training (non-quantized weights upcast "
+        "to fp32), none = the base kept in its 16-bit load dtype",
+        choices=KBIT_PREPARE,
+        estimate_only=True,
+    )
+    kernels: str = _option(
+        "cuda",
+        "whose kernels the step runs: cuda (what the estimate describes) or cpu "
+        "(where trainmem.measure checks it; dropout keeps a float mask there)",
+        choices=KERNELS,
+        estimate_only=True,
+    )
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "StepConfig":
@@ -185,6 +228,39 @@ class StepConfig:
         check_positive_int("grad_accum", self.grad_accum)
         check_positive_int("gpus", self.gpus)
         check_choice("zero", self.zero, ZERO_STAGES)
+        check_choice("use_cache", self.use_cache, USE_CACHE)
+        check_choice("kbit_prepare", self.kbit_prepare, KBIT_PREPARE)
+        check_choice("kernels", self.kernels, KERNELS)
+        check_choice(
+            "checkpointing_mode",
+            self.checkpointing_mode,
+            ("non-reentrant", "reentrant"),
+        )
+        p = self.lora_dropout
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+            raise OptionError(
+                "lora_dropout", f"lora_dropout must be a number in [0, 1), got {p!r}"
+            )
+        from .versions import parse_versions
+
+        parse_versions(self.versions)  # raises OptionError for a bad entry
+
+    @property
+    def library_versions(self) -> dict:
+        from .versions import parse_versions
+
+        return parse_versions(self.versions)
+
+    @property
+    def cache_on(self) -> bool:
+        """Whether the forward builds a KV cache: transformers' default is the config's
+        ``use_cache`` (True for Llama-family configs), ``--use-cache off`` turns it
+        off, and under gradient checkpointing the decoder always turns it off
+        ("use_cache=True is incompatible with gradient checkpointing. Setting
+        use_cache=False")."""
+        if self.checkpointing:
+            return False
+        return self.use_cache != "off"
 
     @property
     def uses_lora(self) -> bool:

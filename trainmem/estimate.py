@@ -81,10 +81,22 @@ tensors for 7B shapes) and with torch's own ``MemTracker`` to a few bytes in mos
 configurations; ``benchmarks/results/memory_accuracy.md`` lists a fixed grid and a
 random grid of tiny Llama, Qwen2 and Mistral configurations (GQA, tied embeddings, odd
 widths, every option) with the worst rows.  The ``forward`` phase peak under
-checkpointing is modelled less exactly (it is rarely the step's peak).  On a GPU,
-``max_memory_allocated`` adds the caching allocator's 512-byte rounding and kernel
-workspaces; ``max_memory_reserved`` adds fragmentation and the device total adds the
-CUDA context (several hundred MiB) — none of these is in the estimate. Llama-family
+checkpointing is modelled less exactly (it is rarely the step's peak).  With
+``gpu="T4"`` (any preset of :data:`trainmem.gpus.GPUS`) the step's allocations are
+replayed through a model of PyTorch's caching allocator (:mod:`trainmem.memory.
+allocator`) and the result adds ``reserved_bytes`` (``max_memory_reserved``: rounding,
+segments, fragmentation, the cuBLAS workspaces), ``device_bytes`` (plus the CUDA
+context: what ``nvidia-smi`` shows, a lower bound), ``fits`` and ``headroom_bytes``;
+``total_bytes`` stays the tensors' peak.
+
+The step as the user's stack runs it: ``lora_dropout`` (peft's dropout on each adapted
+module's input: a mask and a dropped copy), ``use_cache`` (``None``: as transformers
+decides — the config's ``use_cache``, off under checkpointing; from transformers 4.56
+the cache holds a copy of every layer's K and V), ``versions`` (the behaviours keyed on
+transformers, peft, bitsandbytes and torch releases, :mod:`trainmem.versions`: the loss
+forms before 4.46 / 4.46-4.48 / from 4.49, bitsandbytes' saved 4-bit inputs up to
+0.43.1) and ``kbit_prepare`` (QLoRA: ``"peft"`` = ``prepare_model_for_kbit_training``,
+the non-quantized weights in fp32; ``"none"`` = kept in 16 bit). Llama-family
 configs (llama, mistral, qwen2) are replayed; ``gpt2`` uses the closed-form activation
 estimate of Korthikanti et al. (2022) and is marked ``exact=False``.
 
@@ -281,8 +293,34 @@ class MemoryEstimate:
     #: the peak, which may fall in backward before every gradient exists) this is the
     #: resident model state that :func:`trainmem.zero.per_gpu_memory` counts.
     model_state_bytes: int = 0
+    #: with ``gpu``: trainmem.gpus.device_report's numbers (reserved_bytes,
+    #: device_bytes, fits, headroom_bytes, ...) and the step's memory timeline
+    device: dict[str, Any] | None = None
+    #: with ``timeline=True``: bytes by category sampled over the step's allocation
+    #: events (about 200 points: ``event``, ``phase``, ``reserved`` and the categories)
+    timeline: list[dict[str, Any]] | None = None
+
+    @property
+    def reserved_bytes(self) -> int | None:
+        return None if self.device is None else self.device["reserved_bytes"]
+
+    @property
+    def device_bytes(self) -> int | None:
+        return None if self.device is None else self.device["device_bytes"]
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device is None else self.device["fits"]
 
     def to_dict(self) -> dict[str, Any]:
+        out = self._base_dict()
+        if self.device is not None:
+            out.update(self.device)
+        if self.timeline is not None:
+            out["timeline"] = self.timeline
+        return out
+
+    def _base_dict(self) -> dict[str, Any]:
         return {
             "total_bytes": int(self.total_bytes),
             "breakdown": {k: int(self.breakdown[k]) for k in CATEGORIES},
@@ -305,13 +343,25 @@ class MemoryEstimate:
     def table(self) -> str:
         title = f"estimated peak (peak in {self.peak_phase})"
         extra = {"activations at end of forward": self.activation_bytes}
-        return format_table(
+        if self.device is not None:
+            d = self.device
+            extra["reserved (max_memory_reserved)"] = d["reserved_bytes"]
+            extra["device (nvidia-smi, lower bound)"] = d["device_bytes"]
+            extra[f"{d['gpu']} memory"] = d["capacity_bytes"]
+        text = format_table(
             title,
             self.breakdown,
             self.total_bytes,
             extra,
             params=(self.n_params, self.n_trainable),
         )
+        if self.device is not None:
+            d = self.device
+            verdict = "fits" if d["fits"] else "does NOT fit"
+            text += (
+                f"\n{d['gpu']}: {verdict}; headroom {d['headroom_bytes'] / GiB:.2f} GiB"
+            )
+        return text
 
 
 def format_table(
@@ -432,10 +482,17 @@ def _options_record(shape: Shape, step: StepConfig) -> dict[str, Any]:
         gpus=step.gpus,
         grad_accum=step.grad_accum,
         optimizer_impl=step.optimizer_impl,
+        checkpointing_mode=step.checkpointing_mode,
+        lora_dropout=step.lora_dropout,
+        use_cache="on" if step.cache_on else "off",
+        versions={k: ".".join(map(str, v)) for k, v in step.library_versions.items()},
+        kbit_prepare=step.kbit_prepare,
     )
 
 
-def estimate_step(model: Any, step: StepConfig) -> MemoryEstimate:
+def estimate_step(
+    model: Any, step: StepConfig, gpu: str | None = None, timeline: bool = False
+) -> MemoryEstimate:
     """Estimate the peak memory (bytes, per GPU) of the training step ``step`` of
     ``model`` (a preset name, config .json path, config or :class:`Shape`)."""
     shape = model_shape(model)
@@ -448,7 +505,7 @@ def estimate_step(model: Any, step: StepConfig) -> MemoryEstimate:
     else:
         from .memory.step import simulate_step
 
-        result = simulate_step(shape, step)
+        result = simulate_step(shape, step, record_events=gpu is not None or timeline)
         exact = True
         if step.method == "full":
             n_trainable = n_params
@@ -469,10 +526,34 @@ def estimate_step(model: Any, step: StepConfig) -> MemoryEstimate:
         exact,
         _options_record(shape, step),
         int(result["model_states"]),
+        *_device(result, step, gpu, timeline),
     )
 
 
-def estimate(model: Any = "llama-7b", **options: Any) -> MemoryEstimate:
+def _device(result: dict, step: StepConfig, gpu: str | None, timeline: bool):
+    """trainmem.gpus.device_report of the replayed step on ``gpu`` (None without) and
+    the step's timeline (None unless asked for)."""
+    if gpu is not None:
+        from .gpus import get_gpu
+
+        get_gpu(gpu)  # a bad name raises OptionError("gpu") also for gpt2
+    events = result.get("events")
+    if not events:
+        return None, None
+    if gpu is None:
+        from .memory.allocator import replay
+
+        return None, replay(events, None, 200)["timeline"]
+    from .gpus import device_report
+
+    device = device_report(events, gpu, step.library_versions, 200 if timeline else 0)
+    points = device.pop("timeline")
+    return device, (points if timeline else None)
+
+
+def estimate(
+    model: Any = "llama-7b", *, gpu: str | None = None, **options: Any
+) -> MemoryEstimate:
     """Estimate the peak memory (bytes, per GPU) of one training step; see the module
     docstring. ``options`` are the fields of :class:`StepConfig` (its defaults apply),
     checked when it is built; then :func:`estimate_step` runs.
@@ -481,7 +562,7 @@ def estimate(model: Any = "llama-7b", **options: Any) -> MemoryEstimate:
     values for bad input.
     """
     shape = model_shape(model)
-    return estimate_step(shape, StepConfig.from_options(options))
+    return estimate_step(shape, StepConfig.from_options(options), gpu=gpu)
 
 
 step_signature(
@@ -489,6 +570,7 @@ step_signature(
     inspect.Parameter(
         "model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="llama-7b"
     ),
+    inspect.Parameter("gpu", inspect.Parameter.KEYWORD_ONLY, default=None),
 )
 
 

@@ -182,12 +182,17 @@ def _lora_options(peft_config: Any) -> dict[str, Any]:
         targets = ("q_proj", "v_proj")  # peft's default for Llama-family models
     elif isinstance(targets, str):
         targets = ALL_LINEAR if targets == "all-linear" else (targets,)
-    return dict(
+    options = dict(
         method="lora",
         lora_rank=hf_field(peft_config, "r", 8),
         lora_alpha=hf_field(peft_config, "lora_alpha", 8),
         lora_targets=tuple(sorted(targets, key=lambda t: (ALL_LINEAR + (t,)).index(t))),
     )
+    # peft's default 0.0 is nn.Identity; > 0 keeps a mask per adapted module
+    dropout = float(hf_field(peft_config, "lora_dropout", 0.0) or 0.0)
+    if dropout:
+        options["lora_dropout"] = dropout
+    return options
 
 
 def hf_field_error(e: OptionError, overrides) -> OptionError:

@@ -184,7 +184,11 @@ class _TrackedTraining:
         )
         with autocast:
             loss = self.model(
-                input_ids=self.inputs, labels=self.labels, use_cache=False
+                # use_cache as the estimate describes it (StepConfig.cache_on: the
+                # config's default, off under checkpointing, or --use-cache)
+                input_ids=self.inputs,
+                labels=self.labels,
+                use_cache=self.step.cache_on,
             ).loss
         if step.grad_accum > 1:
             loss = loss / step.grad_accum

@@ -113,7 +113,10 @@ def measure_memtracker(model: Any = "tiny", *, seed: int = 0, **options: Any) ->
                 else contextlib.nullcontext()
             )
             with autocast:
-                loss = net(input_ids=inputs, labels=labels, use_cache=False).loss
+                # the program trainmem.measure runs: use_cache as the step says
+                loss = net(
+                    input_ids=inputs, labels=labels, use_cache=step.cache_on
+                ).loss
             if grad_accum > 1:
                 loss = loss / grad_accum
             (scaler.scale(loss) if scaler is not None else loss).backward()

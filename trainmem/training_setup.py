@@ -35,7 +35,7 @@ def build_training_setup(
             r=step.lora_rank,
             lora_alpha=step.lora_alpha,
             target_modules=list(step.lora_targets),
-            lora_dropout=0.0,
+            lora_dropout=step.lora_dropout,
             bias="none",
             task_type="CAUSAL_LM",
         )
@@ -47,7 +47,9 @@ def build_training_setup(
                     param.data = param.data.to(dtype)
     if step.checkpointing:
         model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False}
+            gradient_checkpointing_kwargs={
+                "use_reentrant": step.checkpointing_mode == "reentrant"
+            }
         )
     model.train()
     return model, make_optimizer(model, step.optimizer, lr, step.optimizer_impl)

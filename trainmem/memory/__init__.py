@@ -30,4 +30,5 @@ Parts (imports go one way): :mod:`.accounting` (tensors, buffers, bytes by categ
 autograd rules) <- :mod:`.llama` (the decoder and its parameters) <- :mod:`.step` (one
 training step: layouts, optimizer). The entry point is ``step.simulate_step(shape,
 step)``: a :class:`trainmem.config.Shape` and a :class:`trainmem.config.StepConfig`.
-Standard library only."""
+:mod:`.allocator` replays the step's recorded allocations through a model of PyTorch's
+CUDA caching allocator. Standard library only."""

@@ -52,11 +52,20 @@ class Simulator:
         self.autocast_cache: list = []
         # (buffer, peak, peak by category, phase peak) before the last allocation
         self.last_alloc = None
+        # a list when the step's allocation events are recorded (trainmem.memory.
+        # allocator replays them): ("alloc", uid, nbytes, category, phase),
+        # ("free", uid), ("resize", uid, nbytes), ("category", uid, category)
+        self.events: list | None = None
+        self.buffer_ids = count()
 
     def alloc(self, nbytes: int, category: str | None = None) -> "Buffer":
         if category is None:
             category = "activations" if self.phase == "forward" else "temporaries"
         buffer = Buffer(self, int(nbytes), category)
+        if self.events is not None:
+            self.events.append(
+                ("alloc", buffer.uid, buffer.nbytes, category, self.phase)
+            )
         self.last_alloc = (
             buffer,
             self.peak,
@@ -87,15 +96,21 @@ class Simulator:
         self.live_by_category[buffer.category] -= buffer.nbytes
         buffer.nbytes = 0
         self.last_alloc = None
+        if self.events is not None:
+            self.events.append(("free", buffer.uid))
 
     def free(self, buffer: "Buffer") -> None:
         self.live -= buffer.nbytes
         self.live_by_category[buffer.category] -= buffer.nbytes
+        if self.events is not None:
+            self.events.append(("free", buffer.uid))
 
     def recategorize(self, buffer: "Buffer", category: str) -> None:
         self.live_by_category[buffer.category] -= buffer.nbytes
         buffer.category = category
         self.live_by_category[category] += buffer.nbytes
+        if self.events is not None:
+            self.events.append(("category", buffer.uid, category))
 
     def mark(self, name: str) -> None:
         self.marks[name] = dict(self.live_by_category, total=self.live)
@@ -109,10 +124,11 @@ class Buffer:
     """Storage of ``nbytes`` bytes in one category; freed when the last reference
     goes."""
 
-    __slots__ = ("sim", "nbytes", "category", "__weakref__")
+    __slots__ = ("sim", "nbytes", "category", "uid", "__weakref__")
 
     def __init__(self, sim: Simulator, nbytes: int, category: str):
         self.sim, self.nbytes, self.category = sim, nbytes, category
+        self.uid = next(sim.buffer_ids)
 
     def __del__(self):
         self.sim.free(self)
@@ -184,3 +200,5 @@ def shrink(sim: Simulator, buffer: Buffer, factor: float) -> None:
     sim.live += new_nbytes - buffer.nbytes
     sim.live_by_category[buffer.category] += new_nbytes - buffer.nbytes
     buffer.nbytes = new_nbytes
+    if sim.events is not None:
+        sim.events.append(("resize", buffer.uid, new_nbytes))

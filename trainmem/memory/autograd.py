@@ -108,8 +108,13 @@ class CheckpointRegion:
     """One call of non-reentrant ``torch.utils.checkpoint``: the function, its kept
     inputs, the nodes it recorded, and the state of its recompute in backward."""
 
-    def __init__(self, forward_fn, inputs, autocast):
+    def __init__(self, forward_fn, inputs, autocast, reentrant: bool = False):
         self.forward_fn, self.inputs = forward_fn, inputs
+        # reentrant torch.utils.checkpoint (CheckpointFunction.backward): the whole
+        # region is recomputed (no early stop) and its outputs live until the
+        # region's own backward is over
+        self.reentrant = reentrant
+        self.recomputed = None
         self.autocast = autocast  # the autocast dtype of the forward, for the recompute
         self.nodes: list[Node] = []
         self.n_nodes = 0
@@ -130,7 +135,7 @@ class CheckpointRegion:
         self.replaying += 1
         if i < len(self.nodes):
             self.nodes[i].saved = node.saved
-        if self.replaying >= self.last_saving:
+        if self.replaying >= self.last_saving and not self.reentrant:
             if not save_out:
                 sim.unalloc_last(out.buffer)
             raise _StopRecompute
@@ -156,7 +161,11 @@ class CheckpointRegion:
                     t.grad_fn = _PLACEHOLDER if t.requires_grad else None
                     t.grad_accumulator = None
             try:
-                self.forward_fn(*inputs)
+                out = self.forward_fn(*inputs)
+                if self.reentrant:
+                    # CheckpointFunction.backward holds the recomputed outputs (their
+                    # storage; the recompute's own graph frees as its backward runs)
+                    self.recomputed = out.buffer
             except _StopRecompute:
                 pass
         finally:
@@ -171,10 +180,10 @@ class CheckpointRegion:
 _PLACEHOLDER = Node(-1, [], [], None)  # the grad_fn of a recompute's inputs
 
 
-def checkpoint(sim: Simulator, forward_fn, *inputs):
-    """Non-reentrant ``torch.utils.checkpoint``: keep ``inputs``, drop the saved
-    tensors."""
-    region = CheckpointRegion(forward_fn, list(inputs), sim.autocast)
+def checkpoint(sim: Simulator, forward_fn, *inputs, reentrant: bool = False):
+    """``torch.utils.checkpoint``: keep ``inputs``, drop the saved tensors
+    (``reentrant``: the ``use_reentrant=True`` form's full recompute)."""
+    region = CheckpointRegion(forward_fn, list(inputs), sim.autocast, reentrant)
     outer_region = sim.checkpoint_region
     sim.checkpoint_region = region
     try:
@@ -261,7 +270,7 @@ def backward(sim: Simulator, loss: SimTensor):
             if region.executed == len(region.nodes):
                 # release the kept inputs (and break the region <-> node reference
                 # cycle)
-                region.inputs = region.forward_fn = None
+                region.inputs = region.forward_fn = region.recomputed = None
                 region.nodes = []
                 region.executed = -1
         for e, input_grad in zip(node.edges, input_grads):

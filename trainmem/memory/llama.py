@@ -14,12 +14,14 @@ from .ops import (
     bmm,
     cast,
     clone_contig,
+    dropout,
     embedding,
     linear,
     log_softmax,
     mean_last,
     mul,
     mul_scalar,
+    narrow,
     nll_loss,
     pow2,
     repeat_kv,
@@ -45,6 +47,14 @@ class Linear:
     A: SimTensor | None = None
     B: SimTensor | None = None
     quantized: bool = False
+    # bitsandbytes < 0.43.2: MatMul4Bit keeps its input for backward
+    saves_input: bool = False
+    # bnb_4bit_compute_dtype when the input may arrive in another dtype (peft's k-bit
+    # preparation leaves an fp32 residual stream); the output is cast back
+    compute: str | None = None
+    # peft's lora_dropout > 0, and whose kernels run it ("cuda" / "cpu")
+    dropout: bool = False
+    kernels: str = "cuda"
 
     def tensors(self) -> list[SimTensor]:
         """Its tensors in torch's parameter order (weight, bias, lora_A, lora_B)."""
@@ -105,13 +115,25 @@ def rmsnorm(sim: Simulator, x: SimTensor, w: SimTensor) -> SimTensor:
 def lora_linear(sim: Simulator, x: SimTensor, lin: Linear) -> SimTensor:
     """peft ``lora.Linear.forward``: base(x) + lora_B(lora_A(x.to(A.dtype))) *
     scaling."""
-    result = linear(sim, x, lin.w, lin.b, quant=lin.quantized)
+    result = linear(
+        sim,
+        x,
+        lin.w,
+        lin.b,
+        quant=lin.quantized,
+        quant_compute=lin.compute,
+        quant_saves_input=lin.saves_input,
+    )
     if lin.A is None:
         return result
     result_dtype = result.dtype
     x = cast(
         sim, x, lin.A.dtype
     )  # x = self._cast_input_dtype(x, ...): lives to the end
+    if lin.dropout:
+        # lora_B(lora_A(dropout(x))): peft's nn.Dropout for lora_dropout > 0 (one per
+        # adapted module, so q/k/v each make their own mask and dropped copy)
+        x = dropout(sim, x, lin.kernels)
     h = linear(sim, x, lin.A)
     h2 = linear(sim, h, lin.B)
     del h
@@ -142,6 +164,13 @@ def attention(
     qe = add(sim, mul(sim, q, cos), mul(sim, rotate_half(sim, q), sin))
     ke = add(sim, mul(sim, k, cos), mul(sim, rotate_half(sim, k), sin))
     del q, k
+    if cfg.get("kv_cache") is not None:
+        # past_key_values.update(k, v, layer_idx): DynamicLayer torch.cat's them onto
+        # its empty initial tensors, so the cache holds (and returns) new K and V that
+        # live until the model output is dropped
+        ke = clone_contig(sim, ke)
+        v = clone_contig(sim, v)
+        cfg["kv_cache"] += [ke, v]
     if cfg["attn"] == "eager":
         ke = repeat_kv(sim, ke, a)
         v = repeat_kv(sim, v, a)
@@ -247,6 +276,7 @@ def llama_loss(
                 cos,
                 sin,
                 pos,
+                reentrant=cfg.get("reentrant", False),
             )
         else:
             h = decoder_layer(sim, h, cos, sin, layer, cfg, mask)
@@ -259,6 +289,24 @@ def llama_loss(
     # (h, the model output's last_hidden_state, lives until the causal-LM forward
     # returns) ForCausalLMLoss: logits.float(); pad+shift labels; cross_entropy =
     # log_softmax + nll_loss
+    form = cfg.get("loss_form", "pad")
+    if form != "pad":
+        # transformers < 4.49: logits.float() and logits[..., :-1, :].contiguous()
+        # (trainmem.versions.loss_form); before 4.46 the 16-bit logits are rebound
+        # away at once
+        lf = cast(sim, logits, "fp32")
+        if form == "per-model":
+            del logits
+            logits = None
+        vocab = lf.shape[-1]
+        shifted = clone_contig(sim, narrow(sim, lf, (b, s - 1, vocab)))
+        target = new(sim, (b, s - 1), "i64")  # labels[..., 1:].contiguous()
+        logp = log_softmax(sim, view(shifted, (b * (s - 1), vocab)))
+        loss = nll_loss(sim, logp, target)
+        del logp, target, shifted, lf, logits, h
+        if cfg.get("kv_cache") is not None:
+            cfg["kv_cache"] = []  # the output (and its past_key_values) is dropped
+        return loss
     lf = cast(sim, logits, "fp32")
     padded = new(
         sim, (b, s + 1), "i64"
@@ -268,6 +316,8 @@ def llama_loss(
     del lf
     loss = nll_loss(sim, logp, target)
     del logp, target, padded, logits, h
+    if cfg.get("kv_cache") is not None:
+        cfg["kv_cache"] = []  # the output (and its past_key_values) is dropped
     return loss
 
 

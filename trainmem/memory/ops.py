@@ -60,13 +60,18 @@ def linear(
     w: SimTensor,
     b: SimTensor | None = None,
     quant: bool = False,
+    quant_compute: str | None = None,
+    quant_saves_input: bool = False,
 ) -> SimTensor:
     """``F.linear`` (``x @ w.T + b``): saves x if w needs grad, w if x needs grad.
 
     ``quant``: a bitsandbytes 4-bit weight, dequantized to the compute dtype for the
     matmul (a transient copy) and again in backward."""
     if quant:
-        compute_dtype = sim.autocast or x.dtype
+        # bnb Linear4bit: x.to(compute_dtype) when bnb_4bit_compute_dtype is set
+        # (``quant_compute``), the output cast back to the input's dtype
+        compute_dtype = quant_compute or sim.autocast or x.dtype
+        in_dtype = x.dtype
         x_cast = cast(sim, x, compute_dtype) if x.dtype != compute_dtype else x
         w_dequant = new(sim, w.shape, compute_dtype)  # dequantized weight (temporary)
         out = new(sim, x.shape[:-1] + (w.shape[0],), compute_dtype)
@@ -80,7 +85,12 @@ def linear(
             del w_dequant
             return [grad_x]
 
-        record(sim, out, [x_cast], [], backward_fn)
+        # MatMul4Bit kept ctx.tensors = (A, B) up to bitsandbytes 0.43.1
+        saved = [x_cast] if quant_saves_input and x_cast.requires_grad else []
+        record(sim, out, [x_cast], saved, backward_fn)
+        del x_cast
+        if quant_compute and sim.autocast is None and in_dtype != compute_dtype:
+            out = cast(sim, out, in_dtype)
         return out
     x_cast = _autocast_input(sim, x)
     w_cast = _autocast_input(sim, w, param=True)
@@ -402,4 +412,34 @@ def nll_loss(sim: Simulator, logp: SimTensor, target: SimTensor) -> SimTensor:
         [target, total_weight],
         lambda node, g: [new(sim, shape, dtype)],
     )
+    return out
+
+
+def dropout(sim: Simulator, x: SimTensor, device: str = "cuda") -> SimTensor:
+    """``F.dropout(x, p)`` with 0 < p < 1 in training mode (ATen ``Dropout.cpp``).
+
+    On CUDA the fused kernel (``is_fused_kernel_acceptable``) runs ``native_dropout``:
+    the output and a bool mask of ``x``'s shape; autograd saves the mask only
+    (``native_dropout_backward(grad, mask, scale)``, one new tensor). On CPU
+    ``_dropout_impl`` builds ``noise = empty_like(x).bernoulli_(1 - p).div_(1 - p)``
+    and returns ``x * noise``: the saved mask is a tensor of ``x``'s dtype."""
+    out_first = device != "cuda"
+    mask_dtype = "u8" if device == "cuda" else x.dtype  # torch.bool: 1 byte
+    if out_first:
+        mask = new(sim, x.shape, mask_dtype, layout=x.layout)
+        out = new(sim, x.shape, x.dtype, layout=x.layout)
+    else:
+        out = new(sim, x.shape, x.dtype, layout=x.layout)
+        mask = new(sim, x.shape, mask_dtype, layout=x.layout)
+    shape, dtype = x.shape, x.dtype
+    record(sim, out, [x], [mask], lambda node, g: [new(sim, shape, dtype)])
+    return out
+
+
+def narrow(sim: Simulator, x: SimTensor, shape) -> SimTensor:
+    """A slice of ``x`` (``logits[..., :-1, :]``): a view forward; its backward
+    (``slice_backward``) allocates a zero tensor of ``x``'s full shape."""
+    out = SimTensor(x.buffer, shape, x.dtype)
+    full, dtype = x.shape, x.dtype
+    record(sim, out, [x], [], lambda node, g: [new(sim, full, dtype)])
     return out

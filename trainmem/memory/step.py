@@ -10,6 +10,7 @@ from .accounting import ITEMSIZE, Simulator, new, shrink
 from .autograd import backward
 from .llama import Model, build_params, llama_loss, trainable_params
 from .ops import mul_scalar
+from ..versions import bnb_saves_input, cache_copies_kv, loss_form
 
 from ..optimizers import optimizer
 
@@ -111,8 +112,14 @@ def _build_model(sim: Simulator, shape, step, zero_dtype):
     # Linear layers inside the decoder blocks are NF4; embeddings, norms and lm_head
     # stay in the 16-bit dtype.
     qlora_base_dtype = None
+    compute_dtype = "fp16" if step.precision == "fp16-amp" else "bf16"
     if step.method == "qlora" and not zero_dtype:
-        qlora_base_dtype = "fp16" if step.precision == "fp16-amp" else "bf16"
+        qlora_base_dtype = compute_dtype
+        if step.kbit_prepare == "peft":
+            # peft's prepare_model_for_kbit_training: every fp16/bf16 parameter that is
+            # not quantized (embeddings, norms, lm_head) is cast to fp32
+            qlora_base_dtype = "fp32"
+    versions = step.library_versions
     model = build_params(
         sim,
         shape,
@@ -136,6 +143,15 @@ def _build_model(sim: Simulator, shape, step, zero_dtype):
                     sim, linear.w.buffer, bytes_per_weight / ITEMSIZE[linear.w.dtype]
                 )
                 linear.quantized = True
+                linear.saves_input = bnb_saves_input(versions)
+                if step.kbit_prepare == "peft":
+                    linear.compute = compute_dtype
+    if step.lora_dropout > 0:
+        for layer in model.layers:
+            for linear in layer.linears.values():
+                if linear.A is not None:
+                    linear.dropout = True
+                    linear.kernels = step.kernels
     return model, trainable_params(model)
 
 
@@ -201,11 +217,15 @@ def _forward_backward(
         "head_dim": shape.head_dim,
         "attn": step.attn_memory,
         "checkpointing": step.checkpointing,
+        "loss_form": loss_form(step.library_versions),
+        "reentrant": step.checkpointing_mode == "reentrant",
     }
     activations_at_end = 0
     for _ in range(step.grad_accum):
         sim.set_phase("forward")
         sim.autocast = autocast
+        cache = step.cache_on and cache_copies_kv(step.library_versions)
+        cfg["kv_cache"] = [] if cache else None
         loss = llama_loss(sim, model, ids, labels, cfg)
         sim.autocast = None
         sim.autocast_cache = []  # leaving torch.autocast clears its cache
@@ -221,7 +241,7 @@ def _forward_backward(
     return activations_at_end
 
 
-def simulate_step(shape, step) -> dict:
+def simulate_step(shape, step, record_events: bool = False) -> dict:
     """Replay step 2 of training (states exist, grads start as None) of the model
     ``shape`` (:class:`trainmem.config.Shape`) with the options ``step``
     (:class:`trainmem.config.StepConfig`), and return bytes: ``peak``, ``breakdown``
@@ -231,6 +251,8 @@ def simulate_step(shape, step) -> dict:
     if shape.family.replay != "llama":
         raise NotImplementedError("the step replay models Llama-family decoders")
     sim = Simulator()
+    if record_events:
+        sim.events = []  # every allocation and free, for the caching-allocator model
     sim.set_phase("idle")
     # ZeRO >= 1 with mixed precision: DeepSpeed's layout (the ZeRO paper's), not torch
     # AMP's. The module is cast to the 16-bit dtype (weights, grads 2 B/param; no
@@ -259,6 +281,8 @@ def simulate_step(shape, step) -> dict:
         SCRATCH_RULES[rule](sim, params, state_dtype, part)
     del masters, gathered_layer
     sim.set_phase("idle")
+    events = sim.events
+    sim.events = None  # the rest is teardown
     at_step = sim.marks["optimizer_start"]
     model_states = sum(
         at_step[k]
@@ -266,6 +290,7 @@ def simulate_step(shape, step) -> dict:
     )
     del states, ids, labels
     return {
+        "events": events,
         "peak": sim.peak,
         "breakdown": dict(sim.peak_by_category),
         "activations": activations_at_end,

@@ -119,8 +119,8 @@ def tm_formats(text):
     const fields = [...form.querySelectorAll("[data-flag]")];
     let timer = null, answered = false, seq = 0;
 
-    function argv() {
-      const out = ["estimate"];
+    function argv(command = "estimate") {
+      const out = [command];
       let config = null;
       for (const f of fields) {
         const flag = f.dataset.flag;
@@ -135,8 +135,22 @@ def tm_formats(text):
           }
         }
       }
+      if (command === "estimate") out.push("--timeline");  // the step's memory timeline
       out.push("--json");
       return { argv: out, config };
+    }
+
+    // the field a CLI error names (--seq, argument --lora-rank: ...), marked on the form
+    function markBad(msg) {
+      for (const f of fields) { f.classList.remove("tm-bad"); f.removeAttribute("aria-invalid"); }
+      const m = /(--[a-z0-9-]+)/.exec(msg || "");
+      if (!m) return null;
+      const f = fields.find((x) => x.dataset.flag === m[1]);
+      if (!f) return null;
+      f.classList.add("tm-bad");
+      f.setAttribute("aria-invalid", "true");
+      const label = form.querySelector(`label[for="${f.id}"]`);
+      return label ? label.textContent.trim() : m[1];
     }
 
     function showRelevant() {
@@ -200,6 +214,77 @@ def tm_formats(text):
       return el("p", { class: "tm-calc-notes" }, out.join(" "));
     }
 
+    // what the GPU reports: allocated, reserved (caching allocator), nvidia-smi, fits
+    function gpuBlock(d) {
+      if (!d.gpu) {
+        return el("p", { class: "tm-calc-notes" },
+          "选择“GPU 型号”可看到缓存分配器保留的显存（reserved）、nvidia-smi 显示的显存与是否放得下。");
+      }
+      const tbody = el("tbody");
+      tbody.append(bytesRow(el("th", { scope: "row" }, "张量峰值（max_memory_allocated）"),
+        d.gpu_allocated_bytes));
+      tbody.append(bytesRow(el("th", { scope: "row" }, "保留（max_memory_reserved）"),
+        d.reserved_bytes));
+      tbody.append(bytesRow(el("th", { scope: "row" }, "nvidia-smi（下限：+ CUDA 上下文）"),
+        d.device_bytes));
+      tbody.append(bytesRow(el("th", { scope: "row" }, `${d.gpu} 显存`), d.capacity_bytes));
+      const verdict = d.fits
+        ? `放得下，余量 ${fmt(d.headroom_bytes, GiB, 2)} GiB。`
+        : `放不下：还差 ${fmt(-d.headroom_bytes, GiB, 2)} GiB（或分配器回放在显存上限处失败）。`;
+      return el("div", { class: "tm-calc-gpu", "data-fits": String(d.fits) },
+        el("p", { class: "tm-calc-verdict" }, el("strong", {}, `${d.gpu}：`), verdict),
+        el("div", { class: "tm-table-wrap" }, el("table", { class: "tm-table tm-gpu-table" },
+          el("thead", {}, el("tr", {}, ...["", "GB", "GiB", "字节"].map((t) => el("th", {}, t)))),
+          tbody)));
+    }
+
+    // the step's memory timeline: bytes by category over the replayed allocations
+    function timelineChart(points) {
+      const NS = "http://www.w3.org/2000/svg";
+      const svg = document.createElementNS(NS, "svg");
+      const W = 640, H = 180;
+      svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
+      svg.setAttribute("class", "tm-timeline");
+      svg.setAttribute("role", "img");
+      const totals = points.map((p) => TERMS.reduce((a, [k]) => a + (p[k] || 0), 0));
+      const top = Math.max(...totals, ...points.map((p) => p.reserved || 0)) || 1;
+      const x = (i) => (W * i) / Math.max(1, points.length - 1);
+      const y = (v) => H - (H * v) / top;
+      svg.setAttribute("aria-label", `显存时间线：最高 ${fmt(Math.max(...totals), GiB)} GiB`);
+      let lower = points.map(() => 0);
+      for (const [k] of TERMS) {
+        const upper = points.map((p, i) => lower[i] + (p[k] || 0));
+        const pts = upper.map((v, i) => `${x(i)},${y(v)}`)
+          .concat(lower.map((v, i) => `${x(i)},${y(v)}`).reverse());
+        const poly = document.createElementNS(NS, "polygon");
+        poly.setAttribute("points", pts.join(" "));
+        poly.setAttribute("class", `tm-area tm-${k}`);
+        svg.append(poly);
+        lower = upper;
+      }
+      if (points[0] && points[0].reserved !== undefined) {
+        const line = document.createElementNS(NS, "polyline");
+        line.setAttribute("points", points.map((p, i) => `${x(i)},${y(p.reserved)}`).join(" "));
+        line.setAttribute("class", "tm-reserved-line");
+        svg.append(line);
+      }
+      let last = null;
+      points.forEach((p, i) => {        // phase boundaries
+        if (last !== null && p.phase !== last) {
+          const t = document.createElementNS(NS, "text");
+          t.setAttribute("x", String(x(i) + 2));
+          t.setAttribute("y", "12");
+          t.setAttribute("class", "tm-phase-label");
+          t.textContent = p.phase;
+          svg.append(t);
+        }
+        last = p.phase;
+      });
+      return el("figure", { class: "tm-calc-timeline" }, svg,
+        el("figcaption", {}, "训练步的显存时间线（由回放预测）：横轴是分配事件的顺序，纵轴是存活字节，"
+          + "按类别堆叠；前向上升、反向下降、优化器更新处的尖峰。虚线是缓存分配器保留的显存（选择 GPU 时）。"));
+    }
+
     function render(res, args, ms) {
       result.replaceChildren();
       result.dataset.seq = String(++seq);             // tests wait for the answer to a change
@@ -209,17 +294,65 @@ def tm_formats(text):
         const msg = (res.stderr.trim().split("\n").pop() || `exit status ${res.rc}`);
         delete result.dataset.totalBytes;
         result.dataset.error = msg;
-        result.append(el("p", { class: "tm-calc-error", role: "alert" }, msg));
+        const bad = markBad(msg);
+        result.dataset.badField = bad || "";
+        result.append(el("p", { class: "tm-calc-error", role: "alert" },
+          bad ? `输入有误：“${bad}”这一项不合法（已在表单中标红）。` : "输入有误。",
+          el("br"), "命令行的原话：", el("code", {}, msg)));
+        status.textContent = "输入有误，请修改标红的选项；修改后自动重新计算。";
         return;
       }
+      markBad(null);
+      delete result.dataset.badField;
       delete result.dataset.error;
       const m = /"total_bytes":\s*(\d+)/.exec(res.stdout);  // exact digits, no float round trip
       const d = JSON.parse(res.stdout);
       const total = d.total_bytes;
       result.dataset.totalBytes = m ? m[1] : String(total);
       result.append(headline(total, d.peak_phase), ...barAndLegend(d.breakdown, total),
-        bytesTable(d.breakdown, total), notes(d));
+        bytesTable(d.breakdown, total), gpuBlock(d), notes(d));
+      if (d.timeline && d.timeline.length) result.append(timelineChart(d.timeline));
+      result.append(fitBox);
     }
+
+    // trainmem fit: the largest micro-batch on the chosen GPU, the cheapest change
+    const fitBox = el("div", { class: "tm-calc-fit" });
+    const fitButton = el("button", { type: "button", class: "tm-fit-button" },
+      "求这张 GPU 上最大的微批（python -m trainmem fit）");
+    const fitOut = el("p", { class: "tm-fit-out", "aria-live": "polite" });
+    fitBox.append(fitButton, fitOut);
+    fitButton.addEventListener("click", async () => {
+      const gpu = form.elements["gpu"];
+      if (!gpu || gpu.value === "") {
+        fitOut.textContent = "请先在“GPU 型号”里选一张卡。";
+        return;
+      }
+      fitOut.textContent = "正在搜索（每一步都回放一次训练步）…";
+      const run = await runtimeOrSay(root, status);
+      if (!run) return;
+      const args = argv("fit");
+      const res = run.estimate(args.argv, args.config);
+      fitOut.dataset.argv = JSON.stringify(args.argv);
+      if (res.rc !== 0) {
+        const msg = res.stderr.trim().split("\n").pop();
+        const bad = markBad(msg);
+        fitOut.textContent = `输入有误${bad ? `（“${bad}”）` : ""}：${msg}`;
+        return;
+      }
+      const r = JSON.parse(res.stdout);
+      fitOut.dataset.maxBatch = String(r.max_batch);
+      const parts = [r.max_batch > 0
+        ? `${r.gpu} 上最大微批 ${r.max_batch}（nvidia-smi 约 ${fmt(r.device_bytes, GiB, 2)} GiB）。`
+        : `${r.gpu} 上连微批 1 也放不下。`];
+      const c = r.cheapest_change;
+      if (c) {
+        parts.push(c.change ? `当前设置放不下；最省事的改法：${c.change}`
+          + `（约 ${fmt(c.device_bytes, GiB, 2)} GiB）。` : "试过的改法都放不下。");
+      } else {
+        parts.push("当前设置放得下。");
+      }
+      fitOut.textContent = parts.join(" ");
+    });
 
     async function compute() {
       const args = argv();
@@ -237,6 +370,7 @@ def tm_formats(text):
         root.dataset.timings = JSON.stringify(timings);
       }
       root.dataset.state = "ready";
+      if (res.rc !== 0) return;   // render() has put the error (in Chinese) in the status
       status.textContent = `就绪（浏览器内 Python，首次结果用时 ${(root.dataset.firstAnswerMs / 1000).toFixed(1)} s；`
         + `本次计算 ${ms.toFixed(0)} ms）。修改任一选项即重新计算，结果与 python -m trainmem estimate 相同。`;
     }

@@ -1,0 +1,371 @@
+"""The step as the user's stack runs it (lora_dropout, use_cache, library versions,
+peft's k-bit preparation) and what the GPU reports (caching allocator, reserved and
+device bytes, fits, ``trainmem fit``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainmem.cli import main
+from trainmem.config import OptionError, StepConfig
+from trainmem.estimate import estimate, estimate_step
+from trainmem.gpus import (
+    CONTEXT_ADA_89,
+    CONTEXT_AMPERE_86,
+    CONTEXT_EAGER,
+    CONTEXT_LAZY,
+    GPUS,
+    context_bytes,
+    cublas_workspace_bytes,
+)
+from trainmem.memory.allocator import (
+    CachingAllocator,
+    OutOfMemory,
+    allocation_size,
+    replay,
+    round_size,
+)
+from trainmem.versions import (
+    PINNED,
+    bnb_saves_input,
+    cache_copies_kv,
+    loss_form,
+    parse_versions,
+)
+
+# 3 layers, 128 wide: a real CPU step takes about a second
+SMALL = dict(
+    model_type="llama",
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+)
+
+
+def _config():
+    from transformers import LlamaConfig
+
+    fields = {k: v for k, v in SMALL.items() if k != "model_type"}
+    return LlamaConfig(**fields)
+
+
+# --------------------------------------------------------------------------------------
+# the estimate agrees with a real CPU step for the new options
+# --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(method="lora", precision="bf16-amp", lora_dropout=0.1, use_cache="off"),
+        dict(
+            method="lora",
+            precision="bf16",
+            lora_dtype="bf16",
+            lora_dropout=0.2,
+            lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj",
+            use_cache="off",
+        ),
+        dict(method="lora", precision="bf16-amp", use_cache="on"),
+        dict(method="full", precision="fp32", use_cache="on", attn="eager"),
+    ],
+)
+def test_new_options_agree_with_cpu_measurement(kw):
+    """Byte for byte with the CPU step (the measurement runs peft with that
+    lora_dropout and the model with that use_cache), up to the few bytes of torch's
+    scalars that the other agreement tests allow."""
+    from trainmem.measure import measure
+
+    est = estimate(SMALL, batch=2, seq=32, kernels="cpu", **kw)
+    meas = measure(_config(), batch=2, seq=32, kernels="cpu", **kw)
+    assert abs(est.total_bytes - meas.total_bytes) <= 16, (est.total_bytes, meas)
+    assert abs(est.activation_bytes - meas.activation_bytes) <= 16
+
+
+@pytest.mark.parametrize("seq,over", [(64, 0), (32, 2 * 32 * 128 * 2)])
+def test_reentrant_against_cpu_measurement(seq, over):
+    """use_reentrant=True measured on CPU: exact at 64 tokens; at 32 tokens the real
+    step's peak does not hold the recomputed layer output that the replay keeps, so the
+    estimate is one bf16 hidden state over (a known gap, on the safe side)."""
+    from trainmem.measure import measure
+
+    kw = dict(method="lora", precision="bf16-amp", checkpointing=True, batch=2)
+    kw.update(checkpointing_mode="reentrant", seq=seq, kernels="cpu")
+    est = estimate(SMALL, **kw)
+    meas = measure(_config(), **kw)
+    assert abs(est.total_bytes - meas.total_bytes - over) <= 16
+    assert abs(est.activation_bytes - meas.activation_bytes) <= 16
+
+
+def test_reentrant_keeps_the_recomputed_layer_output():
+    """use_reentrant=True (transformers' default before 5.0) recomputes the whole layer
+    and holds its output until the layer's backward ends: one bf16 hidden state more
+    than the non-reentrant form's early-stopping recompute, at the backward peak."""
+    kw = dict(method="lora", precision="bf16-amp", batch=2, seq=64, checkpointing=True)
+    non = estimate(SMALL, **kw)
+    re = estimate(SMALL, **kw, checkpointing_mode="reentrant")
+    assert re.options["checkpointing_mode"] == "reentrant"
+    assert re.total_bytes - non.total_bytes == 2 * 64 * 128 * 2
+    with pytest.raises(OptionError) as e:
+        StepConfig(checkpointing_mode="both")
+    assert e.value.option == "checkpointing_mode"
+
+
+def test_dropout_mask_per_adapted_module():
+    """lora_dropout > 0 adds, per adapted module, a dropped copy of its input in the
+    adapter's dtype and a mask (bool on CUDA, the input's dtype on CPU) held for
+    backward; 0.0 is peft's nn.Identity."""
+    b, s, h, layers = 2, 32, 128, 3
+    kw = dict(method="lora", precision="bf16", lora_dtype="bf16", batch=b, seq=s)
+    kw["lora_targets"] = "o_proj"  # the attention output: its own tensor, not shared
+    base = estimate(SMALL, **kw, use_cache="off")
+    cuda = estimate(SMALL, **kw, use_cache="off", lora_dropout=0.1)
+    cpu = estimate(SMALL, **kw, use_cache="off", lora_dropout=0.1, kernels="cpu")
+    per_module = b * s * h
+    # o_proj's input (SDPA's output) is saved by SDPA anyway; with dropout LoRA's A
+    # saves the dropped copy (bf16) and dropout its mask, in layers 1 and 2. Layer 0's
+    # attention output needs no grad (frozen q/k/v over the frozen embedding): no node
+    # keeps the mask, and the dropped copy replaces the input A would have saved.
+    assert cuda.activation_bytes - base.activation_bytes == (layers - 1) * (
+        per_module * (2 + 1)
+    )
+    assert cpu.activation_bytes - base.activation_bytes == (layers - 1) * (
+        per_module * (2 + 2)
+    )
+
+
+def test_kv_cache_copy_follows_transformers_version_and_checkpointing():
+    kw = dict(method="lora", precision="bf16-amp", batch=4, seq=64)
+    on = estimate(SMALL, **kw)  # default: the config's use_cache=True
+    off = estimate(SMALL, **kw, use_cache="off")
+    old = estimate(SMALL, **kw, versions="transformers=4.55.4")
+    assert on.options["use_cache"] == "on" and off.options["use_cache"] == "off"
+    # 4.56's DynamicLayer torch.cat's K and V into the cache: K + V of every layer in
+    # bf16 are alive at the forward's peak
+    assert on.phase_peaks["forward"] - off.phase_peaks["forward"] == 3 * 2 * (
+        4 * 64 * 128 * 2
+    )
+    assert old.phase_peaks == off.phase_peaks  # before 4.56 the cache held the tensors
+    ckpt = estimate(SMALL, **kw, checkpointing=True, use_cache="on")
+    assert ckpt.options["use_cache"] == "off"  # transformers turns it off
+
+
+def test_loss_forms_by_transformers_version():
+    """The forward peak sits at the log-softmax when the vocabulary dominates: 4.46-4.48
+    keep the 16-bit logits, the fp32 logits and the shifted fp32 copy together with the
+    log-softmax; < 4.46 drops the 16-bit logits; >= 4.49 only views the fp32 logits."""
+    wide = dict(SMALL, vocab_size=32768)
+    b, s, v = 2, 64, 32768
+    kw = dict(method="lora", precision="bf16-amp", batch=b, seq=s, use_cache="off")
+    pad = estimate(wide, **kw, versions="transformers=4.49.0")
+    shift = estimate(wide, **kw, versions="transformers=4.48.1")
+    per_model = estimate(wide, **kw, versions="transformers=4.45.2")
+    assert pad.phase_peaks == estimate(wide, **kw).phase_peaks  # pinned 5.x: pad
+    # pad peaks at the log-softmax: lf (b,s,V) + logp (b*s,V) + labels (b,s+1),(b*s);
+    # shift keeps lf alive into nll_loss, so it peaks there: lf + shifted (b,s-1,V) +
+    # logp (b*(s-1),V) + labels (b,s-1) + nll_loss's output and total_weight (fp32)
+    pad_extra = 4 * b * s * v + 4 * b * s * v + 8 * b * (s + 1) + 8 * b * s
+    shift_extra = 4 * b * s * v + 2 * 4 * b * (s - 1) * v + 8 * b * (s - 1) + 8
+    assert (
+        shift.phase_peaks["forward"] - pad.phase_peaks["forward"]
+        == shift_extra - pad_extra
+    )
+    # before 4.46 the bf16 logits are rebound away once upcast
+    assert (
+        shift.phase_peaks["forward"] - per_model.phase_peaks["forward"] == 2 * b * s * v
+    )
+
+
+def test_bitsandbytes_before_0_43_2_saves_each_4bit_input():
+    """MatMul4Bit kept ctx.tensors = (A, B) up to 0.43.1: the input of every 4-bit
+    Linear that needs grad is held for backward (q/k/v and gate/up share theirs)."""
+    kw = dict(method="qlora", precision="bf16-amp", batch=2, seq=32, use_cache="off")
+    kw.update(kbit_prepare="none", checkpointing=False)
+    new = estimate(SMALL, **kw)
+    old = estimate(SMALL, **kw, versions="bitsandbytes=0.43.1")
+    fixed = estimate(SMALL, **kw, versions="bitsandbytes=0.43.2")
+    assert (fixed.total_bytes, fixed.phase_peaks) == (new.total_bytes, new.phase_peaks)
+    assert old.activation_bytes > new.activation_bytes
+    # layer 0's q/k/v input comes from the frozen embedding: no grad, nothing saved;
+    # o_proj's input is SDPA's output, saved by SDPA already; the MLP input (shared by
+    # gate/up) and down_proj's input are held per layer; q/k/v's normed input too in
+    # layers 1, 2 (2 x bf16 b*s*h) — each a 16-bit b*s tensor
+    b, s, h, inner = 2, 32, 128, 256
+    extra = 3 * (2 * b * s * h + 2 * b * s * inner) + 2 * (2 * b * s * h)
+    assert old.activation_bytes - new.activation_bytes == extra
+
+
+# --------------------------------------------------------------------------------------
+# versions
+# --------------------------------------------------------------------------------------
+def test_parse_versions_and_boundaries():
+    v = parse_versions("transformers=4.48.1, bitsandbytes=0.43.1")
+    assert v["transformers"] == (4, 48, 1) and v["bitsandbytes"] == (0, 43, 1)
+    assert v["torch"] == parse_versions(None)["torch"]
+    assert parse_versions({"torch": "2.4.1+cu121"})["torch"] == (2, 4, 1)
+    assert set(PINNED) == {"transformers", "peft", "bitsandbytes", "torch"}
+    assert [loss_form(parse_versions(f"transformers={t}")) for t in
+            ("4.45.2", "4.46.0", "4.48.1", "4.49.0")] == [
+        "per-model", "shift", "shift", "pad"]  # fmt: skip
+    assert bnb_saves_input(parse_versions("bitsandbytes=0.43.1"))
+    assert not bnb_saves_input(parse_versions("bitsandbytes=0.43.2"))
+    assert not cache_copies_kv(parse_versions("transformers=4.55.4"))
+    assert cache_copies_kv(parse_versions("transformers=4.56.0"))
+    for bad, needle in [
+        ("jax=0.4", "unknown library 'jax'"),
+        ("torch", "must be library=version"),
+        ("torch=abc", "is not a version number"),
+    ]:
+        with pytest.raises(OptionError, match=needle) as e:
+            StepConfig(versions=bad)
+        assert e.value.option == "versions"
+
+
+@pytest.mark.parametrize(
+    "kw,option",
+    [
+        (dict(lora_dropout=1.0), "lora_dropout"),
+        (dict(lora_dropout=-0.1), "lora_dropout"),
+        (dict(use_cache="yes"), "use_cache"),
+        (dict(kbit_prepare="bnb"), "kbit_prepare"),
+        (dict(gpu="TPU"), "gpu"),
+    ],
+)
+def test_bad_new_options_name_themselves(kw, option):
+    with pytest.raises(OptionError) as e:
+        estimate("tiny", method="lora", **kw)
+    assert e.value.option == option
+
+
+# --------------------------------------------------------------------------------------
+# the caching allocator
+# --------------------------------------------------------------------------------------
+def test_allocator_rounding_and_segment_sizes():
+    assert [round_size(n) for n in (1, 512, 513, 1 << 20)] == [512, 512, 1024, 1 << 20]
+    MiB = 1 << 20
+    assert allocation_size(100) == 2 * MiB  # small pool: 2 MiB segments
+    assert allocation_size(MiB + 512) == 20 * MiB  # 1-10 MiB: a 20 MiB segment
+    assert allocation_size(10 * MiB) == 10 * MiB  # >= 10 MiB: rounded to 2 MiB
+    assert allocation_size(11 * MiB) == 12 * MiB
+
+
+def test_allocator_splits_reuses_and_merges():
+    MiB = 1 << 20
+    a = CachingAllocator()
+    x = a.malloc(1000)  # small pool, one 2 MiB segment, block of 1024
+    y = a.malloc(3 * MiB)  # large pool, a 20 MiB segment, split (17 MiB left)
+    assert (a.reserved, a.allocated) == (22 * MiB, 1024 + 3 * MiB)
+    z = a.malloc(17 * MiB)  # fits the remainder exactly: no new segment
+    assert a.reserved == 22 * MiB and z.segment == y.segment
+    a.release(y)
+    a.release(z)  # merges with y's block: one free 20 MiB block
+    w = a.malloc(19 * MiB + 512)  # rest 511.5 KiB <= 1 MiB: not split, taken whole
+    assert a.reserved == 22 * MiB and w.size == 20 * MiB
+    assert a.allocated == 1024 + 20 * MiB  # max_memory_allocated counts the block
+    a.release(x)
+    assert a.peak_reserved == 22 * MiB  # nothing is returned to the driver
+
+
+def test_allocator_releases_cached_segments_before_oom():
+    MiB = 1 << 20
+    a = CachingAllocator(capacity=40 * MiB)
+    a.release(a.malloc(30 * MiB))  # a cached, fully free 30 MiB segment
+    b = a.malloc(36 * MiB)  # does not fit next to it: release, then allocate
+    assert a.reserved == 36 * MiB and b is not None
+    with pytest.raises(OutOfMemory):
+        a.malloc(10 * MiB)
+
+
+def test_replay_reports_fragmentation_and_timeline():
+    MiB = 1 << 20
+    events = [
+        ("alloc", 0, 12 * MiB, "activations", "forward"),
+        ("alloc", 1, 12 * MiB, "activations", "forward"),
+        ("free", 0),
+        ("alloc", 2, 14 * MiB, "temporaries", "backward"),  # 12 MiB hole is too small
+    ]
+    r = replay(events, timeline_points=4)
+    assert r["peak_reserved"] == 38 * MiB and r["peak_allocated"] == 26 * MiB
+    assert r["timeline"][-1]["temporaries"] == 14 * MiB
+    # under 30 MiB the cached 12 MiB segment is released and the 14 MiB fits
+    limited = replay(events, capacity=30 * MiB)
+    assert limited["oom"] is None and limited["peak_reserved"] == 26 * MiB
+    assert replay(events, capacity=25 * MiB)["oom"] == 3
+
+
+# --------------------------------------------------------------------------------------
+# GPUs: reserved, device, fits
+# --------------------------------------------------------------------------------------
+def test_gpu_figures_from_their_sources():
+    t = parse_versions(None)["torch"]
+    assert cublas_workspace_bytes(GPUS["T4"], t) == 8_519_680
+    assert cublas_workspace_bytes(GPUS["H100-80GB"], t) == 32 * (1 << 20)
+    assert context_bytes(GPUS["RTX3090"], t) == CONTEXT_AMPERE_86
+    assert context_bytes(GPUS["L4"], t) == CONTEXT_ADA_89
+    assert context_bytes(GPUS["A100-40GB"], t) == CONTEXT_LAZY == 266_076_160
+    assert context_bytes(GPUS["T4"], (1, 12)) == CONTEXT_EAGER == 645_660_672
+
+
+def test_three_numbers_and_fits():
+    est = estimate("llama2-7b", method="qlora", batch=1, seq=512, gpu="T4")
+    d = est.to_dict()
+    assert d["total_bytes"] <= d["gpu_allocated_bytes"] <= d["reserved_bytes"]
+    # reserved includes the two cuBLAS workspaces; device adds the context
+    assert d["device_bytes"] == d["reserved_bytes"] + d["context_bytes"]
+    assert d["cublas_workspace_bytes"] == 2 * 8_519_680
+    assert d["fits"] and d["headroom_bytes"] == d["capacity_bytes"] - d["device_bytes"]
+    assert d["capacity_bytes"] == 15360 * (1 << 20)
+    lora = estimate("llama2-7b", method="lora", precision="bf16", batch=1, gpu="T4")
+    assert lora.fits is False and lora.device["headroom_bytes"] < 0
+    assert "timeline" not in d
+    t = estimate_step("llama2-7b", StepConfig(method="qlora"), timeline=True).timeline
+    assert len(t) >= 100 and {"event", "phase", "activations"} <= set(t[-1])
+    assert "does NOT fit" in lora.table() and "reserved" in lora.table()
+    assert estimate("llama2-7b", method="qlora").reserved_bytes is None  # no --gpu
+
+
+def test_fit_max_batch_is_the_boundary(capsys):
+    argv = ["fit", "--model", "llama2-7b", "--method", "qlora", "--gpu", "T4"]
+    assert main(argv + ["--batch", "8", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    n = r["max_batch"]
+    assert n >= 1 and r["device_bytes"] <= GPUS["T4"].capacity_bytes
+    kw = dict(method="qlora", seq=512, gpu="T4")
+    assert estimate("llama2-7b", batch=n, **kw).fits
+    assert not estimate("llama2-7b", batch=n + 1, **kw).fits
+    assert r["requested"] == {"batch": 8, "fits": n >= 8}
+    change = r["cheapest_change"]  # 8 does not fit: halve it, accumulate twice as much
+    assert change["change"].startswith("micro-batch")
+    b = change["options"]["batch"]
+    assert b <= n and change["options"]["grad_accum"] * b == 8
+
+
+def test_fit_vary_seq_and_oom_change(capsys):
+    assert main(["fit", "--model", "llama2-7b", "--method", "lora", "--precision",
+                 "bf16", "--gpu", "A100-40GB", "--batch", "8", "--seq", "1024",
+                 "--vary", "seq", "--json"]) == 0  # fmt: skip
+    r = json.loads(capsys.readouterr().out)
+    n = r["max_seq"]
+    kw = dict(method="lora", precision="bf16", batch=8, gpu="A100-40GB")
+    assert estimate("llama2-7b", seq=n, **kw).fits
+    assert not estimate("llama2-7b", seq=n + 1, **kw).fits
+    assert r["requested"] == {"seq": 1024, "fits": n >= 1024}
+    assert main(["fit", "--model", "llama2-7b", "--method", "full", "--gpu", "T4"]) == 0
+    out = capsys.readouterr().out
+    assert "T4: max_batch = 0" in out and "does NOT fit" in out
+
+
+def test_cli_gpu_and_versions_errors(capsys):
+    assert main(["estimate", "--versions", "jax=1"]) == 2
+    err = capsys.readouterr().err
+    assert "--versions: unknown library 'jax'" in err and err.count("\n") == 1
+    with pytest.raises(SystemExit):
+        main(["estimate", "--gpu", "TPU"])
+    assert "--gpu: invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["estimate", "--lora-dropout", "1.5"])
+    assert "must be a number in [0, 1)" in capsys.readouterr().err

@@ -1,0 +1,146 @@
+"""GPUs: what the card holds, and what ``nvidia-smi`` shows beyond PyTorch's tensors.
+
+``--gpu NAME`` picks a preset of :data:`GPUS`. For one training step the estimate then
+reports three numbers (bytes):
+
+* ``total_bytes``: the peak of the step's tensors (what the replay counts; unchanged);
+* ``reserved_bytes``: ``torch.cuda.max_memory_reserved()`` — the step's allocations and
+  frees replayed through :mod:`trainmem.memory.allocator` (512 B rounding, 2 MiB /
+  20 MiB segments, splitting, no release between steps), plus the cuBLAS workspaces,
+  which torch takes from the same allocator;
+* ``device_bytes``: what ``nvidia-smi`` shows for the process — ``reserved_bytes`` plus
+  the CUDA context;
+
+and ``fits`` (``device_bytes`` within the card's memory, and the allocator replay never
+fails under that limit) with ``headroom_bytes``.
+
+Sources of the figures (each cited where it is used):
+
+* cuBLAS workspace: ATen's ``CublasHandlePool.cpp`` ``parseChosenWorkspaceSize``: by
+  default ``4096 * 1024 * 2 + 16 * 1024 * 8`` = 8,519,680 B, and ``4096 * 8 * 1024`` =
+  32 MiB on compute capability 9.x (Hopper; newer torch also 10.x and 12.x), taken from
+  the caching allocator per (handle, stream). A training step uses two handles: the
+  forward runs on the Python thread and the backward on autograd's device thread.
+* CUDA context (published measurements of a process that has only touched CUDA):
+  PyTorch PR pytorch/pytorch#86509 (torch 1.13, which turned on ``CUDA_MODULE_LOADING=
+  LAZY``): 287,047,680 B with lazy loading vs 666,632,192 B without, each holding one
+  6,400,000 B tensor in a 20 MiB segment, so 266,076,160 B and 645,660,672 B of
+  context; invoke-ai/InvokeAI#9413: 256 MiB on an RTX 3090 (torch 2.7.1+cu128);
+  unslothai/unsloth-zoo#1053: 426 MiB on an RTX 6000 Ada (torch 2.10.0+cu130); the
+  Ampere figure is used for other sm_8.6 cards, the Ada figure for sm_8.9 cards, and
+  the torch 1.13 lazy figure for the rest. Kernels a training step loads lazily on top
+  of that (cuBLAS, attention, bitsandbytes) are not in these figures, so
+  ``device_bytes`` is a lower bound of what ``nvidia-smi`` shows.
+* Card memory: ``memory.total`` as ``nvidia-smi`` reports it for the card (MiB);
+  ``torch.cuda.get_device_properties().total_memory`` is the same number in bytes.
+* Not modelled: NCCL's communicators and buffers for N > 1 GPUs (no published figure
+  per GPU here), other processes on the card.
+
+Standard library only (the in-page calculator runs it in Pyodide)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import OptionError
+
+MiB = 1 << 20
+
+#: CUDA context bytes by source (see the module docstring)
+CONTEXT_LAZY = 287_047_680 - 20 * MiB  # pytorch/pytorch#86509, lazy loading
+CONTEXT_EAGER = 666_632_192 - 20 * MiB  # same PR, CUDA_MODULE_LOADING=DEFAULT
+CONTEXT_AMPERE_86 = 256 * MiB  # invoke-ai/InvokeAI#9413, RTX 3090
+CONTEXT_ADA_89 = 426 * MiB  # unslothai/unsloth-zoo#1053, RTX 6000 Ada
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_mib: int  # nvidia-smi memory.total
+    capability: tuple[int, int]
+    bf16: bool
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.memory_mib * MiB
+
+
+GPUS = {
+    g.name: g
+    for g in (
+        GPU("T4", 15360, (7, 5), False),
+        GPU("V100-16GB", 16384, (7, 0), False),
+        GPU("A10G", 23028, (8, 6), True),
+        GPU("L4", 23034, (8, 9), True),
+        GPU("L40S", 46068, (8, 9), True),
+        GPU("RTX3090", 24576, (8, 6), True),
+        GPU("RTX4090", 24564, (8, 9), True),
+        GPU("A100-40GB", 40960, (8, 0), True),
+        GPU("A100-80GB", 81920, (8, 0), True),
+        GPU("H100-80GB", 81559, (9, 0), True),
+    )
+}
+
+
+def get_gpu(name: str) -> GPU:
+    if isinstance(name, GPU):
+        return name
+    for key, gpu in GPUS.items():
+        if key.lower() == str(name).lower():
+            return gpu
+    raise OptionError("gpu", f"gpu must be one of {', '.join(GPUS)}, got {name!r}")
+
+
+def cublas_workspace_bytes(gpu: GPU, torch_version: tuple) -> int:
+    """One cuBLAS workspace (``parseChosenWorkspaceSize``): 32 MiB on Hopper (and,
+    from torch 2.8, on 10.x/12.x), else 8,519,680 B."""
+    major = gpu.capability[0]
+    if major == 9 or (major in (10, 12) and torch_version >= (2, 8)):
+        return 4096 * 8 * 1024
+    return 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def context_bytes(gpu: GPU, torch_version: tuple) -> int:
+    """The CUDA context of a PyTorch process on ``gpu`` (module docstring)."""
+    if torch_version < (1, 13):
+        return CONTEXT_EAGER
+    if gpu.capability == (8, 6):
+        return CONTEXT_AMPERE_86
+    if gpu.capability == (8, 9):
+        return CONTEXT_ADA_89
+    return CONTEXT_LAZY
+
+
+def device_report(events: list, gpu_name: str, versions: dict, timeline_points=0):
+    """Reserved and device bytes of a replayed step on ``gpu_name``: the cuBLAS
+    workspaces are allocated first (they persist from the first matmul), then the
+    step's events; ``fits`` needs the replay to succeed under the card's memory less
+    the context."""
+    from .memory.allocator import replay
+
+    gpu = get_gpu(gpu_name)
+    torch_version = versions["torch"]
+    workspace = cublas_workspace_bytes(gpu, torch_version)
+    context = context_bytes(gpu, torch_version)
+    prelude = [("alloc", -1 - i, workspace, "temporaries", "idle") for i in range(2)]
+    # under the card's limit the allocator releases its free cached segments before
+    # it gives up, so a step can fit although its unlimited reserved peak does not
+    limited = replay(prelude + events, gpu.capacity_bytes - context, timeline_points)
+    unlimited = limited
+    if limited["oom"] is not None or limited["released"]:
+        unlimited = replay(prelude + events, None, timeline_points)
+    fits = limited["oom"] is None
+    reserved = limited["peak_reserved"] if fits else unlimited["peak_reserved"]
+    device = reserved + context
+    return {
+        "gpu": gpu.name,
+        "capacity_bytes": gpu.capacity_bytes,
+        "reserved_bytes": reserved,
+        "gpu_allocated_bytes": unlimited["peak_allocated"],
+        "device_bytes": device,
+        "context_bytes": context,
+        "cublas_workspace_bytes": 2 * workspace,
+        "fits": fits,
+        "headroom_bytes": gpu.capacity_bytes - device,
+        "timeline": unlimited["timeline"],
+    }

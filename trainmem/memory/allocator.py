@@ -1,0 +1,262 @@
+"""A model of PyTorch's CUDA caching allocator, replaying the step's allocations.
+
+The replay (:mod:`trainmem.memory.step`) records every allocation, free and resize of
+the step in order; :func:`replay` feeds them to :class:`CachingAllocator`, which follows
+the rules of ``c10/cuda/CUDACachingAllocator.cpp`` (the constants are shared with
+``c10/core/AllocatorConfig.h``):
+
+* ``round_size``: a request is rounded up to a multiple of 512 B (``kMinBlockSize``),
+  at least 512 B;
+* requests of at most 1 MiB (``kSmallSize``) come from the small pool, whose segments
+  are 2 MiB (``kSmallBuffer``); larger ones from the large pool, whose new segment is
+  20 MiB (``kLargeBuffer``) for requests under 10 MiB (``kMinLargeAlloc``) and the
+  request rounded up to 2 MiB (``kRoundLarge``) otherwise (``get_allocation_size``);
+* a request takes the smallest free block of its pool that is large enough (ties: the
+  lowest address; ``BlockComparatorSize``), split when the rest is at least 512 B
+  (small pool) or more than 1 MiB (large pool) (``should_split``); a block that is not
+  split is allocated whole, which ``memory_allocated`` then counts;
+* a freed block merges with free neighbours of its segment (``try_merge_blocks``);
+* cached segments are never returned to the driver unless an allocation fails: then
+  every fully free segment is released and the allocation retried
+  (``release_cached_blocks``), and only if that fails too is it an out-of-memory error.
+
+Not modelled: several streams (one stream here), ``max_split_size_mb`` and
+``expandable_segments`` (``PYTORCH_CUDA_ALLOC_CONF``; the defaults are assumed),
+``garbage_collection_threshold``, and CUDA graphs' private pools.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+K_MIN_BLOCK = 512
+K_SMALL_SIZE = 1 << 20
+K_SMALL_BUFFER = 2 << 20
+K_LARGE_BUFFER = 20 << 20
+K_MIN_LARGE_ALLOC = 10 << 20
+K_ROUND_LARGE = 2 << 20
+
+
+def round_size(nbytes: int) -> int:
+    """``round_size``: at least 512 B, a multiple of 512 B."""
+    if nbytes < K_MIN_BLOCK:
+        return K_MIN_BLOCK
+    return K_MIN_BLOCK * ((nbytes + K_MIN_BLOCK - 1) // K_MIN_BLOCK)
+
+
+def allocation_size(size: int) -> int:
+    """``get_allocation_size``: the segment a new ``cudaMalloc`` asks for."""
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return K_LARGE_BUFFER
+    return K_ROUND_LARGE * ((size + K_ROUND_LARGE - 1) // K_ROUND_LARGE)
+
+
+class Block:
+    __slots__ = ("segment", "offset", "size", "free", "prev", "next")
+
+    def __init__(self, segment, offset, size):
+        self.segment, self.offset, self.size = segment, offset, size
+        self.free = True
+        self.prev = self.next = None
+
+    def key(self):
+        return (self.size, self.segment, self.offset)
+
+
+class OutOfMemory(Exception):
+    pass
+
+
+@dataclass
+class CachingAllocator:
+    """One device's caching allocator (one stream). ``capacity``: the bytes
+    ``cudaMalloc`` may hand out in all (``None``: unlimited)."""
+
+    capacity: int | None = None
+    reserved: int = 0
+    allocated: int = 0
+    peak_reserved: int = 0
+    peak_allocated: int = 0
+    segments: int = 0
+    released: bool = False  # cached segments were given back to make room
+    _free: dict = field(default_factory=lambda: {True: [], False: []})
+    _blocks: dict = field(default_factory=dict)  # segment id -> first block
+    _segment_pool: dict = field(default_factory=dict)
+    _segment_size: dict = field(default_factory=dict)
+
+    # free lists: sorted by (size, segment, offset), per pool (True = small)
+    def _insert(self, small: bool, block: Block) -> None:
+        bisect.insort(self._free[small], (block.key(), block))
+
+    def _remove(self, small: bool, block: Block) -> None:
+        lst = self._free[small]
+        i = bisect.bisect_left(lst, (block.key(),))
+        while lst[i][1] is not block:
+            i += 1
+        del lst[i]
+
+    def _new_segment(self, small: bool, nbytes: int) -> Block:
+        if self.capacity is not None and self.reserved + nbytes > self.capacity:
+            self._release_cached()
+            if self.reserved + nbytes > self.capacity:
+                raise OutOfMemory(nbytes)
+        seg = self.segments
+        self.segments += 1
+        self.reserved += nbytes
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        block = Block(seg, 0, nbytes)
+        self._blocks[seg] = block
+        self._segment_pool[seg] = small
+        self._segment_size[seg] = nbytes
+        return block
+
+    def _release_cached(self) -> None:
+        self.released = True
+        for small in (True, False):
+            keep = []
+            for key, block in self._free[small]:
+                if block.prev is None and block.next is None:
+                    self.reserved -= block.size
+                    del self._blocks[block.segment]
+                else:
+                    keep.append((key, block))
+            self._free[small] = keep
+
+    def malloc(self, nbytes: int) -> Block | None:
+        if nbytes <= 0:
+            return None  # a 0-byte tensor has no block
+        size = round_size(nbytes)
+        small = size <= K_SMALL_SIZE
+        lst = self._free[small]
+        i = bisect.bisect_left(lst, ((size, -1, -1),))
+        if i < len(lst):
+            block = lst[i][1]
+            del lst[i]
+        else:
+            block = self._new_segment(small, allocation_size(size))
+        remaining = block.size - size
+        split = remaining >= K_MIN_BLOCK if small else remaining > K_SMALL_SIZE
+        if split:
+            rest = Block(block.segment, block.offset + size, remaining)
+            rest.prev, rest.next = block, block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            self._insert(small, rest)
+        block.free = False
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block
+
+    def release(self, block: Block | None) -> None:
+        if block is None:
+            return
+        small = self._segment_pool[block.segment]
+        self.allocated -= block.size
+        block.free = True
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and neighbour.free:
+                self._remove(small, neighbour)
+                if neighbour is block.prev:
+                    neighbour.size += block.size
+                    neighbour.next = block.next
+                    if block.next is not None:
+                        block.next.prev = neighbour
+                    block = neighbour
+                else:
+                    block.size += neighbour.size
+                    block.next = neighbour.next
+                    if neighbour.next is not None:
+                        neighbour.next.prev = block
+        self._insert(small, block)
+
+
+def _setup_at_final_size(events: list) -> list:
+    """Parameters resized while the model is set up (4-bit quantization, ZeRO
+    shards) are allocated at their final size: loaders quantize or shard each weight
+    as it arrives, so the full-size copies never coexist on the GPU."""
+    start = next(
+        (i for i, ev in enumerate(events) if ev[0] == "alloc" and ev[4] != "idle"),
+        len(events),
+    )
+    final = {ev[1]: ev[2] for ev in events[:start] if ev[0] == "resize"}
+    if not final:
+        return events
+    out = []
+    for ev in events[:start]:
+        if ev[0] == "resize":
+            continue
+        if ev[0] == "alloc" and ev[1] in final:
+            ev = (ev[0], ev[1], final[ev[1]], ev[3], ev[4])
+        out.append(ev)
+    return out + list(events[start:])
+
+
+def replay(events: list, capacity: int | None = None, timeline_points: int = 0):
+    """Replay the recorded events (see :class:`~.accounting.Simulator`) through a
+    :class:`CachingAllocator`; returns ``peak_reserved``, ``peak_allocated`` (block
+    sizes, as ``max_memory_allocated`` counts them), ``oom`` (the event index where an
+    allocation failed under ``capacity``, else ``None``) and, with
+    ``timeline_points``, about that many samples of the live bytes by category
+    (``timeline``: dicts with ``event``, ``phase``, the categories and ``reserved``;
+    each the highest point of its stretch of events)."""
+    events = _setup_at_final_size(events)
+    alloc = CachingAllocator(capacity)
+    blocks: dict[int, Block | None] = {}
+    category: dict[int, str] = {}
+    sizes: dict[int, int] = {}
+    live: dict[str, int] = {}
+    phase = "idle"
+    timeline = []
+    every = max(1, len(events) // timeline_points) if timeline_points else 0
+    best = None
+    oom = None
+    for i, ev in enumerate(events):
+        kind, uid = ev[0], ev[1]
+        try:
+            if kind == "alloc":
+                _, _, nbytes, cat, phase = ev
+                blocks[uid] = alloc.malloc(nbytes)
+                category[uid], sizes[uid] = cat, nbytes
+                live[cat] = live.get(cat, 0) + nbytes
+            elif kind == "free":
+                if uid in blocks:
+                    alloc.release(blocks.pop(uid))
+                    live[category[uid]] -= sizes.pop(uid)
+            elif kind == "resize":
+                if uid in blocks:
+                    alloc.release(blocks.pop(uid))
+                    live[category[uid]] += ev[2] - sizes[uid]
+                    sizes[uid] = ev[2]
+                    blocks[uid] = alloc.malloc(ev[2])
+            elif kind == "category":
+                if uid in sizes:
+                    live[category[uid]] -= sizes[uid]
+                    category[uid] = ev[2]
+                    live[ev[2]] = live.get(ev[2], 0) + sizes[uid]
+        except OutOfMemory:
+            oom = i
+            break
+        if every:
+            # each bucket of ``every`` events keeps its highest point, so the
+            # timeline shows every peak (the optimizer's spike too)
+            total = sum(live.values())
+            if best is None or total > best[0]:
+                best = (
+                    total,
+                    dict(event=i, phase=phase, reserved=alloc.reserved, **live),
+                )
+            if i % every == every - 1 or i == len(events) - 1:
+                timeline.append(best[1])
+                best = None
+    return {
+        "peak_reserved": alloc.peak_reserved,
+        "peak_allocated": alloc.peak_allocated,
+        "oom": oom,
+        "released": alloc.released,
+        "timeline": timeline,
+    }
