@@ -126,11 +126,27 @@ window.addEventListener("load", () => {
     fitAll();
     if (document.fonts && document.fonts.ready) document.fonts.ready.then(fitAll);
     window.addEventListener("load", fitAll);
+    // again whenever the text column changes width (window resized, sidebar collapsed, a
+    // scrollbar appearing once MathJax has typeset the page)
     let t = null;
-    window.addEventListener("resize", () => {
+    const later = () => {
       window.clearTimeout(t);
-      t = window.setTimeout(fitAll, 100);
-    });
+      t = window.setTimeout(fitAll, 50);
+    };
+    window.addEventListener("resize", later);
+    const article = document.querySelector("article");
+    if (article && window.ResizeObserver) {
+      let width = article.clientWidth;
+      new ResizeObserver(() => {
+        if (article.clientWidth !== width) {
+          width = article.clientWidth;
+          later();
+        }
+      }).observe(article);
+    }
+    if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+      MathJax.startup.promise.then(later);
+    }
   };
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);
   else init();

@@ -713,7 +713,9 @@ def _facts(browser, doc: str) -> dict:
         try:
             wait_for_math(page)
             page.evaluate("() => document.fonts && document.fonts.ready")
-            page.wait_for_timeout(200)
+            page.wait_for_timeout(
+                300
+            )  # course-ui.js refits outputs 50 ms after a change
             page.screenshot(
                 path=str(SCREENSHOTS / screenshot_name(doc, label)), full_page=True
             )
