@@ -63,6 +63,15 @@ def _lora_states(r: int, targets) -> int:
     return 16 * lora_param_count_for_config(CFG7, targets, r)
 
 
+def _int8_bnb_bytes() -> int:
+    """Counted from the config: every decoder Linear (q, k, v, o, gate, up, down)
+    stores INT8 plus a 4-byte scale per output row; the rest stays 2 bytes."""
+    h, i, n = CFG7.hidden_size, CFG7.intermediate_size, CFG7.num_hidden_layers
+    linear = n * (4 * h * h + 3 * h * i)
+    rows = n * (5 * h + 2 * i)
+    return linear + 4 * rows + 2 * (R.n_params() - linear)
+
+
 # quantity -> (reference value, [(chapter file prefix, glue key, unit of the glued
 # number)])
 QUANTITIES = {
@@ -100,6 +109,11 @@ QUANTITIES = {
     "the same per GPU with TP=8 (the layer input stays whole)": (
         lambda: 32 * 2 * 2048 * (CFG7.hidden_size + 4 * CFG7.intermediate_size // 8),
         [("09", "tp7_mlp_8_gib", GiB), ("10", "q_tp8_act7_gib", GiB)],
+    ),
+    "7B INT8 weights by bitsandbytes' rule (decoder Linears INT8 with one fp32 scale "
+    "per output row; embeddings, lm_head and norms 16-bit)": (
+        lambda: _int8_bnb_bytes(),
+        [("07", "int8_7b_bnb", GB), ("10", "q_w7_int8", GiB)],
     ),
     "7B fp32 weights": (
         lambda: R.weights_bytes(bytes_per_param=4),
