@@ -110,8 +110,8 @@ QUANTITIES = {
         lambda: 32 * 2 * 2048 * (CFG7.hidden_size + 4 * CFG7.intermediate_size // 8),
         [("09", "tp7_mlp_8_gib", GiB), ("10", "q_tp8_act7_gib", GiB)],
     ),
-    "7B INT8 weights by the bitsandbytes rule (decoder Linears INT8 with one fp32 scale "
-    "per output row; embeddings, lm_head and norms 16-bit)": (
+    "7B INT8 weights by the bitsandbytes rule (decoder Linears INT8 with one fp32 "
+    "scale per output row; embeddings, lm_head and norms 16-bit)": (
         lambda: _int8_bnb_bytes(),
         [("07", "int8_7b_bnb", GB), ("10", "q_w7_int8", GiB)],
     ),
