@@ -2,8 +2,8 @@
 
 The site is served from 127.0.0.1; every other host is cut off, so nothing may depend on
 a CDN. Full-page screenshots of every chapter and lab (desktop 1366×900, phone 390×844)
-are written to _build/screenshots/ (``python -m tests.screenshots`` writes them for
-every page without the tests).
+are written to _build/screenshots/ with ``COURSE_SCREENSHOTS=1`` (``python -m
+tests.screenshots`` writes them for every page without the tests).
 """
 
 from __future__ import annotations
@@ -701,9 +701,10 @@ _FACTS: dict[str, dict] = {}
 
 
 def _facts(browser, doc: str) -> dict:
-    """Visit ``doc`` once at each size (tests share the visit): full-page screenshots,
-    the blocks that scroll sideways on the desktop, and how much wider than a phone the
-    page is."""
+    """Visit ``doc`` once at each size (tests share the visit): the blocks that scroll
+    sideways on the desktop, and how much wider than a phone the page is. With
+    ``COURSE_SCREENSHOTS=1`` it also saves full-page screenshots to look at (they cost
+    more than the checks; ``python -m tests.screenshots`` takes them too)."""
     if doc in _FACTS:
         return _FACTS[doc]
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
@@ -716,9 +717,10 @@ def _facts(browser, doc: str) -> dict:
             page.wait_for_timeout(
                 300
             )  # course-ui.js refits outputs 50 ms after a change
-            page.screenshot(
-                path=str(SCREENSHOTS / screenshot_name(doc, label)), full_page=True
-            )
+            if os.environ.get("COURSE_SCREENSHOTS") == "1":  # to look at them
+                page.screenshot(
+                    path=str(SCREENSHOTS / screenshot_name(doc, label)), full_page=True
+                )
             if label == "desktop":
                 facts["wide"] = page.evaluate(WIDE_BLOCKS)
             else:
