@@ -34,15 +34,6 @@ from trainmem.estimate import estimate  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "published_gpu.json")
 UNITS = {"GB": 10**9, "GiB": 2**30, "B": 1}
-ALL_LINEAR = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
 
 
 def _supported() -> set[str]:
