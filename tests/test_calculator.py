@@ -11,6 +11,8 @@ to _build/screenshots/.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import os
@@ -233,9 +235,14 @@ def _coverage_grid() -> list[tuple[dict, None]]:
 def _cli(
     values: dict, config_text: str | None, tmp: Path
 ) -> subprocess.CompletedProcess:
-    """``python -m trainmem estimate ... --json`` with the options of ``values`` (cwd
-    ``tmp``)."""
-    argv = [sys.executable, "-m", "trainmem", "estimate"]
+    """What ``python -m trainmem estimate ... --json`` prints for the options of
+    ``values`` (cwd ``tmp``): ``trainmem.cli.main`` run in this process, so
+    transformers (which reads a pasted config.json) is imported once, not once per
+    configuration. ``tests/test_trainmem_cli.py`` runs the ``python -m trainmem``
+    entry point itself."""
+    from trainmem.cli import main
+
+    argv = ["estimate"]
     for k, v in values.items():
         if v is True:
             argv.append(f"--{k}")
@@ -244,7 +251,18 @@ def _cli(
     argv.append("--json")
     if config_text is not None:
         (tmp / "config.json").write_text(config_text, encoding="utf-8")
-    return subprocess.run(argv, cwd=tmp, capture_output=True, text=True, timeout=300)
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    os.chdir(tmp)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(argv)
+            except SystemExit as e:  # argparse's own errors
+                rc = e.code
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(argv, rc or 0, out.getvalue(), err.getvalue())
 
 
 # --------------------------------------------------------------------------------------

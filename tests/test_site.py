@@ -117,36 +117,19 @@ def _has_math(doc: str) -> bool:
 
 @pytest.mark.parametrize("doc", DOCS)
 def test_page_loads_offline_and_renders(browser, doc):
-    page, problems = _open(browser, f"{doc}.html")
-    try:
-        assert not problems, "\n".join(problems)
-        body = page.inner_text("article")
-        if _has_math(doc):
-            # wait for MathJax itself to finish typesetting (slow on a loaded CI
-            # machine)
-            page.wait_for_function(
-                "() => window.MathJax && MathJax.startup && MathJax.startup.promise",
-                timeout=120000,
-            )
-            page.evaluate("() => MathJax.startup.promise")
-            page.wait_for_selector("mjx-container", state="attached", timeout=120000)
-            assert page.locator("mjx-container").count() > 0, "math not typeset"
-            assert "$$" not in body, "raw $$ left in the page"
-        # glue: no missing keys, no empty pasted values
-        assert "{glue" not in body and "missing key" not in body.lower()
-        empty = page.evaluate("""() => [
-            ...document.querySelectorAll('[class*="pasted"]')]
-            .filter(e => e.textContent.trim() === '' && !e.querySelector('img'))
-            .length""")
-        assert empty == 0, f"{empty} glued values rendered empty"
-        # images that are present actually loaded
-        broken = page.evaluate(
-            "() => [...document.images].filter(i => i.complete && i.naturalWidth === "
-            "0).map(i => i.src)"
-        )
-        assert not broken, f"broken images: {broken}"
-    finally:
-        page.context.close()
+    seen = _desktop(browser, doc)
+    assert not seen["problems"], "\n".join(seen["problems"])
+    if _has_math(doc):
+        assert seen["math"] > 0, "math not typeset"
+        assert "$$" not in seen["body"], "raw $$ left in the page"
+    # glue: no missing keys, no empty pasted values
+    body = seen["body"]
+    assert "{glue" not in body and "missing key" not in body.lower()
+    assert seen["empty_pasted"] == 0, (
+        f"{seen['empty_pasted']} glued values rendered empty"
+    )
+    # images that are present actually loaded
+    assert not seen["broken_images"], f"broken images: {seen['broken_images']}"
 
 
 def _demo_docs():
@@ -164,33 +147,19 @@ def _demo_docs():
 
 @pytest.mark.parametrize("doc", _demo_docs())
 def test_interactive_demo_has_static_figure(browser, doc):
-    page, _ = _open(browser, f"{doc}.html")
-    try:
-        # a figure in a cell's output, or a glued, captioned one ({glue:figure})
-        n = page.evaluate(
-            "() => [...document.querySelectorAll('.cell_output img, figure img')]"
-            ".filter(i => i.naturalWidth > 0).length"
-        )
-        assert n >= 1, (
-            "a page with an ipywidgets demo must show a static figure of the same sweep"
-        )
-        assert "interactive(children" not in page.inner_text("article"), (
-            "live widget repr leaked into HTML"
-        )
-    finally:
-        page.context.close()
+    seen = _desktop(browser, doc)
+    # a figure in a cell's output, or a glued, captioned one ({glue:figure})
+    assert seen["figures"] >= 1, (
+        "a page with an ipywidgets demo must show a static figure of the same sweep"
+    )
+    assert "interactive(children" not in seen["body"], (
+        "live widget repr leaked into HTML"
+    )
 
 
 @pytest.mark.parametrize("doc", [d for d in DOCS if source_of(d).suffix == ".ipynb"])
 def test_colab_launch_link(browser, doc):
-    page, _ = _open(browser, f"{doc}.html")
-    try:
-        hrefs = page.evaluate(
-            "() => [...document.querySelectorAll('a')].map(a => a.href).filter(h => "
-            "h.includes('colab.research.google.com'))"
-        )
-    finally:
-        page.context.close()
+    hrefs = _desktop(browser, doc)["colab"]
     assert hrefs, "no Colab launch link"
     for h in set(hrefs):
         m = COLAB.match(h)
@@ -488,20 +457,13 @@ ENGLISH_UI = [
 
 @pytest.mark.parametrize("doc", CHAPTERS)
 def test_interface_in_chinese(browser, doc):
-    page, problems = _open(browser, f"{doc}.html")
-    try:
-        html = page.content()
-        found = [s for s in ENGLISH_UI if s in html]
-        assert not found, f"English interface strings on the page: {found}"
-        hints = page.evaluate(
-            "() => [...document.querySelectorAll('.toggle-button')].map(b => "
-            "b.textContent + (b.dataset.toggleHint || ''))"
-        )
-        assert all("点击" in h for h in hints), (
-            f"togglebutton hints not in Chinese: {hints[:3]}"
-        )
-    finally:
-        page.context.close()
+    seen = _desktop(browser, doc)
+    found = [t for t in ENGLISH_UI if t in seen["html"]]
+    assert not found, f"English interface strings on the page: {found}"
+    hints = seen["toggle_hints"]
+    assert all("点击" in h for h in hints), (
+        f"togglebutton hints not in Chinese: {hints[:3]}"
+    )
 
 
 def _article_text(doc: str) -> str:
@@ -697,46 +659,67 @@ WIDE_BLOCKS = """() => [...document.querySelectorAll(
                       e.closest('.cell_input') ? 'code' : e.tagName.toLowerCase(),
                over: e.scrollWidth - e.clientWidth,
                text: e.textContent.trim().slice(0, 70)}))"""
-_FACTS: dict[str, dict] = {}
+# what the read-only checks of a page need, gathered in one visit per page and size
+# (a visit — load, MathJax, fonts — costs seconds; the checks cost nothing)
+PAGE_FACTS = """() => ({
+  body: document.querySelector('article')?.innerText ?? '',
+  html: document.documentElement.outerHTML,
+  math: document.querySelectorAll('mjx-container').length,
+  empty_pasted: [...document.querySelectorAll('[class*="pasted"]')]
+      .filter(e => e.textContent.trim() === '' && !e.querySelector('img')).length,
+  broken_images: [...document.images]
+      .filter(i => i.complete && i.naturalWidth === 0).map(i => i.src),
+  figures: [...document.querySelectorAll('.cell_output img, figure img')]
+      .filter(i => i.naturalWidth > 0).length,
+  colab: [...document.querySelectorAll('a')].map(a => a.href)
+      .filter(h => h.includes('colab.research.google.com')),
+  toggle_hints: [...document.querySelectorAll('.toggle-button')]
+      .map(b => b.textContent + (b.dataset.toggleHint || '')),
+  phone_over: document.documentElement.scrollWidth
+      - document.documentElement.clientWidth,
+})"""
+_VISITS: dict[tuple[str, str], dict] = {}
 
 
-def _facts(browser, doc: str) -> dict:
-    """Visit ``doc`` once at each size (tests share the visit): the blocks that scroll
-    sideways on the desktop, and how much wider than a phone the page is. With
-    ``COURSE_SCREENSHOTS=1`` it also saves full-page screenshots to look at (they cost
-    more than the checks; ``python -m tests.screenshots`` takes them too)."""
-    if doc in _FACTS:
-        return _FACTS[doc]
+def _visit(browser, doc: str, label: str) -> dict:
+    """Visit ``doc`` once at a size (``desktop`` 1366×900 or ``phone`` 390×844) and
+    return what the checks read: the failed requests and console errors of the visit,
+    the article's text, the typeset math, and (desktop) the blocks that scroll sideways.
+    With ``COURSE_SCREENSHOTS=1`` it also saves a full-page screenshot to look at (it
+    costs more than the checks; ``python -m tests.screenshots`` takes them too)."""
+    key = (doc, label)
+    if key in _VISITS:
+        return _VISITS[key]
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    facts = {}
-    for label, vp in (("desktop", DESKTOP), ("phone", PHONE)):
-        page, _ = _open(browser, f"{doc}.html", viewport=vp)
-        try:
-            wait_for_math(page)
-            page.evaluate("() => document.fonts && document.fonts.ready")
-            page.wait_for_timeout(
-                300
-            )  # course-ui.js refits outputs 50 ms after a change
-            if os.environ.get("COURSE_SCREENSHOTS") == "1":  # to look at them
-                page.screenshot(
-                    path=str(SCREENSHOTS / screenshot_name(doc, label)), full_page=True
-                )
-            if label == "desktop":
-                facts["wide"] = page.evaluate(WIDE_BLOCKS)
-            else:
-                facts["phone_over"] = page.evaluate(
-                    "() => document.documentElement.scrollWidth - "
-                    "document.documentElement.clientWidth"
-                )
-        finally:
-            page.context.close()
-    _FACTS[doc] = facts
-    return facts
+    page, problems = _open(
+        browser, f"{doc}.html", viewport=DESKTOP if label == "desktop" else PHONE
+    )
+    try:
+        wait_for_math(page)
+        if _has_math(doc):
+            page.wait_for_selector("mjx-container", state="attached", timeout=120000)
+        page.evaluate("() => document.fonts && document.fonts.ready")
+        page.wait_for_timeout(300)  # course-ui.js refits outputs 50 ms after a change
+        if os.environ.get("COURSE_SCREENSHOTS") == "1":  # to look at them
+            page.screenshot(
+                path=str(SCREENSHOTS / screenshot_name(doc, label)), full_page=True
+            )
+        seen = page.evaluate(PAGE_FACTS)
+        seen["wide"] = page.evaluate(WIDE_BLOCKS) if label == "desktop" else []
+        seen["problems"] = list(problems)
+    finally:
+        page.context.close()
+    _VISITS[key] = seen
+    return seen
+
+
+def _desktop(browser, doc: str) -> dict:
+    return _visit(browser, doc, "desktop")
 
 
 @pytest.mark.parametrize("doc", PAGES)
 def test_screenshots_and_phone_layout(browser, doc):
-    over = _facts(browser, doc)["phone_over"]
+    over = _visit(browser, doc, "phone")["phone_over"]
     assert over <= 1, f"page is {over}px wider than a phone screen"
 
 
@@ -744,7 +727,7 @@ def test_screenshots_and_phone_layout(browser, doc):
 def test_no_block_scrolls_sideways_on_desktop(browser, doc):
     """At 1366×900 no code block, output or table hides part of itself behind a
     sideways scroll."""
-    wide = _facts(browser, doc)["wide"]
+    wide = _desktop(browser, doc)["wide"]
     assert not wide, f"{len(wide)} block(s) scroll sideways at {DESKTOP}: " + "; ".join(
         f"{w['what']} +{w['over']}px {w['text']!r}" for w in wide[:6]
     )
