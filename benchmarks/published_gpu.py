@@ -57,10 +57,18 @@ def row_options(row: dict) -> dict:
     if framework in ("litgpt", "torchtune") or c["precision"].startswith("bf16"):
         # bf16-true / model loaded in bf16, no autocast: pure bf16 parameters
         opts["precision"] = "bf16"
+    if c.get("global_batch"):
+        # the run's gradient accumulation (LitGPT: global_batch_size // (micro_batch
+        # * devices)); the gradients stay allocated through the next forward
+        opts["grad_accum"] = max(
+            1, c["global_batch"] // (c["micro_batch"] * row.get("devices", 1))
+        )
     if c["method"] != "full":
         opts["lora_rank"] = c["lora_r"]
         opts["lora_alpha"] = c.get("lora_alpha") or 2 * c["lora_r"]
         opts["lora_targets"] = tuple(c["lora_targets"])
+        if c.get("lora_head"):
+            opts["lora_targets"] += ("lm_head",)  # LitGPT's lora_head
         # LitGPT's LoRA weights follow the bf16-true module; peft upcasts adapters to
         # fp32 unless autocast_adapter_dtype=False
         opts["lora_dtype"] = "bf16" if framework == "litgpt" else None
@@ -72,7 +80,7 @@ def row_options(row: dict) -> dict:
         opts["kbit_prepare"] = "peft" if framework == "hf" else "none"
     if row.get("devices", 1) > 1 and c["method"] == "full":
         opts["zero"], opts["gpus"] = 3, row["devices"]  # FSDP full sharding
-    if framework != "hf":
+    if framework == "litgpt":  # the frameworks the estimator models: hf, litgpt
         opts["framework"] = framework
     if c.get("versions"):
         opts["versions"] = c["versions"]

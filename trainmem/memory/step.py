@@ -10,7 +10,9 @@ from .accounting import ITEMSIZE, Simulator, new, shrink
 from .autograd import backward
 from .llama import Model, build_params, llama_loss, trainable_params
 from .ops import mul_scalar
+from ..dtypes import nf4_bytes_per_weight
 from ..versions import bnb_saves_input, cache_copies_kv, loss_form
+from . import litgpt
 
 from ..optimizers import optimizer
 
@@ -105,9 +107,31 @@ def _state_sizes(params: list, state_dtype, part: float) -> list[int]:
 _HALF = {"fp16-amp": "fp16", "bf16-amp": "bf16"}  # the 16-bit dtype of a precision
 
 
+def _build_litgpt(sim: Simulator, shape, step, zero_dtype):
+    """LitGPT's GPT (:mod:`.litgpt`); under QLoRA every Linear, ``lm_head`` included,
+    is 4-bit: Fabric's ``BitsandbytesPrecision.convert_module`` replaces each
+    ``torch.nn.Linear`` (no ``ignore_modules`` in finetune/lora.py)."""
+    model = litgpt.build_params(sim, shape, step, zero_dtype)
+    versions = step.library_versions
+    if step.method == "qlora":
+        bytes_per_weight = nf4_bytes_per_weight(step.qlora_double_quant)
+        for lin in model.linears():
+            shrink(sim, lin.w.buffer, bytes_per_weight / ITEMSIZE[lin.w.dtype])
+            lin.quantized = True
+            lin.saves_input = bnb_saves_input(versions)
+    if step.lora_dropout > 0:
+        for lin in model.linears():
+            if lin.A is not None:
+                lin.dropout = True
+                lin.kernels = step.kernels
+    return model, litgpt.trainable_params(model)
+
+
 def _build_model(sim: Simulator, shape, step, zero_dtype):
     """The parameters (and buffers) of the model, QLoRA's base weights quantized;
     returns the :class:`~.llama.Model` and its trainable parameters."""
+    if step.framework == "litgpt":
+        return _build_litgpt(sim, shape, step, zero_dtype)
     # QLoRA (bitsandbytes ``load_in_4bit`` with a 16-bit ``torch_dtype``): only the
     # Linear layers inside the decoder blocks are NF4; embeddings, norms and lm_head
     # stay in the 16-bit dtype.
@@ -219,14 +243,24 @@ def _forward_backward(
         "checkpointing": step.checkpointing,
         "loss_form": loss_form(step.library_versions),
         "reentrant": step.checkpointing_mode == "reentrant",
+        # LitGPT: finetune/lora.py chunks lm_head, finetune/full.py does not
+        "chunked_head": step.method != "full",
     }
     activations_at_end = 0
+    litgpt_logits = []
+    if step.framework == "litgpt":
+        # finetune/lora.py's loop variable ``logits``: the previous micro-batch's chunk
+        # list is alive until this forward's list is assigned to it
+        litgpt_logits = _previous_logits(sim, model, step)
     for _ in range(step.grad_accum):
         sim.set_phase("forward")
         sim.autocast = autocast
         cache = step.cache_on and cache_copies_kv(step.library_versions)
         cfg["kv_cache"] = [] if cache else None
-        loss = llama_loss(sim, model, ids, labels, cfg)
+        if step.framework == "litgpt":
+            loss = litgpt.forward_loss(sim, model, ids, labels, cfg, litgpt_logits)
+        else:
+            loss = llama_loss(sim, model, ids, labels, cfg)
         sim.autocast = None
         sim.autocast_cache = []  # leaving torch.autocast clears its cache
         if step.grad_accum > 1:
@@ -239,6 +273,20 @@ def _forward_backward(
         backward(sim, loss)
         del loss
     return activations_at_end
+
+
+def _previous_logits(sim: Simulator, model, step) -> list:
+    """The logits chunks of the micro-batch before the step (bf16 ``lm_head``
+    outputs, ``(batch, <=128, vocab)`` each), allocated in that micro-batch's
+    forward."""
+    vocab = model.lm_head.w.shape[0]
+    # autocast's dtype, else the module's
+    dtype = _HALF.get(step.precision, model.wte.dtype)
+    chunk = litgpt.LM_HEAD_CHUNK if step.method != "full" else step.seq
+    return [
+        new(sim, (step.batch, min(chunk, step.seq - i), vocab), dtype, "activations")
+        for i in range(0, step.seq, chunk)
+    ]
 
 
 def simulate_step(shape, step, record_events: bool = False) -> dict:
