@@ -215,16 +215,20 @@ input is saved), the row's GPU preset (allocated rows compare the allocator repl
 `max_memory_allocated`, which adds 512 B rounding, unsplit blocks and the cuBLAS
 workspaces; OOM rows compare `fits`).
 
-The estimator replays the Hugging Face stack. Mechanisms of the other frameworks that
-it does not model, and that these rows therefore miss:
+LitGPT rows run with `framework="litgpt"` (`trainmem.memory.litgpt`: the fused `qkv`
+with `LoRAQKVLinear` — one dropout on the shared input, `conv1d`, `zero_pad` —, fp32
+RMSNorm, fp32 RoPE buffers, `lm_head` in 128-token chunks with a bf16 cross-entropy per
+chunk (`finetune/full.py`: one unchunked head, 128-row chunks), the loop's `logits`
+alive into the next forward, every Linear incl. `lm_head` 4-bit under QLoRA), with
+bitsandbytes 0.42.0 (LitGPT's pin) for the config hub and each yaml's global batch as
+gradient accumulation. Mechanisms not modelled that these rows may still miss:
 
-- LitGPT: the fused `qkv` Linear with `LoRAQKVLinear` (one dropout on the shared input,
-  `zero_pad` of the LoRA output to the fused width), LitGPT's RMSNorm (weight applied
-  in fp32), `lm_head_chunk_size=128` with a bf16 cross-entropy per chunk (no fp32
-  upcast), and Fabric's `BitsandbytesPrecision`, which also quantizes `lm_head`.
-  LitGPT never resets the peak counter, so its "peak memory" covers model loading too;
-  for QLoRA the weights pass through the GPU in bf16 on their way to NF4, which is a
-  candidate for the QLoRA rows' shortfall (not verified on a GPU here).
+- LitGPT QLoRA (7-19 % under): the peak counter is never reset, so model loading,
+  the sanity validation (an unchunked bf16 head) and generation are inside the
+  published figure; per-Linear bf16/fp16 copies during quantise-on-load are modelled
+  as absent. Not verified on a GPU here.
+- LitGPT LoRA (2-6 % under): the validation pass and cuBLAS/cuDNN workspaces of
+  `conv1d` are not modelled.
 - torchtune: its own decoder and loss; the packed row has no compile, no chunked
   cross-entropy and no checkpointing, the closest to what is modelled.
 - peft method comparison: the sequence length the longest batch reached is not

@@ -35,7 +35,6 @@ Hugging Face stack (:mod:`.llama`):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from .accounting import SimTensor, Simulator, new, view
@@ -98,7 +97,9 @@ class LitBlock:
     @property
     def linears(self) -> dict[str, LitLinear]:
         """Its Linear layers by LitGPT module name, in module order."""
-        return {"attn": self.attn, "proj": self.proj, **self.mlp}
+        out = {"attn.attn": self.attn, "attn.proj": self.proj}
+        out.update((f"mlp.{name}", lin) for name, lin in self.mlp.items())
+        return out
 
     def tensors(self) -> list[SimTensor]:
         out = [self.norm_1, *self.attn.tensors(), *self.proj.tensors(), self.norm_2]
@@ -131,9 +132,7 @@ class LitGPT:
     def linears(self) -> list[LitLinear]:
         """Every Linear, ``lm_head`` included (what ``BitsandbytesPrecision``
         converts)."""
-        return [lin for b in self.blocks for lin in b.linears.values()] + [
-            self.lm_head
-        ]
+        return [lin for b in self.blocks for lin in b.linears.values()] + [self.lm_head]
 
 
 def build_params(sim: Simulator, shape, step, param_dtype: str | None = None):
@@ -558,8 +557,10 @@ def _full_loss(sim, model: LitGPT, x, targets, held: list) -> SimTensor:
     vocab = logits.shape[-1]
     rows = b * (s - 1)
     sliced = narrow(sim, logits, (b, s - 1, vocab))
-    flat = clone_contig(sim, view(sliced, (rows, vocab))) if b > 1 else view(
-        sliced, (rows, vocab)
+    flat = (
+        clone_contig(sim, view(sliced, (rows, vocab)))
+        if b > 1
+        else view(sliced, (rows, vocab))
     )
     del sliced
     flat_targets = new(sim, (rows,), "i64") if b > 1 else view(targets, (rows,))
