@@ -223,12 +223,20 @@ alive into the next forward, every Linear incl. `lm_head` 4-bit under QLoRA), wi
 bitsandbytes 0.42.0 (LitGPT's pin) for the config hub and each yaml's global batch as
 gradient accumulation. Mechanisms not modelled that these rows may still miss:
 
-- LitGPT QLoRA (7-19 % under): the peak counter is never reset, so model loading,
-  the sanity validation (an unchunked bf16 head) and generation are inside the
-  published figure; per-Linear bf16/fp16 copies during quantise-on-load are modelled
-  as absent. Not verified on a GPU here.
-- LitGPT LoRA (2-6 % under): the validation pass and cuBLAS/cuDNN workspaces of
-  `conv1d` are not modelled.
+- modelled besides the step (LitGPT never resets the peak counter): the previous
+  graph's bitsandbytes `ctx.tensors` inputs alive with the loop's `logits` (0.42.0
+  stores them as a ctx attribute, not `save_for_backward`), `validate` (unchunked
+  head, bf16 cross-entropy) and `generate_example`'s KV cache as their own phases;
+  both phases stay below the training step on every row.
+- LitGPT QLoRA, config hub (4-6 % under): not modelled: quantise-on-load copies,
+  `bnb.optim.PagedAdamW` (states in managed memory, only tensors under 1e5 elements
+  in the torch allocator; modelled as torch AdamW). Not verified on a GPU here.
+- LitGPT QLoRA, resource tables (6 % over): the replay retains a previous
+  micro-batch of the same 1304 tokens, but lit_gpt@8641822 runs only the first batch
+  at the longest length (later ones are random, shorter examples); it also has a
+  bf16 RMSNorm and `loss` holding the graph until the next cross-entropy, which the
+  5895df10 replay does not distinguish.
+- LitGPT LoRA (2-6 % under): cuBLAS/cuDNN workspaces of `conv1d` are not modelled.
 - torchtune: its own decoder and loss; the packed row has no compile, no chunked
   cross-entropy and no checkpointing, the closest to what is modelled.
 - peft method comparison: the sequence length the longest batch reached is not

@@ -161,3 +161,45 @@ def test_cli_framework(capsys):
         raise SystemExit(main(["estimate", "--framework", "axolotl"]))
     assert e.value.code == 2
     assert "--framework" in capsys.readouterr().err
+
+
+def _retained_bytes(shape, batch, seq):
+    """The previous micro-batch's inputs of the 4-bit Linears under q/v LoRA, bf16:
+    block 0's fused attn input needs no grad (frozen embedding and norm); after the
+    first adapter every Linear's input does (fc_1/fc_2 share one), lm_head's too."""
+    h, inter, q_dim = shape.hidden, shape.intermediate, shape.heads * shape.head_dim
+    per_block = h + q_dim + h + inter
+    return 2 * batch * seq * (shape.layers * per_block - h + h)
+
+
+def test_qlora_ctx_tensors_live_with_the_held_logits():
+    """bitsandbytes 0.42.0 keeps the input in ``ctx.tensors`` (not
+    save_for_backward), so the previous graph's inputs live while the loop's
+    ``logits`` does: the forward peak grows by more than one copy of them."""
+    shape = model_shape("tiny")
+    kw = dict(method="qlora", batch=2, seq=128, grad_accum=2, **LIT)
+    old = estimate("tiny", versions="bitsandbytes=0.42.0", **kw).phase_peaks
+    new = estimate("tiny", versions="bitsandbytes=0.43.2", **kw).phase_peaks
+    assert old["forward"] - new["forward"] > _retained_bytes(shape, 2, 128)
+
+
+def test_validation_and_generation_phases():
+    """validate: weights and states plus one unchunked head's logits, their reshaped
+    copy and the log_softmax output; generate: a bf16 KV cache of (1, n_head, seq,
+    head_dim) per block and a (seq, seq) bool mask."""
+    shape = model_shape("tiny")
+    b, s = 2, 128
+    est = estimate("tiny", method="lora", batch=b, seq=s, **LIT)
+    peaks = est.phase_peaks
+    logits = 2 * b * s * shape.vocab
+    assert peaks["validate"] >= est.model_state_bytes + 3 * logits * (s - 1) // s
+    kv = 2 * shape.layers * 2 * shape.heads * s * shape.head_dim + s * s
+    assert peaks["generate"] >= est.model_state_bytes + kv
+
+
+def test_measure_refuses_litgpt():
+    from trainmem.measure import measure
+
+    with pytest.raises(OptionError) as e:
+        measure("tiny", method="lora", framework="litgpt", precision="bf16")
+    assert e.value.option == "framework" and "allowed for measure: hf" in str(e.value)

@@ -294,11 +294,18 @@ def _sum_all(sim: Simulator, x: SimTensor) -> SimTensor:
 # --------------------------------------------------------------------------------------
 # the forward, op by op
 # --------------------------------------------------------------------------------------
-def _base(sim: Simulator, x: SimTensor, lin: LitLinear) -> SimTensor:
+def _base(sim: Simulator, x: SimTensor, lin: LitLinear, keep=None) -> SimTensor:
     """``self.linear(x)``: a plain Linear, or the 4-bit one (bitsandbytes'
     ``MatMul4Bit``: ``F.dequantize_4bit`` to fp16 — the dtype Fabric quantised from —
     then ``.to(x.dtype)``, both transient; it keeps ``(A, B)`` for backward up to
-    0.43.1)."""
+    0.43.1).
+
+    ``keep``: bitsandbytes 0.42.0 ``autograd/_functions.py`` ``MatMul4Bit.forward``
+    stores the input as a plain attribute, ``ctx.tensors = (A, B)``, not through
+    ``ctx.save_for_backward``: autograd's ``release_variables`` after backward frees
+    saved variables only, so ``A`` lives as long as the node, i.e. as long as any
+    output of the graph (the loop's ``logits``) is referenced. ``keep`` collects
+    those inputs for the caller to hold with the logits."""
     if not lin.quantized:
         return linear(sim, x, lin.w)
     w_shape, dtype = lin.w.shape, x.dtype
@@ -318,14 +325,16 @@ def _base(sim: Simulator, x: SimTensor, lin: LitLinear) -> SimTensor:
         return [grad_x]
 
     saved = [x] if lin.saves_input and x.requires_grad else []
+    if saved and keep is not None:
+        keep.append(x)
     record(sim, out, [x], saved, backward_fn)
     return out
 
 
-def lora_forward(sim: Simulator, x: SimTensor, lin: LitLinear, scaled=True):
+def lora_forward(sim: Simulator, x: SimTensor, lin: LitLinear, keep=None):
     """``LoRALinear.forward``: ``pretrained + (lora_dropout(x) @ A.T @ B.T) *
     scaling``."""
-    pretrained = _base(sim, x, lin)
+    pretrained = _base(sim, x, lin, keep)
     if lin.A is None:
         return pretrained
     xd = dropout(sim, x, lin.kernels) if lin.dropout else x
@@ -338,9 +347,9 @@ def lora_forward(sim: Simulator, x: SimTensor, lin: LitLinear, scaled=True):
     return add(sim, pretrained, lora)
 
 
-def qkv_forward(sim: Simulator, x: SimTensor, lin: LitLinear) -> SimTensor:
+def qkv_forward(sim: Simulator, x: SimTensor, lin: LitLinear, keep=None):
     """``LoRAQKVLinear.forward`` at the fused width."""
-    pretrained = _base(sim, x, lin)
+    pretrained = _base(sim, x, lin, keep)
     if lin.A is None:
         return pretrained
     b, t, _ = x.shape
@@ -420,7 +429,8 @@ def attention(sim, x, block: LitBlock, cos, sin, cfg) -> SimTensor:
     b, t, _ = x.shape
     heads, groups, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     q_per_kv = heads // groups
-    qkv = qkv_forward(sim, x, block.attn)  # (B, T, (q_per_kv + 2)·groups·hs)
+    keep = cfg.get("bnb_ctx")
+    qkv = qkv_forward(sim, x, block.attn, keep)  # (B, T, (q_per_kv + 2)·groups·hs)
     qkv5 = view(qkv, (b, groups, q_per_kv + 2, t, d))  # view + permute
     q = view(qkv5, (b, groups, q_per_kv, t, d))
     k = view(qkv5, (b, groups, 1, t, d))
@@ -442,19 +452,19 @@ def attention(sim, x, block: LitBlock, cos, sin, cfg) -> SimTensor:
     y = sdpa(sim, q, k, v)  # (B, T, heads, hs) after .transpose(1, 2)
     del q, k, v
     y = view(y, (b, t, heads * d))  # reshape: a view of the transposed output
-    out = lora_forward(sim, y, block.proj)
+    out = lora_forward(sim, y, block.proj, keep)
     del y, qkv, qkv5, q_roped, k_roped  # CausalSelfAttention.forward's locals
     return out
 
 
-def mlp(sim, x, block: LitBlock) -> SimTensor:
+def mlp(sim, x, block: LitBlock, keep=None) -> SimTensor:
     """``LLaMAMLP``: ``fc_1(x)``, ``fc_2(x)``, ``silu(x_fc_1) * x_fc_2``, ``proj``."""
-    x_fc_1 = lora_forward(sim, x, block.mlp["fc_1"])
-    x_fc_2 = lora_forward(sim, x, block.mlp["fc_2"])
+    x_fc_1 = lora_forward(sim, x, block.mlp["fc_1"], keep)
+    x_fc_2 = lora_forward(sim, x, block.mlp["fc_2"])  # the same input as fc_1
     a = silu(sim, x_fc_1)
     h = mul(sim, a, x_fc_2)
     del a, x_fc_1, x_fc_2
-    return lora_forward(sim, h, block.mlp["proj"])
+    return lora_forward(sim, h, block.mlp["proj"], keep)
 
 
 def block_forward(sim, x, cos, sin, block: LitBlock, cfg) -> SimTensor:
@@ -465,7 +475,7 @@ def block_forward(sim, x, cos, sin, block: LitBlock, cfg) -> SimTensor:
     del x_normed
     x = add(sim, attention_output, x)
     del attention_output
-    m = mlp(sim, rmsnorm(sim, x, block.norm_2), block)
+    m = mlp(sim, rmsnorm(sim, x, block.norm_2), block, cfg.get("bnb_ctx"))
     return add(sim, m, x)
 
 
@@ -475,12 +485,14 @@ def forward_loss(sim, model: LitGPT, ids, targets, cfg, held: list) -> SimTensor
     1:])``. ``held`` is the loop's ``logits`` variable: the previous micro-batch's list
     is released only when this one is assigned to it."""
     b, s = ids.shape
+    # this micro-batch's bnb ``ctx.tensors`` (see :func:`_base`)
+    cfg["bnb_ctx"] = [] if cfg.get("grad", True) else None
     cos_full, sin_full = model.buffers
     cos = view(cos_full, (s, cos_full.shape[1]))  # self.cos[:T]
     sin = view(sin_full, (s, sin_full.shape[1]))
     x = embedding(sim, ids, model.wte)
     for block in model.blocks:
-        if cfg["checkpointing"]:
+        if cfg["checkpointing"] and sim.grad_enabled:
             # FSDPStrategy(activation_checkpointing_policy={Block}) (multi-GPU
             # finetune): Block wrapped non-reentrant
             x = checkpoint(
@@ -497,16 +509,21 @@ def forward_loss(sim, model: LitGPT, ids, targets, cfg, held: list) -> SimTensor
             x = block_forward(sim, x, cos, sin, block, cfg)
     x = rmsnorm(sim, x, model.ln_f)
     vocab = model.lm_head.w.shape[0]
+    ctx = cfg.pop("bnb_ctx")
     if not cfg.get("chunked_head", True):
-        return _full_loss(sim, model, x, targets, held)
+        return _full_loss(sim, model, x, targets, held, ctx)
     chunks = [
         view(x, (b, min(LM_HEAD_CHUNK, s - i), x.shape[-1]))
         for i in range(0, s, LM_HEAD_CHUNK)
     ]
-    logits = [lora_forward(sim, c, model.lm_head) for c in chunks]
+    logits = [lora_forward(sim, c, model.lm_head, ctx) for c in chunks]
     del chunks, x
-    held.clear()  # the loop rebinds ``logits``: the previous list goes now
+    # the loop rebinds ``logits``: the previous list goes now, and with it the
+    # previous graph and the inputs its 4-bit Linears kept in ``ctx.tensors``
+    held.clear()
     held.extend(logits)
+    held.extend(ctx or ())
+    del ctx
     last = logits[-1]
     logits[-1] = narrow(sim, last, (b, last.shape[1] - 1, vocab))
     del last
@@ -544,16 +561,18 @@ def forward_loss(sim, model: LitGPT, ids, targets, cfg, held: list) -> SimTensor
     return loss
 
 
-def _full_loss(sim, model: LitGPT, x, targets, held: list) -> SimTensor:
+def _full_loss(sim, model: LitGPT, x, targets, held: list, ctx=None) -> SimTensor:
     """finetune/full.py: ``logits = model(input_ids)`` (one ``lm_head`` over every
     token) and ``chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:])``: the
     sliced logits reshaped to rows (a copy when the batch is > 1), split into chunks
     of 128 *rows*, a cross-entropy per chunk in the logits' dtype."""
     b, s, _ = x.shape
-    logits = lora_forward(sim, x, model.lm_head)
+    logits = lora_forward(sim, x, model.lm_head, ctx)
     del x
     held.clear()
     held.append(logits)
+    held.extend(ctx or ())
+    del ctx
     vocab = logits.shape[-1]
     rows = b * (s - 1)
     sliced = narrow(sim, logits, (b, s - 1, vocab))
@@ -595,3 +614,78 @@ def _split_rows(sim: Simulator, x: SimTensor, size: int) -> list[SimTensor]:
         n = min(size, rows - i)
         pieces.append(view(node_out, (n, width)))
     return pieces
+
+
+# --------------------------------------------------------------------------------------
+# what the run does besides the step (LitGPT never resets the peak counter: finetune/
+# lora.py@5895df10 prints torch.cuda.max_memory_allocated() after fit())
+# --------------------------------------------------------------------------------------
+def retained_inputs(sim: Simulator, model: LitGPT, batch: int, seq: int) -> list:
+    """The previous micro-batch's 4-bit Linear inputs that bitsandbytes' ``ctx.tensors``
+    still holds (:func:`_base`): the input of every quantized Linear that required
+    grad in that forward — a Linear's input requires grad once any adapter ran
+    upstream of it (the embedding and the norms are frozen); ``fc_1`` and ``fc_2``
+    share one input, the ``lm_head`` chunks are views of ``ln_f``'s output."""
+    dtype = model.wte.dtype
+    grad = model.wte.requires_grad
+    out = []
+
+    def visit(lin: LitLinear, adapted: bool) -> bool:
+        if grad and lin.quantized and lin.saves_input:
+            out.append(new(sim, (batch, seq, lin.w.shape[1]), dtype, "activations"))
+        return grad or adapted
+
+    for block in model.blocks:
+        grad = visit(block.attn, block.attn.A is not None)
+        grad = visit(block.proj, block.proj.A is not None)
+        fc_1, fc_2 = block.mlp["fc_1"], block.mlp["fc_2"]
+        grad = visit(fc_1, fc_1.A is not None or fc_2.A is not None)
+        grad = visit(block.mlp["proj"], block.mlp["proj"].A is not None)
+    visit(model.lm_head, False)
+    return out
+
+
+def validation_loss(sim: Simulator, model: LitGPT, ids, targets, cfg) -> None:
+    """finetune/lora.py@5895df10 ``validate`` (``@torch.no_grad()``, after
+    ``optimizer.step()``/``zero_grad()``, the loop's ``logits`` still referenced):
+    ``logits = model(input_ids)`` — one unchunked ``lm_head`` —, then
+    ``chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:], chunk_size=0)``:
+    ``reshape(-1, vocab)`` of the slice (a copy when the batch is > 1) and one
+    ``F.cross_entropy`` in the logits' dtype (``log_softmax`` output, ``nll_loss``);
+    the loss goes to a CPU tensor (``losses[k] = ...``)."""
+    grad, sim.grad_enabled = sim.grad_enabled, False
+    b, s = ids.shape
+    cos_full, sin_full = model.buffers
+    cos = view(cos_full, (s, cos_full.shape[1]))
+    sin = view(sin_full, (s, sin_full.shape[1]))
+    x = embedding(sim, ids, model.wte)
+    for block in model.blocks:
+        x = block_forward(sim, x, cos, sin, block, cfg)
+    x = rmsnorm(sim, x, model.ln_f)
+    logits = lora_forward(sim, x, model.lm_head)
+    del x
+    vocab = logits.shape[-1]
+    rows = b * (s - 1)
+    sliced = view(logits, (b, s - 1, vocab))
+    flat = clone_contig(sim, view(sliced, (rows, vocab))) if b > 1 else sliced
+    flat_targets = new(sim, (rows,), "i64") if b > 1 else None
+    logp = log_softmax(sim, flat)
+    loss = new(sim, (), logits.dtype)
+    total_weight = new(sim, (), logits.dtype)
+    del logp, loss, total_weight, flat, flat_targets, sliced, logits
+    sim.grad_enabled = grad
+
+
+def generation_cache(sim: Simulator, model: LitGPT, seq: int, cfg) -> list:
+    """finetune/lora.py@5895df10 ``generate_example``: ``model.set_kv_cache(
+    batch_size=1)`` under ``fabric.init_tensor()`` (the module's dtype) at
+    ``max_seq_length`` = the training sequence (``min(longest, max_seq_length)``,
+    set in ``fit``); model.py ``build_kv_cache``: k and v of ``(1, n_head,
+    max_seq_length, head_size)`` per block (``n_head``, not the query groups), and
+    ``build_mask_cache``: a ``(1, 1, T, T)`` bool mask. The prompt's forwards are a
+    few dozen tokens and are not replayed."""
+    dtype = model.wte.dtype
+    kv = (1, cfg["heads"], seq, cfg["head_dim"])
+    out = [new(sim, kv, dtype, "activations") for _ in model.blocks for _ in "kv"]
+    out.append(new(sim, (1, 1, seq, seq), "u8", "activations"))  # torch.bool: 1 B
+    return out

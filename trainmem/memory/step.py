@@ -252,6 +252,8 @@ def _forward_backward(
         # finetune/lora.py's loop variable ``logits``: the previous micro-batch's chunk
         # list is alive until this forward's list is assigned to it
         litgpt_logits = _previous_logits(sim, model, step)
+        # with it the previous graph and its 4-bit Linears' ``ctx.tensors``
+        litgpt_logits += litgpt.retained_inputs(sim, model, step.batch, step.seq)
     for _ in range(step.grad_accum):
         sim.set_phase("forward")
         sim.autocast = autocast
@@ -272,7 +274,22 @@ def _forward_backward(
         sim.set_phase("backward")
         backward(sim, loss)
         del loss
-    return activations_at_end
+    if step.framework == "litgpt":
+        cfg["held"] = litgpt_logits  # alive through the optimizer step and validate
+    return activations_at_end, cfg
+
+
+def _litgpt_eval(sim: Simulator, model, step, batch, cfg) -> None:
+    """What finetune/lora.py@5895df10 runs after a step when ``step_count %
+    eval.interval == 0`` (gradients ``None`` after ``zero_grad()``, optimizer states
+    and the loop's ``logits`` alive): ``validate`` on a micro-batch of the same shape
+    (the validation split padded like the training one), then ``generate_example``
+    with its KV cache. Each is its own phase; the reported peak is the max."""
+    sim.set_phase("validate")
+    litgpt.validation_loss(sim, model, *batch, cfg)
+    sim.set_phase("generate")
+    cache = litgpt.generation_cache(sim, model, step.seq, cfg)
+    del cache  # model.clear_kv_cache()
 
 
 def _previous_logits(sim: Simulator, model, step) -> list:
@@ -318,7 +335,7 @@ def simulate_step(shape, step, record_events: bool = False) -> dict:
     sim.peak_by_category = dict(sim.live_by_category)
     sim.phase_peaks = {}
     autocast = None if zero_dtype else _HALF.get(step.precision)
-    activations_at_end = _forward_backward(
+    activations_at_end, cfg = _forward_backward(
         sim, model, shape, step, autocast, (ids, labels)
     )
     sim.set_phase("optimizer")
@@ -328,6 +345,9 @@ def simulate_step(shape, step, record_events: bool = False) -> dict:
         part = 1.0 / step.gpus if step.zero >= 1 else 1.0
         SCRATCH_RULES[rule](sim, params, state_dtype, part)
     del masters, gathered_layer
+    if step.framework == "litgpt" and step.zero == 0:
+        _litgpt_eval(sim, model, step, (ids, labels), cfg)
+    cfg.pop("held", None)
     sim.set_phase("idle")
     events = sim.events
     sim.events = None  # the rest is teardown
@@ -346,6 +366,6 @@ def simulate_step(shape, step, record_events: bool = False) -> dict:
         "phase_peaks": {
             k: v
             for k, v in sim.phase_peaks.items()
-            if k in ("forward", "backward", "optimizer")
+            if k in ("forward", "backward", "optimizer", "validate", "generate")
         },
     }
