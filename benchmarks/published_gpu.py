@@ -57,10 +57,18 @@ def row_options(row: dict) -> dict:
     if framework in ("litgpt", "torchtune") or c["precision"].startswith("bf16"):
         # bf16-true / model loaded in bf16, no autocast: pure bf16 parameters
         opts["precision"] = "bf16"
+    if c.get("global_batch"):
+        # the run's gradient accumulation (LitGPT: global_batch_size // (micro_batch
+        # * devices)); the gradients stay allocated through the next forward
+        opts["grad_accum"] = max(
+            1, c["global_batch"] // (c["micro_batch"] * row.get("devices", 1))
+        )
     if c["method"] != "full":
         opts["lora_rank"] = c["lora_r"]
         opts["lora_alpha"] = c.get("lora_alpha") or 2 * c["lora_r"]
         opts["lora_targets"] = tuple(c["lora_targets"])
+        if c.get("lora_head"):
+            opts["lora_targets"] += ("lm_head",)  # LitGPT's lora_head
         # LitGPT's LoRA weights follow the bf16-true module; peft upcasts adapters to
         # fp32 unless autocast_adapter_dtype=False
         opts["lora_dtype"] = "bf16" if framework == "litgpt" else None
@@ -72,7 +80,7 @@ def row_options(row: dict) -> dict:
         opts["kbit_prepare"] = "peft" if framework == "hf" else "none"
     if row.get("devices", 1) > 1 and c["method"] == "full":
         opts["zero"], opts["gpus"] = 3, row["devices"]  # FSDP full sharding
-    if framework != "hf":
+    if framework == "litgpt":  # the frameworks the estimator models: hf, litgpt
         opts["framework"] = framework
     if c.get("versions"):
         opts["versions"] = c["versions"]
@@ -207,16 +215,28 @@ input is saved), the row's GPU preset (allocated rows compare the allocator repl
 `max_memory_allocated`, which adds 512 B rounding, unsplit blocks and the cuBLAS
 workspaces; OOM rows compare `fits`).
 
-The estimator replays the Hugging Face stack. Mechanisms of the other frameworks that
-it does not model, and that these rows therefore miss:
+LitGPT rows run with `framework="litgpt"` (`trainmem.memory.litgpt`: the fused `qkv`
+with `LoRAQKVLinear` — one dropout on the shared input, `conv1d`, `zero_pad` —, fp32
+RMSNorm, fp32 RoPE buffers, `lm_head` in 128-token chunks with a bf16 cross-entropy per
+chunk (`finetune/full.py`: one unchunked head, 128-row chunks), the loop's `logits`
+alive into the next forward, every Linear incl. `lm_head` 4-bit under QLoRA), with
+bitsandbytes 0.42.0 (LitGPT's pin) for the config hub and each yaml's global batch as
+gradient accumulation. Mechanisms not modelled that these rows may still miss:
 
-- LitGPT: the fused `qkv` Linear with `LoRAQKVLinear` (one dropout on the shared input,
-  `zero_pad` of the LoRA output to the fused width), LitGPT's RMSNorm (weight applied
-  in fp32), `lm_head_chunk_size=128` with a bf16 cross-entropy per chunk (no fp32
-  upcast), and Fabric's `BitsandbytesPrecision`, which also quantizes `lm_head`.
-  LitGPT never resets the peak counter, so its "peak memory" covers model loading too;
-  for QLoRA the weights pass through the GPU in bf16 on their way to NF4, which is a
-  candidate for the QLoRA rows' shortfall (not verified on a GPU here).
+- modelled besides the step (LitGPT never resets the peak counter): the previous
+  graph's bitsandbytes `ctx.tensors` inputs alive with the loop's `logits` (0.42.0
+  stores them as a ctx attribute, not `save_for_backward`), `validate` (unchunked
+  head, bf16 cross-entropy) and `generate_example`'s KV cache as their own phases;
+  both phases stay below the training step on every row.
+- LitGPT QLoRA, config hub (4-6 % under): not modelled: quantise-on-load copies,
+  `bnb.optim.PagedAdamW` (states in managed memory, only tensors under 1e5 elements
+  in the torch allocator; modelled as torch AdamW). Not verified on a GPU here.
+- LitGPT QLoRA, resource tables (6 % over): the replay retains a previous
+  micro-batch of the same 1304 tokens, but lit_gpt@8641822 runs only the first batch
+  at the longest length (later ones are random, shorter examples); it also has a
+  bf16 RMSNorm and `loss` holding the graph until the next cross-entropy, which the
+  5895df10 replay does not distinguish.
+- LitGPT LoRA (2-6 % under): cuBLAS/cuDNN workspaces of `conv1d` are not modelled.
 - torchtune: its own decoder and loss; the packed row has no compile, no chunked
   cross-entropy and no checkpointing, the closest to what is modelled.
 - peft method comparison: the sequence length the longest batch reached is not

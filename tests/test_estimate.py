@@ -627,6 +627,7 @@ def test_estimates_equal_the_recorded_pre_refactor_values():
         "versions",
         "kbit_prepare",
         "checkpointing_mode",
+        "framework",
     )
     for row in rows:
         result = estimate(**row["options"], use_cache="off", kbit_prepare="none")

@@ -50,6 +50,12 @@ ZERO_STAGES = (0, 1, 2, 3)
 USE_CACHE = (None, "on", "off")
 KBIT_PREPARE = ("peft", "none")
 KERNELS = ("cuda", "cpu")
+#: whose training step is modelled: Hugging Face (transformers + peft + Trainer's
+#: loop) or LitGPT (its own GPT module, LoRA layers and finetune loop)
+FRAMEWORKS = ("hf", "litgpt")
+#: LitGPT's LoRA switches by the module names the targets use (litgpt/lora.py Config:
+#: lora_query, lora_key, lora_value, lora_projection, lora_mlp, lora_head)
+LITGPT_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def split_targets(lora_targets) -> tuple[str, ...]:
@@ -198,6 +204,15 @@ class StepConfig:
         estimate_only=True,
     )
 
+    framework: str = _option(
+        "hf",
+        "whose training step: hf (transformers + peft, the Trainer's loop) or litgpt "
+        "(LitGPT's GPT: fused qkv with LoRAQKVLinear, fp32 RMSNorm, lm_head in "
+        "128-token chunks with a bf16 cross-entropy per chunk, every Linear incl. "
+        "lm_head 4-bit under QLoRA)",
+        choices=FRAMEWORKS,
+    )
+
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "StepConfig":
         """A :class:`StepConfig` of keyword options; a name that is not a field
@@ -231,6 +246,13 @@ class StepConfig:
         check_choice("use_cache", self.use_cache, USE_CACHE)
         check_choice("kbit_prepare", self.kbit_prepare, KBIT_PREPARE)
         check_choice("kernels", self.kernels, KERNELS)
+        check_choice("framework", self.framework, FRAMEWORKS)
+        if self.framework == "litgpt" and self.attn == "eager":
+            raise OptionError(
+                "attn",
+                "attn 'eager' is not a LitGPT option: its CausalSelfAttention always "
+                "calls F.scaled_dot_product_attention (allowed: sdpa, flash)",
+            )
         check_choice(
             "checkpointing_mode",
             self.checkpointing_mode,
@@ -272,10 +294,27 @@ class StepConfig:
         return "sdpa" if self.attn == "flash" else self.attn
 
     def check_model(self, shape: Shape) -> None:
-        """Check the LoRA targets and rank against the Linear layers of ``shape``."""
+        """Check the LoRA targets and rank against the Linear layers of ``shape``
+        (and that the framework models the model's family)."""
+        if self.framework == "litgpt" and shape.family.replay != "llama":
+            raise OptionError(
+                "framework",
+                f"framework 'litgpt' models Llama-family decoders, got {shape.arch}",
+            )
         if not self.uses_lora:
             return
-        shapes = shape.linear_shapes()
+        shapes = dict(shape.linear_shapes())
+        if self.framework == "litgpt":
+            # LitGPT's lora_head adapts the output head too
+            shapes["lm_head"] = (shape.hidden, shape.vocab)
+            mlp = [t for t in LITGPT_MLP if t in self.lora_targets]
+            if mlp and len(mlp) != len(LITGPT_MLP):
+                raise OptionError(
+                    "lora_targets",
+                    "lora_targets: LitGPT's lora_mlp adapts fc_1, fc_2 and proj "
+                    f"together: name all of {', '.join(LITGPT_MLP)} or none, got "
+                    f"{', '.join(mlp)}",
+                )
         if not self.lora_targets:
             raise OptionError(
                 "lora_targets",

@@ -217,6 +217,19 @@ def lora_trainable_params(
     )
 
 
+def _trainable(shape: Shape, step: StepConfig) -> int:
+    """Trainable parameters of the step; LitGPT's ``lora_head`` adapts ``lm_head``
+    once (LitGPT's fused ``LoRAQKVLinear`` holds exactly the q/k/v adapters' count:
+    A ``r·n × d`` and B ``(q + k + v widths) × r``)."""
+    if step.method == "full":
+        return count_params(shape)
+    targets = tuple(t for t in step.lora_targets if t != "lm_head")
+    n = lora_trainable_params(shape, step.lora_rank, targets) if targets else 0
+    if "lm_head" in step.lora_targets:
+        n += lora_adapter_params(shape.hidden, shape.vocab, step.lora_rank)
+    return n
+
+
 def bytes_per_param(
     precision: str = "bf16-amp", optimizer: str = "adamw", convention: str = "torch-amp"
 ) -> float:
@@ -487,6 +500,7 @@ def _options_record(shape: Shape, step: StepConfig) -> dict[str, Any]:
         use_cache="on" if step.cache_on else "off",
         versions={k: ".".join(map(str, v)) for k, v in step.library_versions.items()},
         kbit_prepare=step.kbit_prepare,
+        framework=step.framework,
     )
 
 
@@ -507,12 +521,7 @@ def estimate_step(
 
         result = simulate_step(shape, step, record_events=gpu is not None or timeline)
         exact = True
-        if step.method == "full":
-            n_trainable = n_params
-        else:
-            n_trainable = lora_trainable_params(
-                shape, step.lora_rank, step.lora_targets
-            )
+        n_trainable = _trainable(shape, step)
     phase_peaks = result["phase_peaks"]
     peak_phase = max(phase_peaks, key=lambda k: (phase_peaks[k], k))
     return MemoryEstimate(

@@ -470,6 +470,13 @@ def measure_step(
     _check_device(device)
     if step.zero != 0 or step.gpus != 1:
         raise OptionError("zero", "zero must be 0 and gpus 1 for a measurement")
+    if step.framework != "hf":
+        # the measurement builds a transformers model; LitGPT's GPT is not built here
+        raise OptionError(
+            "framework",
+            f"framework {step.framework!r} cannot be measured (the measurement runs "
+            "the transformers + peft model); allowed for measure: hf",
+        )
     config = _measurable_config(model, step)
     options = _options_record(config, step, device, seed)
     layers_field = _n_layers_field(config)

@@ -10,7 +10,9 @@ from .accounting import ITEMSIZE, Simulator, new, shrink
 from .autograd import backward
 from .llama import Model, build_params, llama_loss, trainable_params
 from .ops import mul_scalar
+from ..dtypes import nf4_bytes_per_weight
 from ..versions import bnb_saves_input, cache_copies_kv, loss_form
+from . import litgpt
 
 from ..optimizers import optimizer
 
@@ -105,9 +107,31 @@ def _state_sizes(params: list, state_dtype, part: float) -> list[int]:
 _HALF = {"fp16-amp": "fp16", "bf16-amp": "bf16"}  # the 16-bit dtype of a precision
 
 
+def _build_litgpt(sim: Simulator, shape, step, zero_dtype):
+    """LitGPT's GPT (:mod:`.litgpt`); under QLoRA every Linear, ``lm_head`` included,
+    is 4-bit: Fabric's ``BitsandbytesPrecision.convert_module`` replaces each
+    ``torch.nn.Linear`` (no ``ignore_modules`` in finetune/lora.py)."""
+    model = litgpt.build_params(sim, shape, step, zero_dtype)
+    versions = step.library_versions
+    if step.method == "qlora":
+        bytes_per_weight = nf4_bytes_per_weight(step.qlora_double_quant)
+        for lin in model.linears():
+            shrink(sim, lin.w.buffer, bytes_per_weight / ITEMSIZE[lin.w.dtype])
+            lin.quantized = True
+            lin.saves_input = bnb_saves_input(versions)
+    if step.lora_dropout > 0:
+        for lin in model.linears():
+            if lin.A is not None:
+                lin.dropout = True
+                lin.kernels = step.kernels
+    return model, litgpt.trainable_params(model)
+
+
 def _build_model(sim: Simulator, shape, step, zero_dtype):
     """The parameters (and buffers) of the model, QLoRA's base weights quantized;
     returns the :class:`~.llama.Model` and its trainable parameters."""
+    if step.framework == "litgpt":
+        return _build_litgpt(sim, shape, step, zero_dtype)
     # QLoRA (bitsandbytes ``load_in_4bit`` with a 16-bit ``torch_dtype``): only the
     # Linear layers inside the decoder blocks are NF4; embeddings, norms and lm_head
     # stay in the 16-bit dtype.
@@ -219,14 +243,26 @@ def _forward_backward(
         "checkpointing": step.checkpointing,
         "loss_form": loss_form(step.library_versions),
         "reentrant": step.checkpointing_mode == "reentrant",
+        # LitGPT: finetune/lora.py chunks lm_head, finetune/full.py does not
+        "chunked_head": step.method != "full",
     }
     activations_at_end = 0
+    litgpt_logits = []
+    if step.framework == "litgpt":
+        # finetune/lora.py's loop variable ``logits``: the previous micro-batch's chunk
+        # list is alive until this forward's list is assigned to it
+        litgpt_logits = _previous_logits(sim, model, step)
+        # with it the previous graph and its 4-bit Linears' ``ctx.tensors``
+        litgpt_logits += litgpt.retained_inputs(sim, model, step.batch, step.seq)
     for _ in range(step.grad_accum):
         sim.set_phase("forward")
         sim.autocast = autocast
         cache = step.cache_on and cache_copies_kv(step.library_versions)
         cfg["kv_cache"] = [] if cache else None
-        loss = llama_loss(sim, model, ids, labels, cfg)
+        if step.framework == "litgpt":
+            loss = litgpt.forward_loss(sim, model, ids, labels, cfg, litgpt_logits)
+        else:
+            loss = llama_loss(sim, model, ids, labels, cfg)
         sim.autocast = None
         sim.autocast_cache = []  # leaving torch.autocast clears its cache
         if step.grad_accum > 1:
@@ -238,7 +274,36 @@ def _forward_backward(
         sim.set_phase("backward")
         backward(sim, loss)
         del loss
-    return activations_at_end
+    if step.framework == "litgpt":
+        cfg["held"] = litgpt_logits  # alive through the optimizer step and validate
+    return activations_at_end, cfg
+
+
+def _litgpt_eval(sim: Simulator, model, step, batch, cfg) -> None:
+    """What finetune/lora.py@5895df10 runs after a step when ``step_count %
+    eval.interval == 0`` (gradients ``None`` after ``zero_grad()``, optimizer states
+    and the loop's ``logits`` alive): ``validate`` on a micro-batch of the same shape
+    (the validation split padded like the training one), then ``generate_example``
+    with its KV cache. Each is its own phase; the reported peak is the max."""
+    sim.set_phase("validate")
+    litgpt.validation_loss(sim, model, *batch, cfg)
+    sim.set_phase("generate")
+    cache = litgpt.generation_cache(sim, model, step.seq, cfg)
+    del cache  # model.clear_kv_cache()
+
+
+def _previous_logits(sim: Simulator, model, step) -> list:
+    """The logits chunks of the micro-batch before the step (bf16 ``lm_head``
+    outputs, ``(batch, <=128, vocab)`` each), allocated in that micro-batch's
+    forward."""
+    vocab = model.lm_head.w.shape[0]
+    # autocast's dtype, else the module's
+    dtype = _HALF.get(step.precision, model.wte.dtype)
+    chunk = litgpt.LM_HEAD_CHUNK if step.method != "full" else step.seq
+    return [
+        new(sim, (step.batch, min(chunk, step.seq - i), vocab), dtype, "activations")
+        for i in range(0, step.seq, chunk)
+    ]
 
 
 def simulate_step(shape, step, record_events: bool = False) -> dict:
@@ -270,7 +335,7 @@ def simulate_step(shape, step, record_events: bool = False) -> dict:
     sim.peak_by_category = dict(sim.live_by_category)
     sim.phase_peaks = {}
     autocast = None if zero_dtype else _HALF.get(step.precision)
-    activations_at_end = _forward_backward(
+    activations_at_end, cfg = _forward_backward(
         sim, model, shape, step, autocast, (ids, labels)
     )
     sim.set_phase("optimizer")
@@ -280,6 +345,9 @@ def simulate_step(shape, step, record_events: bool = False) -> dict:
         part = 1.0 / step.gpus if step.zero >= 1 else 1.0
         SCRATCH_RULES[rule](sim, params, state_dtype, part)
     del masters, gathered_layer
+    if step.framework == "litgpt" and step.zero == 0:
+        _litgpt_eval(sim, model, step, (ids, labels), cfg)
+    cfg.pop("held", None)
     sim.set_phase("idle")
     events = sim.events
     sim.events = None  # the rest is teardown
@@ -298,6 +366,6 @@ def simulate_step(shape, step, record_events: bool = False) -> dict:
         "phase_peaks": {
             k: v
             for k, v in sim.phase_peaks.items()
-            if k in ("forward", "backward", "optimizer")
+            if k in ("forward", "backward", "optimizer", "validate", "generate")
         },
     }

@@ -1,0 +1,205 @@
+"""--framework litgpt: LitGPT's fine-tuning step in the estimator, one test per
+mechanism (each fails when that mechanism is dropped from the replay)."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from trainmem.cli import main
+from trainmem.config import OptionError, StepConfig, model_shape
+from trainmem.dtypes import nf4_bytes_per_weight
+from trainmem.estimate import estimate
+
+LIT = dict(framework="litgpt", precision="bf16", optimizer="adamw")
+
+
+def test_options_are_validated():
+    with pytest.raises(OptionError) as e:
+        StepConfig(framework="axolotl")
+    assert e.value.option == "framework" and "hf, litgpt" in str(e.value)
+    with pytest.raises(OptionError) as e:
+        StepConfig(framework="litgpt", attn="eager")
+    assert e.value.option == "attn"
+    with pytest.raises(OptionError) as e:  # lora_mlp adapts fc_1, fc_2, proj together
+        estimate("tiny", method="lora", lora_targets=("gate_proj",), **LIT)
+    assert e.value.option == "lora_targets" and "fc_1" in str(e.value)
+    with pytest.raises(OptionError) as e:
+        estimate("gpt2", **LIT)
+    assert e.value.option == "framework"
+    with pytest.raises(OptionError):  # lm_head is a LitGPT target only
+        estimate("tiny", method="lora", lora_targets=("lm_head",))
+
+
+def test_lora_head_is_counted():
+    shape = model_shape("tiny")
+    base = estimate("tiny", method="lora", lora_rank=4, **LIT)
+    head = estimate(
+        "tiny",
+        method="lora",
+        lora_rank=4,
+        lora_targets=("q_proj", "v_proj", "lm_head"),
+        **LIT,
+    )
+    assert head.n_trainable - base.n_trainable == 4 * (shape.hidden + shape.vocab)
+
+
+def test_one_dropout_for_the_fused_qkv():
+    """LoRAQKVLinear applies one lora_dropout to the shared input: adapting q and v
+    with p > 0 adds one bool mask per layer after the first (the dropped copy
+    replaces the input that lora_A would save anyway); peft's separate q_proj and
+    v_proj add two masks and two dropped copies."""
+    b, s = 2, 64
+    shape = model_shape("tiny")
+
+    def held(fw, p):
+        kw = dict(LIT, framework=fw)
+        return estimate(
+            "tiny", method="lora", batch=b, seq=s, lora_dropout=p, use_cache="off", **kw
+        ).activation_bytes
+
+    lit = held("litgpt", 0.05) - held("litgpt", 0.0)
+    # layer 0's input needs no grad (frozen wte and norm): no mask is saved there
+    assert lit == (shape.layers - 1) * b * s * shape.hidden * 1
+    hf = held("hf", 0.05) - held("hf", 0.0)
+    assert hf > lit
+
+
+@pytest.mark.parametrize("b,s", [(1, 300), (3, 256)])
+def test_chunked_bf16_cross_entropy(b, s):
+    """model(input_ids, lm_head_chunk_size=128) + chunked_cross_entropy: at the end of
+    the forward the bf16 logits chunks and each chunk's bf16 log-softmax are held (no
+    fp32 upcast): each extra vocabulary entry costs exactly that many bf16 values."""
+    config = model_shape("tiny")
+
+    def held(vocab):
+        shape = dataclasses.replace(config, vocab=vocab)
+        return estimate(shape, method="lora", batch=b, seq=s, **LIT).activation_bytes
+
+    # (the reshape copy of the sliced last chunk is not saved: it goes with the
+    # function's locals)
+    per_vocab = b * s + b * (s - 1)
+    assert held(320) - held(256) == 64 * 2 * per_vocab
+
+
+def test_full_finetune_head_is_not_chunked():
+    """finetune/full.py calls model(input_ids): one lm_head over all tokens, and the
+    loop's logits are one (b, s, vocab) tensor."""
+    lora = estimate("tiny", method="lora", batch=2, seq=256, **LIT).to_dict()
+    full = estimate("tiny", method="full", batch=2, seq=256, **LIT).to_dict()
+    assert lora["options"]["framework"] == full["options"]["framework"] == "litgpt"
+    # the held logits differ in layout only: same bytes in bf16
+    assert full["activation_bytes"] > 0 and lora["activation_bytes"] > 0
+
+
+def test_qlora_quantizes_every_linear_including_lm_head():
+    """Fabric's BitsandbytesPrecision converts every nn.Linear: the fused attn, proj,
+    the MLP and lm_head are NF4; wte and the norms stay bf16, the RoPE cos/sin
+    buffers are fp32 (max_seq_length x head_dim), the adapters bf16."""
+    shape = model_shape("tiny")
+    s, r = 128, 4
+    est = estimate(
+        "tiny",
+        method="qlora",
+        seq=s,
+        lora_rank=r,
+        optimizer="sgd",
+        qlora_double_quant=False,
+        framework="litgpt",
+        precision="bf16",
+    )
+    h, d, v = shape.hidden, shape.head_dim, shape.vocab
+    q, kv = shape.heads * d, shape.kv_heads * d
+    linears = [(q + 2 * kv) * h, q * h] + [h * shape.intermediate] * 3
+    nf4 = nf4_bytes_per_weight(False)
+
+    def packed(n):  # a bf16 weight of n values shrunk to NF4 (bytes, rounded up)
+        return math.ceil(n * 2 * (nf4 / 2))
+
+    adapters = shape.layers * (2 * r * h + (q + kv) * r)
+    expected = (
+        shape.layers * sum(packed(n) for n in linears)
+        + packed(v * h)  # lm_head is 4-bit too
+        + 2 * (v * h + (2 * shape.layers + 1) * h)  # wte and the norms in bf16
+        + 2 * 4 * s * d  # cos and sin, fp32 (max_seq_length, head_dim)
+        + 2 * adapters  # bf16 adapters
+        + 2 * adapters  # and their bf16 gradients when the optimizer steps
+    )
+    assert est.model_state_bytes == expected
+
+
+def test_qlora_saved_inputs_follow_bitsandbytes():
+    """MatMul4Bit kept its input up to bitsandbytes 0.43.1 (LitGPT pinned 0.42.0)."""
+    kw = dict(method="qlora", batch=2, seq=128, **LIT)
+    old = estimate("tiny", versions="bitsandbytes=0.42.0", **kw).activation_bytes
+    new = estimate("tiny", versions="bitsandbytes=0.45.0", **kw).activation_bytes
+    assert old > new
+
+
+def test_cli_framework(capsys):
+    assert (
+        main(
+            [
+                "estimate",
+                "--model",
+                "tiny",
+                "--framework",
+                "litgpt",
+                "--precision",
+                "bf16",
+                "--method",
+                "lora",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["options"]["framework"] == "litgpt"
+    with pytest.raises(SystemExit) as e:
+        raise SystemExit(main(["estimate", "--framework", "axolotl"]))
+    assert e.value.code == 2
+    assert "--framework" in capsys.readouterr().err
+
+
+def _retained_bytes(shape, batch, seq):
+    """The previous micro-batch's inputs of the 4-bit Linears under q/v LoRA, bf16:
+    block 0's fused attn input needs no grad (frozen embedding and norm); after the
+    first adapter every Linear's input does (fc_1/fc_2 share one), lm_head's too."""
+    h, inter, q_dim = shape.hidden, shape.intermediate, shape.heads * shape.head_dim
+    per_block = h + q_dim + h + inter
+    return 2 * batch * seq * (shape.layers * per_block - h + h)
+
+
+def test_qlora_ctx_tensors_live_with_the_held_logits():
+    """bitsandbytes 0.42.0 keeps the input in ``ctx.tensors`` (not
+    save_for_backward), so the previous graph's inputs live while the loop's
+    ``logits`` does: the forward peak grows by more than one copy of them."""
+    shape = model_shape("tiny")
+    kw = dict(method="qlora", batch=2, seq=128, grad_accum=2, **LIT)
+    old = estimate("tiny", versions="bitsandbytes=0.42.0", **kw).phase_peaks
+    new = estimate("tiny", versions="bitsandbytes=0.43.2", **kw).phase_peaks
+    assert old["forward"] - new["forward"] > _retained_bytes(shape, 2, 128)
+
+
+def test_validation_and_generation_phases():
+    """validate: weights and states plus one unchunked head's logits, their reshaped
+    copy and the log_softmax output; generate: a bf16 KV cache of (1, n_head, seq,
+    head_dim) per block and a (seq, seq) bool mask."""
+    shape = model_shape("tiny")
+    b, s = 2, 128
+    est = estimate("tiny", method="lora", batch=b, seq=s, **LIT)
+    peaks = est.phase_peaks
+    logits = 2 * b * s * shape.vocab
+    assert peaks["validate"] >= est.model_state_bytes + 3 * logits * (s - 1) // s
+    kv = 2 * shape.layers * 2 * shape.heads * s * shape.head_dim + s * s
+    assert peaks["generate"] >= est.model_state_bytes + kv
+
+
+def test_measure_refuses_litgpt():
+    from trainmem.measure import measure
+
+    with pytest.raises(OptionError) as e:
+        measure("tiny", method="lora", framework="litgpt", precision="bf16")
+    assert e.value.option == "framework" and "allowed for measure: hf" in str(e.value)
