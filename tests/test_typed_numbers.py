@@ -67,7 +67,7 @@ def _numbers(markdown: str) -> list[str]:
         (  # 37.7 GiB is bf16 with bf16 m, v; fp32 4 + 8 bytes would be 75.3 GiB
             "| 梯度与 Adam 状态 | {glue:}`e7_full_states` GiB |\n\n"
             "省在可训练参数才有的梯度和 Adam 状态（fp32 下 4 + 8 字节/参数）。",
-            ["8 字节"],
+            ["4 字节", "8 字节"],
         ),
         (  # pure bf16 is 8 B/param against 16: it saves 8, not 4
             ":::{admonition} Q20：纯 BF16 训练有什么风险？\n:class: dropdown\n"
@@ -111,6 +111,23 @@ def test_typed_quantities_of_each_kind_are_found():
     ]
 
 
+def test_every_term_of_a_typed_sum_is_found():
+    text = (
+        "fp32 下 4 + 8 字节/参数；2 + 4 + 8 B/param；{glue:}`a` + 8 字节；"
+        "1.5 + 0.5 GiB；4 + 8 个 batch。"
+    )
+    assert _numbers(text) == [
+        "4 字节",
+        "8 字节",
+        "2 B/param",
+        "4 B/param",
+        "8 B/param",
+        "8 字节",
+        "1.5 GiB",
+        "0.5 GiB",
+    ]
+
+
 def test_malformed_allowlist_line_is_a_clear_error(tmp_path):
     bad = tmp_path / "allow.txt"
     bad.write_text("06 | only two fields\n", encoding="utf-8")
@@ -135,7 +152,7 @@ ON_THE_PAGE = [
         "7B 上：全量微调的梯度 + 优化器状态共",
         "（纯 bf16：每参数 {glue:}`e7_state_bpp` 字节）",
         "（fp32 下 4 + 8 字节/参数）",
-        ["8 字节"],
+        ["4 字节", "8 字节"],
     ),
     (  # S-Q20 (now the pure-BF16 question): saves 8 bytes per parameter, not 4
         "10_summary",
