@@ -143,7 +143,6 @@ QUANTITIES = {
         [
             ("03", "act7_eager_gb", GB),
             ("08", "act7_2k_eager", GB),
-            ("10", "q_act7_eager", GiB),
         ],
     ),
     "the same with per-layer checkpointing": (
@@ -221,7 +220,6 @@ QUANTITIES = {
             ("06", "p_qv_tr", 1),
             ("08", "lora_params_m", M),
             ("08", "lora_qv_n", 1),
-            ("10", "q_peft_qv", 1),
             ("10", "q_tutorial_count", 1),
         ],
     ),
@@ -266,21 +264,9 @@ QUANTITIES = {
             ("10", "q_z3_comm_gib", GiB),
         ],
     ),
-    "ZeRO-3 traffic over DP traffic": (
-        lambda: 1.5,
-        [("09", "comm_ratio", 1), ("10", "q_comm_ratio", 1)],
-    ),
     "7B ZeRO-3 model states per GPU on 8 GPUs (16 B/param)": (
         lambda: zero.per_gpu_memory(R.n_params(), "zero3", 8).total,
         [("09", "z3_7b_8", GiB), ("10", "q_z3_7b_8", GiB)],
-    ),
-    "first update with summed micro-batch losses over loss / k: SGD, k = 4": (
-        lambda: 4.0,
-        [("04", "guide_SGD", 1), ("10", "q_acc_sgd", 1)],
-    ),
-    "the same with Adam (scale-invariant)": (
-        lambda: 1.0,
-        [("04", "guide_Adam", 1), ("10", "q_acc_adam", 1)],
     ),
     "7B lm_head parameters (modules_to_save)": (
         lambda: CFG7.vocab_size * CFG7.hidden_size,
