@@ -28,6 +28,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import torch
 
 from coursekit.labs import glued_values
 from trainmem import quant
@@ -61,6 +62,15 @@ def _peak7(**kw) -> float:
 def _lora_states(r: int, targets) -> int:
     """fp32 adapters with grads and AdamW m, v: 16 bytes per trainable parameter."""
     return 16 * lora_param_count_for_config(CFG7, targets, r)
+
+
+def _4bit_error(code) -> float:
+    """Chapter 7's measure of a 4-bit code: N(0, 0.02^2) weights (2^20, seed 0) in
+    blocks of 64, mean |error| / mean |weight|."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(2**20, generator=g, dtype=torch.float64) * 0.02).float()
+    deq = quant.dequantize_blockwise(quant.quantize_blockwise(w, code, 64)).double()
+    return ((deq - w.double()).abs().mean() / w.double().abs().mean()).item()
 
 
 def _int8_bnb_bytes() -> int:
@@ -133,7 +143,6 @@ QUANTITIES = {
         [
             ("03", "act7_eager_gb", GB),
             ("08", "act7_2k_eager", GB),
-            ("10", "q_act7_eager", GiB),
         ],
     ),
     "the same with per-layer checkpointing": (
@@ -167,6 +176,14 @@ QUANTITIES = {
     "NF4 + double quant bytes/param": (
         lambda: quant.nf4_bytes_per_param(),
         [("07", "nf4dq_bpp", 1), ("10", "q_nf4", 1)],
+    ),
+    "NF4 error, N(0, 0.02^2) weights, block 64, mean |error| / mean |weight|": (
+        lambda: _4bit_error(quant.nf4_code()),
+        [("07", "q4_err_nf4", 1), ("10", "q_nf4_err", 1)],
+    ),
+    "the same for INT4 (evenly spaced, absmax)": (
+        lambda: _4bit_error(quant.linear_code(4)),
+        [("07", "q4_err_int4", 1), ("10", "q_int4_err", 1)],
     ),
     "NF4 bytes/param without double quant": (
         lambda: quant.nf4_bytes_per_param(double_quant=False),
@@ -203,7 +220,6 @@ QUANTITIES = {
             ("06", "p_qv_tr", 1),
             ("08", "lora_params_m", M),
             ("08", "lora_qv_n", 1),
-            ("10", "q_peft_qv", 1),
             ("10", "q_tutorial_count", 1),
         ],
     ),
@@ -248,21 +264,9 @@ QUANTITIES = {
             ("10", "q_z3_comm_gib", GiB),
         ],
     ),
-    "ZeRO-3 traffic over DP traffic": (
-        lambda: 1.5,
-        [("09", "comm_ratio", 1), ("10", "q_comm_ratio", 1)],
-    ),
     "7B ZeRO-3 model states per GPU on 8 GPUs (16 B/param)": (
         lambda: zero.per_gpu_memory(R.n_params(), "zero3", 8).total,
         [("09", "z3_7b_8", GiB), ("10", "q_z3_7b_8", GiB)],
-    ),
-    "first update with summed micro-batch losses over loss / k: SGD, k = 4": (
-        lambda: 4.0,
-        [("04", "guide_SGD", 1), ("10", "q_acc_sgd", 1)],
-    ),
-    "the same with Adam (scale-invariant)": (
-        lambda: 1.0,
-        [("04", "guide_Adam", 1), ("10", "q_acc_adam", 1)],
     ),
     "7B lm_head parameters (modules_to_save)": (
         lambda: CFG7.vocab_size * CFG7.hidden_size,
@@ -490,3 +494,54 @@ def test_every_glue_role_has_a_stored_value(path):
         }
     )
     assert not missing, f"{path.stem}: glue roles without a glued value: {missing}"
+
+
+# The same three contradictions reintroduced into the page itself: the chapter's cell
+# with its stored values passes; the same cell with the contradicting value (or
+# sentence) put back fails. A changed sentence fails the `original in source`
+# assertion.
+ON_THE_PAGE = [
+    (  # ch8-Q1: 16 B/param x 6.74 B parameters shown as 135 GB
+        "08",
+        "Q1：常见说法",
+        None,
+        {"states_amp_gb": "135"},
+    ),
+    (  # ch6: 37.7 GiB of gradients + states, said to be fp32 4 + 8 bytes per parameter
+        "06",
+        "7B 上：全量微调的梯度 + 优化器状态共",
+        (
+            "（纯 bf16：每参数 {glue:}`e7_state_bpp` 字节）",
+            "（fp32 下 4 + 8 字节/参数）",
+        ),
+        {},
+    ),
+    (  # S-Q20: pure bf16 saves 8 bytes per parameter, shown as 4
+        "10",
+        "纯 BF16 训练（不要主权重）有什么风险",
+        None,
+        {"q_pure_saving": "4"},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "prefix, marker, sentence, values",
+    ON_THE_PAGE,
+    ids=["ch8-Q1 on the page", "ch6 fp32 4 + 8 on the page", "S-Q20 on the page"],
+)
+def test_reintroduced_contradiction_on_the_page_fails(prefix, marker, sentence, values):
+    (path,) = BOOK.glob(f"{prefix}_*.ipynb")
+    nb = nbformat.read(path, as_version=4)
+    (source,) = [
+        c.source for c in nb.cells if c.cell_type == "markdown" and marker in c.source
+    ]
+    stored = _glued(prefix)
+    assert prose_mismatches(_synthetic(source), stored) == []
+    if sentence is not None:
+        original, reintroduced = sentence
+        assert original in source, f"chapter {prefix} no longer says {original!r}"
+        source = source.replace(original, reintroduced)
+    for key in values:
+        assert key in source, f"chapter {prefix}: {key!r} not in the cell"
+    assert prose_mismatches(_synthetic(source), {**stored, **values})

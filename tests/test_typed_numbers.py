@@ -67,7 +67,7 @@ def _numbers(markdown: str) -> list[str]:
         (  # 37.7 GiB is bf16 with bf16 m, v; fp32 4 + 8 bytes would be 75.3 GiB
             "| 梯度与 Adam 状态 | {glue:}`e7_full_states` GiB |\n\n"
             "省在可训练参数才有的梯度和 Adam 状态（fp32 下 4 + 8 字节/参数）。",
-            ["8 字节"],
+            ["4 字节", "8 字节"],
         ),
         (  # pure bf16 is 8 B/param against 16: it saves 8, not 4
             ":::{admonition} Q20：纯 BF16 训练有什么风险？\n:class: dropdown\n"
@@ -111,8 +111,82 @@ def test_typed_quantities_of_each_kind_are_found():
     ]
 
 
+def test_every_term_of_a_typed_sum_is_found():
+    text = (
+        "fp32 下 4 + 8 字节/参数；2 + 4 + 8 B/param；{glue:}`a` + 8 字节；"
+        "1.5 + 0.5 GiB；4 + 8 个 batch。"
+    )
+    assert _numbers(text) == [
+        "4 字节",
+        "8 字节",
+        "2 B/param",
+        "4 B/param",
+        "8 B/param",
+        "8 字节",
+        "1.5 GiB",
+        "0.5 GiB",
+    ]
+
+
 def test_malformed_allowlist_line_is_a_clear_error(tmp_path):
     bad = tmp_path / "allow.txt"
     bad.write_text("06 | only two fields\n", encoding="utf-8")
     with pytest.raises(ValueError, match="expected 'chapter | snippet | reason'"):
         T.read_allowlist(bad)
+
+
+# The same three contradictions, reintroduced into the sentence now on the page: the
+# chapter's own cell passes, the cell with the typed number put back fails. A change to
+# the sentence on the page makes the `original in source` assertion fail, so these stay
+# tied to the book.
+ON_THE_PAGE = [
+    (  # ch8-Q1: 16 B/param next to the 20 B/param peak's 135 GB
+        "08_attention_inference_troubleshooting",
+        "Q1：常见说法",
+        "{glue:}`bpp_amp_states` 字节/参数 = {glue:}`states_amp_gb` GB",
+        "{glue:}`bpp_amp_states` 字节/参数 = 135 GB",
+        ["135 GB"],
+    ),
+    (  # ch6's table text: 37.7 GiB is pure bf16 (2 + 4), stated as fp32 4 + 8
+        "06_lora_in_practice",
+        "7B 上：全量微调的梯度 + 优化器状态共",
+        "（纯 bf16：每参数 {glue:}`e7_state_bpp` 字节）",
+        "（fp32 下 4 + 8 字节/参数）",
+        ["4 字节", "8 字节"],
+    ),
+    (  # S-Q20 (now the pure-BF16 question): saves 8 bytes per parameter, not 4
+        "10_summary",
+        "纯 BF16 训练（不要主权重）有什么风险",
+        "每参数省 {glue:}`q_pure_saving` 字节",
+        "每参数省 4 字节",
+        ["4 字节"],
+    ),
+]
+
+
+def _page_cell(chapter: str, marker: str) -> tuple[int, str]:
+    import nbformat
+
+    nb = nbformat.read(T.ROOT / "book" / f"{chapter}.ipynb", as_version=4)
+    (hit,) = [
+        (i, c.source)
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "markdown" and marker in c.source
+    ]
+    return hit
+
+
+@pytest.mark.parametrize(
+    "chapter, marker, original, reintroduced, typed",
+    ON_THE_PAGE,
+    ids=["ch8-Q1 on the page", "ch6 table text on the page", "S-Q20 on the page"],
+)
+def test_reintroduced_contradiction_on_the_page_is_found(
+    chapter, marker, original, reintroduced, typed, allowed
+):
+    i, source = _page_cell(chapter, marker)
+    assert original in source, f"{chapter} cell {i} no longer says {original!r}"
+    clean = T.findings_in_text(source, chapter, i)
+    assert [f for f in clean if not T.is_allowed(f, allowed)] == []
+    bad = T.findings_in_text(source.replace(original, reintroduced), chapter, i)
+    assert [f.number for f in bad if not T.is_allowed(f, allowed)] == typed

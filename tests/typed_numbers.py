@@ -7,8 +7,8 @@ typed next to them goes stale silently (the question bank once said "16 字节�
 135 GB" where 16 bytes x 6.74 B parameters is 107.8 GB). This module reads the markdown
 cells of a notebook (admonitions and dropdowns included), removes what is not prose
 (code, math, glue roles, link targets, directive options) and reports every number that
-is followed by a quantity unit, or is a grouped count such as 4,194,304, unless a rule
-below says it is not a quantity:
+is followed by a quantity unit (every term of a sum such as "4 + 8 字节/参数" is), or is
+a grouped count such as 4,194,304, unless a rule below says it is not a quantity:
 
 - identifiers and names: a number glued to a Latin letter or underscore before it
   (FP16, sm_89, H100, Q19, E4M3), joined to a name by a hyphen (ZeRO-3, GPT-2,
@@ -104,6 +104,9 @@ DIRECTIVE_OPTION = re.compile(r"^\s*:[\w-]+:.*$", re.MULTILINE)
 FENCE_LINE = re.compile(r"^\s*(?::{3,}|`{3,}|~{3,})\s*(?:\{[\w:-]+\})?", re.MULTILINE)
 SENTENCE_END = re.compile(r"(?<=[。！？；])|\n+")
 GLUED = "⟦glue⟧"
+# The other terms of a sum whose unit comes after its last term: in "4 + 8 字节/参数"
+# the 4 is bytes as much as the 8 is.
+SUM_TAIL = re.compile(r"(?:\s*[+＋]\s*(?:\d+(?:\.\d+)?|" + GLUED + r"))+")
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,9 @@ def findings_in_text(markdown: str, chapter: str = "?", cell: int = 0) -> list[F
             if _exempt(sentence, m.start(), m.end()):
                 continue
             unit = UNIT.match(sentence, m.end())
+            tail = SUM_TAIL.match(sentence, m.end())
+            if unit is None and tail:
+                unit = UNIT.match(sentence, tail.end())  # a term of a sum
             grouped = "," in m.group()
             if unit is None and not grouped:
                 continue
