@@ -91,28 +91,28 @@ def test_agrees_with_the_estimator_for_fp32_adamw():
     bytes/param.
 
     ZeRO-0/1/2 agree to within AdamW's per-tensor ``step`` scalars (bytes, not
-    per-parameter); ZeRO-3 differs by the one gathered (unsharded) layer the estimator
-    adds."""
+    per-parameter); ZeRO-3 differs by the gathered (unsharded) layers the estimator adds
+    (two on more than one GPU: FSDP prefetches the next unit)."""
     from trainmem import estimate
 
     for stage in (0, 1, 2, 3):
         e = estimate.estimate(
             "tiny", precision="fp32", zero=stage, gpus=4, batch=1, seq=8
         )
-        b = e.breakdown
-        states = (
-            b["weights"] + b["gradients"] + b["optimizer_states"] + b["master_weights"]
-        )
+        # at the optimizer step (the peak itself may sit in backward, where FSDP's
+        # unsharded gradient of one unit waits for its reduce-scatter)
+        states = e.model_state_bytes
         mine = zero.per_gpu_memory(
             e.n_params, stage, 4, weight_bytes=4, grad_bytes=4, k=8
         ).model_states
         if stage < 3:
             assert abs(states - mine) <= 8 * 64  # a few scalars per parameter tensor
         else:
-            # ZeRO-3: the estimator also holds one gathered (unsharded) decoder layer in
-            # 16-bit while it computes; that is the whole difference.
+            # ZeRO-3: the estimator also holds the gathered (unsharded) decoder layers
+            # while they compute; that is the whole difference.
             from trainmem.models import build_model, get_config
 
             meta = build_model(get_config("tiny"), device="meta")
             layer = sum(p.numel() for p in meta.model.layers[0].parameters())
-            assert abs(states - mine - 4 * layer) <= 8 * 64  # fp32: 4 bytes/param
+            # two units on 4 GPUs: the one computing and the prefetched next one
+            assert abs(states - mine - 2 * 4 * layer) <= 8 * 64  # fp32: 4 B/param
