@@ -16,8 +16,9 @@ worst |error| per metric. Out-of-memory rows compare ``fits`` on the row's GPU.
     python benchmarks/published_gpu.py
     python benchmarks/published_gpu.py --out benchmarks/results/published_gpu.md
 
-Rows whose sequence length the source does not publish (``seq`` null) are estimated at
-the stated upper bound and reported in their own group, outside the medians."""
+Rows whose longest batch the source does not publish (``seq`` null) are estimated at the
+cap the source's code truncates to (``seq_bound``) and reported in their own group,
+outside the medians."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from trainmem.estimate import estimate  # noqa: E402
+from trainmem.from_hf import ALL_LINEAR  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "published_gpu.json")
 UNITS = {"GB": 10**9, "GiB": 2**30, "B": 1}
@@ -50,6 +52,7 @@ def row_options(row: dict) -> dict:
         "batch": c["micro_batch"],
         "seq": c["seq"] or c["seq_bound"],
         "checkpointing": bool(c.get("checkpointing")),
+        "grad_accum": c.get("grad_accum") or 1,
         "attn": "sdpa",
         "optimizer": "adamw",
         "optimizer_impl": "foreach",  # torch.optim.AdamW(params) on CUDA
@@ -60,7 +63,8 @@ def row_options(row: dict) -> dict:
     if c["method"] != "full":
         opts["lora_rank"] = c["lora_r"]
         opts["lora_alpha"] = c.get("lora_alpha") or 2 * c["lora_r"]
-        opts["lora_targets"] = tuple(c["lora_targets"])
+        targets = c["lora_targets"]
+        opts["lora_targets"] = tuple(ALL_LINEAR if targets == "all-linear" else targets)
         # LitGPT's LoRA weights follow the bf16-true module; peft upcasts adapters to
         # fp32 unless autocast_adapter_dtype=False
         opts["lora_dtype"] = "bf16" if framework == "litgpt" else None
@@ -69,9 +73,14 @@ def row_options(row: dict) -> dict:
         opts["qlora_double_quant"] = c["quantize"].endswith("-dq")
         # LitGPT quantizes through Fabric's BitsandbytesPrecision, without peft's
         # prepare_model_for_kbit_training: the rest of the model stays bf16
-        opts["kbit_prepare"] = "peft" if framework == "hf" else "none"
-    if row.get("devices", 1) > 1 and c["method"] == "full":
-        opts["zero"], opts["gpus"] = 3, row["devices"]  # FSDP full sharding
+        opts["kbit_prepare"] = c.get("kbit_prepare") or (
+            "peft" if framework == "hf" else "none"
+        )
+    if c.get("checkpointing") == "reentrant":
+        opts["checkpointing_mode"] = "reentrant"
+    if row.get("devices", 1) > 1 and (c["method"] == "full" or c.get("zero")):
+        # FSDP full sharding
+        opts["zero"], opts["gpus"] = c.get("zero") or 3, row["devices"]
     if framework != "hf":
         opts["framework"] = framework
     if c.get("versions"):
@@ -93,7 +102,7 @@ def compare(rows: list[dict]) -> list[dict]:
         rec = {"id": row["id"], "source": row["source"], "kind": m["kind"]}
         rec["method"] = row["conditions"]["method"]
         if row["conditions"]["seq"] is None:
-            rec["kind"] = m["kind"] + " (sequence not published)"
+            rec["kind"] = m["kind"] + " (longest batch not published: at its cap)"
         d = est.to_dict()
         if m["kind"] == "oom":
             rec.update(published="OOM", estimate=d["fits"], unit="")
@@ -103,7 +112,12 @@ def compare(rows: list[dict]) -> list[dict]:
             # allocated: max_memory_allocated counts whole blocks (512 B rounding,
             # unsplit remainders) and the cuBLAS workspaces: the allocator replay's
             # peak; active: the same blocks; reserved: the replay's segments
-            key = {"allocated": "gpu_allocated_bytes", "active": "gpu_allocated_bytes"}
+            # nvidia-smi: reserved + CUDA context (device_bytes)
+            key = {
+                "allocated": "gpu_allocated_bytes",
+                "active": "gpu_allocated_bytes",
+                "nvidia-smi": "device_bytes",
+            }
             value = d[key.get(m["kind"], "reserved_bytes")]
             published = m["value"] * UNITS[m["unit"]]
             rec.update(
@@ -219,10 +233,18 @@ it does not model, and that these rows therefore miss:
   candidate for the QLoRA rows' shortfall (not verified on a GPU here).
 - torchtune: its own decoder and loss; the packed row has no compile, no chunked
   cross-entropy and no checkpointing, the closest to what is modelled.
-- peft method comparison: the sequence length the longest batch reached is not
-  published (only a 1,300-character filter), so those rows are estimated at a bound and
-  kept out of the other medians; their metric also covers evaluation and
+- peft method comparison: every example is truncated to `max_seq_length` 768
+  (`tokenizer.model_max_length`), and `data.py` ties its 1,300-character filter to that
+  768-token limit, so the rows are estimated at 768 tokens; the length the longest batch
+  reached is still not recorded by the run, so they form their own group, outside the
+  other medians. Their metric is `max_memory_reserved()` over the whole run less the
+  2 MiB segment of `init_accelerator`, covering evaluation (generation at batch 51 with
+  a static cache, lower than the training step for these configurations) and
   `empty_cache()` every 10 steps.
+- peft FSDP-QLoRA page: the versions are the first releases meeting the page's
+  minimums, and the GPU model is not named; the figure is compared with `device_bytes`
+  (reserved + CUDA context). NCCL's buffers and kernels loaded during the step are not
+  in `device_bytes`, and neither is FSDP's flat-parameter padding.
 """
 
 
