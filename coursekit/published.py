@@ -132,7 +132,7 @@ def compare(rows: list[dict]) -> list[dict]:
             # allocated: max_memory_allocated counts whole blocks (512 B rounding,
             # unsplit remainders) and the cuBLAS workspaces: the allocator replay's
             # peak; active: the same blocks; reserved: the replay's segments
-            # nvidia-smi: reserved + CUDA context (device_bytes)
+            # nvidia-smi: reserved + CUDA context + NCCL (device_bytes)
             key = {
                 "allocated": "gpu_allocated_bytes",
                 "active": "gpu_allocated_bytes",
@@ -263,8 +263,9 @@ it does not model, and that these rows therefore miss:
   `empty_cache()` every 10 steps.
 - peft FSDP-QLoRA page: the versions are the first releases meeting the page's
   minimums, and the GPU model is not named; the figure is compared with `device_bytes`
-  (reserved + CUDA context). NCCL's buffers and kernels loaded during the step are not
-  in `device_bytes`, and neither is FSDP's flat-parameter padding.
+  (reserved + CUDA context + NCCL's ring buffers at the fewest channels NCCL builds).
+  More channels on an NVLink topology, the kernels loaded during the step and FSDP's
+  flat-parameter padding are not in `device_bytes`.
 """
 
 

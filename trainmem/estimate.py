@@ -547,7 +547,9 @@ def _device(result: dict, step: StepConfig, gpu: str | None, timeline: bool):
         return None, replay(events, None, 200)["timeline"]
     from .gpus import device_report
 
-    device = device_report(events, gpu, step.library_versions, 200 if timeline else 0)
+    device = device_report(
+        events, gpu, step.library_versions, 200 if timeline else 0, gpus=step.gpus
+    )
     points = device.pop("timeline")
     return device, (points if timeline else None)
 
