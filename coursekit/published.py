@@ -266,6 +266,19 @@ it does not model, and that these rows therefore miss:
   (reserved + CUDA context + NCCL's ring buffers at the fewest channels NCCL builds).
   More channels on an NVLink topology, the kernels loaded during the step and FSDP's
   flat-parameter padding are not in `device_bytes`.
+
+Sources read and left out (conditions not pinned, so no row):
+
+- ms-swift `docs/source_en/LLM/Benchmark.md` (A100, torch 2.1.1, bitsandbytes
+  0.41.3.post2; "GPU Memory (GiB)" is `max_memory_reserved()` / 1024**3 through the
+  trainer's `get_max_cuda_memory`): transformers and peft versions are not stated, the
+  qwen/chatglm/baichuan rows are remote-code architectures, and for the llama-layout
+  rows (Yi-6B, OpenBuddy-Zephyr) which attention path `use_flash_attn` reached and how
+  long the kept examples were (examples over `max_length` are dropped) are not recorded;
+  the table is not monotonic in `max_length` (Baichuan2-7B: 18.18 GiB at 512, 17.45 at
+  1024).
+- Unsloth's benchmark page (Hugging Face + FA2 longest context per VRAM size for
+  Llama 3.1 8B QLoRA r = 32): no library versions, checkpointing or loss form.
 """
 
 
