@@ -369,3 +369,24 @@ def test_cli_gpu_and_versions_errors(capsys):
     with pytest.raises(SystemExit):
         main(["estimate", "--lora-dropout", "1.5"])
     assert "must be a number in [0, 1)" in capsys.readouterr().err
+
+
+def test_nccl_buffers_on_more_than_one_gpu():
+    """N > 1: nvidia-smi adds NCCL's ring buffers (outside the caching allocator): one
+    LL (8 lines x 512 threads x 8 steps x 16 B), one LL128 (120 x 640 x 8 x 8 B) and one
+    Simple (NCCL_BUFFSIZE 4 MiB) buffer per channel, at least 2 channels; none on one
+    GPU. fits leaves them out of the allocator's budget."""
+    from trainmem.gpus import nccl_bytes
+
+    per_channel = 524_288 + 4_915_200 + 4 * (1 << 20)
+    assert nccl_bytes(1) == 0 and nccl_bytes(2) == nccl_bytes(8) == 2 * per_channel
+    kw = dict(method="lora", precision="bf16", batch=1, seq=256, gpu="A100-80GB")
+    one = estimate("llama2-7b", **kw).to_dict()
+    two = estimate("llama2-7b", zero=3, gpus=2, **kw).to_dict()
+    assert one["nccl_bytes"] == 0
+    assert one["device_bytes"] == one["reserved_bytes"] + one["context_bytes"]
+    assert two["nccl_bytes"] == 2 * per_channel
+    assert two["device_bytes"] == (
+        two["reserved_bytes"] + two["context_bytes"] + 2 * per_channel
+    )
+    assert two["headroom_bytes"] == two["capacity_bytes"] - two["device_bytes"]

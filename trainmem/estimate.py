@@ -49,10 +49,11 @@ grad_accum, optimizer_impl)``:
   the ``b x heads x s x s`` scores).
 * ``zero`` (0-3) and ``gpus``: per-GPU memory under ZeRO partitioning over ``gpus``
   data-parallel GPUs — stage >= 1 divides optimizer states and fp32 master weights by
-  ``gpus``, >= 2 also gradients, 3 also weights (plus one gathered, unsharded layer in
-  flight).  The AdamW ``foreach`` scratch (``temporaries`` at the optimizer step) covers
-  the local shard only.  This part is a model, not measured here.  Which parameter
-  layout applies:
+  ``gpus``, >= 2 also gradients, 3 also weights (plus the gathered, unsharded layer in
+  flight, and on N > 1 the prefetched next one; from stage 2 on N > 1 one unit's
+  unsharded gradient waits for its reduce-scatter during backward).  The AdamW
+  ``foreach`` scratch (``temporaries`` at the optimizer step) covers the local shard
+  only.  This part is a model, not measured here.  Which parameter layout applies:
 
   - ``zero=0``: the layout of plain PyTorch, as measured — under
     ``fp16-amp``/``bf16-amp`` torch AMP (fp32 parameters that *are* the master weights,
@@ -64,9 +65,9 @@ grad_accum, optimizer_impl)``:
     16-bit gradients 2Ψ (sharded from stage 2) + fp32 master weights 4Ψ and fp32 Adam m,
     v 8Ψ held by the optimizer for its shard (12Ψ/N from stage 1).  The model states
     then equal :func:`trainmem.zero.per_gpu_memory` exactly (stage 3: plus the gathered
-    layer, ``2 × params of one layer`` bytes).  Activations follow the 16-bit module (a
-    16-bit residual stream, as with ``precision="bf16"``). DeepSpeed's transient fp32
-    copy of the local gradient shard at the step is not modelled.
+    layers, ``2 × params of one layer`` bytes each).  Activations follow the 16-bit
+    module (a 16-bit residual stream, as with ``precision="bf16"``). DeepSpeed's
+    transient fp32 copy of the local gradient shard at the step is not modelled.
   - ``fp32`` and pure ``bf16``: one layout at every stage (4 + 4 + 8, resp. 2 + 2 + 4
     bytes per parameter, each term sharded as above); fp32 matches
     ``per_gpu_memory(weight_bytes=4, grad_bytes=4, k=8)``.
@@ -555,7 +556,9 @@ def _device(result: dict, step: StepConfig, gpu: str | None, timeline: bool):
         return None, replay(events, None, 200)["timeline"]
     from .gpus import device_report
 
-    device = device_report(events, gpu, step.library_versions, 200 if timeline else 0)
+    device = device_report(
+        events, gpu, step.library_versions, 200 if timeline else 0, gpus=step.gpus
+    )
     points = device.pop("timeline")
     return device, (points if timeline else None)
 

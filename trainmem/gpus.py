@@ -9,7 +9,7 @@ reports three numbers (bytes):
   20 MiB segments, splitting, no release between steps), plus the cuBLAS workspaces,
   which torch takes from the same allocator;
 * ``device_bytes``: what ``nvidia-smi`` shows for the process — ``reserved_bytes`` plus
-  the CUDA context;
+  the CUDA context, plus NCCL's communication buffers when the step runs on N > 1 GPUs;
 
 and ``fits`` (``device_bytes`` within the card's memory, and the allocator replay never
 fails under that limit) with ``headroom_bytes``.
@@ -33,8 +33,23 @@ Sources of the figures (each cited where it is used):
   ``device_bytes`` is a lower bound of what ``nvidia-smi`` shows.
 * Card memory: ``memory.total`` as ``nvidia-smi`` reports it for the card (MiB);
   ``torch.cuda.get_device_properties().total_memory`` is the same number in bytes.
-* Not modelled: NCCL's communicators and buffers for N > 1 GPUs (no published figure
-  per GPU here), other processes on the card.
+* NCCL buffers (N > 1 GPUs; NCCL allocates them with ``cudaMalloc``/``cuMem``, outside
+  PyTorch's caching allocator, so they are in ``nvidia-smi`` but not in reserved): every
+  ring channel connects each rank to its next and previous peer, and each connection
+  has one buffer per protocol (``src/transport/p2p.cc``: the receiver allocates them,
+  with P2P read the Simple one sits on the sender, one set per rank per channel either
+  way). Sizes from ``src/init.cc`` (NCCL 2.18-2.27): ``DEFAULT_BUFFSIZE`` = 4 MiB
+  (Simple, ``NCCL_BUFFSIZE``), ``DEFAULT_LL_BUFFSIZE`` = ``NCCL_LL_LINES_PER_THREAD`` 8
+  x ``NCCL_LL_MAX_NTHREADS`` 512 x ``NCCL_STEPS`` 8 x 16 B ``ncclLLFifoLine``,
+  ``DEFAULT_LL128_BUFFSIZE`` = ``NCCL_LL128_ELEMS_PER_THREAD`` 120 x
+  ``NCCL_LL128_MAX_NTHREADS`` 640 x 8 steps x 8 B (constants of
+  ``src/include/device.h``). Channels: the ring search finds at least one ring, and
+  ``ncclTopoPostset`` (``src/graph/connect.cc``) doubles the channels (``nChannels =
+  std::min(MAXCHANNELS, nChannels*2)``), so at least 2; NVLink topologies get more
+  (the count is the topology search's, not modelled: the term is a lower bound). FSDP's
+  all-gather and reduce-scatter use the ring algorithm; tree connections of
+  all-reduce and NCCL's kernels are not counted.
+* Not modelled: other processes on the card.
 
 Standard library only (the in-page calculator runs it in Pyodide)."""
 
@@ -51,6 +66,15 @@ CONTEXT_LAZY = 287_047_680 - 20 * MiB  # pytorch/pytorch#86509, lazy loading
 CONTEXT_EAGER = 666_632_192 - 20 * MiB  # same PR, CUDA_MODULE_LOADING=DEFAULT
 CONTEXT_AMPERE_86 = 256 * MiB  # invoke-ai/InvokeAI#9413, RTX 3090
 CONTEXT_ADA_89 = 426 * MiB  # unslothai/unsloth-zoo#1053, RTX 6000 Ada
+
+#: NCCL's per-connection buffers by protocol (src/init.cc, src/include/device.h; see
+#: the module docstring)
+NCCL_STEPS = 8
+NCCL_LL_BUFFSIZE = 8 * 512 * NCCL_STEPS * 16
+NCCL_LL128_BUFFSIZE = 120 * 640 * NCCL_STEPS * 8
+NCCL_SIMPLE_BUFFSIZE = 1 << 22
+#: the fewest ring channels NCCL builds (one ring, doubled by ncclTopoPostset)
+NCCL_MIN_RING_CHANNELS = 2
 
 
 @dataclass(frozen=True)
@@ -111,27 +135,41 @@ def context_bytes(gpu: GPU, torch_version: tuple) -> int:
     return CONTEXT_LAZY
 
 
-def device_report(events: list, gpu_name: str, versions: dict, timeline_points=0):
-    """Reserved and device bytes of a replayed step on ``gpu_name``: the cuBLAS
-    workspaces are allocated first (they persist from the first matmul), then the
-    step's events; ``fits`` needs the replay to succeed under the card's memory less
-    the context."""
+def nccl_bytes(gpus: int, channels: int = NCCL_MIN_RING_CHANNELS) -> int:
+    """NCCL's ring buffers on each of ``gpus`` ranks (0 on one GPU): one buffer per
+    protocol (LL, LL128, Simple) per channel (module docstring)."""
+    if gpus <= 1:
+        return 0
+    per_channel = NCCL_LL_BUFFSIZE + NCCL_LL128_BUFFSIZE + NCCL_SIMPLE_BUFFSIZE
+    return channels * per_channel
+
+
+def device_report(
+    events: list, gpu_name: str, versions: dict, timeline_points=0, gpus: int = 1
+):
+    """Reserved and device bytes of a replayed step on ``gpu_name`` (one of ``gpus``
+    ranks): the cuBLAS workspaces are allocated first (they persist from the first
+    matmul), then the step's events; ``fits`` needs the replay to succeed under the
+    card's memory less the context and NCCL's buffers."""
     from .memory.allocator import replay
 
     gpu = get_gpu(gpu_name)
     torch_version = versions["torch"]
     workspace = cublas_workspace_bytes(gpu, torch_version)
     context = context_bytes(gpu, torch_version)
+    nccl = nccl_bytes(gpus)
     prelude = [("alloc", -1 - i, workspace, "temporaries", "idle") for i in range(2)]
     # under the card's limit the allocator releases its free cached segments before
     # it gives up, so a step can fit although its unlimited reserved peak does not
-    limited = replay(prelude + events, gpu.capacity_bytes - context, timeline_points)
+    limited = replay(
+        prelude + events, gpu.capacity_bytes - context - nccl, timeline_points
+    )
     unlimited = limited
     if limited["oom"] is not None or limited["released"]:
         unlimited = replay(prelude + events, None, timeline_points)
     fits = limited["oom"] is None
     reserved = limited["peak_reserved"] if fits else unlimited["peak_reserved"]
-    device = reserved + context
+    device = reserved + context + nccl
     return {
         "gpu": gpu.name,
         "capacity_bytes": gpu.capacity_bytes,
@@ -139,6 +177,7 @@ def device_report(events: list, gpu_name: str, versions: dict, timeline_points=0
         "gpu_allocated_bytes": unlimited["peak_allocated"],
         "device_bytes": device,
         "context_bytes": context,
+        "nccl_bytes": nccl,
         "cublas_workspace_bytes": 2 * workspace,
         "fits": fits,
         "headroom_bytes": gpu.capacity_bytes - device,

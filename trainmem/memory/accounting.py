@@ -45,6 +45,7 @@ class Simulator:
         self.checkpoint_region = None
         self.marks: dict[str, dict] = {}
         self.grad_scale = 1.0  # ZeRO >= 2: the fraction of each gradient kept locally
+        self.reduce_scatter_bytes = 0  # ZeRO >= 2 on N > 1: one unsharded unit grad
         self.param_cast_scale = (
             1.0  # ZeRO-3: the fraction of each weight autocast casts
         )

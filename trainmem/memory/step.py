@@ -195,7 +195,11 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
         for p in params:
             if p.buffer.category == "master_weights":
                 shrink(sim, p.buffer, shard)
+    units = 0
     if step.zero >= 3:
+        # the unit's storage as it is all-gathered: its buffers before sharding (NF4
+        # weights in their packed size), not its shapes in the compute dtype
+        unit_bytes = sum(t.buffer.nbytes for t in model.layers[0].tensors())
         frozen = [
             t
             for layer in model.layers
@@ -206,11 +210,29 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
         for p in trainable_params(model) + frozen:
             if p.buffer.category == "weights":
                 shrink(sim, p.buffer, shard)
-        # the layer being computed is all-gathered (FSDP/ZeRO-3 prefetch ignored)
-        layer_bytes = sum(t.nbytes for t in model.layers[0].tensors())
-        gathered_layer = sim.alloc(layer_bytes, "weights")
+        # the unit being computed is all-gathered, and on more than one GPU so is the
+        # next one: FSDP issues the next unit's all-gather while this one computes
+        # (forward: torch/distributed/fsdp/_runtime_utils.py _pre_forward_unshard and
+        # the rate limiter of _limit_all_gathers, which lets two all-gathers be in
+        # flight; backward: the default BackwardPrefetch.BACKWARD_PRE prefetches the
+        # previous unit before this one's gradient is computed; FSDP2's all-gather
+        # stream overlaps the same way, fully_shard in
+        # torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py; torch 2.4-2.13).
+        # With one GPU FSDP runs NO_SHARD: no gathered copy beyond the one unit.
+        units = 2 if step.gpus > 1 else 1
+        gathered_layer = sim.alloc(units * unit_bytes, "weights")
         sim.param_cast_scale = shard
     sim.grad_scale = shard if step.zero >= 2 else 1.0
+    sim.reduce_scatter_bytes = 0
+    if step.zero >= 2 and step.gpus > 1:
+        # before a unit's gradient is reduce-scattered it exists unsharded: FSDP's
+        # _post_backward_hook (_runtime_utils.py) reduce-scatters flat_param.grad (the
+        # whole unit, in the gradient dtype) into a 1/N shard (torch.empty_like of one
+        # chunk), then frees the unsharded gradient; one unit's trainable gradients
+        # are therefore alive during backward on top of the sharded ones
+        sim.reduce_scatter_bytes = sum(
+            t.nbytes for t in model.layers[0].tensors() if t.requires_grad
+        )
     return masters, gathered_layer
 
 
@@ -272,8 +294,11 @@ def _forward_backward(
         sim.mark("forward_end")
         activations_at_end = sim.marks["forward_end"]["activations"]
         sim.set_phase("backward")
+        unsharded_grad = None
+        if sim.reduce_scatter_bytes:
+            unsharded_grad = sim.alloc(sim.reduce_scatter_bytes, "temporaries")
         backward(sim, loss)
-        del loss
+        del loss, unsharded_grad
     if step.framework == "litgpt":
         cfg["held"] = litgpt_logits  # alive through the optimizer step and validate
     return activations_at_end, cfg

@@ -1,0 +1,316 @@
+"""The estimator against published real-GPU measurements (the rows, their comparison
+and the report of ``benchmarks/published_gpu.py``, for the book's cells too).
+
+Every row of ``coursekit/data/published_gpu.json`` (package data: a pip-only install, as
+on Colab, has it) is one training run somebody else ran on a GPU and published with its
+conditions: its source (repository, path, commit), the model's ``config.json`` fields,
+the framework, precision, LoRA settings, quantization, micro-batch, the sequence length
+the run reached, checkpointing, attention, loss, optimizer, and the metric (peak
+allocated, peak reserved, peak active, what ``nvidia-smi`` showed, or a documented
+out-of-memory) with its unit (GB = 10**9 B, GiB = 2**30 B).
+
+For each row :func:`compare` asks :func:`trainmem.estimate.estimate` with the options
+that describe that run (:func:`row_options`; nothing is tuned per row: each option is a
+condition the source states) and gives estimate vs published and the signed error
+(estimate / published - 1: negative = the estimate is under); :func:`report` adds the
+median and the worst |error| per metric. Out-of-memory rows compare ``fits`` on the
+row's GPU.
+
+    python benchmarks/published_gpu.py
+    python benchmarks/published_gpu.py --out benchmarks/results/published_gpu.md
+
+Rows whose longest batch the source does not publish (``seq`` null) are estimated at the
+cap the source's code truncates to (``seq_bound``) and reported in their own group,
+outside the medians."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+from importlib import resources
+
+from trainmem.estimate import estimate
+from trainmem.from_hf import ALL_LINEAR
+
+#: the rows and their sources, shipped inside the package
+DATA = resources.files("coursekit") / "data" / "published_gpu.json"
+UNITS = {"GB": 10**9, "GiB": 2**30, "B": 1}
+
+
+def load() -> dict:
+    """The JSON: ``sources`` (repository, path, commit, metric note) and ``rows``."""
+    return json.loads(DATA.read_text(encoding="utf-8"))
+
+
+def published_results() -> tuple[dict, list[dict], list[dict]]:
+    """``(data, rows, results)``: the JSON (sources and rows) and, per row, the
+    benchmark's comparison (``id``, ``kind``, ``published``, ``estimate``, ``error``
+    or, for documented out-of-memory runs, ``ok``)."""
+    data = load()
+    return data, data["rows"], compare(data["rows"])
+
+
+def row_estimate(row: dict):
+    """The estimator's :class:`~trainmem.estimate.MemoryEstimate` of one row, with the
+    options the benchmark derives from its conditions."""
+    return estimate(row["model"], **row_options(row))
+
+
+def _supported() -> set[str]:
+    return set(inspect.signature(estimate).parameters)
+
+
+def row_options(row: dict) -> dict:
+    """The estimator's options for one published run, each read from a condition the
+    source states (see the JSON's ``conditions``)."""
+    c = row["conditions"]
+    framework = c["framework"]
+    opts: dict = {
+        "method": c["method"],
+        "batch": c["micro_batch"],
+        "seq": c["seq"] or c["seq_bound"],
+        "checkpointing": bool(c.get("checkpointing")),
+        "grad_accum": c.get("grad_accum") or 1,
+        "attn": "sdpa",
+        "optimizer": "adamw",
+        "optimizer_impl": "foreach",  # torch.optim.AdamW(params) on CUDA
+    }
+    if framework in ("litgpt", "torchtune") or c["precision"].startswith("bf16"):
+        # bf16-true / model loaded in bf16, no autocast: pure bf16 parameters
+        opts["precision"] = "bf16"
+    if c.get("global_batch"):
+        # the run's gradient accumulation (LitGPT: global_batch_size // (micro_batch
+        # * devices)); the gradients stay allocated through the next forward
+        opts["grad_accum"] = max(
+            1, c["global_batch"] // (c["micro_batch"] * row.get("devices", 1))
+        )
+    if c["method"] != "full":
+        opts["lora_rank"] = c["lora_r"]
+        opts["lora_alpha"] = c.get("lora_alpha") or 2 * c["lora_r"]
+        targets = c["lora_targets"]
+        opts["lora_targets"] = tuple(ALL_LINEAR if targets == "all-linear" else targets)
+        if c.get("lora_head"):
+            opts["lora_targets"] += ("lm_head",)  # LitGPT's lora_head
+        # LitGPT's LoRA weights follow the bf16-true module; peft upcasts adapters to
+        # fp32 unless autocast_adapter_dtype=False
+        opts["lora_dtype"] = "bf16" if framework == "litgpt" else None
+        opts["lora_dropout"] = c.get("lora_dropout") or 0.0
+    if c.get("quantize"):
+        opts["qlora_double_quant"] = c["quantize"].endswith("-dq")
+        # LitGPT quantizes through Fabric's BitsandbytesPrecision, without peft's
+        # prepare_model_for_kbit_training: the rest of the model stays bf16
+        opts["kbit_prepare"] = c.get("kbit_prepare") or (
+            "peft" if framework == "hf" else "none"
+        )
+    if c.get("checkpointing") == "reentrant":
+        opts["checkpointing_mode"] = "reentrant"
+    if row.get("devices", 1) > 1 and (c["method"] == "full" or c.get("zero")):
+        # FSDP full sharding
+        opts["zero"], opts["gpus"] = c.get("zero") or 3, row["devices"]
+    if framework == "litgpt":  # the frameworks the estimator models: hf, litgpt
+        opts["framework"] = framework
+    if c.get("versions"):
+        opts["versions"] = c["versions"]
+    opts["gpu"] = row["gpu"]
+    supported = _supported()
+    return {k: v for k, v in opts.items() if k in supported}
+
+
+def _estimate(row: dict):
+    return estimate(row["model"], **row_options(row))
+
+
+def compare(rows: list[dict]) -> list[dict]:
+    out = []
+    for row in rows:
+        est = _estimate(row)
+        m = row["metric"]
+        rec = {"id": row["id"], "source": row["source"], "kind": m["kind"]}
+        rec["method"] = row["conditions"]["method"]
+        if row["conditions"]["seq"] is None:
+            rec["kind"] = m["kind"] + " (longest batch not published: at its cap)"
+        d = est.to_dict()
+        if m["kind"] == "oom":
+            rec.update(published="OOM", estimate=d["fits"], unit="")
+            rec["ok"] = d["fits"] is False
+            rec["shown"] = _gb(d["device_bytes"])
+        else:
+            # allocated: max_memory_allocated counts whole blocks (512 B rounding,
+            # unsplit remainders) and the cuBLAS workspaces: the allocator replay's
+            # peak; active: the same blocks; reserved: the replay's segments
+            # nvidia-smi: reserved + CUDA context + NCCL (device_bytes)
+            key = {
+                "allocated": "gpu_allocated_bytes",
+                "active": "gpu_allocated_bytes",
+                "nvidia-smi": "device_bytes",
+            }
+            value = d[key.get(m["kind"], "reserved_bytes")]
+            published = m["value"] * UNITS[m["unit"]]
+            rec.update(
+                published=published,
+                estimate=value,
+                unit=m["unit"],
+                error=value / published - 1,
+            )
+        out.append(rec)
+    return out
+
+
+def _gb(n):
+    return f"{n / 1e9:.2f} GB"
+
+
+def _fmt(n, unit):
+    if unit == "GiB":
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 1e9:.2f} GB"
+
+
+def report(rows: list[dict], results: list[dict]) -> str:
+    data = load()
+    lines = [
+        "# Estimator vs published GPU measurements",
+        "",
+        f"{len(rows)} rows from {len({r['source'] for r in rows})} published sources "
+        "(`coursekit/data/published_gpu.json` holds each run's conditions). Error = "
+        "estimate / published − 1 (negative: the estimate is under). Generated by "
+        "`python benchmarks/published_gpu.py --out "
+        "benchmarks/results/published_gpu.md`.",
+        "",
+        "## Sources",
+        "",
+    ]
+    for key, s in data["sources"].items():
+        lines.append(
+            f"- **{key}**: `{s['repository']}` `{s['path']}` at `{s['commit'][:12]}`; "
+            f"metric: {s['metric_note']}."
+        )
+    lines += [
+        "",
+        "## Rows",
+        "",
+        "| row | source | metric | published | estimate | error |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in results:
+        if r["kind"] == "oom":
+            verdict = "fits" if r["estimate"] else "does not fit"
+            ok = "right" if r["ok"] else "WRONG"
+            lines.append(
+                f"| {r['id']} | {r['source']} | documented OOM | OOM | {verdict} "
+                f"({r['shown']}) | {ok} |"
+            )
+        else:
+            lines.append(
+                f"| {r['id']} | {r['source']} | {r['kind']} | "
+                f"{_fmt(r['published'], r['unit'])} | {_fmt(r['estimate'], r['unit'])} "
+                f"| {r['error']:+.1%} |"
+            )
+    lines += [
+        "",
+        "## Per metric",
+        "",
+        "| metric | rows | median error | median |error| | worst |error| |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    kinds: dict[str, list] = {}
+    for r in results:
+        kinds.setdefault(r["kind"], []).append(r)
+    for r in results:
+        if r["kind"] != "oom":
+            kinds.setdefault(f"{r['kind']} · {r['method']}", []).append(r)
+    for kind, rs in kinds.items():
+        if kind == "oom":
+            right = sum(r["ok"] for r in rs)
+            lines.append(
+                f"| documented OOM (fit answer right) | {len(rs)} | "
+                f"{right}/{len(rs)} right | | |"
+            )
+            continue
+        errs = [r["error"] for r in rs]
+        worst = max(errs, key=abs)
+        lines.append(
+            f"| {kind} | {len(rs)} | {statistics.median(errs):+.1%} | "
+            f"{statistics.median(abs(e) for e in errs):.1%} | {worst:+.1%} |"
+        )
+    lines += ["", "## What each row is estimated with", "", NOTES]
+    return "\n".join(lines) + "\n"
+
+
+NOTES = """\
+Every row is estimated with the options its source states (`row_options`): pure bf16
+(`bf16-true`, or a model loaded in bf16 without autocast), LoRA rank/alpha/dropout/
+targets, NF4 with or without double quantization, torch AdamW (foreach), no
+checkpointing, SDPA, FSDP full sharding over the stated GPUs (`zero=3`), the stated
+library versions (bitsandbytes 0.41.1 for the resource tables: each 4-bit Linear's
+input is saved), the row's GPU preset (allocated rows compare the allocator replay's
+`max_memory_allocated`, which adds 512 B rounding, unsplit blocks and the cuBLAS
+workspaces; OOM rows compare `fits`).
+
+LitGPT rows run with `framework="litgpt"` (`trainmem.memory.litgpt`: the fused `qkv`
+with `LoRAQKVLinear` — one dropout on the shared input, `conv1d`, `zero_pad` —, fp32
+RMSNorm, fp32 RoPE buffers, `lm_head` in 128-token chunks with a bf16 cross-entropy per
+chunk (`finetune/full.py`: one unchunked head, 128-row chunks), the loop's `logits`
+alive into the next forward, every Linear incl. `lm_head` 4-bit under QLoRA), with
+bitsandbytes 0.42.0 (LitGPT's pin) for the config hub and each yaml's global batch as
+gradient accumulation. Mechanisms not modelled that these rows may still miss:
+
+- modelled besides the step (LitGPT never resets the peak counter): the previous
+  graph's bitsandbytes `ctx.tensors` inputs alive with the loop's `logits` (0.42.0
+  stores them as a ctx attribute, not `save_for_backward`), `validate` (unchunked
+  head, bf16 cross-entropy) and `generate_example`'s KV cache as their own phases;
+  both phases stay below the training step on every row.
+- LitGPT QLoRA, config hub (4-6 % under): not modelled: quantise-on-load copies,
+  `bnb.optim.PagedAdamW` (states in managed memory, only tensors under 1e5 elements
+  in the torch allocator; modelled as torch AdamW). Not verified on a GPU here.
+- LitGPT QLoRA, resource tables (6 % over): the replay retains a previous
+  micro-batch of the same 1304 tokens, but lit_gpt@8641822 runs only the first batch
+  at the longest length (later ones are random, shorter examples); it also has a
+  bf16 RMSNorm and `loss` holding the graph until the next cross-entropy, which the
+  5895df10 replay does not distinguish.
+- LitGPT LoRA (2-6 % under): cuBLAS/cuDNN workspaces of `conv1d` are not modelled.
+- torchtune: its own decoder and loss; the packed row has no compile, no chunked
+  cross-entropy and no checkpointing, the closest to what is modelled.
+- peft method comparison: every example is truncated to `max_seq_length` 768
+  (`tokenizer.model_max_length`), and `data.py` ties its 1,300-character filter to that
+  768-token limit, so the rows are estimated at 768 tokens; the length the longest batch
+  reached is still not recorded by the run, so they form their own group, outside the
+  other medians. Their metric is `max_memory_reserved()` over the whole run less the
+  2 MiB segment of `init_accelerator`, covering evaluation (generation at batch 51 with
+  a static cache, lower than the training step for these configurations) and
+  `empty_cache()` every 10 steps.
+- peft FSDP-QLoRA page: the versions are the first releases meeting the page's
+  minimums, and the GPU model is not named; the figure is compared with `device_bytes`
+  (reserved + CUDA context + NCCL's ring buffers at the fewest channels NCCL builds).
+  More channels on an NVLink topology, the kernels loaded during the step and FSDP's
+  flat-parameter padding are not in `device_bytes`.
+
+Sources read and left out (conditions not pinned, so no row):
+
+- ms-swift `docs/source_en/LLM/Benchmark.md` (A100, torch 2.1.1, bitsandbytes
+  0.41.3.post2; "GPU Memory (GiB)" is `max_memory_reserved()` / 1024**3 through the
+  trainer's `get_max_cuda_memory`): transformers and peft versions are not stated, the
+  qwen/chatglm/baichuan rows are remote-code architectures, and for the llama-layout
+  rows (Yi-6B, OpenBuddy-Zephyr) which attention path `use_flash_attn` reached and how
+  long the kept examples were (examples over `max_length` are dropped) are not recorded;
+  the table is not monotonic in `max_length` (Baichuan2-7B: 18.18 GiB at 512, 17.45 at
+  1024).
+- Unsloth's benchmark page (Hugging Face + FA2 longest context per VRAM size for
+  Llama 3.1 8B QLoRA r = 32): no library versions, checkpointing or loss form.
+"""
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        description="The estimator against published real-GPU measurements"
+    )
+    p.add_argument("--out", help="write the markdown report here")
+    args = p.parse_args(argv)
+    rows = load()["rows"]
+    text = report(rows, compare(rows))
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+    print(text)
