@@ -111,6 +111,8 @@ def row_options(row: dict) -> dict:
         opts["zero"], opts["gpus"] = c.get("zero") or 3, row["devices"]
     if framework == "litgpt":  # the frameworks the estimator models: hf, litgpt
         opts["framework"] = framework
+        if c.get("optimizer", "").startswith("bnb.optim.PagedAdamW"):
+            opts["optimizer"] = "paged_adamw"
     if c.get("versions"):
         opts["versions"] = c["versions"]
     opts["gpu"] = row["gpu"]
@@ -120,6 +122,19 @@ def row_options(row: dict) -> dict:
 
 def _estimate(row: dict):
     return estimate(row["model"], **row_options(row))
+
+
+def _interval(row: dict):
+    """LitGPT rows whose previous micro-batch's length is not published
+    (``previous_seq`` null): the estimate with no previous micro-batch (the first
+    iteration, the longest example) and with one of the same length, as
+    (shortest, longest) assumption; ``None`` for every other row."""
+    c = row["conditions"]
+    if "previous_seq" not in c or c["previous_seq"] is not None:
+        return None
+    opts = row_options(row)
+    low = estimate(row["model"], **opts, previous_seq=0).to_dict()
+    return low["gpu_allocated_bytes"]
 
 
 def compare(rows: list[dict]) -> list[dict]:
@@ -154,6 +169,11 @@ def compare(rows: list[dict]) -> list[dict]:
                 unit=m["unit"],
                 error=value / published - 1,
             )
+            low = _interval(row) if m["kind"] == "allocated" else None
+            if low is not None:
+                rec["low"] = low
+                rec["low_error"] = low / published - 1
+                rec["inside"] = low <= published <= value
         out.append(rec)
     return out
 
@@ -201,6 +221,14 @@ def report(rows: list[dict], results: list[dict]) -> str:
             lines.append(
                 f"| {r['id']} | {r['source']} | documented OOM | OOM | {verdict} "
                 f"({r['shown']}) | {ok} |"
+            )
+        elif "low" in r:
+            inside = "inside: within" if r["inside"] else "outside"
+            lines.append(
+                f"| {r['id']} | {r['source']} | {r['kind']} | "
+                f"{_fmt(r['published'], r['unit'])} | {_fmt(r['low'], r['unit'])} .. "
+                f"{_fmt(r['estimate'], r['unit'])} | {r['low_error']:+.1%} .. "
+                f"{r['error']:+.1%} (interval, published {inside}) |"
             )
         else:
             lines.append(
@@ -262,15 +290,27 @@ gradient accumulation. Mechanisms not modelled that these rows may still miss:
   stores them as a ctx attribute, not `save_for_backward`), `validate` (unchunked
   head, bf16 cross-entropy) and `generate_example`'s KV cache as their own phases;
   both phases stay below the training step on every row.
-- LitGPT QLoRA, config hub (4-6 % under): not modelled: quantise-on-load copies,
-  `bnb.optim.PagedAdamW` (states in managed memory, only tensors under 1e5 elements
-  in the torch allocator; modelled as torch AdamW). Not verified on a GPU here.
-- LitGPT QLoRA, resource tables (6 % over): the replay retains a previous
-  micro-batch of the same 1304 tokens, but lit_gpt@8641822 runs only the first batch
-  at the longest length (later ones are random, shorter examples); it also has a
-  bf16 RMSNorm and `loss` holding the graph until the next cross-entropy, which the
-  5895df10 replay does not distinguish.
-- LitGPT LoRA (2-6 % under): cuBLAS/cuDNN workspaces of `conv1d` are not modelled.
+- LitGPT is keyed on the code each row ran (`litgpt=5895df10` for the config hub,
+  `litgpt=8641822` for the resource tables, `trainmem/versions.py`): before 6178c7cc
+  RMSNorm runs in bf16 (it saves the bf16 input, not an fp32 copy) and the RoPE cache
+  is fp16; before bbf982aa the loop's `loss` holds the previous graph (and its
+  bitsandbytes `ctx.tensors`) until the next cross-entropy.
+- QLoRA rows run `bnb.optim.PagedAdamW` (finetune/lora.py at both commits): fp32
+  states, those of tensors from 1e5 elements in CUDA managed memory, outside
+  `max_memory_allocated` (bitsandbytes `Optimizer8bit.get_state_buffer`); LoRA's A
+  and B matrices are all under 1e5 elements here, so every state stays in the
+  allocator, in fp32.
+- Resource tables: lit_gpt@8641822 runs the longest example at iteration 0 only;
+  the length of the micro-batch before a later one is not published, so those rows
+  show an interval: no previous micro-batch (shortest assumption) .. a previous one
+  of the same length (longest); a row counts as within when the published value lies
+  inside it. The medians use the longest assumption.
+- Not modelled: quantise-on-load copies (one fp16 weight at a time on the GPU, below
+  the training step's peak); `flash_attn` (8641822 calls it when installed: the same
+  saved q, k, v, output and log-sum-exp as SDPA's flash kernel); cuBLAS/cuDNN
+  workspaces of `conv1d`. LitGPT LoRA rows stay under (config hub 2.5-5 %, resource
+  tables 6-11 %), QLoRA config-hub rows 4.6-6.4 % under: a mechanism that grows with
+  the micro-batch is still missing. Not verified on a GPU here.
 - torchtune: its own decoder and loss; the packed row has no compile, no chunked
   cross-entropy and no checkpointing, the closest to what is modelled.
 - peft method comparison: every example is truncated to `max_seq_length` 768

@@ -207,7 +207,7 @@ def test_parse_versions_and_boundaries():
     assert v["transformers"] == (4, 48, 1) and v["bitsandbytes"] == (0, 43, 1)
     assert v["torch"] == parse_versions(None)["torch"]
     assert parse_versions({"torch": "2.4.1+cu121"})["torch"] == (2, 4, 1)
-    assert set(PINNED) == {"transformers", "peft", "bitsandbytes", "torch"}
+    assert set(PINNED) == {"transformers", "peft", "bitsandbytes", "torch", "litgpt"}
     assert [loss_form(parse_versions(f"transformers={t}")) for t in
             ("4.45.2", "4.46.0", "4.48.1", "4.49.0")] == [
         "per-model", "shift", "shift", "pad"]  # fmt: skip

@@ -203,3 +203,98 @@ def test_measure_refuses_litgpt():
     with pytest.raises(OptionError) as e:
         measure("tiny", method="lora", framework="litgpt", precision="bf16")
     assert e.value.option == "framework" and "allowed for measure: hf" in str(e.value)
+
+
+# --------------------------------------------------------------------------------------
+# the LitGPT version a row ran (--versions litgpt=<release or commit>)
+# --------------------------------------------------------------------------------------
+def test_litgpt_versions_parse_and_key_behaviours():
+    from trainmem.versions import (
+        litgpt_loss_holds_graph,
+        litgpt_rmsnorm_fp32,
+        litgpt_rope_fp32,
+        parse_versions,
+    )
+
+    old = parse_versions("litgpt=8641822b3249")
+    new = parse_versions("litgpt=5895df10")
+    release = parse_versions("litgpt=0.4.0")
+    assert old["litgpt"] < new["litgpt"] <= release["litgpt"]
+    assert not litgpt_rmsnorm_fp32(old) and litgpt_rmsnorm_fp32(new)
+    assert not litgpt_rope_fp32(old) and litgpt_rope_fp32(release)
+    assert litgpt_loss_holds_graph(old) and not litgpt_loss_holds_graph(new)
+    for bad, needle in [
+        ("litgpt=deadbeef", "not one the replay knows"),
+        ("litgpt=0.1.0", "name a commit"),
+        ("litgpt=main", "not a release or a commit"),
+    ]:
+        with pytest.raises(OptionError, match=needle) as e:
+            StepConfig(framework="litgpt", versions=bad)
+        assert e.value.option == "versions"
+
+
+def test_rmsnorm_in_bf16_before_6178c7cc():
+    """lit_gpt/rmsnorm.py@8641822 keeps ``x * x`` and ``x * rsqrt`` in bf16: each
+    norm whose input requires grad saves the bf16 input (2 B) instead of the fp32
+    upcast (4 B), and a bf16 ``rsqrt`` output (b·s, 2 B instead of 4 B); norm_1 of
+    layer 0 reads the frozen embedding (nothing saved)."""
+    b, s = 2, 64
+    shape = model_shape("tiny")
+    kw = dict(LIT, method="lora", batch=b, seq=s, use_cache="off")
+
+    def act(commit):
+        return estimate("tiny", versions=f"litgpt={commit}", **kw).activation_bytes
+
+    norms_with_grad = 2 * shape.layers  # all but layer 0's norm_1, and ln_f
+    per_norm = 2 * b * s * shape.hidden + 2 * b * s
+    assert act("5895df10") - act("8641822") == norms_with_grad * per_norm
+
+
+def test_paged_adamw_states_outside_the_allocator():
+    """bitsandbytes' PagedAdamW keeps fp32 states; those of tensors from 1e5 elements
+    are paged (managed memory, not in max_memory_allocated)."""
+    from trainmem.optimizers import PAGED_MIN_NUMEL, optimizer
+
+    spec = optimizer("paged_adamw")
+    small = spec.states((8, 4096), "bf16")
+    big = spec.states((32000, 8), "bf16")
+    assert [(st.dtype, st.paged) for st in small] == [("fp32", False)] * 2
+    assert 32000 * 8 >= PAGED_MIN_NUMEL and all(st.paged for st in big)
+    # TinyLlama's shape: lm_head's lora_B (32000 x 32) and each fused qkv lora_A
+    # (2·32 x 2048: q and v share one A) are paged; every other adapter is under 1e5
+    # elements
+    tinyllama = dict(
+        model_type="llama", vocab_size=32000, hidden_size=2048,
+        intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+        num_key_value_heads=4, tie_word_embeddings=False,
+    )  # fmt: skip
+    kw = dict(LIT, method="lora", lora_rank=32, seq=16, use_cache="off")
+    kw["lora_targets"] = ("q_proj", "v_proj", "lm_head")
+
+    est = estimate(tinyllama, **dict(kw, optimizer="paged_adamw"))
+    states = est.to_dict()["breakdown"]["optimizer_states"]
+    # fp32 m and v of the unpaged adapters; no step tensor
+    paged = 32000 * 32 + 22 * (2 * 32 * 2048)
+    assert states == 2 * 4 * (est.n_trainable - paged)
+
+
+def test_previous_seq_and_the_graph_loss_holds():
+    """lit_gpt@8641822's ``loss`` holds the previous graph, and bitsandbytes 0.41.1
+    keeps each 4-bit Linear's input in ``ctx.tensors``, until this micro-batch's
+    cross-entropy: with a previous micro-batch the forward peaks higher;
+    ``previous_seq=0`` (the first micro-batch) has none."""
+    kw = dict(LIT, method="qlora", kbit_prepare="none", batch=2, seq=256)
+    kw["use_cache"] = "off"
+
+    def forward_peak(commit, prev):
+        versions = f"bitsandbytes=0.41.1,litgpt={commit}"
+        est = estimate("tiny", previous_seq=prev, versions=versions, **kw)
+        return est.to_dict()["phase_peaks"]["forward"]
+
+    assert forward_peak("8641822", None) > forward_peak("8641822", 0)
+    with pytest.raises(OptionError) as e:
+        StepConfig(previous_seq=128)
+    assert e.value.option == "previous_seq"
+    with pytest.raises(OptionError) as e:
+        StepConfig(framework="litgpt", previous_seq=-1)
+    assert e.value.option == "previous_seq"

@@ -204,6 +204,14 @@ class StepConfig:
         estimate_only=True,
     )
 
+    previous_seq: int | None = _option(
+        None,
+        "litgpt: tokens of the micro-batch before this one, whose logits (and graph) "
+        "the loop still references during this forward; 0: none (the run's first "
+        "micro-batch); default: seq",
+        kind="int",
+        estimate_only=True,
+    )
     framework: str = _option(
         "hf",
         "whose training step: hf (transformers + peft, the Trainer's loop) or litgpt "
@@ -247,6 +255,19 @@ class StepConfig:
         check_choice("kbit_prepare", self.kbit_prepare, KBIT_PREPARE)
         check_choice("kernels", self.kernels, KERNELS)
         check_choice("framework", self.framework, FRAMEWORKS)
+        if self.previous_seq is not None:
+            p = self.previous_seq
+            if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+                raise OptionError(
+                    "previous_seq",
+                    f"previous_seq must be an integer >= 0, got {p!r}",
+                )
+            if self.framework != "litgpt":
+                raise OptionError(
+                    "previous_seq",
+                    "previous_seq is a litgpt option (its loop keeps the previous "
+                    "micro-batch's logits); the hf replay drops them",
+                )
         if self.framework == "litgpt" and self.attn == "eager":
             raise OptionError(
                 "attn",

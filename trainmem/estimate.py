@@ -159,6 +159,7 @@ from .config import (
 from .dtypes import GB, GiB, nf4_bytes_per_weight
 from .families import FAMILIES, lora_adapter_params
 from .from_hf import ALL_LINEAR, HF_OPTIMS, hf_field_error, hf_options
+from .versions import version_text
 
 __all__ = [
     "ATTN_IMPLS",
@@ -499,7 +500,7 @@ def _options_record(shape: Shape, step: StepConfig) -> dict[str, Any]:
         checkpointing_mode=step.checkpointing_mode,
         lora_dropout=step.lora_dropout,
         use_cache="on" if step.cache_on else "off",
-        versions={k: ".".join(map(str, v)) for k, v in step.library_versions.items()},
+        versions={k: version_text(k, v) for k, v in step.library_versions.items()},
         kbit_prepare=step.kbit_prepare,
         framework=step.framework,
     )

@@ -43,6 +43,9 @@ class State:
 
     shape: tuple[int, ...]
     dtype: str
+    #: in CUDA managed memory (``cudaMallocManaged``), outside torch's caching
+    #: allocator: not in ``max_memory_allocated``
+    paged: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,20 @@ def _adamw8bit(shape, dtype):
     )
 
 
+#: bitsandbytes ``optim/optimizer.py`` (0.41.1, 0.42.0) ``Optimizer8bit.
+#: get_state_buffer``: ``if not self.is_paged or p.numel() < 1e5: torch.zeros_like``,
+#: else ``F.get_paged`` (``cudaMallocManaged``)
+PAGED_MIN_NUMEL = 100_000
+
+
+def _paged_adamw(shape, dtype):
+    """bitsandbytes ``PagedAdamW`` (``optim_bits=32``): ``Optimizer2State.init_state``
+    makes ``state1`` and ``state2`` fp32 through ``get_state_buffer`` (paged from
+    :data:`PAGED_MIN_NUMEL` elements on); ``state["step"]`` is a Python int."""
+    paged = math.prod(shape) >= PAGED_MIN_NUMEL
+    return (State(shape, "fp32", paged), State(shape, "fp32", paged))
+
+
 def _adafactor(shape, dtype):
     if len(shape) < 2:
         return (_step_count(), State(shape, dtype))  # "variance"
@@ -153,6 +170,17 @@ OPTIMIZERS: dict[str, Optimizer] = {
             hf_optims=dict.fromkeys(
                 ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit"), "foreach"
             ),
+        ),
+        Optimizer(
+            "paged_adamw",
+            "bitsandbytes PagedAdamW (32-bit): fp32 states, those of tensors from "
+            "1e5 elements in CUDA managed memory outside torch's allocator",
+            _paged_adamw,
+            lambda p: 8,
+            _impls(dict.fromkeys(IMPLS)),  # one fused 32-bit kernel, in place
+            "foreach",
+            unmeasurable="needs bitsandbytes on CUDA",
+            hf_optims={"paged_adamw_32bit": "foreach"},
         ),
         Optimizer(
             "sgd",

@@ -5,21 +5,75 @@ them.
 subset) names the versions a user runs; the ones left out are the versions this course
 pins (``constraints.txt``). Each behaviour below names the release that changed it.
 
+``litgpt=`` takes a release (0.3.1 or later) or a commit of Lightning-AI/litgpt
+(:data:`LITGPT_COMMITS`): the ``lit_gpt`` package stayed at ``0.1.0`` from October
+2023 to April 2024 while its training step changed, so LitGPT's version is kept as the
+date of its code, ``(year, month, day)``.
+
 Standard library only (the in-page calculator runs it in Pyodide)."""
 
 from __future__ import annotations
 
 from .errors import OptionError
 
-LIBRARIES = ("transformers", "peft", "bitsandbytes", "torch")
+LIBRARIES = ("transformers", "peft", "bitsandbytes", "torch", "litgpt")
 #: the versions this course pins (constraints.txt; bitsandbytes: the current release,
-#: not installed on CPU)
+#: not installed on CPU; litgpt: not installed, the commit :mod:`trainmem.memory.litgpt`
+#: was read at — the config hub's benchmark table)
 PINNED = {
     "transformers": "5.24.0",
     "peft": "0.21.2",
     "bitsandbytes": "0.48.2",
     "torch": "2.13.0",
+    "litgpt": "5895df10",
 }
+#: Lightning-AI/litgpt commits by the date of their code (``git log -1 --format=%ad``)
+LITGPT_COMMITS = {
+    "8641822": (2023, 10, 16),  # lit_gpt 0.1.0, the resource tables' version
+    "6178c7cc": (2023, 10, 24),  # "Half precision fixes (#606)"
+    "bbf982aa": (2024, 1, 21),  # "Updates to full-finetune script (#893)"
+    "5895df10": (2024, 4, 26),  # the config hub's benchmark table
+    "26857050": (2026, 6, 29),
+}
+#: the first tagged release (v0.3.1, b7f77316, 2024-05-08): every LitGPT behaviour
+#: below changed before it, so any release from it on is dated by it
+LITGPT_FIRST_RELEASE = ((0, 3, 1), (2024, 5, 8))
+
+
+def _litgpt_date(text: str) -> tuple[int, ...]:
+    """A LitGPT release or commit → the date of its code."""
+    key = text.strip().lower()
+    for commit, date in LITGPT_COMMITS.items():
+        if len(key) >= 7 and (commit.startswith(key) or key.startswith(commit)):
+            return date
+    if all(c in "0123456789abcdef" for c in key) and len(key) >= 7:
+        raise OptionError(
+            "versions",
+            f"versions: litgpt commit {text!r} is not one the replay knows; known: "
+            f"{', '.join(LITGPT_COMMITS)}, or a release >= 0.3.1",
+        )
+    try:
+        release = _parse_version(key)
+    except ValueError:
+        raise OptionError(
+            "versions", f"versions: litgpt={text!r} is not a release or a commit"
+        ) from None
+    first, date = LITGPT_FIRST_RELEASE
+    if release < first:
+        raise OptionError(
+            "versions",
+            f"versions: litgpt={text!r}: lit_gpt 0.1.0 covers code from 2023-10 to "
+            f"2024-04 whose training step changed; name a commit instead "
+            f"({', '.join(LITGPT_COMMITS)})",
+        )
+    return date
+
+
+def version_text(lib: str, version: tuple[int, ...]) -> str:
+    """How a parsed version is shown (LitGPT's: the date of its code)."""
+    if lib == "litgpt":
+        return "code of " + "-".join(f"{n:02d}" for n in version)
+    return ".".join(map(str, version))
 
 
 def _parse_version(text: str) -> tuple[int, ...]:
@@ -74,6 +128,9 @@ def parse_versions(spec) -> dict[str, tuple[int, ...]]:
             )
     for lib in LIBRARIES:
         text = named.get(lib, PINNED[lib])
+        if lib == "litgpt":
+            out[lib] = _litgpt_date(text)
+            continue
         try:
             out[lib] = _parse_version(text)
         except ValueError:
@@ -117,3 +174,28 @@ def cache_copies_kv(v: dict) -> bool:
     returns a new K and V per layer, which the cache holds until the model output is
     dropped; before 4.56 the first update stored the tensors themselves."""
     return v["transformers"] >= (4, 56)
+
+
+def litgpt_rmsnorm_fp32(v: dict) -> bool:
+    """LitGPT's ``RMSNorm.forward`` upcasts (``x = x.float()``, the norm in fp32,
+    ``.to(dtype)`` before ``* weight``) since 6178c7cc (2023-10-24, "Half precision
+    fixes"); before, ``lit_gpt/rmsnorm.py`` computes ``x * x``, the mean, ``x *
+    rsqrt`` and ``weight * x_normed`` in the module's dtype."""
+    return v["litgpt"] >= LITGPT_COMMITS["6178c7cc"]
+
+
+def litgpt_rope_fp32(v: dict) -> bool:
+    """``build_rope_cache`` returns fp32 ``cos``/``sin`` since 6178c7cc; before,
+    ``rope_cache()`` passes ``torch.get_default_dtype()`` (bf16 under
+    ``fabric.init_module``) and it returns ``cos.half(), sin.half()`` — fp16 buffers,
+    whose product with a bf16 ``x`` promotes to fp32 all the same."""
+    return v["litgpt"] >= LITGPT_COMMITS["6178c7cc"]
+
+
+def litgpt_loss_holds_graph(v: dict) -> bool:
+    """finetune/lora.py's loop variable ``loss`` (the graph's output) is rebound by
+    the next micro-batch's ``chunked_cross_entropy`` until bbf982aa (2024-01-21), which
+    logs ``running_loss.update(loss.detach())`` and rebinds ``loss`` to a float each
+    log interval: before, the previous graph — and what its nodes keep outside
+    ``save_for_backward`` — lives through the next forward and its cross-entropy."""
+    return v["litgpt"] < LITGPT_COMMITS["bbf982aa"]

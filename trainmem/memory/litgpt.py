@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..versions import litgpt_rope_fp32
 from .accounting import SimTensor, Simulator, new, view
 from .autograd import checkpoint, param, record
 from .ops import (
@@ -197,8 +198,10 @@ def build_params(sim: Simulator, shape, step, param_dtype: str | None = None):
     ln_f = make((h,), full)
     # GPT.max_seq_length = min(longest, max_seq_length) rebuilds the RoPE cache after
     # setup: build_rope_cache returns fp32 cos and sin of (max_seq_length, rope_n_elem)
+    # (fp16 before 6178c7cc: trainmem.versions.litgpt_rope_fp32)
+    rope_dtype = "fp32" if litgpt_rope_fp32(step.library_versions) else "fp16"
     buffers = [
-        new(sim, (step.seq, d), "fp32", category="weights") for _ in ("cos", "sin")
+        new(sim, (step.seq, d), rope_dtype, category="weights") for _ in ("cos", "sin")
     ]
     model = LitGPT(lm_head, wte, blocks, ln_f, buffers)
     return model
@@ -389,10 +392,24 @@ def qkv_forward(sim: Simulator, x: SimTensor, lin: LitLinear, keep=None):
     return add(sim, pretrained, lora)
 
 
-def rmsnorm(sim: Simulator, x: SimTensor, w: SimTensor) -> SimTensor:
+def rmsnorm(sim: Simulator, x: SimTensor, w: SimTensor, fp32: bool = True):
     """LitGPT's ``RMSNorm``: ``x.float()``; ``mean(x * x)``; ``x * rsqrt(norm +
-    eps)``; ``.to(dtype)``; ``* weight``."""
+    eps)``; ``.to(dtype)``; ``* weight``. ``fp32=False``: lit_gpt/rmsnorm.py before
+    6178c7cc (:func:`trainmem.versions.litgpt_rmsnorm_fp32`), the same ops in ``x``'s
+    dtype and ``self.weight * x_normed``."""
     dtype = x.dtype
+    if not fp32:
+        sq = mul(sim, x, x)
+        norm_x = mean_last(sim, sq)
+        del sq
+        eps = new(sim, norm_x.shape, dtype)  # norm_x + self.eps
+        record(sim, eps, [norm_x], [], lambda node, g: [g])
+        del norm_x
+        r = rsqrt(sim, eps)
+        del eps
+        x_normed = mul(sim, x, r)
+        del r
+        return mul(sim, w, x_normed)
     xf = cast(sim, x, "fp32")
     sq = mul(sim, xf, xf)
     norm_x = mean_last(sim, sq)
@@ -470,12 +487,13 @@ def mlp(sim, x, block: LitBlock, keep=None) -> SimTensor:
 def block_forward(sim, x, cos, sin, block: LitBlock, cfg) -> SimTensor:
     """``Block.forward`` (non-parallel residual): ``x = attn(norm_1(x)) + x``; ``x =
     mlp(norm_2(x)) + x``."""
-    x_normed = rmsnorm(sim, x, block.norm_1)
+    fp32 = cfg.get("rmsnorm_fp32", True)
+    x_normed = rmsnorm(sim, x, block.norm_1, fp32)
     attention_output = attention(sim, x_normed, block, cos, sin, cfg)
     del x_normed
     x = add(sim, attention_output, x)
     del attention_output
-    m = mlp(sim, rmsnorm(sim, x, block.norm_2), block, cfg.get("bnb_ctx"))
+    m = mlp(sim, rmsnorm(sim, x, block.norm_2, fp32), block, cfg.get("bnb_ctx"))
     return add(sim, m, x)
 
 
@@ -507,11 +525,11 @@ def forward_loss(sim, model: LitGPT, ids, targets, cfg, held: list) -> SimTensor
             )
         else:
             x = block_forward(sim, x, cos, sin, block, cfg)
-    x = rmsnorm(sim, x, model.ln_f)
+    x = rmsnorm(sim, x, model.ln_f, cfg.get("rmsnorm_fp32", True))
     vocab = model.lm_head.w.shape[0]
     ctx = cfg.pop("bnb_ctx")
     if not cfg.get("chunked_head", True):
-        return _full_loss(sim, model, x, targets, held, ctx)
+        return _full_loss(sim, model, x, targets, held, cfg, ctx)
     chunks = [
         view(x, (b, min(LM_HEAD_CHUNK, s - i), x.shape[-1]))
         for i in range(0, s, LM_HEAD_CHUNK)
@@ -519,11 +537,9 @@ def forward_loss(sim, model: LitGPT, ids, targets, cfg, held: list) -> SimTensor
     logits = [lora_forward(sim, c, model.lm_head, ctx) for c in chunks]
     del chunks, x
     # the loop rebinds ``logits``: the previous list goes now, and with it the
-    # previous graph and the inputs its 4-bit Linears kept in ``ctx.tensors``
-    held.clear()
-    held.extend(logits)
-    held.extend(ctx or ())
-    del ctx
+    # previous graph and the inputs its 4-bit Linears kept in ``ctx.tensors`` —
+    # unless the loop's ``loss`` still holds that graph (:func:`_hold_graph`)
+    _rebind_logits(held, logits, ctx, cfg)
     last = logits[-1]
     logits[-1] = narrow(sim, last, (b, last.shape[1] - 1, vocab))
     del last
@@ -558,10 +574,29 @@ def forward_loss(sim, model: LitGPT, ids, targets, cfg, held: list) -> SimTensor
     del cat
     loss = mul_scalar(sim, summed)  # / non_masked_elems: a new 0-d tensor
     del summed, non_masked
+    _rebind_loss(ctx, cfg)
     return loss
 
 
-def _full_loss(sim, model: LitGPT, x, targets, held: list, ctx=None) -> SimTensor:
+def _rebind_logits(held: list, logits: list, ctx, cfg) -> None:
+    """``logits = model(...)``: the previous micro-batch's chunk list is released;
+    its graph's ``ctx.tensors`` (``cfg["held_graph"]``) go with it unless the loop's
+    ``loss`` holds that graph (``cfg["loss_holds_graph"]``)."""
+    held.clear()
+    held.extend(logits)
+    if not cfg.get("loss_holds_graph"):
+        cfg.setdefault("held_graph", [])[:] = ctx or ()
+
+
+def _rebind_loss(ctx, cfg) -> None:
+    """``loss = chunked_cross_entropy(...)`` (lit_gpt before bbf982aa,
+    :func:`trainmem.versions.litgpt_loss_holds_graph`): the previous ``loss`` and the
+    graph it reaches are released only now, after this micro-batch's cross-entropy."""
+    if cfg.get("loss_holds_graph"):
+        cfg.setdefault("held_graph", [])[:] = ctx or ()
+
+
+def _full_loss(sim, model: LitGPT, x, targets, held: list, cfg, ctx=None):
     """finetune/full.py: ``logits = model(input_ids)`` (one ``lm_head`` over every
     token) and ``chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:])``: the
     sliced logits reshaped to rows (a copy when the batch is > 1), split into chunks
@@ -569,10 +604,7 @@ def _full_loss(sim, model: LitGPT, x, targets, held: list, ctx=None) -> SimTenso
     b, s, _ = x.shape
     logits = lora_forward(sim, x, model.lm_head, ctx)
     del x
-    held.clear()
-    held.append(logits)
-    held.extend(ctx or ())
-    del ctx
+    _rebind_logits(held, [logits], ctx, cfg)
     vocab = logits.shape[-1]
     rows = b * (s - 1)
     sliced = narrow(sim, logits, (b, s - 1, vocab))
@@ -599,6 +631,7 @@ def _full_loss(sim, model: LitGPT, x, targets, held: list, ctx=None) -> SimTenso
     del cat
     loss = mul_scalar(sim, summed)
     del summed, non_masked
+    _rebind_loss(ctx, cfg)
     return loss
 
 
@@ -661,7 +694,7 @@ def validation_loss(sim: Simulator, model: LitGPT, ids, targets, cfg) -> None:
     x = embedding(sim, ids, model.wte)
     for block in model.blocks:
         x = block_forward(sim, x, cos, sin, block, cfg)
-    x = rmsnorm(sim, x, model.ln_f)
+    x = rmsnorm(sim, x, model.ln_f, cfg.get("rmsnorm_fp32", True))
     logits = lora_forward(sim, x, model.lm_head)
     del x
     vocab = logits.shape[-1]

@@ -11,8 +11,8 @@ from .autograd import record
 def _promote(a: str, b: str) -> str:
     if a == b:
         return a
-    if "fp32" in (a, b):
-        return "fp32"
+    if "fp32" in (a, b) or {a, b} == {"fp16", "bf16"}:
+        return "fp32"  # torch.promote_types(bfloat16, float16) is float32
     return a
 
 

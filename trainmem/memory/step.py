@@ -11,7 +11,13 @@ from .autograd import backward
 from .llama import Model, build_params, llama_loss, trainable_params
 from .ops import mul_scalar
 from ..dtypes import nf4_bytes_per_weight
-from ..versions import bnb_saves_input, cache_copies_kv, loss_form
+from ..versions import (
+    bnb_saves_input,
+    cache_copies_kv,
+    litgpt_loss_holds_graph,
+    litgpt_rmsnorm_fp32,
+    loss_form,
+)
 from . import litgpt
 
 from ..optimizers import optimizer
@@ -238,12 +244,15 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
 
 def _optimizer_states(sim: Simulator, params: list, step, state_dtype) -> list:
     """The optimizer states created in step 1 (``state_dtype`` ``None``: each
-    parameter's own dtype), sharded under ZeRO."""
+    parameter's own dtype), sharded under ZeRO. Paged states (bitsandbytes' paged
+    optimizers, :class:`trainmem.optimizers.State` ``paged``) live in CUDA managed
+    memory, outside the caching allocator this replay models: not allocated here."""
     spec = optimizer(step.optimizer)
     states = [
         new(sim, st.shape, st.dtype, category="optimizer_states")
         for p in params
         for st in spec.states(p.shape, state_dtype or p.dtype)
+        if not st.paged
     ]
     if step.zero >= 1:
         for st in states:
@@ -271,11 +280,18 @@ def _forward_backward(
     activations_at_end = 0
     litgpt_logits = []
     if step.framework == "litgpt":
+        versions = step.library_versions
+        cfg["rmsnorm_fp32"] = litgpt_rmsnorm_fp32(versions)
+        cfg["loss_holds_graph"] = litgpt_loss_holds_graph(versions)
         # finetune/lora.py's loop variable ``logits``: the previous micro-batch's chunk
-        # list is alive until this forward's list is assigned to it
-        litgpt_logits = _previous_logits(sim, model, step)
+        # list (of ``previous_seq`` tokens; 0: none, the run's first micro-batch) is
+        # alive until this forward's list is assigned to it
+        prev = step.seq if step.previous_seq is None else step.previous_seq
+        litgpt_logits = _previous_logits(sim, model, step, prev) if prev else []
         # with it the previous graph and its 4-bit Linears' ``ctx.tensors``
-        litgpt_logits += litgpt.retained_inputs(sim, model, step.batch, step.seq)
+        cfg["held_graph"] = (
+            litgpt.retained_inputs(sim, model, step.batch, prev) if prev else []
+        )
     for _ in range(step.grad_accum):
         sim.set_phase("forward")
         sim.autocast = autocast
@@ -317,17 +333,17 @@ def _litgpt_eval(sim: Simulator, model, step, batch, cfg) -> None:
     del cache  # model.clear_kv_cache()
 
 
-def _previous_logits(sim: Simulator, model, step) -> list:
-    """The logits chunks of the micro-batch before the step (bf16 ``lm_head``
-    outputs, ``(batch, <=128, vocab)`` each), allocated in that micro-batch's
-    forward."""
+def _previous_logits(sim: Simulator, model, step, seq: int) -> list:
+    """The logits chunks of the micro-batch before the step (``seq`` tokens; bf16
+    ``lm_head`` outputs, ``(batch, <=128, vocab)`` each), allocated in that
+    micro-batch's forward."""
     vocab = model.lm_head.w.shape[0]
     # autocast's dtype, else the module's
     dtype = _HALF.get(step.precision, model.wte.dtype)
-    chunk = litgpt.LM_HEAD_CHUNK if step.method != "full" else step.seq
+    chunk = litgpt.LM_HEAD_CHUNK if step.method != "full" else seq
     return [
-        new(sim, (step.batch, min(chunk, step.seq - i), vocab), dtype, "activations")
-        for i in range(0, step.seq, chunk)
+        new(sim, (step.batch, min(chunk, seq - i), vocab), dtype, "activations")
+        for i in range(0, seq, chunk)
     ]
 
 
@@ -373,6 +389,7 @@ def simulate_step(shape, step, record_events: bool = False) -> dict:
     if step.framework == "litgpt" and step.zero == 0:
         _litgpt_eval(sim, model, step, (ids, labels), cfg)
     cfg.pop("held", None)
+    cfg.pop("held_graph", None)
     sim.set_phase("idle")
     events = sim.events
     sim.events = None  # the rest is teardown
