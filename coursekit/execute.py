@@ -105,7 +105,7 @@ def cuda_visible(python: str | None = None) -> bool:
 
 
 def _run(nb, path: Path, timeout: int, env: dict) -> None:
-    from nbclient import NotebookClient
+    from coursekit.nbclient import NotebookClient
 
     NotebookClient(
         nb,

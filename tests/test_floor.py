@@ -96,7 +96,7 @@ def test_this_interpreter_is_the_floor():
     "path", _heaviest_first(), ids=lambda p: f"{p.parent.name}/{p.name}"
 )
 def test_notebook_runs_at_floor(path):
-    from nbclient import NotebookClient
+    from coursekit.nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
     probe = nbformat.v4.new_code_cell(VERSIONS_CELL % (FLOOR_PACKAGES,))

@@ -68,7 +68,7 @@ def test_stored_gpu_output_is_a_labelled_run(path):
 
 @pytest.mark.parametrize("path", _gpu_notebooks(), ids=lambda p: p.name)
 def test_gpu_cells_run_on_cpu(path, tmp_path):
-    from nbclient import NotebookClient
+    from coursekit.nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
     if path.parent.name == "solutions":

@@ -378,7 +378,7 @@ class Session:
         self.kernel_pid: int | None = None
 
     def _client(self):
-        from nbclient import NotebookClient
+        from coursekit.nbclient import NotebookClient
 
         n_student, cap = self.n_student, int(self.spec.get("max_output", 200_000))
 
