@@ -279,17 +279,20 @@ workspaces; OOM rows compare `fits`).
 
 LitGPT rows run with `framework="litgpt"` (`trainmem.memory.litgpt`: the fused `qkv`
 with `LoRAQKVLinear` — one dropout on the shared input, `conv1d`, `zero_pad` —, fp32
-RMSNorm, fp32 RoPE buffers, `lm_head` in 128-token chunks with a bf16 cross-entropy per
-chunk (`finetune/full.py`: one unchunked head, 128-row chunks), the loop's `logits`
-alive into the next forward, every Linear incl. `lm_head` 4-bit under QLoRA), with
-bitsandbytes 0.42.0 (LitGPT's pin) for the config hub and each yaml's global batch as
-gradient accumulation. Mechanisms not modelled that these rows may still miss:
+RMSNorm, fp32 RoPE buffers, `lm_head` in 128-token chunks, each returned in fp32 by
+Fabric's wrapper (`_FabricModule.forward` calls the precision plugin's
+`convert_output`, a cast to `torch.get_default_dtype()`) and a cross-entropy per fp32
+chunk (`finetune/full.py`: one unchunked head, 128-row chunks), the loop's fp32
+`logits` alive into the next forward, every Linear incl. `lm_head` 4-bit under
+QLoRA), with bitsandbytes 0.42.0 (LitGPT's pin) for the config hub and each yaml's
+global batch as gradient accumulation. Mechanisms not modelled that these rows may
+still miss:
 
 - modelled besides the step (LitGPT never resets the peak counter): the previous
   graph's bitsandbytes `ctx.tensors` inputs alive with the loop's `logits` (0.42.0
   stores them as a ctx attribute, not `save_for_backward`), `validate` (unchunked
-  head, bf16 cross-entropy) and `generate_example`'s KV cache as their own phases;
-  both phases stay below the training step on every row.
+  head, fp32 logits and cross-entropy) and `generate_example`'s KV cache as their
+  own phases; both phases stay below the training step on every row.
 - LitGPT is keyed on the code each row ran (`litgpt=5895df10` for the config hub,
   `litgpt=8641822` for the resource tables, `trainmem/versions.py`): before 6178c7cc
   RMSNorm runs in bf16 (it saves the bf16 input, not an fp32 copy) and the RoPE cache

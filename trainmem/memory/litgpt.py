@@ -23,9 +23,10 @@ Hugging Face stack (:mod:`.llama`):
   then ``* weight``;
 * ``model(input_ids, lm_head_chunk_size=128)``: ``lm_head`` on 128-token chunks
   (``x.split(128, dim=1)``), the last chunk sliced ``[..., :-1, :]``, and
-  ``chunked_cross_entropy``: a cross-entropy per chunk *in the logits' dtype* (no fp32
-  upcast), ``reduction="none"``, ``cat`` and ``sum``; the loop's ``logits`` list
-  lives until the next micro-batch's forward rebinds it;
+  ``chunked_cross_entropy``: a cross-entropy per chunk in the logits' dtype,
+  ``reduction="none"``, ``cat`` and ``sum``; the logits are fp32 by then: Fabric's
+  wrapper converts the module's outputs to the default dtype (:func:`fabric_output`);
+  the loop's ``logits`` list lives until the next micro-batch's forward rebinds it;
 * QLoRA: Fabric's ``BitsandbytesPrecision`` replaces *every* ``nn.Linear`` (the fused
   ``attn``, ``proj``, the MLP and ``lm_head``) by a 4-bit Linear quantised from fp16
   (``weight.to(torch.half)``: ``dequantize_4bit`` returns fp16, cast to the input's
@@ -536,6 +537,7 @@ def forward_loss(sim, model: LitGPT, ids, targets, cfg, held: list) -> SimTensor
     ]
     logits = [lora_forward(sim, c, model.lm_head, ctx) for c in chunks]
     del chunks, x
+    logits = fabric_output(sim, logits)
     # the loop rebinds ``logits``: the previous list goes now, and with it the
     # previous graph and the inputs its 4-bit Linears kept in ``ctx.tensors`` —
     # unless the loop's ``loss`` still holds that graph (:func:`_hold_graph`)
@@ -578,6 +580,28 @@ def forward_loss(sim, model: LitGPT, ids, targets, cfg, held: list) -> SimTensor
     return loss
 
 
+#: what Fabric's wrapped module returns its floating outputs as:
+#: ``torch.get_default_dtype()``, fp32 outside ``forward_context``
+FABRIC_OUTPUT_DTYPE = "fp32"
+
+
+def fabric_output(sim: Simulator, outputs: list) -> list:
+    """``_FabricModule.forward`` (lightning ``fabric/wrappers.py``, 2.1 to 2.3):
+    ``output = self._precision.convert_output(output)`` after the module's forward
+    and outside ``forward_context``. ``HalfPrecision`` (``bf16-true``/``16-true``,
+    ``fabric/plugins/precision/half.py``), ``BitsandbytesPrecision``
+    (``bitsandbytes.py``) and ``MixedPrecision`` (``amp.py``) all define it as
+    ``apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor,
+    dst_type=torch.get_default_dtype())``: every floating tensor of the returned list
+    — each ``lm_head`` chunk — is copied to fp32 (``tensor.to(dst_type)``, a
+    ``ToCopyBackward`` saving nothing) while the module's list is still referenced;
+    the 16-bit chunks go when ``apply_to_collection`` returns the new list. The loss
+    that follows (``log_softmax``, its saved output) is then in fp32."""
+    converted = [cast(sim, t, FABRIC_OUTPUT_DTYPE) for t in outputs]
+    del outputs[:]
+    return converted
+
+
 def _rebind_logits(held: list, logits: list, ctx, cfg) -> None:
     """``logits = model(...)``: the previous micro-batch's chunk list is released;
     its graph's ``ctx.tensors`` (``cfg["held_graph"]``) go with it unless the loop's
@@ -602,7 +626,7 @@ def _full_loss(sim, model: LitGPT, x, targets, held: list, cfg, ctx=None):
     sliced logits reshaped to rows (a copy when the batch is > 1), split into chunks
     of 128 *rows*, a cross-entropy per chunk in the logits' dtype."""
     b, s, _ = x.shape
-    logits = lora_forward(sim, x, model.lm_head, ctx)
+    logits = fabric_output(sim, [lora_forward(sim, x, model.lm_head, ctx)])[0]
     del x
     _rebind_logits(held, [logits], ctx, cfg)
     vocab = logits.shape[-1]
@@ -695,7 +719,7 @@ def validation_loss(sim: Simulator, model: LitGPT, ids, targets, cfg) -> None:
     for block in model.blocks:
         x = block_forward(sim, x, cos, sin, block, cfg)
     x = rmsnorm(sim, x, model.ln_f, cfg.get("rmsnorm_fp32", True))
-    logits = lora_forward(sim, x, model.lm_head)
+    logits = fabric_output(sim, [lora_forward(sim, x, model.lm_head)])[0]
     del x
     vocab = logits.shape[-1]
     rows = b * (s - 1)

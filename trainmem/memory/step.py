@@ -334,12 +334,11 @@ def _litgpt_eval(sim: Simulator, model, step, batch, cfg) -> None:
 
 
 def _previous_logits(sim: Simulator, model, step, seq: int) -> list:
-    """The logits chunks of the micro-batch before the step (``seq`` tokens; bf16
-    ``lm_head`` outputs, ``(batch, <=128, vocab)`` each), allocated in that
-    micro-batch's forward."""
+    """The logits chunks of the micro-batch before the step (``seq`` tokens;
+    ``(batch, <=128, vocab)`` each, as Fabric's wrapper returned them: fp32,
+    :func:`.litgpt.fabric_output`), allocated in that micro-batch's forward."""
     vocab = model.lm_head.w.shape[0]
-    # autocast's dtype, else the module's
-    dtype = _HALF.get(step.precision, model.wte.dtype)
+    dtype = litgpt.FABRIC_OUTPUT_DTYPE
     chunk = litgpt.LM_HEAD_CHUNK if step.method != "full" else seq
     return [
         new(sim, (step.batch, min(chunk, seq - i), vocab), dtype, "activations")
