@@ -390,3 +390,42 @@ def test_nccl_buffers_on_more_than_one_gpu():
         two["reserved_bytes"] + two["context_bytes"] + 2 * per_channel
     )
     assert two["headroom_bytes"] == two["capacity_bytes"] - two["device_bytes"]
+
+
+ACCUM_CASES = [
+    dict(model="llama2-7b", method="lora", seq=256, gpu="A100-40GB"),
+    dict(model="llama2-7b", method="qlora", seq=256, gpu="T4", precision="fp16-amp"),
+    dict(
+        model="llama2-7b", method="full", seq=128, gpu="A100-80GB", checkpointing=True
+    ),
+    dict(model="llama2-7b", method="lora", seq=256),  # no allocator replay
+    dict(
+        model="llama2-7b",
+        method="lora",
+        batch=4,
+        seq=1304,
+        gpu="A100-40GB",
+        framework="litgpt",
+        precision="bf16",
+        versions="litgpt=8641822,bitsandbytes=0.41.1",
+    ),
+    dict(model="llama2-13b", method="full", seq=128, zero=3, gpus=4, gpu="A100-80GB"),
+]
+
+
+@pytest.mark.parametrize("kw", ACCUM_CASES, ids=lambda kw: f"{kw['method']}")
+def test_repeating_micro_batches_are_not_replayed(kw, monkeypatch):
+    """Stopping once a micro-batch repeats the one before (the allocator left in the
+    same state; the tensors after three) reports every number the full replay of all
+    micro-batches reports. The LitGPT case reaches its allocator state only after
+    six micro-batches."""
+    from trainmem.memory import step as step_mod
+
+    kw = dict(kw)
+    model = kw.pop("model")
+    keys = ("total_bytes", "gpu_allocated_bytes", "reserved_bytes", "device_bytes")
+    short = estimate(model, **kw, grad_accum=9).to_dict()
+    monkeypatch.setattr(step_mod, "STOP_AT_REPEAT", False)
+    full = estimate(model, **kw, grad_accum=9).to_dict()
+    assert {k: short.get(k) for k in keys} == {k: full.get(k) for k in keys}
+    assert short["breakdown"] == full["breakdown"]

@@ -521,7 +521,16 @@ def estimate_step(
     else:
         from .memory.step import simulate_step
 
-        result = simulate_step(shape, step, record_events=gpu is not None or timeline)
+        from .gpus import replay_setup
+
+        result = simulate_step(
+            shape,
+            step,
+            record_events=gpu is not None or timeline,
+            replay_as=(
+                replay_setup(gpu, step.library_versions, step.gpus) if gpu else None
+            ),
+        )
         exact = True
         n_trainable = _trainable(shape, step)
     phase_peaks = result["phase_peaks"]

@@ -144,6 +144,20 @@ def nccl_bytes(gpus: int, channels: int = NCCL_MIN_RING_CHANNELS) -> int:
     return channels * per_channel
 
 
+def replay_setup(gpu_name: str, versions: dict, gpus: int = 1):
+    """What the step's events are replayed after and under on ``gpu_name``: the two
+    cuBLAS workspaces (allocated at the first matmul, they persist), and the bytes the
+    caching allocator may reserve (the card's memory less the CUDA context and NCCL's
+    buffers)."""
+    gpu = get_gpu(gpu_name)
+    workspace = cublas_workspace_bytes(gpu, versions["torch"])
+    prelude = [("alloc", -1 - i, workspace, "temporaries", "idle") for i in range(2)]
+    capacity = (
+        gpu.capacity_bytes - context_bytes(gpu, versions["torch"]) - nccl_bytes(gpus)
+    )
+    return prelude, capacity
+
+
 def device_report(
     events: list, gpu_name: str, versions: dict, timeline_points=0, gpus: int = 1
 ):
@@ -154,16 +168,13 @@ def device_report(
     from .memory.allocator import replay
 
     gpu = get_gpu(gpu_name)
-    torch_version = versions["torch"]
-    workspace = cublas_workspace_bytes(gpu, torch_version)
-    context = context_bytes(gpu, torch_version)
+    workspace = cublas_workspace_bytes(gpu, versions["torch"])
+    context = context_bytes(gpu, versions["torch"])
     nccl = nccl_bytes(gpus)
-    prelude = [("alloc", -1 - i, workspace, "temporaries", "idle") for i in range(2)]
+    prelude, capacity = replay_setup(gpu_name, versions, gpus)
     # under the card's limit the allocator releases its free cached segments before
     # it gives up, so a step can fit although its unlimited reserved peak does not
-    limited = replay(
-        prelude + events, gpu.capacity_bytes - context - nccl, timeline_points
-    )
+    limited = replay(prelude + events, capacity, timeline_points)
     unlimited = limited
     if limited["oom"] is not None or limited["released"]:
         unlimited = replay(prelude + events, None, timeline_points)

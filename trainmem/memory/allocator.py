@@ -260,3 +260,102 @@ def replay(events: list, capacity: int | None = None, timeline_points: int = 0):
         "released": alloc.released,
         "timeline": timeline,
     }
+
+
+MAX_PERIOD = 4  # the longest cycle of allocator states looked for
+
+
+class RepeatDetector:
+    """Follows the caching allocator through a step's micro-batches, to tell when
+    the states it is left in after each micro-batch start to cycle.
+
+    Micro-batches after the first run the same code on tensors of the same shapes, so
+    they record the same events; when one ends in the same allocator state as the
+    micro-batch ``p`` before it — the same segments split into the same blocks, each
+    block free or holding the tensor of the same role — the states cycle with period
+    ``p`` from there (a block freed in one micro-batch can alternate between two
+    places), so no later micro-batch reaches a peak of ``memory_allocated`` or
+    ``reserved`` not already seen, and the state after the last one is the state
+    after the one a whole number of periods before it. A tensor's role is its uid if
+    it was allocated before the second micro-batch (parameters, gradients, optimizer
+    states), else how many micro-batches ago and as which allocation of that
+    micro-batch it was made."""
+
+    def __init__(self, prelude: list = (), capacity: int | None = None):
+        self.alloc = CachingAllocator(capacity)
+        self.prelude = list(prelude)
+        self.oom = False  # the replay under ``capacity`` fails: nothing changes after
+        self.blocks: dict[int, Block | None] = {}
+        self.made: dict[int, tuple[int, int]] = {}  # uid -> (micro-batch, ordinal)
+        self.fed = 0
+        self.seen: list = []  # the signature after each micro-batch from the second
+
+    def _feed(self, events, micro_batch: int, ordinal: int) -> int:
+        try:
+            return self._feed_or_fail(events, micro_batch, ordinal)
+        except OutOfMemory:
+            self.oom = True
+            return ordinal
+
+    def _feed_or_fail(self, events, micro_batch: int, ordinal: int) -> int:
+        for ev in events:
+            if self.oom:
+                break
+            kind, uid = ev[0], ev[1]
+            if kind == "alloc":
+                self.blocks[uid] = self.alloc.malloc(ev[2])
+                self.made[uid] = (micro_batch, ordinal)
+                ordinal += 1
+            elif kind == "free":
+                if uid in self.blocks:
+                    self.alloc.release(self.blocks.pop(uid))
+                    self.made.pop(uid, None)
+            elif kind == "resize" and uid in self.blocks:
+                self.alloc.release(self.blocks.pop(uid))
+                self.blocks[uid] = self.alloc.malloc(ev[2])
+        return ordinal
+
+    def period(self, events: list, starts: list[int]) -> set[int]:
+        """Feed the events recorded so far (``starts``: where each micro-batch's
+        events begin; the last micro-batch has just ended) and return ``p`` when it
+        left the allocator as the micro-batch ``p`` before it did (the states cycle
+        with period ``p`` from there on; a freed block can alternate between two
+        places): the set of such ``p``, empty while there is none."""
+        j = len(starts) - 1  # the micro-batch that just ended (j >= 1)
+        if self.fed == 0:  # set-up and the first micro-batch, as replay() sees them
+            self._feed(self.prelude + _setup_at_final_size(events[: starts[1]]), 0, 0)
+            self.fed = starts[1]
+        self._feed(events[self.fed :], j, 0)
+        self.fed = len(events)
+        now = "out of memory" if self.oom else self.signature(j)
+        self.seen.append(now)
+        return self.periods()
+
+    def periods(self) -> set[int]:
+        """Every ``p`` (up to MAX_PERIOD) with the last state equal to the state
+        ``p`` micro-batches before it."""
+        now = self.seen[-1]
+        n = min(MAX_PERIOD, len(self.seen) - 1)
+        return {p for p in range(1, n + 1) if self.seen[-1 - p] == now}
+
+    def signature(self, j: int):
+        owner = {id(b): uid for uid, b in self.blocks.items() if b is not None}
+        segments = []
+        for seg in sorted(self.alloc._blocks):
+            block, out = self.alloc._blocks[seg], []
+            while block is not None:
+                uid = owner.get(id(block))
+                mb, n = self.made.get(uid, (0, 0))
+                role = None if block.free else (uid if mb == 0 else (j - mb, n))
+                out.append((block.size, role))
+                block = block.next
+            segments.append((self.alloc._segment_pool[seg], tuple(out)))
+        return (self.alloc.allocated, self.alloc.reserved, tuple(segments))
+
+
+def common_period(periods) -> int:
+    """The smallest period all detectors share (0: none yet)."""
+    common = None
+    for p in periods:
+        common = set(p) if common is None else common & set(p)
+    return min(common) if common else 0
