@@ -26,6 +26,7 @@ outside the medians."""
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import statistics
@@ -44,18 +45,38 @@ def load() -> dict:
     return json.loads(DATA.read_text(encoding="utf-8"))
 
 
-def published_results() -> tuple[dict, list[dict], list[dict]]:
-    """``(data, rows, results)``: the JSON (sources and rows) and, per row, the
-    benchmark's comparison (``id``, ``kind``, ``published``, ``estimate``, ``error``
-    or, for documented out-of-memory runs, ``ok``)."""
+def published_results(ids=None) -> tuple[dict, list[dict], list[dict]]:
+    """``(data, rows, results)``: the JSON (sources and rows) and, per row (only the
+    rows named in ``ids`` when given), the benchmark's comparison (``id``, ``kind``,
+    ``published``, ``estimate``, ``error`` or, for documented out-of-memory runs,
+    ``ok``)."""
     data = load()
-    return data, data["rows"], compare(data["rows"])
+    rows = data["rows"]
+    if ids is not None:
+        unknown = set(ids) - {r["id"] for r in rows}
+        if unknown:
+            raise KeyError(f"no published row {sorted(unknown)}")
+    chosen = rows if ids is None else [r for r in rows if r["id"] in set(ids)]
+    return data, rows, compare(chosen)
+
+
+@functools.lru_cache(maxsize=None)
+def _estimate_json(model: str, options: str):
+    return estimate(json.loads(model), **json.loads(options))
+
+
+def _cached(model, **options):
+    """``estimate(model, **options)``, computed once per process for the same
+    arguments (a chapter shows a row's comparison and its three numbers)."""
+    return _estimate_json(
+        json.dumps(model, sort_keys=True), json.dumps(options, sort_keys=True)
+    )
 
 
 def row_estimate(row: dict):
     """The estimator's :class:`~trainmem.estimate.MemoryEstimate` of one row, with the
     options the benchmark derives from its conditions."""
-    return estimate(row["model"], **row_options(row))
+    return _cached(row["model"], **row_options(row))
 
 
 def _supported() -> set[str]:
@@ -121,7 +142,7 @@ def row_options(row: dict) -> dict:
 
 
 def _estimate(row: dict):
-    return estimate(row["model"], **row_options(row))
+    return row_estimate(row)
 
 
 def _interval(row: dict):
@@ -133,7 +154,7 @@ def _interval(row: dict):
     if "previous_seq" not in c or c["previous_seq"] is not None:
         return None
     opts = row_options(row)
-    low = estimate(row["model"], **opts, previous_seq=0).to_dict()
+    low = _cached(row["model"], **opts, previous_seq=0).to_dict()
     return low["gpu_allocated_bytes"]
 
 
