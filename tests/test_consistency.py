@@ -272,11 +272,37 @@ QUANTITIES = {
         lambda: CFG7.vocab_size * CFG7.hidden_size,
         [("06", "sw_lm_head", 1), ("10", "q_lm_head", 1)],
     ),
+    "LLaMA-7B FFN (gate, up, down) parameters over attention projections": (
+        lambda: 3 * CFG7.intermediate_size / (4 * CFG7.hidden_size),
+        [("07", "ffn_attn_ratio", 1), ("10", "q_ffn_attn_x", 1)],
+    ),
+    "LLaMA-7B FFN share of the linear layers' parameters": (
+        lambda: (
+            3
+            * CFG7.intermediate_size
+            / (3 * CFG7.intermediate_size + 4 * CFG7.hidden_size)
+        ),
+        [("07", "ffn_share", 1), ("10", "q_ffn_share", 1)],
+    ),
+    "LoRA r=8 q, k, v, o parameters of the over-fitting task's tiny Llama": (
+        lambda: lora_param_count_for_config(_task_config(), QKVO, 8),
+        [("06", "of_n_trainable_r8", 1), ("10", "q_of_trainable", 1)],
+    ),
+    "bytes left alive per step by a validation loss kept with its graph, KB": (
+        lambda: _parse(_glued("08")["leak_per_step_kb"])[0] * 1024,
+        [("08", "leak_per_step_kb", 1024), ("10", "q_leak_kb", 1024)],
+    ),
     "7B LoRA r=8 q, k, v, o adapter file, fp32, MiB": (
         lambda: 4 * lora_param_count_for_config(CFG7, QKVO, 8),
         [("06", "sz7_adapter", MiB), ("10", "q_adapter_mib", MiB)],
     ),
 }
+
+
+def _task_config():
+    from trainmem import synthetic_task
+
+    return synthetic_task.task_config()
 
 
 @functools.lru_cache(maxsize=None)
