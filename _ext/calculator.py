@@ -89,6 +89,8 @@ LABELS = {
     "gpu": "GPU 型号（gpu）",
     "kernels": "内核（kernels）",
     "checkpointing-mode": "检查点形式（checkpointing-mode）",
+    "framework": "训练框架（framework）",
+    "previous-seq": "上一个微批的 token 数（previous-seq，LitGPT）",
 }
 SKIP = {"help", "json", "timeline"}  # the page always asks for --json --timeline
 CONFIG_CHOICE = "config.json"  # model value that means: the pasted config.json

@@ -222,7 +222,9 @@ def served_browser(root: Path = HTML):
 def open_page(browser, base: str, path: str, viewport=DESKTOP):
     """:func:`open_offline`, then wait until the page's own requests have settled."""
     page, problems = open_offline(browser, base, path, viewport=viewport)
-    page.wait_for_load_state("networkidle")
+    # a loaded 2-core CI machine can take longer than playwright's 30 s default to
+    # settle a page that starts Pyodide (chapter 1's format explorer)
+    page.wait_for_load_state("networkidle", timeout=120_000)
     return page, problems
 
 

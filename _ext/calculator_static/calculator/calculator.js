@@ -126,8 +126,9 @@ def tm_formats(text):
         const flag = f.dataset.flag;
         if (f.dataset.kind === "flag") {
           if (f.checked) out.push(flag);
-        } else if (f.dataset.kind === "choice" && f.value === "") {
-          // "默认": the option is not passed, as on the command line
+        } else if (f.value === "" && (f.dataset.kind === "choice" || f.defaultValue === "")) {
+          // "默认", or an optional number left empty: the option is not passed, as on
+          // the command line
         } else {
           out.push(`${flag}=${f.value}`);
           if (f.dataset.kind === "model" && f.value === "config.json") {
