@@ -29,11 +29,12 @@ def test_the_rows_are_package_data_of_coursekit():
 
 def test_rows_load_without_the_checkout(tmp_path):
     """Imported from outside the repository (cwd elsewhere, no ``benchmarks/`` on the
-    path), the module still loads every row and compares it."""
+    path), the module still loads every row and compares one (every row's comparison
+    is checked in-process by the next test)."""
     code = (
         "from coursekit.published import published_results\n"
-        "d, rows, res = published_results()\n"
-        "assert len(rows) == len(res) > 0\n"
+        "d, rows, res = published_results(['peft-lora-r32'])\n"
+        "assert [r['id'] for r in res] == ['peft-lora-r32'] and res[0]['estimate']\n"
         "print(len(rows))\n"
     )
     out = subprocess.run(
@@ -57,3 +58,16 @@ def test_committed_report_is_what_the_benchmark_prints():
     text = report(rows, compare(rows))
     committed = (ROOT / "benchmarks/results/published_gpu.md").read_text("utf-8")
     assert committed == text, "rerun: python benchmarks/published_gpu.py --out ..."
+
+
+def test_a_chapter_asks_for_rows_by_id():
+    """``published_results(ids)`` compares only the rows a chapter shows, and a
+    misspelt id is an error naming it, not an empty table."""
+    import pytest
+
+    from coursekit.published import published_results
+
+    _, rows, res = published_results(["peft-lora-r32"])
+    assert len(rows) > 1 and [r["id"] for r in res] == ["peft-lora-r32"]
+    with pytest.raises(KeyError, match="peft-lora-r33"):
+        published_results(["peft-lora-r33"])
