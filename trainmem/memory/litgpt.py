@@ -54,6 +54,7 @@ from .ops import (
     mul_scalar,
     narrow,
     neg,
+    nll_loss,
     rsqrt,
     sdpa,
     silu,
@@ -274,18 +275,7 @@ def _cross_entropy_none(sim: Simulator, logits: SimTensor, target: SimTensor):
     ``log_softmax`` in the logits' dtype (it saves its output) and ``nll_loss`` with
     one loss per row (saves the target and ``total_weight``)."""
     logp = log_softmax(sim, logits)
-    n = logits.shape[0]
-    out = new(sim, (n,), logits.dtype)
-    total_weight = new(sim, (), logits.dtype)
-    shape, dtype = logp.shape, logp.dtype
-    record(
-        sim,
-        out,
-        [logp],
-        [target, total_weight],
-        lambda node, g: [new(sim, shape, dtype)],
-    )
-    return out
+    return nll_loss(sim, logp, target, reduction="none")
 
 
 def _sum_all(sim: Simulator, x: SimTensor) -> SimTensor:

@@ -401,9 +401,16 @@ def log_softmax(sim: Simulator, x: SimTensor) -> SimTensor:
     return out
 
 
-def nll_loss(sim: Simulator, logp: SimTensor, target: SimTensor) -> SimTensor:
-    out = new(sim, (), "fp32")
-    total_weight = new(sim, (), "fp32")
+def nll_loss(
+    sim: Simulator, logp: SimTensor, target: SimTensor, reduction: str = "mean"
+) -> SimTensor:
+    """``F.nll_loss``: the loss (a scalar, or one per row for ``reduction="none"``) and
+    ``total_weight`` in ``logp``'s dtype; saves the target and ``total_weight``."""
+    if reduction not in ("mean", "none"):
+        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+    n = () if reduction == "mean" else (logp.shape[0],)
+    out = new(sim, n, logp.dtype)
+    total_weight = new(sim, (), logp.dtype)
     shape, dtype = logp.shape, logp.dtype
     record(
         sim,
