@@ -141,10 +141,6 @@ def row_options(row: dict) -> dict:
     return {k: v for k, v in opts.items() if k in supported}
 
 
-def _estimate(row: dict):
-    return row_estimate(row)
-
-
 def _interval(row: dict):
     """LitGPT rows whose previous micro-batch's length is not published
     (``previous_seq`` null): the estimate with no previous micro-batch (the first
@@ -161,7 +157,7 @@ def _interval(row: dict):
 def compare(rows: list[dict]) -> list[dict]:
     out = []
     for row in rows:
-        est = _estimate(row)
+        est = row_estimate(row)
         m = row["metric"]
         rec = {"id": row["id"], "source": row["source"], "kind": m["kind"]}
         rec["method"] = row["conditions"]["method"]
