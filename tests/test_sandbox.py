@@ -516,3 +516,27 @@ def test_shard_and_merge(tmp_path):
         merge("lab99", outs[:1], tmp_path / "bad")
     with pytest.raises(ValueError, match="--shard"):
         grade("lab99", subs, tmp_path / "x", tests_dir=hidden, log=None, shard="3/2")
+
+
+def test_environment_under_tmp_stays_visible(tmp_path, monkeypatch):
+    """A checkout (and so its virtual environment) under /tmp: the sandbox's private
+    /tmp must not hide it (the read-only binds go on top of the tmpfs)."""
+    import subprocess
+
+    require_sandbox()
+    env_dir = Path("/tmp") / f"coursekit-env-{os.getpid()}"
+    env_dir.mkdir(exist_ok=True)
+    try:
+        (env_dir / "marker").write_text("visible")
+        paths = sandbox.python_paths()
+        monkeypatch.setattr(sandbox, "python_paths", lambda: paths + [str(env_dir)])
+        work = tmp_path / "work"
+        work.mkdir()
+        argv = sandbox.command(str(work), {"PATH": "/usr/bin:/bin"}, "off", 16)
+        out = subprocess.run(
+            argv + ["cat", str(env_dir / "marker")], capture_output=True, text=True
+        )
+        assert out.returncode == 0 and out.stdout == "visible", out.stderr
+    finally:
+        (env_dir / "marker").unlink()
+        env_dir.rmdir()

@@ -147,8 +147,6 @@ def command(workdir: str, env: dict[str, str], gpu: str, tmp_mb: int) -> list[st
         "sandbox",
         *_system_binds(),
     ]
-    for p in python_paths():
-        args += ["--ro-bind", p, p]
     args += ["--ro-bind-try", "/sys", "/sys", "--proc", "/proc", "--dev", "/dev"]
     if gpu != "off":  # the GPU device nodes, where there are any
         for name in sorted(os.listdir("/dev")):
@@ -158,6 +156,9 @@ def command(workdir: str, env: dict[str, str], gpu: str, tmp_mb: int) -> list[st
     # /tmp and /dev/shm: private tmpfs of a fixed size; /dev itself read-only (bwrap
     # makes it a writable tmpfs of unbounded size)
     args += ["--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/dev/shm"]
+    # after the private /tmp: a checkout under /tmp keeps its environment visible
+    for p in python_paths():
+        args += ["--ro-bind", p, p]
     args += ["--bind", workdir, workdir, "--remount-ro", "/", "--remount-ro", "/dev"]
     args += ["--chdir", workdir]
     args += ["--clearenv"]
