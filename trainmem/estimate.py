@@ -567,7 +567,12 @@ def _device(result: dict, step: StepConfig, gpu: str | None, timeline: bool):
     from .gpus import device_report
 
     device = device_report(
-        events, gpu, step.library_versions, 200 if timeline else 0, gpus=step.gpus
+        events,
+        gpu,
+        step.library_versions,
+        200 if timeline else 0,
+        gpus=step.gpus,
+        replays=result.get("replays"),
     )
     points = device.pop("timeline")
     return device, (points if timeline else None)

@@ -144,40 +144,65 @@ def nccl_bytes(gpus: int, channels: int = NCCL_MIN_RING_CHANNELS) -> int:
     return channels * per_channel
 
 
+def _overheads(gpu_name: str, versions: dict, gpus: int):
+    """The card and what sits on it besides the step's tensors: one cuBLAS
+    workspace, the CUDA context, NCCL's buffers."""
+    gpu = get_gpu(gpu_name)
+    torch_version = versions["torch"]
+    return (
+        gpu,
+        cublas_workspace_bytes(gpu, torch_version),
+        context_bytes(gpu, torch_version),
+        nccl_bytes(gpus),
+    )
+
+
 def replay_setup(gpu_name: str, versions: dict, gpus: int = 1):
     """What the step's events are replayed after and under on ``gpu_name``: the two
     cuBLAS workspaces (allocated at the first matmul, they persist), and the bytes the
     caching allocator may reserve (the card's memory less the CUDA context and NCCL's
     buffers)."""
-    gpu = get_gpu(gpu_name)
-    workspace = cublas_workspace_bytes(gpu, versions["torch"])
+    gpu, workspace, context, nccl = _overheads(gpu_name, versions, gpus)
     prelude = [("alloc", -1 - i, workspace, "temporaries", "idle") for i in range(2)]
-    capacity = (
-        gpu.capacity_bytes - context_bytes(gpu, versions["torch"]) - nccl_bytes(gpus)
-    )
-    return prelude, capacity
+    return prelude, gpu.capacity_bytes - context - nccl
 
 
 def device_report(
-    events: list, gpu_name: str, versions: dict, timeline_points=0, gpus: int = 1
+    events: list,
+    gpu_name: str,
+    versions: dict,
+    timeline_points=0,
+    gpus: int = 1,
+    replays: dict | None = None,
 ):
     """Reserved and device bytes of a replayed step on ``gpu_name`` (one of ``gpus``
     ranks): the cuBLAS workspaces are allocated first (they persist from the first
     matmul), then the step's events; ``fits`` needs the replay to succeed under the
-    card's memory less the context and NCCL's buffers."""
+    card's memory less the context and NCCL's buffers. ``replays``: allocator
+    replays already fed the first events (``simulate_step``'s), keyed by
+    ``(prelude, capacity)``; one that matches is fed the rest instead of replaying
+    from the start (not when a timeline is asked for)."""
     from .memory.allocator import replay
 
-    gpu = get_gpu(gpu_name)
-    workspace = cublas_workspace_bytes(gpu, versions["torch"])
-    context = context_bytes(gpu, versions["torch"])
-    nccl = nccl_bytes(gpus)
+    gpu, workspace, context, nccl = _overheads(gpu_name, versions, gpus)
     prelude, capacity = replay_setup(gpu_name, versions, gpus)
+
+    def run(limit):
+        started = (
+            None if timeline_points else (replays or {}).get((tuple(prelude), limit))
+        )
+        if started is None:
+            return replay(prelude + events, limit, timeline_points)
+        run, fed = started
+        run.feed(events[fed:])
+        return run.result()
+
     # under the card's limit the allocator releases its free cached segments before
     # it gives up, so a step can fit although its unlimited reserved peak does not
-    limited = replay(prelude + events, capacity, timeline_points)
+    limited = run(capacity)
     unlimited = limited
     if limited["oom"] is not None or limited["released"]:
-        unlimited = replay(prelude + events, None, timeline_points)
+        unlimited = run(None)
     fits = limited["oom"] is None
     reserved = limited["peak_reserved"] if fits else unlimited["peak_reserved"]
     device = reserved + context + nccl

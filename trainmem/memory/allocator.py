@@ -196,70 +196,107 @@ def _setup_at_final_size(events: list) -> list:
     return out + list(events[start:])
 
 
-def replay(events: list, capacity: int | None = None, timeline_points: int = 0):
-    """Replay the recorded events (see :class:`~.accounting.Simulator`) through a
-    :class:`CachingAllocator`; returns ``peak_reserved``, ``peak_allocated`` (block
-    sizes, as ``max_memory_allocated`` counts them), ``oom`` (the event index where an
-    allocation failed under ``capacity``, else ``None``) and, with
-    ``timeline_points``, about that many samples of the live bytes by category
-    (``timeline``: dicts with ``event``, ``phase``, the categories and ``reserved``;
-    each the highest point of its stretch of events)."""
-    events = _setup_at_final_size(events)
-    alloc = CachingAllocator(capacity)
-    blocks: dict[int, Block | None] = {}
-    category: dict[int, str] = {}
-    sizes: dict[int, int] = {}
-    live: dict[str, int] = {}
-    phase = "idle"
-    timeline = []
-    every = max(1, len(events) // timeline_points) if timeline_points else 0
-    best = None
-    oom = None
-    for i, ev in enumerate(events):
+class Replay:
+    """Recorded events (see :class:`~.accounting.Simulator`) fed, as they come, to a
+    :class:`CachingAllocator` (``capacity``: its limit, ``None``: unlimited),
+    following the block and category of every live tensor. ``every``: the timeline
+    keeps the highest point of each stretch of that many events (0: no timeline).
+    ``oom``: the index of the event whose allocation failed under ``capacity`` (the
+    replay stops there), else ``None``. ``made``: for each live tensor, the
+    micro-batch (``micro_batch`` when it was fed) it was allocated in and as which
+    allocation of it (for :class:`RepeatDetector`)."""
+
+    def __init__(self, capacity: int | None = None, every: int = 0):
+        self.alloc = CachingAllocator(capacity)
+        self.blocks: dict[int, Block | None] = {}
+        self.category: dict[int, str] = {}
+        self.sizes: dict[int, int] = {}
+        self.live: dict[str, int] = {}
+        self.made: dict[int, tuple[int, int]] = {}
+        self.micro_batch = self.ordinal = 0
+        self.phase = "idle"
+        self.every = every
+        self.timeline: list[dict] = []
+        self._best = None
+        self.fed = 0  # events fed so far
+        self.oom: int | None = None
+
+    def feed(self, events) -> None:
+        for ev in events:
+            if self.oom is not None:
+                return
+            try:
+                self._event(ev)
+            except OutOfMemory:
+                self.oom = self.fed
+                return
+            if self.every:
+                self._sample()
+            self.fed += 1
+
+    def _event(self, ev) -> None:
         kind, uid = ev[0], ev[1]
-        try:
-            if kind == "alloc":
-                _, _, nbytes, cat, phase = ev
-                blocks[uid] = alloc.malloc(nbytes)
-                category[uid], sizes[uid] = cat, nbytes
-                live[cat] = live.get(cat, 0) + nbytes
-            elif kind == "free":
-                if uid in blocks:
-                    alloc.release(blocks.pop(uid))
-                    live[category[uid]] -= sizes.pop(uid)
-            elif kind == "resize":
-                if uid in blocks:
-                    alloc.release(blocks.pop(uid))
-                    live[category[uid]] += ev[2] - sizes[uid]
-                    sizes[uid] = ev[2]
-                    blocks[uid] = alloc.malloc(ev[2])
-            elif kind == "category":
-                if uid in sizes:
-                    live[category[uid]] -= sizes[uid]
-                    category[uid] = ev[2]
-                    live[ev[2]] = live.get(ev[2], 0) + sizes[uid]
-        except OutOfMemory:
-            oom = i
-            break
-        if every:
-            # each bucket of ``every`` events keeps its highest point, so the
-            # timeline shows every peak (the optimizer's spike too)
-            total = sum(live.values())
-            if best is None or total > best[0]:
-                best = (
-                    total,
-                    dict(event=i, phase=phase, reserved=alloc.reserved, **live),
-                )
-            if i % every == every - 1 or i == len(events) - 1:
-                timeline.append(best[1])
-                best = None
-    return {
-        "peak_reserved": alloc.peak_reserved,
-        "peak_allocated": alloc.peak_allocated,
-        "oom": oom,
-        "released": alloc.released,
-        "timeline": timeline,
-    }
+        if kind == "alloc":
+            _, _, nbytes, cat, self.phase = ev
+            self.blocks[uid] = self.alloc.malloc(nbytes)
+            self.category[uid], self.sizes[uid] = cat, nbytes
+            self.live[cat] = self.live.get(cat, 0) + nbytes
+            self.made[uid] = (self.micro_batch, self.ordinal)
+            self.ordinal += 1
+        elif kind == "free":
+            if uid in self.blocks:
+                self.alloc.release(self.blocks.pop(uid))
+                self.live[self.category[uid]] -= self.sizes.pop(uid)
+                del self.made[uid]
+        elif kind == "resize":
+            if uid in self.blocks:
+                self.alloc.release(self.blocks.pop(uid))
+                self.live[self.category[uid]] += ev[2] - self.sizes[uid]
+                self.sizes[uid] = ev[2]
+                self.blocks[uid] = self.alloc.malloc(ev[2])
+        elif kind == "category":
+            if uid in self.sizes:
+                self.live[self.category[uid]] -= self.sizes[uid]
+                self.category[uid] = ev[2]
+                self.live[ev[2]] = self.live.get(ev[2], 0) + self.sizes[uid]
+
+    def _sample(self) -> None:
+        # each bucket of ``every`` events keeps its highest point, so the timeline
+        # shows every peak (the optimizer's spike too)
+        total = sum(self.live.values())
+        if self._best is None or total > self._best[0]:
+            point = dict(event=self.fed, phase=self.phase, reserved=self.alloc.reserved)
+            self._best = (total, dict(point, **self.live))
+        if self.fed % self.every == self.every - 1:
+            self.timeline.append(self._best[1])
+            self._best = None
+
+    def result(self) -> dict:
+        """``peak_reserved``, ``peak_allocated`` (block sizes, as
+        ``max_memory_allocated`` counts them), ``oom``, ``released`` (cached segments
+        were given back to make room) and ``timeline`` (dicts with ``event``,
+        ``phase``, the categories and ``reserved``), after the events fed so far."""
+        timeline = list(self.timeline)
+        if self._best is not None and self.oom is None:
+            timeline.append(self._best[1])  # the last, shorter stretch
+        return {
+            "peak_reserved": self.alloc.peak_reserved,
+            "peak_allocated": self.alloc.peak_allocated,
+            "oom": self.oom,
+            "released": self.alloc.released,
+            "timeline": timeline,
+        }
+
+
+def replay(events: list, capacity: int | None = None, timeline_points: int = 0):
+    """Replay the recorded events through a :class:`CachingAllocator` (parameters at
+    their final size, ``_setup_at_final_size``) and return :meth:`Replay.result`;
+    ``timeline_points``: about that many samples of the live bytes by category."""
+    events = _setup_at_final_size(events)
+    every = max(1, len(events) // timeline_points) if timeline_points else 0
+    run = Replay(capacity, every)
+    run.feed(events)
+    return run.result()
 
 
 MAX_PERIOD = 4  # the longest cycle of allocator states looked for
@@ -279,55 +316,45 @@ class RepeatDetector:
     after the one a whole number of periods before it. A tensor's role is its uid if
     it was allocated before the second micro-batch (parameters, gradients, optimizer
     states), else how many micro-batches ago and as which allocation of that
-    micro-batch it was made."""
+    micro-batch it was made.
+
+    ``replay``: the :class:`Replay` it drives, as :func:`replay` of the same events
+    would have left it; the caller may feed it the rest of the step
+    (:func:`trainmem.gpus.device_report` does, instead of replaying from the start)."""
 
     def __init__(self, prelude: list = (), capacity: int | None = None):
-        self.alloc = CachingAllocator(capacity)
+        self.replay = Replay(capacity)
         self.prelude = list(prelude)
-        self.oom = False  # the replay under ``capacity`` fails: nothing changes after
-        self.blocks: dict[int, Block | None] = {}
-        self.made: dict[int, tuple[int, int]] = {}  # uid -> (micro-batch, ordinal)
-        self.fed = 0
+        self.fed = 0  # the events of the step fed so far
         self.seen: list = []  # the signature after each micro-batch from the second
 
-    def _feed(self, events, micro_batch: int, ordinal: int) -> int:
-        try:
-            return self._feed_or_fail(events, micro_batch, ordinal)
-        except OutOfMemory:
-            self.oom = True
-            return ordinal
+    def _feed(self, events, micro_batch: int) -> None:
+        self.replay.micro_batch, self.replay.ordinal = micro_batch, 0
+        self.replay.feed(events)
 
-    def _feed_or_fail(self, events, micro_batch: int, ordinal: int) -> int:
-        for ev in events:
-            if self.oom:
-                break
-            kind, uid = ev[0], ev[1]
-            if kind == "alloc":
-                self.blocks[uid] = self.alloc.malloc(ev[2])
-                self.made[uid] = (micro_batch, ordinal)
-                ordinal += 1
-            elif kind == "free":
-                if uid in self.blocks:
-                    self.alloc.release(self.blocks.pop(uid))
-                    self.made.pop(uid, None)
-            elif kind == "resize" and uid in self.blocks:
-                self.alloc.release(self.blocks.pop(uid))
-                self.blocks[uid] = self.alloc.malloc(ev[2])
-        return ordinal
+    def catch_up(self, events: list, starts: list[int]) -> None:
+        """Feed the micro-batches recorded so far (``starts``: where each one's
+        events begin), each as its own micro-batch, as :meth:`period` after each
+        would have."""
+        for j in range(1, len(starts)):
+            end = starts[j + 1] if j + 1 < len(starts) else len(events)
+            self.period(events, starts[: j + 1], end)
 
-    def period(self, events: list, starts: list[int]) -> set[int]:
-        """Feed the events recorded so far (``starts``: where each micro-batch's
-        events begin; the last micro-batch has just ended) and return ``p`` when it
-        left the allocator as the micro-batch ``p`` before it did (the states cycle
-        with period ``p`` from there on; a freed block can alternate between two
-        places): the set of such ``p``, empty while there is none."""
+    def period(self, events: list, starts: list[int], end: int | None = None):
+        """Feed the events recorded so far (up to ``end``; ``starts``: where each
+        micro-batch's events begin; the last micro-batch has just ended) and return
+        ``p`` when it left the allocator as the micro-batch ``p`` before it did (the
+        states cycle with period ``p`` from there on; a freed block can alternate
+        between two places): the set of such ``p``, empty while there is none."""
+        end = len(events) if end is None else end
         j = len(starts) - 1  # the micro-batch that just ended (j >= 1)
         if self.fed == 0:  # set-up and the first micro-batch, as replay() sees them
-            self._feed(self.prelude + _setup_at_final_size(events[: starts[1]]), 0, 0)
+            self._feed(self.prelude + _setup_at_final_size(events[: starts[1]]), 0)
             self.fed = starts[1]
-        self._feed(events[self.fed :], j, 0)
-        self.fed = len(events)
-        now = "out of memory" if self.oom else self.signature(j)
+        self._feed(events[self.fed : end], j)
+        self.fed = end
+        oom = self.replay.oom is not None
+        now = "out of memory" if oom else self.signature(j)
         self.seen.append(now)
         return self.periods()
 
@@ -339,18 +366,20 @@ class RepeatDetector:
         return {p for p in range(1, n + 1) if self.seen[-1 - p] == now}
 
     def signature(self, j: int):
-        owner = {id(b): uid for uid, b in self.blocks.items() if b is not None}
+        run = self.replay
+        owner = {id(b): uid for uid, b in run.blocks.items() if b is not None}
         segments = []
-        for seg in sorted(self.alloc._blocks):
-            block, out = self.alloc._blocks[seg], []
+        alloc = run.alloc
+        for seg in sorted(alloc._blocks):
+            block, out = alloc._blocks[seg], []
             while block is not None:
                 uid = owner.get(id(block))
-                mb, n = self.made.get(uid, (0, 0))
+                mb, n = run.made.get(uid, (0, 0))
                 role = None if block.free else (uid if mb == 0 else (j - mb, n))
                 out.append((block.size, role))
                 block = block.next
-            segments.append((self.alloc._segment_pool[seg], tuple(out)))
-        return (self.alloc.allocated, self.alloc.reserved, tuple(segments))
+            segments.append((alloc._segment_pool[seg], tuple(out)))
+        return (alloc.allocated, alloc.reserved, tuple(segments))
 
 
 def common_period(periods) -> int:

@@ -308,11 +308,9 @@ def _forward_backward(
     # the replays the events are for: without a limit, and under the card's (whose
     # allocator releases cached segments when it runs short)
     prelude, capacity = replay_as or ([], None)
-    detectors = []
+    detectors: dict = {}  # capacity -> RepeatDetector
     if recorded and STOP_AT_REPEAT:
-        detectors = [RepeatDetector(prelude, None)]
-        if capacity is not None:
-            detectors.append(RepeatDetector(prelude, capacity))
+        detectors[capacity] = RepeatDetector(prelude, capacity)
     n = step.grad_accum
     if not recorded and STOP_AT_REPEAT:
         n = min(n, TENSOR_MICRO_BATCHES)
@@ -344,7 +342,9 @@ def _forward_backward(
         backward(sim, loss)
         del loss, unsharded_grad
         if detectors and j >= 1 and j < stop:
-            period = common_period(d.period(sim.events, starts) for d in detectors)
+            period = common_period(
+                _periods(detectors, sim.events, starts, prelude, capacity)
+            )
             if period:
                 # the states cycle: the step ends in the state this cycle reaches
                 # after the micro-batches still to run
@@ -353,7 +353,31 @@ def _forward_backward(
             break
     if step.framework == "litgpt":
         cfg["held"] = litgpt_logits  # alive through the optimizer step and validate
+    cfg["replays"] = {  # those that have set-up and the first micro-batch
+        (tuple(prelude), cap): (d.replay, d.fed)
+        for cap, d in detectors.items()
+        if d.fed
+    }
     return activations_at_end, cfg
+
+
+def _periods(detectors: dict, events, starts, prelude, capacity):
+    """The periods of the allocator replays the events are for, after the
+    micro-batch that just ended. Under the card's limit the replay is the unlimited
+    one until the allocator first gives back cached segments (the limit changes
+    nothing before that), so the unlimited replay runs only from then on, caught up
+    from the start."""
+    yield detectors[capacity].period(events, starts)
+    if capacity is None:
+        return
+    if None not in detectors:
+        if not detectors[capacity].replay.alloc.released:
+            return  # the same states: the same periods
+        detectors[None] = RepeatDetector(prelude, None)
+        detectors[None].catch_up(events, starts)
+        yield detectors[None].periods()
+        return
+    yield detectors[None].period(events, starts)
 
 
 def _litgpt_eval(sim: Simulator, model, step, batch, cfg) -> None:
@@ -441,6 +465,9 @@ def simulate_step(
     del states, ids, labels
     return {
         "events": events,
+        # the caching-allocator replays already fed the events up to a count
+        # (``_forward_backward``): (prelude, capacity) -> (Replay, events fed)
+        "replays": cfg.pop("replays", {}),
         "peak": sim.peak,
         "breakdown": dict(sim.peak_by_category),
         "activations": activations_at_end,
