@@ -13,8 +13,9 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 CONSTRAINTS ?= constraints.txt
 JOBS   ?= 2
 # The CPU kernel path nbval checks the stored outputs on (make nb stores them from the
-# native path). auto: coursekit.kernelpath probes the candidates (generic kernels: ATen,
-# oneDNN and MKL capped together; then AVX2) and takes the first that works on this CPU.
+# native path). auto: coursekit.kernelpath probes the candidates below the native level
+# (AVX2, then the generic kernels; ATen, oneDNN and MKL capped together) and takes the
+# first that works on this CPU.
 # A path name (generic, avx2, native) or VAR=value pairs force one, still probed first;
 # empty means native. `make nbval NB=... NBVAL_ENV=` checks on the native path.
 NBVAL_ENV ?= auto
