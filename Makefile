@@ -81,8 +81,13 @@ book: $(STAMP) node_modules/.package-lock.json
 ## cells in COURSE_GPU=cpu mode, labs regenerated, grader, book build with -W, browser tests;
 ## then the same chapters and solutions executed at the declared floor versions (make floor).
 ## Ends with the wall time of each stage.
+# The published rows' estimates are replayed once per run and shared by the processes
+# that show them (coursekit.published: keyed by trainmem's code, the model's Shape as
+# each process's transformers builds it, and the options); emptied at the start.
+ESTIMATE_CACHE := $(VENV)/estimate-cache
+test: export COURSE_ESTIMATE_CACHE = $(CURDIR)/$(ESTIMATE_CACHE)
 test: $(STAMP) browser-deps sandbox-deps
-	@rm -f $(STAGE_LOG)
+	@rm -f $(STAGE_LOG); rm -rf $(ESTIMATE_CACHE)
 	@t0=$$(date +%s); $(MAKE) --no-print-directory kernel-path \
 	  && $(PY) -m tests.stages since $(STAGE_LOG) "kernel-path probe" $$t0
 	@t0=$$(date +%s); set -x; COURSE_STAGE_LOG=$(CURDIR)/$(STAGE_LOG) $(PY) -m pytest -n $(JOBS) \

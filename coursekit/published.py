@@ -26,13 +26,19 @@ outside the medians."""
 from __future__ import annotations
 
 import argparse
+import fcntl
 import functools
+import hashlib
 import inspect
 import json
+import os
+import pickle
 import statistics
 from importlib import resources
+from pathlib import Path
 
 from trainmem.estimate import estimate
+from trainmem.families import model_shape
 from trainmem.from_hf import ALL_LINEAR
 
 #: the rows and their sources, shipped inside the package
@@ -60,14 +66,52 @@ def published_results(ids=None) -> tuple[dict, list[dict], list[dict]]:
     return data, rows, compare(chosen)
 
 
+#: a folder where the estimates of rows are shared between processes (``make test``
+#: sets it: the benchmark's test and the chapters that show rows, in the main and the
+#: floor pass, then replay each row's step once); unset, each process computes its own
+SHARED_ENV = "COURSE_ESTIMATE_CACHE"
+
+
 @functools.lru_cache(maxsize=None)
 def _estimate_json(model: str, options: str):
-    return estimate(json.loads(model), **json.loads(options))
+    # the model's Shape always comes from its config here, with the transformers this
+    # process has (the floor pass's older one too); only the replay of the step, which
+    # depends on the Shape, the options and trainmem's code alone, is shared
+    shape = model_shape(json.loads(model))
+    folder = os.environ.get(SHARED_ENV)
+    if not folder:
+        return estimate(shape, **json.loads(options))
+    key = hashlib.sha256(
+        "\n".join([_code_version(), repr(shape), options]).encode()
+    ).hexdigest()[:40]
+    path = Path(folder) / f"{key}.pickle"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process computing it: wait
+        if path.exists():
+            return pickle.loads(path.read_bytes())
+        est = estimate(shape, **json.loads(options))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(pickle.dumps(est))
+        os.replace(tmp, path)
+        return est
+
+
+@functools.lru_cache(maxsize=None)
+def _code_version() -> str:
+    """A digest of the estimator's code (every module of trainmem)."""
+    import trainmem
+
+    h = hashlib.sha256()
+    for f in sorted(Path(trainmem.__file__).parent.rglob("*.py")):
+        h.update(f.as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
 
 
 def _cached(model, **options):
     """``estimate(model, **options)``, computed once per process for the same
-    arguments (a chapter shows a row's comparison and its three numbers)."""
+    arguments (a chapter shows a row's comparison and its three numbers), and once
+    per test run where :data:`SHARED_ENV` names a folder."""
     return _estimate_json(
         json.dumps(model, sort_keys=True), json.dumps(options, sort_keys=True)
     )

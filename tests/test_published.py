@@ -71,3 +71,41 @@ def test_a_chapter_asks_for_rows_by_id():
     assert len(rows) > 1 and [r["id"] for r in res] == ["peft-lora-r32"]
     with pytest.raises(KeyError, match="peft-lora-r33"):
         published_results(["peft-lora-r33"])
+
+
+def test_estimates_are_shared_by_code_shape_and_options(tmp_path, monkeypatch):
+    """Where ``COURSE_ESTIMATE_CACHE`` names a folder (``make test``), a row's
+    estimate is computed once and read back by the next process; the key is the
+    estimator's code, the Shape built from the config with the transformers of the
+    process that asks, and the options, so a change to any of them computes anew."""
+    import functools
+
+    import pytest
+
+    from coursekit import published
+
+    monkeypatch.setenv(published.SHARED_ENV, str(tmp_path))
+    row = next(r for r in published.load()["rows"] if r["id"] == "peft-lora-r32")
+    published._estimate_json.cache_clear()
+    first = published.row_estimate(row).to_dict()
+    assert len(list(tmp_path.glob("*.pickle"))) == 1
+
+    @functools.wraps(published.estimate)  # row_options reads its signature
+    def no_replay(*a, **k):
+        raise AssertionError("replayed again")
+
+    monkeypatch.setattr(published, "estimate", no_replay)
+    published._estimate_json.cache_clear()
+    assert published.row_estimate(row).to_dict() == first  # read back
+    other = dict(row, model=dict(row["model"], num_hidden_layers=3))
+    for case in ("shape", "options", "code"):
+        published._estimate_json.cache_clear()
+        r = other if case == "shape" else row
+        if case == "code":
+            monkeypatch.setattr(published, "_code_version", lambda: "edited")
+        opts = published.row_options(r)
+        if case == "options":
+            opts["lora_rank"] = 4
+        with pytest.raises(AssertionError, match="replayed again"):
+            published._cached(r["model"], **opts)
+    published._estimate_json.cache_clear()
