@@ -520,23 +520,32 @@ def test_shard_and_merge(tmp_path):
 
 def test_environment_under_tmp_stays_visible(tmp_path, monkeypatch):
     """A checkout (and so its virtual environment) under /tmp: the sandbox's private
-    /tmp must not hide it (the read-only binds go on top of the tmpfs)."""
+    /tmp must not hide it (the read-only binds go on top of the tmpfs), and the
+    folder around it (the repository) is empty and read-only there."""
+    import shutil
     import subprocess
 
     require_sandbox()
-    env_dir = Path("/tmp") / f"coursekit-env-{os.getpid()}"
-    env_dir.mkdir(exist_ok=True)
+    repo = Path("/tmp") / f"coursekit-repo-{os.getpid()}"
+    env_dir = repo / "venv"
+    env_dir.mkdir(parents=True, exist_ok=True)
     try:
         (env_dir / "marker").write_text("visible")
+        (repo / "secret").write_text("x")
         paths = sandbox.python_paths()
         monkeypatch.setattr(sandbox, "python_paths", lambda: paths + [str(env_dir)])
         work = tmp_path / "work"
         work.mkdir()
         argv = sandbox.command(str(work), {"PATH": "/usr/bin:/bin"}, "off", 16)
-        out = subprocess.run(
-            argv + ["cat", str(env_dir / "marker")], capture_output=True, text=True
+        script = (
+            f"cat {env_dir / 'marker'}; echo; ls {repo}; "
+            f"echo x > {repo / 'evil'} && echo WROTE; echo ok > {work / 'out'}"
         )
-        assert out.returncode == 0 and out.stdout == "visible", out.stderr
+        out = subprocess.run(
+            argv + ["/bin/sh", "-c", script], capture_output=True, text=True
+        )
+        assert out.stdout.splitlines() == ["visible", "venv"], out
+        assert "Read-only file system" in out.stderr
+        assert not (repo / "evil").exists() and (work / "out").read_text() == "ok\n"
     finally:
-        (env_dir / "marker").unlink()
-        env_dir.rmdir()
+        shutil.rmtree(repo)

@@ -132,6 +132,14 @@ def inside(path: str | Path, folders: list[str]) -> str | None:
     return None
 
 
+def _top_below_tmp(path: str) -> str | None:
+    """``/tmp/a`` for ``/tmp/a/b/c`` (``None`` outside /tmp)."""
+    parts = Path(path).parts
+    if len(parts) > 2 and parts[:2] == ("/", "tmp"):
+        return "/tmp/" + parts[2]
+    return None
+
+
 def command(workdir: str, env: dict[str, str], gpu: str, tmp_mb: int) -> list[str]:
     """The bwrap argv that runs a command (appended by the caller) sandboxed, with
     ``workdir`` writable at the same path, a private /tmp of ``tmp_mb`` MiB (a tmpfs,
@@ -156,10 +164,19 @@ def command(workdir: str, env: dict[str, str], gpu: str, tmp_mb: int) -> list[st
     # /tmp and /dev/shm: private tmpfs of a fixed size; /dev itself read-only (bwrap
     # makes it a writable tmpfs of unbounded size)
     args += ["--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/dev/shm"]
-    # after the private /tmp: a checkout under /tmp keeps its environment visible
-    for p in python_paths():
+    # after the private /tmp: a checkout under /tmp keeps its environment visible,
+    # inside a read-only tmpfs (the folders around it, e.g. the repository's, are
+    # empty there and cannot be written)
+    paths = python_paths()
+    tops = sorted({t for t in map(_top_below_tmp, paths) if t and t not in paths})
+    for top in tops:
+        args += ["--tmpfs", top]
+    for p in paths:
         args += ["--ro-bind", p, p]
-    args += ["--bind", workdir, workdir, "--remount-ro", "/", "--remount-ro", "/dev"]
+    args += ["--bind", workdir, workdir]
+    for top in tops:
+        args += ["--remount-ro", top]
+    args += ["--remount-ro", "/", "--remount-ro", "/dev"]
     args += ["--chdir", workdir]
     args += ["--clearenv"]
     for k, v in sorted(env.items()):
