@@ -25,8 +25,22 @@ def pytest_configure(config):
 
 # Run first: the benchmark's test replays every published row, and under ``make test``
 # (COURSE_ESTIMATE_CACHE) the chapters that show rows then read them instead of waiting
-# for the same replays (a stable sort: every notebook's cells keep their order).
+# for the same replays. The other files follow by their number of tests, most first
+# (what pytest-xdist's loadfile does by itself; ``make test`` passes
+# ``--no-loadscope-reorder`` so that this order holds). Every file's tests, every
+# notebook's cells keep their order.
 FIRST_MODULES = ("test_published",)
+
+
+def _file_order(items) -> list:
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    groups = sorted(
+        files.values(),
+        key=lambda g: (_module_name(g[0]) not in FIRST_MODULES, -len(g)),
+    )
+    return [item for g in groups for item in g]
 
 
 def _module_name(item) -> str:
@@ -38,7 +52,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _module_name(item) in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: _module_name(item) not in FIRST_MODULES)
+    items[:] = _file_order(items)
 
 
 @pytest.fixture(autouse=True)
