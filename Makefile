@@ -79,33 +79,24 @@ book: $(STAMP) node_modules/.package-lock.json
 ## make test — everything: unit tests, nbval over book/ and solutions/ (exact outputs as text,
 ## declared measured numbers within their tolerance; on the kernel path the probe chose), GPU
 ## cells in COURSE_GPU=cpu mode, labs regenerated, grader, book build with -W, browser tests;
-## beside it, the same chapters and solutions executed at the declared floor versions (make floor).
+## then the same chapters and solutions executed at the declared floor versions (make floor).
 ## Ends with the wall time of each stage.
 # The published rows' estimates are replayed once per run and shared by the processes
 # that show them (coursekit.published: keyed by trainmem's code, the model's Shape as
 # each process's transformers builds it, and the options); emptied at the start.
 ESTIMATE_CACHE := $(VENV)/estimate-cache
-# The floor pass runs beside the main pass, not after it: neither keeps both cores busy
-# all the time (kernels starting, pages settling), so side by side they end sooner. Its
-# output is kept here and printed when both have ended; either failing fails make test.
-FLOOR_LOG := $(VENV)/floor-pass.log
 test: export COURSE_ESTIMATE_CACHE = $(CURDIR)/$(ESTIMATE_CACHE)
 test: $(STAMP) browser-deps sandbox-deps
 	@rm -f $(STAGE_LOG); rm -rf $(ESTIMATE_CACHE)
 	@t0=$$(date +%s); $(MAKE) --no-print-directory kernel-path \
 	  && $(PY) -m tests.stages since $(STAGE_LOG) "kernel-path probe" $$t0
-	@t0=$$(date +%s); \
-	  ( $(MAKE) --no-print-directory floor > $(FLOOR_LOG) 2>&1; frc=$$?; \
-	    $(PY) -m tests.stages since $(STAGE_LOG) "floor pass (make floor)" $$t0; \
-	    exit $$frc ) & floor=$$!; \
-	  set -x; COURSE_STAGE_LOG=$(CURDIR)/$(STAGE_LOG) $(PY) -m pytest -n $(JOBS) \
+	@t0=$$(date +%s); set -x; COURSE_STAGE_LOG=$(CURDIR)/$(STAGE_LOG) $(PY) -m pytest -n $(JOBS) \
 	    --dist loadfile --no-loadscope-reorder -q tests book solutions --nbval --timeout=1200 \
 	    --nbval-cell-timeout=600 -p tests.stages $(NBVAL_OPTS) --durations=15; \
 	  rc=$$?; set +x; $(PY) -m tests.stages since $(STAGE_LOG) "main pass (pytest -n $(JOBS))" $$t0; \
-	  wait $$floor; frc=$$?; echo "---- floor pass (make floor), run beside the main pass ----"; \
-	  cat $(FLOOR_LOG); \
-	  $(PY) -m tests.stages since $(STAGE_LOG) "main and floor pass, side by side" $$t0; \
-	  echo "main pass: exit $$rc; floor pass: exit $$frc"; [ $$rc = 0 ] && [ $$frc = 0 ]
+	  exit $$rc
+	@t0=$$(date +%s); $(MAKE) --no-print-directory floor \
+	  && $(PY) -m tests.stages since $(STAGE_LOG) "floor pass (make floor)" $$t0
 	@echo "make test: wall time per stage"; $(PY) -m tests.stages show $(STAGE_LOG)
 
 ## make kernel-path — print the CPU, probe the kernel path nbval validates on (NBVAL_ENV),
