@@ -2,7 +2,7 @@
 
 As a pytest plugin (``-p tests.stages``) it sorts every test into a stage by its node
 id, and appends, per stage, the number of tests, the summed test time (setup + call +
-teardown, across both workers) and the wall-clock span from the first test's start to
+teardown, across all workers) and the wall-clock span from the first test's start to
 the last one's end to the JSON-lines file named by ``COURSE_STAGE_LOG``. The Makefile
 adds its own steps (kernel probe, floor pass) with ``python -m tests.stages add``, and
 ``python -m tests.stages show`` prints the table.
@@ -87,7 +87,7 @@ def show(log: Path) -> str:
         row["busy"] += rec["busy"]
         row["wall"] += rec["wall"]
     out = [
-        "| stage | tests | wall (s) | test time, both workers (s) |",
+        "| stage | tests | wall (s) | test time, all workers (s) |",
         "|---|---:|---:|---:|",
     ]
     for stage, row in rows.items():
