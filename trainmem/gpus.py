@@ -162,7 +162,10 @@ def replay_setup(gpu_name: str, versions: dict, gpus: int = 1):
     cuBLAS workspaces (allocated at the first matmul, they persist), and the bytes the
     caching allocator may reserve (the card's memory less the CUDA context and NCCL's
     buffers)."""
-    gpu, workspace, context, nccl = _overheads(gpu_name, versions, gpus)
+    return _setup_of(*_overheads(gpu_name, versions, gpus))
+
+
+def _setup_of(gpu, workspace: int, context: int, nccl: int):
     prelude = [("alloc", -1 - i, workspace, "temporaries", "idle") for i in range(2)]
     return prelude, gpu.capacity_bytes - context - nccl
 
@@ -184,8 +187,9 @@ def device_report(
     from the start (not when a timeline is asked for)."""
     from .memory.allocator import replay
 
-    gpu, workspace, context, nccl = _overheads(gpu_name, versions, gpus)
-    prelude, capacity = replay_setup(gpu_name, versions, gpus)
+    overheads = _overheads(gpu_name, versions, gpus)
+    gpu, workspace, context, nccl = overheads
+    prelude, capacity = _setup_of(*overheads)
 
     def run(limit):
         started = (
@@ -193,9 +197,9 @@ def device_report(
         )
         if started is None:
             return replay(prelude + events, limit, timeline_points)
-        run, fed = started
-        run.feed(events[fed:])
-        return run.result()
+        fed_replay, fed = started
+        fed_replay.feed(events[fed:])
+        return fed_replay.result()
 
     # under the card's limit the allocator releases its free cached segments before
     # it gives up, so a step can fit although its unlimited reserved peak does not
