@@ -188,12 +188,13 @@ def row_options(row: dict) -> dict:
 def _interval(row: dict):
     """LitGPT rows whose previous micro-batch's length is not published
     (``previous_seq`` null): the estimate with no previous micro-batch (the first
-    iteration, the longest example) and with one of the same length, as
-    (shortest, longest) assumption; ``None`` for every other row."""
+    iteration, the longest example, alone: ``grad_accum=1``, since every later
+    micro-batch of a replayed step follows one of ``seq`` tokens) and with one of the
+    same length, as (shortest, longest) assumption; ``None`` for every other row."""
     c = row["conditions"]
     if "previous_seq" not in c or c["previous_seq"] is not None:
         return None
-    opts = row_options(row)
+    opts = dict(row_options(row), grad_accum=1)
     low = _cached(row["model"], **opts, previous_seq=0).to_dict()
     return low["gpu_allocated_bytes"]
 
@@ -369,12 +370,18 @@ still miss:
   show an interval: no previous micro-batch (shortest assumption) .. a previous one
   of the same length (longest); a row counts as within when the published value lies
   inside it. The medians use the longest assumption.
+- Checked against LitGPT's own code: `lit_gpt/` at 8641822 and `litgpt/` at
+  5895df10, run on CPU with a 2-layer config (LoRA on q/v, q/k/v, q/k; dropout 0
+  and 0.05; MHA, GQA, MQA; batch 1-3), give the replay's live bytes at the end of
+  the forward and at the backward peak to within a few KB (the rest: RoPE rows
+  past the sequence, the targets' reshape). That found `zero_pad`'s
+  `index_copy`, whose backward keeps its `source` (a `(B·T, 2·hidden)` tensor per
+  layer when q and v are adapted), and MQA's views of the fused output.
 - Not modelled: quantise-on-load copies (one fp16 weight at a time on the GPU, below
   the training step's peak); `flash_attn` (8641822 calls it when installed: the same
   saved q, k, v, output and log-sum-exp as SDPA's flash kernel); cuBLAS/cuDNN
-  workspaces of `conv1d`. LitGPT LoRA rows stay under (config hub 2.5-5 %, resource
-  tables 6-11 %), QLoRA config-hub rows 4.6-6.4 % under: a mechanism that grows with
-  the micro-batch is still missing. Not verified on a GPU here.
+  workspaces of `conv1d`; what the CUDA kernels of torch 2.1 keep that the CPU
+  kernels do not (the CPU check above runs today's torch). Not verified on a GPU here.
 - torchtune: its own decoder and loss; the packed row has no compile, no chunked
   cross-entropy and no checkpointing, the closest to what is modelled.
 - peft method comparison: every example is truncated to `max_seq_length` 768

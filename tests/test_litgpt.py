@@ -300,3 +300,66 @@ def test_previous_seq_and_the_graph_loss_holds():
     with pytest.raises(OptionError) as e:
         StepConfig(framework="litgpt", previous_seq=-1)
     assert e.value.option == "previous_seq"
+
+
+def test_zero_pad_saves_index_copy_source():
+    """``zero_pad``'s ``index_copy`` keeps its ``source`` for backward (torch's
+    formula ``grad.index_select(dim, index).expand_as(source)`` needs the tensor):
+    adapting q and v (padded to the fused width) saves one (B·T, 2·hidden) tensor
+    per layer more than the bare padding would; with q, k and v there is no
+    padding."""
+    import torch
+
+    src = torch.randn(6, 4, requires_grad=True) * 1
+    out = torch.zeros(6, 8).index_copy(1, torch.tensor([0, 1, 4, 5]), src)
+    assert out.grad_fn._saved_source.data_ptr() == src.data_ptr()
+
+    b, s = 2, 64
+    shape = model_shape("tiny")
+    kw = dict(LIT, method="lora", batch=b, seq=s, use_cache="off", lora_dropout=0.0)
+
+    def act(targets):
+        return estimate("tiny", lora_targets=targets, **kw).activation_bytes
+
+    qv, qkv = act(("q_proj", "v_proj")), act(("q_proj", "k_proj", "v_proj"))
+    r, h = 8, shape.hidden  # the default rank
+    per_layer = (
+        b * s * 2 * h * 2  # index_copy's source: (B·T, 2·hidden) bf16
+        + 2 * h * 8  # and its int64 index
+        - b * s * r * 2  # conv1d's saved input has r rows less (2r vs 3r)
+    )
+    assert qv - qkv == shape.layers * per_layer
+
+
+def test_multi_query_attention_views_and_old_refusal():
+    """One kv group (MQA): ``reshape`` of q and of the expanded k and v merges a
+    size-1 dim, so they stay views of the fused output (SDPA keeps it alive) — no
+    copies as with 1 < groups < heads; lit_gpt before 50b1974b did not expand k and
+    v at all, which is refused."""
+    mqa = dict(
+        model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=172,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    kw = dict(LIT, method="lora", batch=2, seq=64, use_cache="off")
+    est = estimate(mqa, **kw)
+    fused = 2 * 64 * (4 + 2) * 16 * 2  # (B, T, (q_per_kv + 2)·hs) in bf16
+    # every layer keeps its fused output (v is a view of it) and nothing else of v
+    assert est.activation_bytes >= 2 * fused
+    with pytest.raises(OptionError, match="50b1974b") as e:
+        estimate(mqa, versions="litgpt=8641822", **kw)
+    assert e.value.option == "versions"
+
+
+def test_previous_seq_is_the_first_micro_batch_only():
+    """``previous_seq`` sets what came before the step's *first* micro-batch; the
+    second one follows a micro-batch of ``seq`` tokens, whose bitsandbytes
+    ``ctx.tensors`` (0.41.1) the loop's ``loss`` still holds at 8641822."""
+    kw = dict(LIT, method="qlora", kbit_prepare="none", batch=1, seq=256)
+    kw.update(use_cache="off", versions="bitsandbytes=0.41.1,litgpt=8641822")
+
+    def forward_peak(accum):
+        est = estimate("tiny", previous_seq=0, grad_accum=accum, **kw)
+        return est.to_dict()["phase_peaks"]["forward"]
+
+    assert forward_peak(2) > forward_peak(1)

@@ -206,9 +206,10 @@ class StepConfig:
 
     previous_seq: int | None = _option(
         None,
-        "litgpt: tokens of the micro-batch before this one, whose logits (and graph) "
-        "the loop still references during this forward; 0: none (the run's first "
-        "micro-batch); default: seq",
+        "litgpt: tokens of the micro-batch before the step's first one, whose logits "
+        "(and graph) the loop still references during its forward; 0: none (the "
+        "run's first micro-batch); default: seq. Later micro-batches of the step "
+        "follow one of seq tokens",
         kind="int",
         estimate_only=True,
     )
@@ -322,6 +323,17 @@ class StepConfig:
                 "framework",
                 f"framework 'litgpt' models Llama-family decoders, got {shape.arch}",
             )
+        if self.framework == "litgpt" and shape.kv_heads == 1 < shape.heads:
+            from .versions import litgpt_mqa_expanded
+
+            if not litgpt_mqa_expanded(self.library_versions):
+                raise OptionError(
+                    "versions",
+                    "versions: LitGPT before 50b1974b hands SDPA one key/value head "
+                    f"for {shape.heads} query heads (multi-query attention, "
+                    "not expanded), and torch then runs its math kernel: not "
+                    "replayed; use a later litgpt or a model with more kv heads",
+                )
         if not self.uses_lora:
             return
         shapes = dict(shape.linear_shapes())

@@ -31,6 +31,7 @@ PINNED = {
 LITGPT_COMMITS = {
     "8641822": (2023, 10, 16),  # lit_gpt 0.1.0, the resource tables' version
     "6178c7cc": (2023, 10, 24),  # "Half precision fixes (#606)"
+    "50b1974b": (2023, 10, 24),  # "Add SDPA backend test (#667)"
     "bbf982aa": (2024, 1, 21),  # "Updates to full-finetune script (#893)"
     "5895df10": (2024, 4, 26),  # the config hub's benchmark table
     "26857050": (2026, 6, 29),
@@ -190,6 +191,15 @@ def litgpt_rope_fp32(v: dict) -> bool:
     ``fabric.init_module``) and it returns ``cos.half(), sin.half()`` — fp16 buffers,
     whose product with a bf16 ``x`` promotes to fp32 all the same."""
     return v["litgpt"] >= LITGPT_COMMITS["6178c7cc"]
+
+
+def litgpt_mqa_expanded(v: dict) -> bool:
+    """``CausalSelfAttention.forward`` expands the single key/value head of
+    multi-query attention (``n_query_groups == 1``) to every query head in training
+    since 50b1974b (2023-10-24, "Add SDPA backend test"); before, it skipped the
+    ``expand`` whenever ``n_query_groups == 1``, and SDPA got one k/v head for all
+    query heads."""
+    return v["litgpt"] >= LITGPT_COMMITS["50b1974b"]
 
 
 def litgpt_loss_holds_graph(v: dict) -> bool:

@@ -263,10 +263,14 @@ def _conv1d(sim: Simulator, x: SimTensor, w: SimTensor, out_shape) -> SimTensor:
 
 def _index_copy(sim: Simulator, zeros: SimTensor, src: SimTensor, index) -> SimTensor:
     """``zeros.index_copy(1, index, src)`` (out of place): a new tensor of ``zeros``'
-    shape; autograd saves the index, and ``src``'s gradient is an ``index_select``."""
+    shape. ``IndexCopyBackward0`` saves the index *and* ``source``: torch's
+    ``derivatives.yaml`` writes ``source``'s gradient as
+    ``grad.index_select(dim, index).expand_as(source)``, and ``expand_as`` needs the
+    tensor, not only its sizes (``grad_fn._saved_source`` in every torch 2.x)."""
     out = new(sim, zeros.shape, src.dtype)
     src_shape, dtype = src.shape, src.dtype
-    record(sim, out, [src], [index], lambda node, g: [new(sim, src_shape, dtype)])
+    saved = [index, src] if src.requires_grad else [index]
+    record(sim, out, [src], saved, lambda node, g: [new(sim, src_shape, dtype)])
     return out
 
 
@@ -369,10 +373,13 @@ def qkv_forward(sim: Simulator, x: SimTensor, lin: LitLinear, keep=None):
     after_b = view(after_b, (b, t, c_out))  # .transpose(-2, -1)
     if c_out != width:
         # zero_pad: x.transpose(0, 1); new_zeros((T, B, width)); index_copy(1, ind,
-        # x.reshape(-1, C')) — the transposed reshape copies
+        # x.reshape(-1, C')) — the transposed reshape copies, except at B = 1, where
+        # (T, 1, C') of the conv1d output's transpose is viewable as (T, C')
         zeros = new(sim, (t * b, width), after_b.dtype)
         index = new(sim, (c_out,), "i64")  # torch.tensor(self.lora_ind)
-        src = clone_contig(sim, view(after_b, (t * b, c_out)))
+        src = view(after_b, (t * b, c_out))
+        if b > 1:
+            src = clone_contig(sim, src)
         del after_b
         padded = _index_copy(sim, zeros, src, index)
         del zeros, src, index
@@ -443,13 +450,16 @@ def attention(sim, x, block: LitBlock, cos, sin, cfg) -> SimTensor:
     q = view(qkv5, (b, groups, q_per_kv, t, d))
     k = view(qkv5, (b, groups, 1, t, d))
     v = view(qkv5, (b, groups, 1, t, d))
-    if groups != heads:
-        # k.expand(B, groups, q_per_kv, T, hs).reshape(B, -1, T, hs): copies
+    if 1 < groups < heads:
+        # k.expand(B, groups, q_per_kv, T, hs).reshape(B, -1, T, hs): copies (with
+        # one group, multi-query attention, the size-1 group dim merges and q, the
+        # expanded k and v stay views: the branch below)
         q = clone_contig(sim, view(q, (b, heads, t, d)))
         k = _expand_copy(sim, k, (b, heads, t, d))
         v = _expand_copy(sim, v, (b, heads, t, d))
     else:
-        # one query per group: reshape(B, -1, T, hs) is a view of the fused output
+        # one query per group, or one group: reshape(B, -1, T, hs) is a view of the
+        # fused output
         q = view(q, (b, heads, t, d))
         k = view(k, (b, heads, t, d))
         v = view(v, (b, heads, t, d))
