@@ -212,6 +212,7 @@ def compare(rows: list[dict]) -> list[dict]:
         if m["kind"] == "oom":
             rec.update(published="OOM", estimate=d["fits"], unit="")
             rec["ok"] = d["fits"] is False
+            rec["device_bytes"] = d["device_bytes"]
             rec["shown"] = _gb(d["device_bytes"])
         else:
             # allocated: max_memory_allocated counts whole blocks (512 B rounding,
