@@ -23,6 +23,12 @@ import argparse
 import sys
 import types
 
+import torch
+
+from trainmem.errors import OptionError
+from trainmem.estimate import estimate
+from trainmem.tracker import MemoryTracker
+
 CASES = [  # batch, seq, (q, k, v adapted), lora_dropout, n_query_groups
     (1, 256, "101", 0.05, 4),
     (2, 256, "101", 0.05, 4),
@@ -62,11 +68,6 @@ def _stub_imports(package: str) -> None:
 
 
 def run_case(lora, utils, commit, batch, seq, qkv, p, groups, layers=2):
-    import torch
-
-    from trainmem.estimate import estimate
-    from trainmem.tracker import MemoryTracker
-
     common = dict(
         n_layer=layers, n_embd=64, n_head=4, n_query_groups=groups,
         intermediate_size=172, vocab_size=256, padded_vocab_size=256,
@@ -139,8 +140,6 @@ def main(argv=None) -> int:
         "| diff | real bwd peak | replay bwd peak | diff |"
     )
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    from trainmem.errors import OptionError
-
     for batch, seq, qkv, p, groups in CASES:
         try:
             rf, rb, sf, sb = run_case(lora, utils, args.commit, batch, seq, qkv, p,

@@ -331,23 +331,37 @@ def test_zero_pad_saves_index_copy_source():
     assert qv - qkv == shape.layers * per_layer
 
 
-def test_multi_query_attention_views_and_old_refusal():
+@pytest.mark.parametrize("groups,v_is_fused", [(1, True), (2, False), (4, True)])
+def test_multi_query_attention_views_and_old_refusal(monkeypatch, groups, v_is_fused):
     """One kv group (MQA): ``reshape`` of q and of the expanded k and v merges a
     size-1 dim, so they stay views of the fused output (SDPA keeps it alive) — no
     copies as with 1 < groups < heads; lit_gpt before 50b1974b did not expand k and
     v at all, which is refused."""
-    mqa = dict(
+    from trainmem.memory import litgpt
+
+    b, s, heads, hs = 2, 64, 4, 16
+    cfg = dict(
         model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=172,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=groups,
         max_position_embeddings=256, tie_word_embeddings=False,
     )  # fmt: skip
-    kw = dict(LIT, method="lora", batch=2, seq=64, use_cache="off")
-    est = estimate(mqa, **kw)
-    fused = 2 * 64 * (4 + 2) * 16 * 2  # (B, T, (q_per_kv + 2)·hs) in bf16
-    # every layer keeps its fused output (v is a view of it) and nothing else of v
-    assert est.activation_bytes >= 2 * fused
+    handed = []
+    real_sdpa = litgpt.sdpa
+
+    def spy(sim, q, k, v):
+        handed.append(v.buffer.nbytes)
+        return real_sdpa(sim, q, k, v)
+
+    monkeypatch.setattr(litgpt, "sdpa", spy)
+    kw = dict(LIT, method="lora", batch=b, seq=s, use_cache="off")
+    estimate(cfg, **kw)
+    fused = b * s * (heads + 2 * groups) * hs * 2  # the fused qkv output, bf16
+    copy = b * heads * s * hs * 2  # v expanded and reshaped into its own tensor
+    assert handed and set(handed) == {fused if v_is_fused else copy}
+    if groups > 1:
+        return
     with pytest.raises(OptionError, match="50b1974b") as e:
-        estimate(mqa, versions="litgpt=8641822", **kw)
+        estimate(cfg, versions="litgpt=8641822", **kw)
     assert e.value.option == "versions"
 
 
