@@ -368,16 +368,16 @@ still miss:
   allocator, in fp32.
 - Resource tables: lit_gpt@8641822 runs the longest example at iteration 0 only;
   the length of the micro-batch before a later one is not published, so those rows
-  show an interval: no previous micro-batch (shortest assumption) .. a previous one
-  of the same length (longest); a row counts as within when the published value lies
+  show an interval: the first micro-batch alone, with no previous one (shortest
+  assumption) .. a step of micro-batches of the same length (longest); a row counts as within when the published value lies
   inside it. The medians use the longest assumption.
-- Checked against LitGPT's own code: `lit_gpt/` at 8641822 and `litgpt/` at
-  5895df10, run on CPU with a 2-layer config (LoRA on q/v, q/k/v, q/k; dropout 0
-  and 0.05; MHA, GQA, MQA; batch 1-3), give the replay's live bytes at the end of
-  the forward and at the backward peak to within a few KB (the rest: RoPE rows
-  past the sequence, the targets' reshape). That found `zero_pad`'s
-  `index_copy`, whose backward keeps its `source` (a `(B·T, 2·hidden)` tensor per
-  layer when q and v are adapted), and MQA's views of the fused output.
+- Checked against LitGPT's own code (`benchmarks/litgpt_cpu_check.py`): `lit_gpt/`
+  at 8641822 and `litgpt/` at 5895df10, run on CPU with a 2-layer config (LoRA on
+  q/v, q/k/v, q/k; dropout 0 and 0.05; MHA, GQA, MQA; batch 1 and 2), give the
+  replay's forward and backward peaks to within 4 B, and 2 KB at batch 2 (the
+  targets' reshape). That found `zero_pad`'s `index_copy`, whose backward keeps
+  its `source` (a `(B·T, 2·hidden)` tensor per layer when q and v are adapted),
+  and MQA's views of the fused output.
 - Not modelled: quantise-on-load copies (one fp16 weight at a time on the GPU, below
   the training step's peak); `flash_attn` (8641822 calls it when installed: the same
   saved q, k, v, output and log-sum-exp as SDPA's flash kernel); cuBLAS/cuDNN
