@@ -369,8 +369,9 @@ still miss:
 - Resource tables: lit_gpt@8641822 runs the longest example at iteration 0 only;
   the length of the micro-batch before a later one is not published, so those rows
   show an interval: the first micro-batch alone, with no previous one (shortest
-  assumption) .. a step of micro-batches of the same length (longest); a row counts as within when the published value lies
-  inside it. The medians use the longest assumption.
+  assumption) .. a step of micro-batches of the same length (longest); a row
+  counts as within when the published value lies inside it. The medians use the
+  longest assumption.
 - Checked against LitGPT's own code (`benchmarks/litgpt_cpu_check.py`): `lit_gpt/`
   at 8641822 and `litgpt/` at 5895df10, run on CPU with a 2-layer config (LoRA on
   q/v, q/k/v, q/k; dropout 0 and 0.05; MHA, GQA, MQA; batch 1 and 2), give the
