@@ -141,6 +141,15 @@ def test_slow_dataset_and_loader_single_process():
         parallel.SlowDataset(0, 0.0)
 
 
+def test_loader_timing_splits_first_batch_from_steady_state():
+    # one process: every batch waits decode_s x batch_size, the first one included
+    r = parallel.loader_timing(0, n_items=8, batch_size=2, decode_s=0.01, step_s=0.0)
+    assert r["batches"] == 4
+    assert r["first_batch_s"] + r["steady_s"] == pytest.approx(r["wall_s"])
+    assert r["first_batch_s"] >= 0.02 and r["steady_wait_s"] >= 3 * 0.02
+    assert r["steady_wait_s"] <= r["wait_s"] and 0 < r["steady_wait_fraction"] <= 1
+
+
 @pytest.mark.slow
 def test_loader_with_workers_sees_every_item_once():
     r = parallel.loader_timing(2, n_items=8, batch_size=2, decode_s=0.0, step_s=0.0)

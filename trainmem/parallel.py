@@ -443,12 +443,21 @@ def loader_timing(
 ) -> dict:
     """Feed a :class:`SlowDataset` to a fake training step (``time.sleep(step_s)``).
 
-    Returns ``wall_s`` (from creating the iterator, worker start-up included, to the
-    last step), ``wait_s`` (time the loop spent waiting for the next batch),
-    ``wait_fraction``, ``batches`` and the ids seen (``ids``, to check that nothing was
-    lost or repeated). ``context``: the multiprocessing start method of the workers
-    (``None``: the platform's default); ``forkserver`` avoids forking a process that has
-    used OpenMP threads.
+    The epoch is timed in two parts, because they answer different questions:
+
+    - ``first_batch_s``: from creating the iterator to the first batch. With workers
+      this is their start-up (new processes: it grows with the machine's load) plus
+      decoding one batch; ``persistent_workers=True`` pays it once per run instead of
+      once per epoch.
+    - ``steady_s``: from the first batch to the end of the last step, the part that
+      repeats for every batch. ``steady_wait_s`` is the time the loop spent waiting
+      for the next batch in it, ``steady_wait_fraction`` its share.
+
+    Also returns ``wall_s`` (the two together), ``wait_s`` and ``wait_fraction`` (the
+    first batch's wait included), ``batches`` and the ids seen (``ids``, to check that
+    nothing was lost or repeated). ``context``: the multiprocessing start method of the
+    workers (``None``: the platform's default); ``forkserver`` avoids forking a process
+    that has used OpenMP threads.
     """
     if num_workers < 0:
         raise ValueError(f"num_workers must be ≥ 0, got {num_workers}")
@@ -457,9 +466,10 @@ def loader_timing(
     loader = torch.utils.data.DataLoader(
         ds, batch_size=batch_size, num_workers=num_workers, **kw
     )
-    wait = 0.0
+    waits: list[float] = []
     ids: list[int] = []
     t0 = time.perf_counter()
+    t_first = None
     it = iter(loader)
     while True:
         t = time.perf_counter()
@@ -467,15 +477,25 @@ def loader_timing(
             batch = next(it)
         except StopIteration:
             break
-        wait += time.perf_counter() - t
+        waits.append(time.perf_counter() - t)
+        if t_first is None:
+            t_first = time.perf_counter()
         ids += batch[:, 0].tolist()
         time.sleep(step_s)  # the "GPU step": the loop is busy, the workers keep loading
-    wall = time.perf_counter() - t0
+    t_end = time.perf_counter()
+    wall = t_end - t0
+    first = (t_first if t_first is not None else t_end) - t0
+    steady = t_end - t0 - first
+    steady_wait = sum(waits[1:])
     return dict(
         wall_s=wall,
-        wait_s=wait,
-        wait_fraction=wait / wall,
-        batches=-(-n_items // batch_size),
+        wait_s=sum(waits),
+        wait_fraction=sum(waits) / wall,
+        first_batch_s=first,
+        steady_s=steady,
+        steady_wait_s=steady_wait,
+        steady_wait_fraction=steady_wait / steady if steady > 0 else 0.0,
+        batches=len(waits),
         ids=ids,
     )
 
