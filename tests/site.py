@@ -219,12 +219,28 @@ def served_browser(root: Path = HTML):
             b.close()
 
 
+# What a page needs before its layout is checked: the document and its stylesheets
+# (the load event), the web fonts, and every image that is not lazy. Network idleness
+# is not waited for: it is not what the checks need, and a page may go on fetching
+# what the reader has not asked for yet (chapter 1's format explorer fetches Pyodide
+# once it comes near the viewport). Waiting for it timed out at 120 s on chapter 1
+# in a full run on a loaded 2-core machine.
+_SETTLED = """() => document.readyState === "complete"
+  && document.fonts.status === "loaded"
+  && [...document.images].every((img) => img.complete || img.loading === "lazy")"""
+
+
+def settle(page, timeout_ms: int = 120_000) -> None:
+    """Wait until ``page`` is laid out as a reader sees it: loaded, fonts and eager
+    images in, MathJax (if the page loads it) done typesetting."""
+    page.wait_for_function(_SETTLED, timeout=timeout_ms)
+    wait_for_math(page, timeout_ms)
+
+
 def open_page(browser, base: str, path: str, viewport=DESKTOP):
-    """:func:`open_offline`, then wait until the page's own requests have settled."""
+    """:func:`open_offline`, then :func:`settle`."""
     page, problems = open_offline(browser, base, path, viewport=viewport)
-    # a loaded 2-core CI machine can take longer than playwright's 30 s default to
-    # settle a page that starts Pyodide (chapter 1's format explorer)
-    page.wait_for_load_state("networkidle", timeout=120_000)
+    settle(page)
     return page, problems
 
 
