@@ -21,6 +21,10 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: end-to-end test; `make unit` leaves it out"
     )
+    config.addinivalue_line(
+        "markers",
+        "floor: runs in .venv-floor (make floor); make test's main pass deselects it",
+    )
 
 
 # Run first: the benchmark's test replays every published row, and under ``make test``

@@ -83,6 +83,7 @@ def test_floor_rejects_a_missing_lower_bound(tmp_path):
         floor_pins(bad)
 
 
+@pytest.mark.floor
 @pytest.mark.skipif(not FLOOR_RUN, reason="runs in .venv-floor (make floor)")
 def test_this_interpreter_is_the_floor():
     have = {p: metadata.version(p) for p in FLOOR_PACKAGES}
@@ -91,6 +92,7 @@ def test_this_interpreter_is_the_floor():
     )
 
 
+@pytest.mark.floor
 @pytest.mark.skipif(not FLOOR_RUN, reason="runs in .venv-floor (make floor)")
 @pytest.mark.parametrize(
     "path", _heaviest_first(), ids=lambda p: f"{p.parent.name}/{p.name}"
