@@ -3,7 +3,7 @@
 Outputs are produced the way nbval will check them: a fresh kernel whose environment is
 :func:`kernel_env` — ``COURSE_GPU=auto`` with every GPU hidden
 (``CUDA_VISIBLE_DEVICES=""``), so every cell but the GPU cells gives the same output on
-any machine; one BLAS/OpenMP thread; ``PYTHONHASHSEED=0`` — and the notebook's own
+any machine; one BLAS/OpenMP thread; ``PYTHONHASHSEED=0``; the Hugging Face Hub offline — and the notebook's own
 folder as working directory. The environment is handed to the kernel; the calling
 process's ``os.environ`` is never changed. Widget state is dropped from the metadata so
 the HTML book never pulls the widget manager from a CDN.
@@ -41,6 +41,11 @@ REFERENCE_ENV = {
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
     "OPENBLAS_NUM_THREADS": "1",
+    # Nothing is downloaded at run time (models are built from configs), so the Hub
+    # is never asked: peft's save_pretrained otherwise looks the base model's
+    # config.json up online, which with no network cost 23 s per call with the
+    # huggingface_hub of the floor versions (its retries) and 0.07 s with today's.
+    "HF_HUB_OFFLINE": "1",
 }
 
 

@@ -98,13 +98,14 @@ def test_this_interpreter_is_the_floor():
     "path", _heaviest_first(), ids=lambda p: f"{p.parent.name}/{p.name}"
 )
 def test_notebook_runs_at_floor(path):
+    from coursekit.execute import kernel_env
     from coursekit.nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
     probe = nbformat.v4.new_code_cell(VERSIONS_CELL % (FLOOR_PACKAGES,))
     nb.cells.insert(0, probe)
     env_before = dict(os.environ)
-    os.environ.update(COURSE_GPU="auto", PYTHONHASHSEED="0")
+    os.environ.update(kernel_env())  # what every stored output is made with
     try:
         # errors stop the run (CellExecutionError) unless the cell is tagged
         # raises-exception

@@ -414,6 +414,7 @@ def test_execute_gives_the_kernel_its_environment(tmp_path):
         "CUDA_VISIBLE_DEVICES",
         "OMP_NUM_THREADS",
         "ATEN_CPU_CAPABILITY",
+        "HF_HUB_OFFLINE",
     ]
     nb.cells = [
         nbformat.v4.new_code_cell(
@@ -431,7 +432,7 @@ def test_execute_gives_the_kernel_its_environment(tmp_path):
     execute_notebook(path, timeout=120, env={"ATEN_CPU_CAPABILITY": "default"})
     assert dict(os.environ) == before
     out = nbformat.read(path, as_version=4).cells[0].outputs[0]["text"]
-    assert out.strip() == str(["auto", "", "1", "default"])
+    assert out.strip() == str(["auto", "", "1", "default", "1"])
 
 
 def test_nbval_leaves_gpu_cells_uncompared_and_off():
