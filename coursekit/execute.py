@@ -3,10 +3,11 @@
 Outputs are produced the way nbval will check them: a fresh kernel whose environment is
 :func:`kernel_env` — ``COURSE_GPU=auto`` with every GPU hidden
 (``CUDA_VISIBLE_DEVICES=""``), so every cell but the GPU cells gives the same output on
-any machine; one BLAS/OpenMP thread; ``PYTHONHASHSEED=0``; the Hugging Face Hub offline — and the notebook's own
-folder as working directory. The environment is handed to the kernel; the calling
-process's ``os.environ`` is never changed. Widget state is dropped from the metadata so
-the HTML book never pulls the widget manager from a CDN.
+any machine; one BLAS/OpenMP thread; ``PYTHONHASHSEED=0``; the Hugging Face Hub
+offline — and the notebook's own folder as working directory. The environment is
+handed to the kernel; the calling process's ``os.environ`` is never changed. Widget
+state is dropped from the metadata so the HTML book never pulls the widget manager
+from a CDN.
 
 GPU cells (tag ``gpu``) store a result either way:
 
