@@ -270,6 +270,94 @@ def _optimizer_states(sim: Simulator, params: list, step, state_dtype) -> list:
 # tests/test_gpu_memory.py checks every reported number against the full replay.
 STOP_AT_REPEAT = True
 TENSOR_MICRO_BATCHES = 3  # without the allocator replay (no ``gpu``)
+# With the allocator replay, some steps never reach a repeating allocator state (a
+# LitGPT NF4 row: 128 micro-batches), so every micro-batch is replayed. Their events
+# need not be simulated again, though: once a micro-batch's events are the one
+# before's with each tensor renamed to its counterpart (the ``k``-th allocation of a
+# micro-batch for the ``k``-th of the one before, the tensors of earlier micro-batches
+# kept), the next ones are the same events renamed again (:class:`_Repeater`). Both
+# shortcuts are off when ``STOP_AT_REPEAT`` is False (the full replay the tests
+# compare with).
+SIMULATED_MICRO_BATCHES = 4
+
+
+def _allocated(events, a: int, b: int) -> list:
+    return [ev[1] for ev in events[a:b] if ev[0] == "alloc"]
+
+
+def _renamed(events, a: int, b: int, names: dict) -> list:
+    get = names.get
+    return [(ev[0], get(ev[1], ev[1])) + ev[2:] for ev in events[a:b]]
+
+
+class _Repeater:
+    """Writes a micro-batch's events as the last simulated one's (``starts``: where
+    each micro-batch's events begin; the last simulated one ends at the end of
+    ``events``) with fresh names (negative, never a Simulator uid) for what it
+    allocates and the previous micro-batch's names for what it frees of that one."""
+
+    def __init__(self, events: list, starts: list[int]):
+        *_, before, last = starts
+        self.template = (last, len(events))
+        self.previous = _allocated(events, before, last)
+        self.made = self.recorded = _allocated(events, last, len(events))
+        self.fresh = -1
+
+    @staticmethod
+    def repeats(events: list, starts: list[int]) -> bool:
+        """Whether the last micro-batch's events are the one before's renamed."""
+        if len(starts) < 3:
+            return False
+        a, b, c = starts[-3:]
+        names = dict(zip(_allocated(events, b, c), _allocated(events, c, len(events))))
+        if len(names) != len(_allocated(events, b, c)):
+            return False
+        names.update(zip(_allocated(events, a, b), _allocated(events, b, c)))
+        return _renamed(events, b, c, names) == events[c:]
+
+    def write(self, events: list) -> None:
+        made = list(range(self.fresh, self.fresh - len(self.recorded), -1))
+        self.fresh -= len(made)
+        names = dict(zip(self.recorded, made))
+        names.update(zip(self.previous, self.made))
+        events.extend(_renamed(events, *self.template, names))
+        self.made = made
+
+    def rename_after(self, events: list, start: int) -> None:
+        """The events from ``start`` on (the rest of the step, simulated with the last
+        simulated micro-batch's tensors) name the last written micro-batch's."""
+        if self.made is not self.recorded:
+            names = dict(zip(self.recorded, self.made))
+            events[start:] = _renamed(events, start, len(events), names)
+
+
+def _micro_batch(sim, model, step, autocast, batch, cfg, litgpt_logits) -> int:
+    """One micro-batch: forward, loss (scaled for accumulation and fp16), backward.
+    Returns the forward-allocated bytes alive at the end of its forward pass."""
+    ids, labels = batch
+    sim.set_phase("forward")
+    sim.autocast = autocast
+    cache = step.cache_on and cache_copies_kv(step.library_versions)
+    cfg["kv_cache"] = [] if cache else None
+    if step.framework == "litgpt":
+        loss = litgpt.forward_loss(sim, model, ids, labels, cfg, litgpt_logits)
+    else:
+        loss = llama_loss(sim, model, ids, labels, cfg)
+    sim.autocast = None
+    sim.autocast_cache = []  # leaving torch.autocast clears its cache
+    if step.grad_accum > 1:
+        loss = mul_scalar(sim, loss)
+    if step.precision == "fp16-amp":
+        loss = mul_scalar(sim, loss)  # GradScaler.scale(loss)
+    sim.mark("forward_end")
+    activations_at_end = sim.marks["forward_end"]["activations"]
+    sim.set_phase("backward")
+    unsharded_grad = None
+    if sim.reduce_scatter_bytes:
+        unsharded_grad = sim.alloc(sim.reduce_scatter_bytes, "temporaries")
+    backward(sim, loss)
+    del loss, unsharded_grad
+    return activations_at_end
 
 
 def _forward_backward(
@@ -316,31 +404,24 @@ def _forward_backward(
         n = min(n, TENSOR_MICRO_BATCHES)
     starts: list[int] = []
     stop = n - 1  # the last micro-batch to replay
+    repeater = None
     for j in range(n):
         if recorded:
             starts.append(len(sim.events))
-        sim.set_phase("forward")
-        sim.autocast = autocast
-        cache = step.cache_on and cache_copies_kv(step.library_versions)
-        cfg["kv_cache"] = [] if cache else None
-        if step.framework == "litgpt":
-            loss = litgpt.forward_loss(sim, model, ids, labels, cfg, litgpt_logits)
+        if repeater is not None:
+            repeater.write(sim.events)
         else:
-            loss = llama_loss(sim, model, ids, labels, cfg)
-        sim.autocast = None
-        sim.autocast_cache = []  # leaving torch.autocast clears its cache
-        if step.grad_accum > 1:
-            loss = mul_scalar(sim, loss)
-        if step.precision == "fp16-amp":
-            loss = mul_scalar(sim, loss)  # GradScaler.scale(loss)
-        sim.mark("forward_end")
-        activations_at_end = sim.marks["forward_end"]["activations"]
-        sim.set_phase("backward")
-        unsharded_grad = None
-        if sim.reduce_scatter_bytes:
-            unsharded_grad = sim.alloc(sim.reduce_scatter_bytes, "temporaries")
-        backward(sim, loss)
-        del loss, unsharded_grad
+            activations_at_end = _micro_batch(
+                sim, model, step, autocast, batch, cfg, litgpt_logits
+            )
+            if (
+                recorded
+                and STOP_AT_REPEAT
+                and j + 1 >= SIMULATED_MICRO_BATCHES
+                and j < stop
+                and _Repeater.repeats(sim.events, starts)
+            ):
+                repeater = _Repeater(sim.events, starts)
         if detectors and j >= 1 and j < stop:
             period = common_period(
                 _periods(detectors, sim.events, starts, prelude, capacity)
@@ -353,6 +434,7 @@ def _forward_backward(
             break
     if step.framework == "litgpt":
         cfg["held"] = litgpt_logits  # alive through the optimizer step and validate
+    cfg["repeater"] = repeater  # renames the rest of the step's events
     cfg["replays"] = {  # those that have set-up and the first micro-batch
         (tuple(prelude), cap): (d.replay, d.fed)
         for cap, d in detectors.items()
@@ -443,6 +525,7 @@ def simulate_step(
     activations_at_end, cfg = _forward_backward(
         sim, model, shape, step, autocast, (ids, labels), replay_as
     )
+    after_micro_batches = None if sim.events is None else len(sim.events)
     sim.set_phase("optimizer")
     sim.mark("optimizer_start")
     rule = optimizer(step.optimizer).impl(step.optimizer_impl).scratch
@@ -457,6 +540,9 @@ def simulate_step(
     sim.set_phase("idle")
     events = sim.events
     sim.events = None  # the rest is teardown
+    repeater = cfg.pop("repeater", None)
+    if repeater is not None:
+        repeater.rename_after(events, after_micro_batches)
     at_step = sim.marks["optimizer_start"]
     model_states = sum(
         at_step[k]
