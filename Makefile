@@ -5,6 +5,10 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# uv installs .venv's packages but torch (pip takes that: uv does not read the local wheel).
+# .venv-floor stays with pip: uv does not see the torch linked there and would fetch one.
+UV_PIN ?= uv==0.13.9
+UV     := $(VENV)/bin/uv
 TORCH_PIN ?= torch==2.13.0
 # Where the CPU build of torch comes from when no local wheel satisfies TORCH_PIN (PyPI's
 # default torch for Linux is the multi-GB CUDA build). Empty: plain pip (whatever it resolves).
@@ -43,7 +47,10 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	  || { [ -n "$(TORCH_INDEX)" ] && $(PY) -m pip install -q --retries 1 --timeout 30 \
 	         --index-url "$(TORCH_INDEX)" "$(TORCH_PIN)"; } \
 	  || $(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[dev]" "$(TORCH_PIN)" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	# The rest with uv (seconds; pip takes most of a minute), pip where uv cannot be had.
+	{ $(PY) -m pip install -q "$(UV_PIN)" && $(UV) pip install -q --python $(PY) \
+	    -e ".[dev]" "$(TORCH_PIN)" $(if $(CONSTRAINTS),-c $(CONSTRAINTS)); } \
+	  || $(PY) -m pip install -q -e ".[dev]" "$(TORCH_PIN)" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (course)" >/dev/null
 	touch $(STAMP)
 
