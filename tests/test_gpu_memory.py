@@ -453,3 +453,20 @@ def test_repeating_micro_batches_are_not_replayed(kw, monkeypatch):
     assert short == full  # every field: phase peaks, headroom, the fit answer
     assert short["breakdown"] == full["breakdown"]
     assert short.get("fits") == full.get("fits")
+
+
+def test_combined_change_keeps_only_what_is_needed():
+    """LoRA at micro-batch 8 × 1024 tokens on a T4 needs a smaller micro-batch and
+    checkpointing; 8-bit AdamW (tried between them) saves a few MB of LoRA states
+    and is dropped from the answer, which still fits without it."""
+    from trainmem.fit import cheapest_change
+
+    step = StepConfig(method="lora", precision="bf16", batch=8, seq=1024)
+    r = cheapest_change("llama2-7b", step, "T4")
+    tried = [t["change"] for t in r["tried"]]
+    assert any("8-bit AdamW" in t for t in tried)  # it was combined on the way
+    assert r["options"] == {"batch": 1, "grad_accum": 8, "checkpointing": True}
+    assert "8-bit" not in r["change"]
+    kw = dict(method="lora", precision="bf16", seq=1024, gpu="T4")
+    assert estimate("llama2-7b", batch=1, grad_accum=8, checkpointing=True, **kw).fits
+    assert not estimate("llama2-7b", batch=1, grad_accum=8, **kw).fits

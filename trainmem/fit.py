@@ -18,7 +18,9 @@ The changes, in the order tried (cheapest first: what each costs besides memory)
 4. ``QLoRA``: the frozen base in 4-bit NF4 — dequantization in every matmul and a
    quantized base model.
 
-If no single change fits, they are combined in that order."""
+If no single change fits, they are combined in that order, and a change the combination
+fits without is then dropped (the costliest first): 8-bit AdamW saves next to nothing
+for LoRA, whose optimizer states are a few MB."""
 
 from __future__ import annotations
 
@@ -120,26 +122,43 @@ def cheapest_change(model, step: StepConfig, gpu: str) -> dict[str, Any]:
             }
         seen_kinds.add(kind)
     # combine: the smallest micro-batch, then each further change on top
-    combined = step
-    names = []
+    picked: list[tuple[str, StepConfig]] = []
     for name, changed, kind in _changes(step):
         if kind == "smaller micro-batch" and changed.batch != 1:
             continue
-        combined = dataclasses.replace(combined, **_diff(step, changed))
-        names.append(name)
-        ok, est = _fits(model, combined, gpu)
+        picked.append((name, changed))
+        ok, est = _fits(model, _combine(step, picked), gpu)
         tried.append(
-            {"change": " + ".join(names), "fits": ok, "device_bytes": est.device_bytes}
+            {
+                "change": " + ".join(n for n, _ in picked),
+                "fits": ok,
+                "device_bytes": est.device_bytes,
+            }
         )
         if ok:
+            # drop what the combination fits without, the costliest first (the last
+            # one added is needed: without it the combination did not fit)
+            for item in reversed(picked[:-1]):
+                rest = [p for p in picked if p is not item]
+                ok_rest, est_rest = _fits(model, _combine(step, rest), gpu)
+                if ok_rest:
+                    picked, est = rest, est_rest
             return {
                 "fits": False,
-                "change": " + ".join(names),
+                "change": " + ".join(n for n, _ in picked),
                 "device_bytes": est.device_bytes,
-                "options": _diff(step, combined),
+                "options": _diff(step, _combine(step, picked)),
                 "tried": tried,
             }
     return {"fits": False, "change": None, "tried": tried}
+
+
+def _combine(step: StepConfig, picked: list[tuple[str, StepConfig]]) -> StepConfig:
+    """``step`` with every picked change applied."""
+    out = step
+    for _, changed in picked:
+        out = dataclasses.replace(out, **_diff(step, changed))
+    return out
 
 
 def _diff(a: StepConfig, b: StepConfig) -> dict[str, Any]:
