@@ -117,6 +117,30 @@ def test_optimizer_step_ms_runs_each_implementation():
         parallel.optimizer_step_ms(impls=("fused=False",))
 
 
+def test_optimizer_step_ms_times_on_one_thread_and_restores(monkeypatch):
+    """The steps run on one intra-op thread (OpenMP's barrier under load from other
+    processes would swamp the comparison); torch's setting is restored after."""
+    seen = []
+    real = parallel.fastest_seconds
+
+    def spy(fns, repeats):
+        seen.append(torch.get_num_threads())
+        return real(fns, repeats)
+
+    monkeypatch.setattr(parallel, "fastest_seconds", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        parallel.optimizer_step_ms(n_tensors=2, shape=(2, 2), steps=1, repeats=1)
+        assert seen == [1] and torch.get_num_threads() == 2
+        parallel.optimizer_step_ms(
+            n_tensors=2, shape=(2, 2), steps=1, repeats=1, threads=None
+        )
+        assert seen == [1, 2]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_optimizer_implementations_agree():
     """The three implementations compute the same AdamW update (what is timed)."""
     out = []
