@@ -363,7 +363,10 @@ ATTACK_NAMES = [
 def test_attack_fails_and_attacker_keeps_honest_score(suite, name):
     rec = suite["records"][name]
     verdict = outcome(rec, name)
-    assert "SUCCEEDED" not in verdict and verdict.startswith("blocked"), verdict
+    assert "SUCCEEDED" not in verdict and verdict.startswith("blocked"), (
+        verdict,
+        rec["message"],
+    )
     assert (rec["status"], rec["scores"]) == ("ok", {"add": 2, "mean": 3}), rec
 
 

@@ -254,15 +254,22 @@ class Watchdog(threading.Thread):
         self._pss = (rss, pss)
         return pss
 
-    def _kernel_pid(self, tree: list[int]) -> int | None:
+    def _kernel_pid(self) -> int | None:
+        """The kernel: the shallowest process below the watched root that runs
+        ``kernel_main`` and is not bwrap (whose argv ends the same way). Found by
+        depth, never by pid order: pids wrap around (pid_max is 32768 on many
+        machines), so a forked child can have a smaller pid than the kernel."""
         if self.kernel is None:
-            for p in sorted(tree):  # the python process, not bwrap's (same argv tail)
-                argv = _cmdline(p).split(b"\0")
-                if b"coursekit.grading.kernel_main" in argv and not argv[0].endswith(
-                    b"bwrap"
-                ):
-                    self.kernel = p
-                    break
+            level = [self.pid]
+            while level and self.kernel is None:
+                for p in level:
+                    argv = _cmdline(p).split(b"\0")
+                    if b"coursekit.grading.kernel_main" in argv and not argv[
+                        0
+                    ].endswith(b"bwrap"):
+                        self.kernel = p
+                        break
+                level = [c for p in level for c in _children(p)]
         return self.kernel
 
     def run(self) -> None:
@@ -280,8 +287,8 @@ class Watchdog(threading.Thread):
         while not self.stop.wait(WATCH_EVERY):
             n += 1
             tree = process_tree(self.pid)
+            kernel = self._kernel_pid()  # known from its start, before any cell runs
             if len(tree) > MAX_PROCS:
-                kernel = self._kernel_pid(tree)
                 extra = (
                     [p for p in process_tree(kernel) if p != kernel] if kernel else []
                 )
