@@ -17,8 +17,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 CONSTRAINTS ?= constraints.txt
 # pytest-xdist workers. The main pass runs three on two cores: its workers wait on
 # kernels starting and pages settling, and a third one fills those waits (measured on
-# 2 cores: 448 s with three, 490-500 s with two). The floor pass, whose time is one
-# long chapter, gains nothing from a third.
+# 2 cores: 448 s with three, 490-500 s with two). make floor alone runs two.
 JOBS   ?= 3
 FLOOR_JOBS ?= 2
 # The CPU kernel path nbval checks the stored outputs on (make nb stores them from the
@@ -48,8 +47,13 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	         --index-url "$(TORCH_INDEX)" "$(TORCH_PIN)"; } \
 	  || $(PY) -m pip install -q "$(TORCH_PIN)"
 	# The rest with uv (seconds; pip takes most of a minute), pip where uv cannot be had.
-	{ $(PY) -m pip install -q "$(UV_PIN)" && $(UV) pip install -q --python $(PY) \
-	    -e ".[dev]" "$(TORCH_PIN)" $(if $(CONSTRAINTS),-c $(CONSTRAINTS)); } \
+	# --compile-bytecode as pip does: uv leaves no .pyc by default, and where
+	# PYTHONDONTWRITEBYTECODE is set (CI machines) every process would then compile
+	# transformers, peft and sympy from source on import (importing torch,
+	# transformers, peft and ipykernel: 8.1 s of CPU against 5.4 s; make test starts
+	# that many kernels and workers a hundred times and more).
+	{ $(PY) -m pip install -q "$(UV_PIN)" && $(UV) pip install -q --compile-bytecode \
+	    --python $(PY) -e ".[dev]" "$(TORCH_PIN)" $(if $(CONSTRAINTS),-c $(CONSTRAINTS)); } \
 	  || $(PY) -m pip install -q -e ".[dev]" "$(TORCH_PIN)" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (course)" >/dev/null
 	touch $(STAMP)
@@ -73,11 +77,12 @@ $(FLOOR_STAMP): $(STAMP) pyproject.toml coursekit/floor.py
 
 floor-venv: $(FLOOR_STAMP)
 
-## make floor — every chapter and solution executed top to bottom in .venv-floor (errors only
-## outside cells tagged raises-exception fail; outputs are not compared: that is nbval's job).
+## make floor — every chapter and solution executed top to bottom in a kernel started from
+## .venv-floor (errors only outside cells tagged raises-exception fail; outputs are not
+## compared: that is nbval's job). Its own pass after make test's main one.
 floor: $(FLOOR_STAMP)
-	COURSE_FLOOR_RUN=1 JUPYTER_PATH=$(CURDIR)/$(FLOOR_VENV)/share/jupyter $(FLOOR_PY) -m pytest -n $(FLOOR_JOBS) \
-	    --dist load -q tests/test_floor.py --timeout=900 -p no:cacheprovider --durations=5
+	COURSE_FLOOR_VENV=$(CURDIR)/$(FLOOR_VENV) $(PY) -m pytest -n $(FLOOR_JOBS) --dist loadfile \
+	    -p tests.schedule -q tests/test_floor.py --timeout=900 -p no:cacheprovider --durations=5
 
 ## make book — build the HTML book from the stored notebook outputs (warnings are errors).
 ## npm ci installs Pyodide (package-lock.json) for the in-page calculator; the site serves it.
@@ -90,9 +95,11 @@ book: $(STAMP) node_modules/.package-lock.json
 
 ## make test — everything: unit tests, nbval over book/ and solutions/ (exact outputs as text,
 ## declared measured numbers within their tolerance; on the kernel path the probe chose), GPU
-## cells in COURSE_GPU=cpu mode, labs regenerated, grader, book build with -W, browser tests;
-## then the same chapters and solutions executed at the declared floor versions (make floor).
-## Ends with the wall time of each stage.
+## cells in COURSE_GPU=cpu mode, labs regenerated, grader, book build with -W, browser tests
+## (one pytest pass whose units tests/schedule.py queues heaviest first); then the same
+## chapters and solutions executed at the declared floor versions (make floor). Both passes
+## saturate two cores: one pass running both took as long (715 s against 546 + 159 s).
+## Ends with the wall time of each stage and the slowest test files.
 # The published rows' estimates are replayed once per run and shared by the processes
 # that show them (coursekit.published: keyed by trainmem's code, the model's Shape as
 # each process's transformers builds it, and the options); emptied at the start.
@@ -105,8 +112,8 @@ test: $(STAMP) $(FLOOR_STAMP) browser-deps sandbox-deps
 	  && $(PY) -m tests.stages since $(STAGE_LOG) "kernel-path probe" $$t0
 	@t0=$$(date +%s); set -x; COURSE_STAGE_LOG=$(CURDIR)/$(STAGE_LOG) $(PY) -m pytest -n $(JOBS) \
 	    --dist loadfile --no-loadscope-reorder -q tests book solutions -m "not floor" \
-	    --nbval --timeout=1200 \
-	    --nbval-cell-timeout=600 -p tests.stages $(NBVAL_OPTS) --durations=15; \
+	    --nbval --timeout=1200 --nbval-cell-timeout=600 -p tests.stages -p tests.schedule \
+	    $(NBVAL_OPTS) --durations=15; \
 	  rc=$$?; set +x; $(PY) -m tests.stages since $(STAGE_LOG) "main pass (pytest -n $(JOBS))" $$t0; \
 	  exit $$rc
 	@t0=$$(date +%s); $(MAKE) --no-print-directory floor \
