@@ -3,12 +3,14 @@ testing.
 
 ``pyproject.toml`` declares a range for every library a notebook imports; its lower
 bounds are what older Colab images ship. ``make floor`` builds ``.venv-floor`` at
-exactly those lower bounds and runs every chapter and solution there
-(``tests/test_floor.py``). This module turns ``pyproject.toml`` into that environment's
-pins, so the ranges and the tested versions come from one place:
+exactly those lower bounds and runs every chapter and solution in a kernel started from
+it (``tests/test_floor.py``; pytest itself runs in ``.venv``). This module turns
+``pyproject.toml`` into that environment's pins, so the ranges and the tested versions
+come from one place:
 
     python -m coursekit.floor constraints          # name==lower-bound lines for pip -c
-    python -m coursekit.floor requirements # what to install: the project + test tools
+    python -m coursekit.floor requirements # what to install: the project + what the
+        notebooks import from its dev extra
     python -m coursekit.floor link-torch .venv-floor # reuse this interpreter's CPU
         torch there
 
@@ -24,8 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 #: Libraries pinned to their declared lower bound in the floor environment.
 FLOOR_PACKAGES = ("transformers", "peft", "numpy", "ipython", "ipykernel", "ipywidgets")
-#: Development tools the floor run needs besides the project's own dependencies.
-FLOOR_TOOLS = ("ipywidgets", "pytest", "pytest-xdist", "pytest-timeout", "accelerate")
+#: What the notebooks import besides the project's own dependencies (its ``dev`` extra).
+#: The tests themselves run in ``.venv``; only the notebooks' kernel runs here.
+FLOOR_TOOLS = ("ipywidgets", "accelerate")
 
 
 def _requirements(pyproject: Path) -> dict[str, str]:
@@ -77,8 +80,8 @@ def constraints(pyproject: str | Path = ROOT / "pyproject.toml") -> list[str]:
 
 
 def requirements(pyproject: str | Path = ROOT / "pyproject.toml") -> list[str]:
-    """What the floor environment installs: the project (editable) and the test tools,
-    as declared."""
+    """What the floor environment installs: the project (editable) and
+    :data:`FLOOR_TOOLS`, as declared."""
     reqs = _requirements(Path(pyproject))
     missing = [t for t in FLOOR_TOOLS if t not in reqs]
     if missing:

@@ -23,7 +23,8 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
-        "floor: runs in .venv-floor (make floor); make test's main pass deselects it",
+        "floor: executes a notebook in .venv-floor's kernel (make floor; make test's "
+        "main pass deselects it)",
     )
 
 

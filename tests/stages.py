@@ -3,9 +3,11 @@
 As a pytest plugin (``-p tests.stages``) it sorts every test into a stage by its node
 id, and appends, per stage, the number of tests, the summed test time (setup + call +
 teardown, across all workers) and the wall-clock span from the first test's start to
-the last one's end to the JSON-lines file named by ``COURSE_STAGE_LOG``. The Makefile
-adds its own steps (kernel probe, floor pass) with ``python -m tests.stages add``, and
-``python -m tests.stages show`` prints the table.
+the last one's end to the JSON-lines file named by ``COURSE_STAGE_LOG``; per test file
+it appends the same (a ``file`` record, with the xdist worker that ran it), so the
+slowest files and each worker's load can be read after a run. The Makefile adds its own
+steps (kernel probe, floor pass) with ``python -m tests.stages add``, and
+``python -m tests.stages show`` prints the table and the slowest files.
 """
 
 from __future__ import annotations
@@ -41,12 +43,10 @@ class _Recorder:
     def __init__(self, log: Path):
         self.log = log
         self.rows: dict[str, dict] = {}
+        self.files: dict[str, dict] = {}
 
-    def pytest_runtest_logreport(self, report):
-        row = self.rows.setdefault(
-            stage_of(report.nodeid),
-            {"tests": 0, "busy": 0.0, "start": float("inf"), "stop": 0.0},
-        )
+    @staticmethod
+    def _fold(row: dict, report) -> None:
         if report.when == "call":
             row["tests"] += 1
         row["busy"] += report.duration
@@ -56,6 +56,14 @@ class _Recorder:
             row["start"] = min(row["start"], start)
             row["stop"] = max(row["stop"], stop)
 
+    def pytest_runtest_logreport(self, report):
+        new = {"tests": 0, "busy": 0.0, "start": float("inf"), "stop": 0.0}
+        self._fold(self.rows.setdefault(stage_of(report.nodeid), dict(new)), report)
+        file = self.files.setdefault(report.nodeid.split("::")[0], dict(new))
+        file["worker"] = getattr(getattr(report, "node", None), "gateway", None)
+        file["worker"] = getattr(file["worker"], "id", "main")
+        self._fold(file, report)
+
     def pytest_sessionfinish(self, session):
         with self.log.open("a") as f:
             for stage, row in self.rows.items():
@@ -64,6 +72,11 @@ class _Recorder:
                 span = max(0.0, row["stop"] - row["start"])
                 rec = {"stage": stage, "tests": row["tests"], "busy": row["busy"]}
                 f.write(json.dumps({**rec, "wall": span}) + "\n")
+            for name, row in self.files.items():
+                if not row["tests"] or row["start"] == float("inf"):
+                    continue
+                rec = {k: row[k] for k in ("tests", "busy", "start", "stop", "worker")}
+                f.write(json.dumps({"file": name, **rec}) + "\n")
 
 
 def pytest_configure(config):
@@ -78,10 +91,14 @@ def _add(log: Path, stage: str, seconds: float) -> None:
         f.write(json.dumps({"stage": stage, "wall": seconds, "busy": seconds}) + "\n")
 
 
-def show(log: Path) -> str:
+def show(log: Path, top: int = 12) -> str:
     rows: dict[str, dict] = {}
+    files: list[dict] = []
     for line in log.read_text().splitlines():
         rec = json.loads(line)
+        if "file" in rec:
+            files.append(rec)
+            continue
         row = rows.setdefault(rec["stage"], {"tests": 0, "busy": 0.0, "wall": 0.0})
         row["tests"] += rec.get("tests", 0)
         row["busy"] += rec["busy"]
@@ -93,6 +110,20 @@ def show(log: Path) -> str:
     for stage, row in rows.items():
         tests = row["tests"] or ""
         out.append(f"| {stage} | {tests} | {row['wall']:.0f} | {row['busy']:.0f} |")
+    if files:
+        t0 = min(r["start"] for r in files)
+        out += [
+            "",
+            f"slowest {min(top, len(files))} test files (seconds from the first test's "
+            "start, main pass):",
+            "| file | worker | tests | start | end | test time (s) |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for r in sorted(files, key=lambda r: -r["busy"])[:top]:
+            out.append(
+                f"| {r['file']} | {r['worker']} | {r['tests']} | {r['start'] - t0:.0f} "
+                f"| {r['stop'] - t0:.0f} | {r['busy']:.0f} |"
+            )
     return "\n".join(out)
 
 

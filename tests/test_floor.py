@@ -1,14 +1,18 @@
 """The version matrix's second row: chapters and solutions at the declared floor
 versions.
 
-``make floor`` builds ``.venv-floor`` (transformers, peft, numpy, IPython, ipykernel,
-ipywidgets at the lower bounds of ``pyproject.toml``; the CPU torch of ``.venv``) and
-runs this file there with ``COURSE_FLOOR_RUN=1``: every chapter and solution is executed
-top to bottom in a fresh kernel, and any error outside a cell tagged
-``raises-exception`` fails. Outputs are not compared (nbval does that in ``.venv``);
-timings and library reprs legitimately differ between versions.
+``.venv-floor`` holds transformers, peft, numpy, IPython, ipykernel, ipywidgets at the
+lower bounds of ``pyproject.toml`` (and the CPU torch of ``.venv``). With
+``COURSE_FLOOR_VENV`` naming it (``make floor``, which ``make test`` runs after its
+main pass), every chapter and solution is executed top to bottom in a fresh kernel
+started from that environment, and any error outside a cell tagged
+``raises-exception`` fails. A first cell prints the kernel's interpreter and
+versions, checked against the floor pins.
+Outputs are not compared (nbval does that on ``.venv``'s kernel); timings and library
+reprs legitimately differ between versions. pytest itself runs in ``.venv``: what is
+tested at the floor is what the notebooks import, not the test tools.
 
-In the ordinary run (``.venv``) only the bookkeeping tests run.
+Without ``COURSE_FLOOR_VENV`` only the bookkeeping tests run.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 from importlib import metadata
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -23,8 +28,8 @@ import pytest
 from coursekit.floor import FLOOR_PACKAGES, constraints, floor_pins, requirements
 from tests.notebooks import ROOT, all_notebooks
 
-FLOOR_RUN = os.environ.get("COURSE_FLOOR_RUN") == "1"
-# Slowest first, so the two xdist workers finish together (measured: `make floor
+FLOOR_VENV = os.environ.get("COURSE_FLOOR_VENV", "")
+# Slowest first, so the xdist workers finish together (measured: `make floor
 # --durations`).
 SLOW_FIRST = (
     "06_lora_in_practice",
@@ -83,17 +88,24 @@ def test_floor_rejects_a_missing_lower_bound(tmp_path):
         floor_pins(bad)
 
 
-@pytest.mark.floor
-@pytest.mark.skipif(not FLOOR_RUN, reason="runs in .venv-floor (make floor)")
-def test_this_interpreter_is_the_floor():
-    have = {p: metadata.version(p) for p in FLOOR_PACKAGES}
-    assert _same_versions(have, floor_pins()), (
-        f"make floor must run at the declared lower bounds, not {have}"
-    )
+def floor_kernel_manager(venv: str | Path):
+    """A kernel manager whose ``python3`` is the one ``venv`` installed (and no
+    other: the current interpreter's own kernel is not added as a fallback)."""
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import AsyncKernelManager
+
+    kernels = Path(venv).resolve() / "share" / "jupyter" / "kernels"
+    if not (kernels / "python3" / "kernel.json").is_file():
+        raise FileNotFoundError(
+            f"{kernels / 'python3'}: no kernel; build the floor environment first "
+            "(make floor-venv)"
+        )
+    specs = KernelSpecManager(kernel_dirs=[str(kernels)], ensure_native_kernel=False)
+    return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=specs)
 
 
 @pytest.mark.floor
-@pytest.mark.skipif(not FLOOR_RUN, reason="runs in .venv-floor (make floor)")
+@pytest.mark.skipif(not FLOOR_VENV, reason="needs COURSE_FLOOR_VENV (make floor)")
 @pytest.mark.parametrize(
     "path", _heaviest_first(), ids=lambda p: f"{p.parent.name}/{p.name}"
 )
@@ -104,24 +116,28 @@ def test_notebook_runs_at_floor(path):
     nb = nbformat.read(path, as_version=4)
     probe = nbformat.v4.new_code_cell(VERSIONS_CELL % (FLOOR_PACKAGES,))
     nb.cells.insert(0, probe)
-    env_before = dict(os.environ)
-    os.environ.update(kernel_env())  # what every stored output is made with
-    try:
-        # errors stop the run (CellExecutionError) unless the cell is tagged
-        # raises-exception
-        NotebookClient(
-            nb,
-            timeout=600,
-            kernel_name="python3",
-            resources={"metadata": {"path": str(path.parent)}},
-        ).execute()
-    finally:
-        os.environ.clear()
-        os.environ.update(env_before)
+    # errors stop the run (CellExecutionError) unless the cell is tagged
+    # raises-exception; the kernel gets the environment every stored output is made
+    # with (the native kernel path)
+    NotebookClient(
+        nb,
+        km=floor_kernel_manager(FLOOR_VENV),
+        timeout=600,
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute(env=kernel_env())
     seen = json.loads("".join(o.get("text", "") for o in probe.outputs))
+    floor_python = Path(FLOOR_VENV).resolve() / "bin"
+    assert Path(seen["python"]).parent.resolve() == floor_python, (
+        f"the kernel runs {seen['python']}, not the floor environment's interpreter"
+    )
     assert _same_versions({p: seen[p] for p in FLOOR_PACKAGES}, floor_pins()), (
         f"the kernel ({seen['python']}) runs {seen}, not the floor versions"
     )
+
+
+def test_floor_kernel_manager_names_a_missing_environment(tmp_path):
+    with pytest.raises(FileNotFoundError, match="make floor-venv"):
+        floor_kernel_manager(tmp_path)
 
 
 def test_link_torch_reuses_the_cpu_torch(tmp_path):
@@ -162,4 +178,7 @@ def test_make_test_runs_the_floor_pass():
     text = (ROOT / "Makefile").read_text(encoding="utf-8")
     recipe = text.split("\ntest:", 1)[1].split("\n\n", 1)[0]
     assert "$(MAKE) --no-print-directory floor" in recipe
-    assert "COURSE_FLOOR_RUN=1" in text and "link-torch" in text
+    assert "COURSE_FLOOR_VENV=" in text.split("\nfloor:", 1)[1].split("\n\n", 1)[0]
+    rule = [ln for ln in text.splitlines() if ln.startswith("test: $(STAMP)")]
+    assert len(rule) == 1 and "$(FLOOR_STAMP)" in rule[0]
+    assert "link-torch" in text
