@@ -60,8 +60,8 @@ class _Recorder:
         new = {"tests": 0, "busy": 0.0, "start": float("inf"), "stop": 0.0}
         self._fold(self.rows.setdefault(stage_of(report.nodeid), dict(new)), report)
         file = self.files.setdefault(report.nodeid.split("::")[0], dict(new))
-        file["worker"] = getattr(getattr(report, "node", None), "gateway", None)
-        file["worker"] = getattr(file["worker"], "id", "main")
+        gateway = getattr(getattr(report, "node", None), "gateway", None)
+        file["worker"] = getattr(gateway, "id", "main")  # "main" without xdist
         self._fold(file, report)
 
     def pytest_sessionfinish(self, session):
