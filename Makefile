@@ -94,8 +94,8 @@ book: $(STAMP) node_modules/.package-lock.json
 	@echo "book: $(CURDIR)/_build/html/index.html"
 
 ## make test — everything: unit tests, nbval over book/ and solutions/ (exact outputs as text,
-## declared measured numbers within their tolerance; on the kernel path the probe chose), GPU
-## cells in COURSE_GPU=cpu mode, labs regenerated, grader, book build with -W, browser tests
+## declared measured numbers within their tolerance; on the kernel path the probe chose; GPU
+## cells run in place at CPU size, COURSE_GPU=cpu, and checked), labs regenerated, grader, book build with -W, browser tests
 ## (one pytest pass whose units tests/schedule.py queues heaviest first); then the same
 ## chapters and solutions executed at the declared floor versions (make floor). Both passes
 ## saturate two cores: one pass running both took as long (715 s against 546 + 159 s).

@@ -11,17 +11,17 @@
   by token (words and integers still exact). The tolerance is read from the freshly
   executed output (the code declares it) and the stored output must carry one too, else
   the comparison stays textual.
-* **GPU cells (tag ``gpu``): output not compared, cell skipped in the kernel.** Their
-  stored output is a CPU small-size run whose timings and measured numbers vary with
-  the machine, or a run on a GPU (``coursekit.execute``); the reason is
-  :data:`GPU_IGNORE_REASON`. The kernel runs with ``COURSE_GPU=off`` (a GPU cell prints
-  its skip line and returns None; GPU cells are self-contained, so no later cell
-  depends on them), because ``tests/test_gpu_cells.py`` already runs every GPU cell at
-  small size and checks what it prints: running them twice would only cost time.
-  ``--kernel-env COURSE_GPU=cpu`` runs them here too.
+* **GPU cells (tag ``gpu``): run at their CPU size, checked, not compared.** The kernel
+  runs with ``COURSE_GPU=cpu``, as ``make nb`` on a machine without CUDA does: every
+  GPU cell executes its real code at its smallest size, in its place in the notebook.
+  Its stored output is such a run (timings and measured numbers vary with the
+  machine) or a run on a GPU, so it is not compared (:data:`GPU_IGNORE_REASON`);
+  instead :func:`gpu_run_problem` checks what the fresh run printed: the CPU label
+  first, never the skip line, and what a few cells must show (the fp16 loss scaler
+  backs off and grows; QLoRA's CPU part builds, estimates and steps).
 * Each notebook's kernel gets its environment from :func:`coursekit.execute.kernel_env`
   (the same one ``make nb`` uses: GPUs hidden, one thread, fixed hash seed; here
-  ``COURSE_GPU=off``, see above) plus ``--kernel-env KEY=VALUE`` options; the test
+  ``COURSE_GPU=cpu``, see above) plus ``--kernel-env KEY=VALUE`` options; the test
   process's own ``os.environ`` is not changed. ``make test`` passes
   ``ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE`` this way, so the stored outputs
   (made on the native kernel path) are checked on another one.
@@ -48,8 +48,49 @@ IGNORED_MIME = (
 GPU_TAG = "gpu"
 GPU_IGNORE_REASON = (
     "GPU cell: its stored output is a labelled CPU small-size run (machine-dependent "
-    "timings) or a GPU run; tests/test_gpu_cells.py checks that it runs"
+    "timings) or a GPU run; the fresh CPU run is checked instead (gpu_run_problem)"
 )
+
+
+def _backs_off_and_grows(text: str) -> bool:
+    m = re.search(r"(\d+) back-offs .*?(\d+) growths", text)
+    return bool(m) and int(m.group(1)) > 0 and int(m.group(2)) > 0
+
+
+# a GPU cell (found by a marker in its source) -> what its CPU run must print
+GPU_RUN_MUST_SHOW = {
+    "def fp16_scaler_loop(": (
+        "the loss scaler backs off and grows (N back-offs ... M growths, N, M > 0)",
+        _backs_off_and_grows,
+    ),
+    "def qlora_finetune(": (
+        "nf4, the trainmem estimate and two timed steps (ms/step twice)",
+        lambda t: "nf4" in t and "trainmem estimate" in t and t.count("ms/step") == 2,
+    ),
+}
+
+
+def gpu_run_problem(source: str, outputs: list) -> str | None:
+    """What is wrong with a GPU cell's fresh run under ``COURSE_GPU=cpu`` (None: it
+    ran at CPU size and printed what it must)."""
+    from coursekit.gpu import CPU_LABEL, SKIP_PREFIX
+
+    text = "".join(
+        o.get("text", "") for o in outputs if o.get("output_type") == "stream"
+    )
+    errors = [o for o in outputs if o.get("output_type") == "error"]
+    if errors:
+        return f"the GPU cell raised {errors[0].get('ename')}"
+    if SKIP_PREFIX in text:
+        return "the GPU cell was skipped, not run at CPU size (COURSE_GPU=cpu?)"
+    if not text.startswith(CPU_LABEL.split("{")[0]):
+        return f"a GPU cell's CPU run must start with its label: {text[:80]!r}"
+    for marker, (what, ok) in GPU_RUN_MUST_SHOW.items():
+        if marker in source and not ok(text):
+            return f"its CPU run must show {what}; it printed {text[-400:]!r}"
+    return None
+
+
 # same as coursekit.nb.TOL_KEY (kept literal: no import of the package here)
 TOL_KEY = "coursekit"
 TEXT_MIME = ("text/plain", "text/markdown")
@@ -70,15 +111,20 @@ def pytest_addoption(parser):
     )
 
 
+def is_gpu_cell(cell) -> bool:
+    return GPU_TAG in ((cell.get("metadata") or {}).get("tags") or [])
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """GPU cells: outputs not compared (see :data:`GPU_IGNORE_REASON`)."""
+    """GPU cells: checked by :func:`gpu_run_problem`, not compared (see
+    :data:`GPU_IGNORE_REASON`)."""
     for item in items:
         cell = getattr(item, "cell", None)
         options = getattr(item, "options", None)
         if cell is None or options is None:
             continue
-        if GPU_TAG in (cell.get("metadata", {}).get("tags") or []):
-            options["check"] = False
+        if is_gpu_cell(cell):
+            options["check"] = True  # reaches compare_outputs, which checks the run
             item.user_properties.append(("nbval_ignore_reason", GPU_IGNORE_REASON))
 
 
@@ -202,6 +248,10 @@ def reconcile(test: list, ref: list) -> tuple[list, list[str]]:
 
 def _compare_outputs(original):
     def compare_outputs(self, test, ref, skip_compare=None):
+        if is_gpu_cell(self.cell):
+            why = gpu_run_problem(self.cell.get("source", ""), list(test))
+            self.comparison_traceback = [why] if why else []
+            return why is None
         test, reasons = reconcile(list(test), list(ref))
         ok = original(self, test, ref, skip_compare)
         if not ok and reasons:
@@ -217,7 +267,7 @@ def _compare_outputs(original):
 def _kernel_env(config) -> dict:
     from coursekit.execute import kernel_env
 
-    extra = {"COURSE_GPU": "off"}  # GPU cells: see the module docstring
+    extra = {"COURSE_GPU": "cpu"}  # GPU cells: see the module docstring
     for item in config.getoption("--kernel-env") or []:
         key, sep, value = item.partition("=")
         if not sep or not key:

@@ -8,7 +8,7 @@ the end of the pass. With this plugin (``-p tests.schedule``, only under
 
 * the tests named in :data:`SPLIT_BY_TEST` are units of their own: each starts its
   own kernel and shares nothing with its neighbours (a notebook at the floor
-  versions, a notebook's GPU cells);
+  versions);
 * the lab tests in :data:`SPLIT_BY_LAB` are grouped per lab: a lab's solution,
   untouched lab and known mistake are graded once per worker by the session
   fixture ``lab_runs`` and its tests stay together;
@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import re
 
-SPLIT_BY_TEST = (
-    "tests/test_floor.py::test_notebook_runs_at_floor[",
-    "tests/test_gpu_cells.py::test_gpu_cells_run_on_cpu[",
-)
+SPLIT_BY_TEST = ("tests/test_floor.py::test_notebook_runs_at_floor[",)
 SPLIT_BY_LAB = (
     "tests/test_grader.py::test_self_check_catches_what_the_hidden_tests_grade[",
     "tests/test_grader.py::test_solution_full_marks_untouched_lab_zero[",
@@ -44,8 +41,6 @@ HEAVY_FIRST: tuple[str, ...] = (
     "book/06_lora_in_practice.ipynb",
     "tests/test_grader.py@lab06",
     "tests/test_calculator.py",
-    "tests/test_gpu_cells.py::test_gpu_cells_run_on_cpu"
-    "[lab06_capstone_lora_finetune.ipynb]",
     "book/05_lora_principles.ipynb",
 )
 

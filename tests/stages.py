@@ -22,7 +22,6 @@ from pathlib import Path
 STAGES = (
     ("nbval: chapters", ("book/",)),
     ("nbval: solutions", ("solutions/",)),
-    ("GPU cells (COURSE_GPU=cpu)", ("tests/test_gpu_cells.py",)),
     ("grader and sandbox", ("tests/test_grader.py", "tests/test_sandbox")),
     ("labs", ("tests/test_labs.py", "tests/test_hints.py")),
     ("book build and browser", ("tests/test_site.py",)),
@@ -30,9 +29,18 @@ STAGES = (
     ("floor versions", ("tests/test_floor.py",)),
 )
 OTHER = "unit tests"
+# nbval runs GPU cells at CPU size in place (tests/nbval_plugin.py, which marks them
+# with this user property): their own row, cut out of their notebook's stage
+GPU_CELLS = "GPU cells (in nbval, COURSE_GPU=cpu)"
+GPU_PROPERTY = "nbval_ignore_reason"
 
 
-def stage_of(nodeid: str) -> str:
+def stage_of(nodeid: str, properties=()) -> str:
+    from tests.nbval_plugin import GPU_IGNORE_REASON
+
+    # (xdist sends a worker's user properties as lists)
+    if any(tuple(p) == (GPU_PROPERTY, GPU_IGNORE_REASON) for p in properties or ()):
+        return GPU_CELLS
     for stage, prefixes in STAGES:
         if nodeid.startswith(prefixes):
             return stage
@@ -58,7 +66,8 @@ class _Recorder:
 
     def pytest_runtest_logreport(self, report):
         new = {"tests": 0, "busy": 0.0, "start": float("inf"), "stop": 0.0}
-        self._fold(self.rows.setdefault(stage_of(report.nodeid), dict(new)), report)
+        stage = stage_of(report.nodeid, getattr(report, "user_properties", ()))
+        self._fold(self.rows.setdefault(stage, dict(new)), report)
         file = self.files.setdefault(report.nodeid.split("::")[0], dict(new))
         gateway = getattr(getattr(report, "node", None), "gateway", None)
         file["worker"] = getattr(gateway, "id", "main")  # "main" without xdist

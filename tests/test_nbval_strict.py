@@ -148,7 +148,29 @@ CASES = [
         [_table_output(TABLE.format("3.805", "12.5%"), atol=0.05)],
         False,
     ),
+    # GPU cells (tag "gpu", GPU_CASES): the fresh run is checked, the stored one (here
+    # a GPU run) is not compared
+    (
+        "gpu-cpu-run",
+        "from coursekit.gpu import gpu_cell\n"
+        "@gpu_cell\ndef f(device, small):\n    print('peak', 3 if small else 9)",
+        [_stream("以下为在 GPU（T4）上运行的输出。\npeak 9\n")],
+        True,
+    ),
+    (
+        "gpu-prints-no-label",
+        "print('peak 3')",
+        [_stream("以下为在 GPU（T4）上运行的输出。\npeak 9\n")],
+        False,
+    ),
+    (
+        "gpu-skipped",
+        "from coursekit.gpu import OFF_LINE\nprint(OFF_LINE)",
+        [_stream("以下为在 GPU（T4）上运行的输出。\npeak 9\n")],
+        False,
+    ),
 ]
+GPU_CASES = {"gpu-cpu-run", "gpu-prints-no-label", "gpu-skipped"}
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +189,8 @@ def nbval_results(tmp_path_factory):
     for i, (_, code, outputs, _) in enumerate(CASES):
         cell = nbformat.v4.new_code_cell(code, execution_count=i + 1)
         cell.outputs = outputs
+        if CASES[i][0] in GPU_CASES:
+            cell.metadata["tags"] = ["gpu"]
         nb.cells.append(cell)
     path = tmp / "cases.ipynb"
     nbformat.write(nb, path)
@@ -216,6 +240,10 @@ def test_nbval_case(nbval_results, case):
         assert "17" in why and "16" in why
     if name in ("glue-5.4%-outside", "glue-7.2%-outside", "measured-outside"):
         assert "outside rtol=" in why
+    if name == "gpu-prints-no-label":
+        assert "must start with its label" in why
+    if name == "gpu-skipped":
+        assert "skipped" in why
 
 
 # ------------------------------------------------------------------ the helpers
@@ -435,10 +463,10 @@ def test_execute_gives_the_kernel_its_environment(tmp_path):
     assert out.strip() == str(["auto", "", "1", "default", "1"])
 
 
-def test_nbval_leaves_gpu_cells_uncompared_and_off():
-    """GPU cells: their stored output (a CPU small run with timings, or a GPU run) is
-    not compared, and the nbval kernel skips them (tests/test_gpu_cells.py runs
-    them)."""
+def test_nbval_runs_gpu_cells_on_cpu_and_checks_them():
+    """GPU cells: the nbval kernel runs them at CPU size (COURSE_GPU=cpu) and their
+    fresh run reaches the check (gpu_run_problem) instead of a comparison with the
+    stored output (a CPU small run with timings, or a GPU run)."""
     from types import SimpleNamespace
 
     from tests import nbval_plugin
@@ -446,17 +474,17 @@ def test_nbval_leaves_gpu_cells_uncompared_and_off():
     def item(tags):
         return SimpleNamespace(
             cell={"metadata": {"tags": tags}},
-            options={"check": True},
+            options={"check": False},
             user_properties=[],
         )
 
     gpu, plain = item(["gpu"]), item(["nbval-ignore-output"])
     nbval_plugin.pytest_collection_modifyitems(None, None, [gpu, plain, object()])
-    assert gpu.options["check"] is False and plain.options["check"] is True
+    assert gpu.options["check"] is True and plain.options["check"] is False
     assert gpu.user_properties == [
         ("nbval_ignore_reason", nbval_plugin.GPU_IGNORE_REASON)
     ]
     config = SimpleNamespace(getoption=lambda name: [])
-    assert nbval_plugin._kernel_env(config)["COURSE_GPU"] == "off"
-    config = SimpleNamespace(getoption=lambda name: ["COURSE_GPU=cpu"])
     assert nbval_plugin._kernel_env(config)["COURSE_GPU"] == "cpu"
+    config = SimpleNamespace(getoption=lambda name: ["COURSE_GPU=off"])
+    assert nbval_plugin._kernel_env(config)["COURSE_GPU"] == "off"
