@@ -133,7 +133,8 @@ def evaluate(
     """Mean loss on a fixed held-out batch."""
     model.eval()
     ids, labels = make_batch(batch, rules, seed)
-    return float(model(input_ids=ids, labels=labels).loss)
+    with torch.no_grad():  # no graph to build: the value is the same
+        return float(model(input_ids=ids, labels=labels).loss)
 
 
 @torch.no_grad()
@@ -255,7 +256,8 @@ class Curve:
 def data_loss(model: nn.Module, data) -> float:
     """Mean loss of ``model`` (eval mode) on ``data = (input_ids, labels)``."""
     model.eval()
-    return float(model(input_ids=data[0], labels=data[1]).loss)
+    with torch.no_grad():  # no graph to build: the value is the same
+        return float(model(input_ids=data[0], labels=data[1]).loss)
 
 
 def train_curve(
@@ -285,8 +287,10 @@ def train_curve(
     torch.manual_seed(seed)
     opt = optimizer(params)
     curve = Curve()
+    # train mode is set again only after an evaluation switched it off: setting it
+    # walks every module, 15 % of a step of the tiny model
+    model.train()
     for i in range(1, steps + 1):
-        model.train()
         model(input_ids=train_data[0], labels=train_data[1]).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -294,5 +298,6 @@ def train_curve(
             curve.steps.append(i)
             curve.train.append(data_loss(model, train_data))
             curve.heldout.append(data_loss(model, heldout_data))
+            model.train()
     model.eval()
     return curve
