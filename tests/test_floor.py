@@ -110,6 +110,8 @@ def floor_kernel_manager(venv: str | Path):
     "path", _heaviest_first(), ids=lambda p: f"{p.parent.name}/{p.name}"
 )
 def test_notebook_runs_at_floor(path):
+    from jupyter_core.utils import run_sync
+
     from coursekit.execute import kernel_env
     from coursekit.nbclient import NotebookClient
 
@@ -119,12 +121,19 @@ def test_notebook_runs_at_floor(path):
     # errors stop the run (CellExecutionError) unless the cell is tagged
     # raises-exception; the kernel gets the environment every stored output is made
     # with (the native kernel path)
-    NotebookClient(
-        nb,
-        km=floor_kernel_manager(FLOOR_VENV),
-        timeout=600,
-        resources={"metadata": {"path": str(path.parent)}},
-    ).execute(env=kernel_env())
+    km = floor_kernel_manager(FLOOR_VENV)
+    try:
+        NotebookClient(
+            nb,
+            km=km,
+            timeout=600,
+            resources={"metadata": {"path": str(path.parent)}},
+        ).execute(env=kernel_env())
+    finally:
+        # a client given its kernel manager leaves the kernel running: each would
+        # hold its notebook's memory (0.5 GB) to the end of the pass
+        if km.has_kernel:
+            run_sync(km.shutdown_kernel)(now=True)
     seen = json.loads("".join(o.get("text", "") for o in probe.outputs))
     floor_python = Path(FLOOR_VENV).resolve() / "bin"
     assert Path(seen["python"]).parent.resolve() == floor_python, (
