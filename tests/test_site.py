@@ -817,3 +817,21 @@ def test_printed_and_measured_text_are_one_output_box():
     kinds = [type(c).__name__ for c in out.children]
     assert kinds == ["literal_block", "image", "literal_block"]
     assert out.children[0].astext() == "a = 1\nb = 2.5\n"
+
+
+def test_fast_chinese_stem_gives_sphinx_stems():
+    """The linear-time stem (course_ui.fast_chinese_stem) answers as Sphinx's own,
+    including the rule that keeps a known Latin word whole when stemming would leave
+    fewer than three letters."""
+    from sphinx.search import zh
+
+    _course_ui().fast_chinese_stem()
+    fast = zh.SearchChinese.stem
+    original = fast._course_original
+    lang = zh.SearchChinese({})
+    lang.split("LoRA 的 rank 与 QLoRA、FSDP 和 ZeRO：ties tied ies as is bf16 显存")
+    words = ["LoRA", "ties", "ies", "tied", "running", "as", "is", "bf16", "ZeRO", "x"]
+    assert [fast(lang, w) for w in words] == [original(lang, w) for w in words]
+    # "ies" and "ers" stem to "ie" and "er": kept whole when the pages had it
+    assert fast(lang, "ies") == "ies" and fast(lang, "ers") == original(lang, "ers")
+    assert "ers" not in lang.latin_terms and fast(lang, "ers") == "er"
