@@ -13,6 +13,8 @@ import os
 import pytest
 import torch
 
+from tests.schedule import rank
+
 # Test modules whose every test is end-to-end (minutes, not seconds).
 SLOW_MODULES = {"test_site", "test_grader", "test_fsdp_demo", "test_calculator"}
 
@@ -28,13 +30,14 @@ def pytest_configure(config):
     )
 
 
-# Run first: the benchmark's test replays every published row, and under ``make test``
-# (COURSE_ESTIMATE_CACHE) the chapters that show rows then read them instead of waiting
-# for the same replays. The other files follow by their number of tests, most first
+# Run first: the files tests/schedule.py ranks heaviest (HEAVY_FIRST, the one place that
+# says what runs first), the published benchmark first of all: it replays every
+# published row, and under ``make test`` (COURSE_ESTIMATE_CACHE) the chapters that show
+# rows then read them instead of waiting for the same replays. The other files follow
+# by their number of tests, most first
 # (what pytest-xdist's loadfile does by itself; ``make test`` passes
 # ``--no-loadscope-reorder`` so that this order holds). Every file's tests, every
 # notebook's cells keep their order.
-FIRST_MODULES = ("test_published",)
 
 
 def _file_order(items) -> list:
@@ -43,7 +46,7 @@ def _file_order(items) -> list:
         files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
     groups = sorted(
         files.values(),
-        key=lambda g: (_module_name(g[0]) not in FIRST_MODULES, -len(g)),
+        key=lambda g: (rank(g[0].nodeid.split("::", 1)[0]), -len(g)),
     )
     return [item for g in groups for item in g]
 

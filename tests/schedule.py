@@ -30,7 +30,8 @@ SPLIT_BY_LAB = (
 _LAB = re.compile(r"\[(lab\d\d)\]$")
 
 # These units go first, in this order; the rest keep collection order
-# (tests/conftest.py).
+# (tests/conftest.py, which also puts these files first when xdist is not used).
+# The one place that says what runs first.
 # From the slowest files `make test` lists at its end (tests/stages.py).
 HEAVY_FIRST: tuple[str, ...] = (
     # first whatever its cost: its replays fill the estimate cache the chapters read
@@ -42,6 +43,18 @@ HEAVY_FIRST: tuple[str, ...] = (
     "tests/test_grader.py@lab06",
     "tests/test_calculator.py",
     "book/05_lora_principles.ipynb",
+    # make floor's pass (its own pytest run: these rank only among themselves)
+    *(
+        f"tests/test_floor.py::test_notebook_runs_at_floor[{nb}]"
+        for nb in (
+            "book/06_lora_in_practice.ipynb",
+            "book/05_lora_principles.ipynb",
+            "book/09_beyond_one_gpu.ipynb",
+            "book/08_attention_inference_troubleshooting.ipynb",
+            "solutions/lab06_capstone_lora_finetune.ipynb",
+            "book/03_training_memory.ipynb",
+        )
+    ),
 )
 
 

@@ -29,23 +29,10 @@ from coursekit.floor import FLOOR_PACKAGES, constraints, floor_pins, requirement
 from tests.notebooks import ROOT, all_notebooks
 
 FLOOR_VENV = os.environ.get("COURSE_FLOOR_VENV", "")
+
+
 # Slowest first, so the xdist workers finish together (measured: `make floor
 # --durations`).
-SLOW_FIRST = (
-    "06_lora_in_practice",
-    "05_lora_principles",
-    "lab06_capstone_lora_finetune",
-    "07_quantization",
-    "08_attention_inference_troubleshooting",
-    "03_training_memory",
-)
-
-
-def _heaviest_first():
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    return sorted(all_notebooks(), key=lambda p: rank.get(p.stem, len(rank)))
-
-
 def _same_versions(have: dict, want: dict) -> bool:
     from packaging.version import Version
 
@@ -64,7 +51,6 @@ VERSIONS_CELL = (
 def test_floor_pins_are_the_declared_lower_bounds():
     pins = floor_pins()
     assert set(pins) == set(FLOOR_PACKAGES)
-    assert [p.stem for p in _heaviest_first()][: len(SLOW_FIRST)] == list(SLOW_FIRST)
     assert constraints() == [f"{k}=={v}" for k, v in pins.items()]
     # what older Colab images ship: the floor the course promises to work on
     assert pins["transformers"].startswith("4.57.") and pins["peft"].startswith("0.17.")
@@ -107,7 +93,7 @@ def floor_kernel_manager(venv: str | Path):
 @pytest.mark.floor
 @pytest.mark.skipif(not FLOOR_VENV, reason="needs COURSE_FLOOR_VENV (make floor)")
 @pytest.mark.parametrize(
-    "path", _heaviest_first(), ids=lambda p: f"{p.parent.name}/{p.name}"
+    "path", all_notebooks(), ids=lambda p: f"{p.parent.name}/{p.name}"
 )
 def test_notebook_runs_at_floor(path):
     from jupyter_core.utils import run_sync
