@@ -120,7 +120,13 @@ def test_ci_turns_a_missing_tool_skip_into_a_failure(tmp_path):
     for ci, rc, word in (("true", 1, "1 failed"), ("", 0, "2 skipped")):
         # the conftest needs pytest alone: without autoloading every installed plugin
         # (nbval, xdist, playwright ...) the run takes a second, not ten
-        env = dict(os.environ, CI=ci, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+        # (and it imports tests.schedule: the repository goes on the path)
+        env = dict(
+            os.environ,
+            CI=ci,
+            PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+            PYTHONPATH=str(kp.Path(__file__).resolve().parents[1]),
+        )
         proc = subprocess.run(
             args, cwd=tmp_path, env=env, capture_output=True, text=True
         )
