@@ -46,6 +46,8 @@ IGNORED_MIME = (
     "text/html",
 )
 GPU_TAG = "gpu"
+# the user property that carries why a cell's output is not compared
+IGNORE_REASON = "nbval_ignore_reason"
 GPU_IGNORE_REASON = (
     "GPU cell: its stored output is a labelled CPU small-size run (machine-dependent "
     "timings) or a GPU run; the fresh CPU run is checked instead (gpu_run_problem)"
@@ -125,7 +127,7 @@ def pytest_collection_modifyitems(session, config, items):
             continue
         if is_gpu_cell(cell):
             options["check"] = True  # reaches compare_outputs, which checks the run
-            item.user_properties.append(("nbval_ignore_reason", GPU_IGNORE_REASON))
+            item.user_properties.append((IGNORE_REASON, GPU_IGNORE_REASON))
 
 
 def pytest_collectstart(collector):

@@ -30,16 +30,15 @@ STAGES = (
 )
 OTHER = "unit tests"
 # nbval runs GPU cells at CPU size in place (tests/nbval_plugin.py, which marks them
-# with this user property): their own row, cut out of their notebook's stage
+# with a user property): their own row, cut out of their notebook's stage
 GPU_CELLS = "GPU cells (in nbval, COURSE_GPU=cpu)"
-GPU_PROPERTY = "nbval_ignore_reason"
 
 
 def stage_of(nodeid: str, properties=()) -> str:
-    from tests.nbval_plugin import GPU_IGNORE_REASON
+    from tests.nbval_plugin import GPU_IGNORE_REASON, IGNORE_REASON
 
     # (xdist sends a worker's user properties as lists)
-    if any(tuple(p) == (GPU_PROPERTY, GPU_IGNORE_REASON) for p in properties or ()):
+    if any(tuple(p) == (IGNORE_REASON, GPU_IGNORE_REASON) for p in properties or ()):
         return GPU_CELLS
     for stage, prefixes in STAGES:
         if nodeid.startswith(prefixes):

@@ -73,17 +73,20 @@ def _python(source: str) -> str:
     return TransformerManager().transform_cell(source)
 
 
-def bound_names(source: str) -> set[str]:
-    """The names a cell binds at the notebook's top level (imports, assignments,
-    definitions)."""
-    import symtable
-
-    table = symtable.symtable(_python(source), "<cell>", "exec")
+def _bound(table) -> set[str]:
     return {
         s.get_name()
         for s in table.get_symbols()
         if s.is_assigned() or s.is_imported() or s.is_namespace()
     }
+
+
+def bound_names(source: str) -> set[str]:
+    """The names a cell binds at the notebook's top level (imports, assignments,
+    definitions)."""
+    import symtable
+
+    return _bound(symtable.symtable(_python(source), "<cell>", "exec"))
 
 
 def free_names(source: str) -> set[str]:
@@ -96,17 +99,16 @@ def free_names(source: str) -> set[str]:
     used: set[str] = set()
 
     def walk(t, top: bool) -> None:
-        for s in t.get_symbols():
-            if s.is_referenced() and (
-                (top and not (s.is_assigned() or s.is_imported() or s.is_namespace()))
-                or (not top and s.is_global())
-            ):
-                used.add(s.get_name())
+        used.update(
+            s.get_name()
+            for s in t.get_symbols()
+            if s.is_referenced() and (top or s.is_global())
+        )
         for child in t.get_children():
             walk(child, False)
 
     walk(table, True)
-    return used - bound_names(source) - set(dir(builtins)) - {"get_ipython", "display"}
+    return used - _bound(table) - set(dir(builtins)) - {"get_ipython", "display"}
 
 
 @pytest.mark.parametrize(

@@ -220,16 +220,28 @@ SETTINGS = dict(
 MEMORY_SETTINGS = {**SETTINGS, "cell_timeout": 60, "notebook_timeout": 90}
 
 
-@pytest.fixture(scope="module")
-def graded(tmp_path_factory):
-    base = tmp_path_factory.mktemp("grading")
+def _toy_lab(base: Path, cases: dict) -> tuple[Path, Path, Path]:
+    """(hidden tests folder, submissions folder, output folder) of the toy lab99 under
+    ``base``, one submission per case of ``cases``."""
     tests_dir, subs, out = base / "hidden", base / "subs", base / "out"
     for d in (tests_dir, subs):
         d.mkdir()
     (tests_dir / "lab99.py").write_text(HIDDEN)
-    for name, (content, _) in CASES.items():
+    for name, (content, _) in cases.items():
         p = subs / f"{name}.ipynb"
         p.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return tests_dir, subs, out
+
+
+def _results(records: list[dict], out: Path) -> dict:
+    """The records by student and the rows of grades.csv by student."""
+    rows = {r["student"]: r for r in csv.DictReader((out / "grades.csv").open())}
+    return dict(records={r["student"]: r for r in records}, rows=rows, out=out)
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    tests_dir, subs, out = _toy_lab(tmp_path_factory.mktemp("grading"), CASES)
     (subs / "tamper_outdir.ipynb").write_text(nb(STUB_ADD, STUB_MEAN, tamper_out(out)))
     # a process that leaves the kernel's process group (new session); its argument
     # makes it findable on the host afterwards
@@ -255,11 +267,8 @@ def graded(tmp_path_factory):
     records = grade(
         "lab99", subs, out, jobs=2, tests_dir=tests_dir, log=logs.append, **SETTINGS
     )
-    rows = {r["student"]: r for r in csv.DictReader((out / "grades.csv").open())}
     return dict(
-        records={r["student"]: r for r in records},
-        rows=rows,
-        out=out,
+        _results(records, out),
         subs=subs,
         tests_dir=tests_dir,
         logs=logs,
@@ -282,17 +291,11 @@ def test_robustness_case(graded, case):
 @pytest.fixture(scope="module")
 def graded_memory(tmp_path_factory):
     base = tmp_path_factory.mktemp("grading_memory")
-    tests_dir, subs, out = base / "hidden", base / "subs", base / "out"
-    for d in (tests_dir, subs):
-        d.mkdir()
-    (tests_dir / "lab99.py").write_text(HIDDEN)
-    for name, (content, _) in MEMORY_CASES.items():
-        (subs / f"{name}.ipynb").write_text(content)
+    tests_dir, subs, out = _toy_lab(base, MEMORY_CASES)
     records = grade(
         "lab99", subs, out, jobs=2, tests_dir=tests_dir, log=None, **MEMORY_SETTINGS
     )
-    rows = {r["student"]: r for r in csv.DictReader((out / "grades.csv").open())}
-    return dict(records={r["student"]: r for r in records}, rows=rows, out=out)
+    return _results(records, out)
 
 
 @pytest.mark.parametrize("case", sorted(MEMORY_CASES))
