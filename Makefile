@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # uv installs .venv's packages but torch (pip takes that: uv does not read the local wheel).
-# .venv-floor stays with pip: uv does not see the torch linked there and would fetch one.
+# .venv-floor too (its torch is linked from .venv, its metadata copied so that uv sees it).
 UV_PIN ?= uv==0.13.9
 UV     := $(VENV)/bin/uv
 TORCH_PIN ?= torch==2.13.0
@@ -70,7 +70,10 @@ $(FLOOR_STAMP): $(STAMP) pyproject.toml coursekit/floor.py
 	test -x $(FLOOR_PY) || $(PYTHON) -m venv $(FLOOR_VENV)
 	$(PY) -m coursekit.floor link-torch $(FLOOR_VENV)
 	$(PY) -m coursekit.floor constraints > $(FLOOR_VENV)/constraints.txt
-	$(FLOOR_PY) -m pip install -q -c $(FLOOR_VENV)/constraints.txt $$($(PY) -m coursekit.floor requirements)
+	{ test -x $(UV) && $(UV) pip install -q --compile-bytecode --python $(FLOOR_PY) \
+	    -c $(FLOOR_VENV)/constraints.txt $$($(PY) -m coursekit.floor requirements); } \
+	  || $(FLOOR_PY) -m pip install -q -c $(FLOOR_VENV)/constraints.txt \
+	       $$($(PY) -m coursekit.floor requirements)
 	$(FLOOR_PY) -m pip check
 	$(FLOOR_PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (course, floor)" >/dev/null
 	touch $(FLOOR_STAMP)

@@ -92,13 +92,17 @@ def requirements(pyproject: str | Path = ROOT / "pyproject.toml") -> list[str]:
 
 
 def link_torch(target_venv: str | Path) -> list[Path]:
-    """Symlink this interpreter's installed torch (package folders and dist-info) into
-    ``target_venv``.
+    """Reuse this interpreter's installed torch in ``target_venv``: its package folders
+    are symlinked, its ``.dist-info`` folder (metadata, a few KB) is copied.
 
-    pip in the target then sees torch as installed and never downloads or replaces it.
-    Returns the links made. Raises ``FileNotFoundError`` when ``target_venv`` has no
-    site-packages folder.
+    An installer in the target then sees torch as installed and never downloads or
+    replaces it. The metadata is a real folder because uv skips a symlinked
+    ``.dist-info`` when it lists what is installed (it would fetch torch again);
+    pip accepts either. Returns the paths made. Raises ``FileNotFoundError`` when
+    ``target_venv`` has no site-packages folder.
     """
+    import shutil
+
     from importlib import metadata
 
     dist = metadata.distribution("torch")
@@ -127,13 +131,22 @@ def link_torch(target_venv: str | Path) -> list[Path]:
         src, link = site / top, dest / top
         if not src.exists() or top.endswith(".pth") or top == "__pycache__":
             continue
+        metadata_dir = top.endswith(".dist-info")
         if link.is_symlink() or link.exists():
-            if link.is_symlink() and link.resolve() == src.resolve():
+            if metadata_dir and not link.is_symlink():
+                same = (link / "RECORD").read_bytes() == (src / "RECORD").read_bytes()
+            else:
+                same = link.is_symlink() and link.resolve() == src.resolve()
+            if same:
                 continue
+            what = "a copy of" if metadata_dir else "a link to"
             raise FileExistsError(
-                f"{link} exists and is not a link to {src}: delete {target} and rebuild"
+                f"{link} exists and is not {what} {src}: delete {target} and rebuild"
             )
-        link.symlink_to(src, target_is_directory=src.is_dir())
+        if metadata_dir:
+            shutil.copytree(src, link)
+        else:
+            link.symlink_to(src, target_is_directory=src.is_dir())
         links.append(link)
     return links
 

@@ -136,8 +136,8 @@ def test_floor_kernel_manager_names_a_missing_environment(tmp_path):
 
 
 def test_link_torch_reuses_the_cpu_torch(tmp_path):
-    """The floor venv gets this interpreter's torch by symlink: pip there sees it
-    installed."""
+    """The floor venv gets this interpreter's torch by symlink (metadata copied):
+    pip and uv there see it installed."""
     import subprocess
     import sys
 
@@ -154,7 +154,11 @@ def test_link_torch_reuses_the_cpu_torch(tmp_path):
     assert "torch" in names and any(
         n.startswith("torch-") and n.endswith(".dist-info") for n in names
     )
-    assert all(p.is_symlink() and p.resolve().exists() for p in links)
+    for p in links:
+        if p.name.endswith(".dist-info"):  # a real folder: uv skips a linked one
+            assert p.is_dir() and not p.is_symlink() and (p / "RECORD").is_file()
+        else:
+            assert p.is_symlink() and p.resolve().exists()
     assert link_torch(venv) == []  # idempotent
     r = subprocess.run(
         [
@@ -167,6 +171,30 @@ def test_link_torch_reuses_the_cpu_torch(tmp_path):
         check=True,
     )
     assert r.stdout.strip() == metadata.version("torch")
+    # make floor-venv installs with uv: it must list the linked torch as installed,
+    # or it would download another one into the floor environment
+    uv = Path(sys.executable).with_name("uv")
+    if not uv.exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{uv} is missing: make venv installs it (pip install uv)")
+        pytest.skip("uv is not installed in this environment")
+    listed = subprocess.run(
+        [
+            str(uv),
+            "pip",
+            "list",
+            "--format",
+            "json",
+            "--python",
+            str(venv / "bin/python"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert {"name": "torch", "version": metadata.version("torch")} in json.loads(
+        listed.stdout
+    )
 
 
 def test_make_test_runs_the_floor_pass():
