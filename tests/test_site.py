@@ -287,6 +287,10 @@ PAGES = [d for d in DOCS if d.startswith("book/") or d.startswith("labs/")]
 def test_phone_menu_opens_chapter_list(browser, doc):
     page, problems = _open(browser, f"{doc}.html", viewport=PHONE)
     try:
+        # loaded at the phone size, the page is as wide as _visit measures it after
+        # resizing a desktop load (the phone-layout test of every page relies on it)
+        _settle(page, doc)
+        assert page.evaluate(PHONE_OVER) == _visit(browser, doc, "phone")["phone_over"]
         assert page.locator("#pst-primary-sidebar-modal[open]").count() == 0
         button = page.locator(".bd-header-article .primary-toggle")
         assert button.is_visible(), "no visible chapter-list button on a phone"
@@ -659,8 +663,8 @@ WIDE_BLOCKS = """() => [...document.querySelectorAll(
                       e.closest('.cell_input') ? 'code' : e.tagName.toLowerCase(),
                over: e.scrollWidth - e.clientWidth,
                text: e.textContent.trim().slice(0, 70)}))"""
-# what the read-only checks of a page need, gathered in one visit per page and size
-# (a visit — load, MathJax, fonts — costs seconds; the checks cost nothing)
+# what the read-only checks of a page need, gathered in one visit per page (a visit —
+# load, MathJax, fonts — costs seconds; the checks cost nothing)
 PAGE_FACTS = """() => ({
   body: document.querySelector('article')?.innerText ?? '',
   html: document.documentElement.outerHTML,
@@ -675,42 +679,57 @@ PAGE_FACTS = """() => ({
       .filter(h => h.includes('colab.research.google.com')),
   toggle_hints: [...document.querySelectorAll('.toggle-button')]
       .map(b => b.textContent + (b.dataset.toggleHint || '')),
-  phone_over: document.documentElement.scrollWidth
-      - document.documentElement.clientWidth,
 })"""
 _VISITS: dict[tuple[str, str], dict] = {}
+PHONE_OVER = (
+    "() => document.documentElement.scrollWidth - document.documentElement.clientWidth"
+)
+
+
+def _settle(page, doc: str) -> None:
+    """Wait for the page's math, fonts and course-ui.js's refit of the outputs."""
+    wait_for_math(page)
+    if _has_math(doc):
+        page.wait_for_selector("mjx-container", state="attached", timeout=120000)
+    page.evaluate("() => document.fonts && document.fonts.ready")
+    page.wait_for_timeout(300)  # course-ui.js refits outputs 50 ms after a change
 
 
 def _visit(browser, doc: str, label: str) -> dict:
-    """Visit ``doc`` once at a size (``desktop`` 1366×900 or ``phone`` 390×844) and
-    return what the checks read: the failed requests and console errors of the visit,
-    the article's text, the typeset math, and (desktop) the blocks that scroll sideways.
-    With ``COURSE_SCREENSHOTS=1`` it also saves a full-page screenshot to look at (it
-    costs more than the checks; ``python -m tests.screenshots`` takes them too)."""
+    """What the checks read of ``doc`` at a size (``desktop`` 1366×900 or ``phone``
+    390×844): the failed requests and console errors of the visit, the article's text,
+    the typeset math, (desktop) the blocks that scroll sideways and (both) how far the
+    page is wider than the screen.
+
+    One load serves both sizes: the page is opened at the desktop size, read, then
+    resized to the phone and read again (a load — MathJax, fonts — costs seconds,
+    a resize a fraction; the layout follows CSS media queries and course-ui.js refits
+    on resize, and ``test_phone_menu_opens_chapter_list`` checks that a page loaded at
+    the phone size measures the same). With ``COURSE_SCREENSHOTS=1`` it also saves a
+    full-page screenshot per size to look at (it costs more than the checks;
+    ``python -m tests.screenshots`` takes them too)."""
     key = (doc, label)
     if key in _VISITS:
         return _VISITS[key]
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    page, problems = _open(
-        browser, f"{doc}.html", viewport=DESKTOP if label == "desktop" else PHONE
-    )
+    page, problems = _open(browser, f"{doc}.html", viewport=DESKTOP)
     try:
-        wait_for_math(page)
-        if _has_math(doc):
-            page.wait_for_selector("mjx-container", state="attached", timeout=120000)
-        page.evaluate("() => document.fonts && document.fonts.ready")
-        page.wait_for_timeout(300)  # course-ui.js refits outputs 50 ms after a change
-        if os.environ.get("COURSE_SCREENSHOTS") == "1":  # to look at them
-            page.screenshot(
-                path=str(SCREENSHOTS / screenshot_name(doc, label)), full_page=True
-            )
-        seen = page.evaluate(PAGE_FACTS)
-        seen["wide"] = page.evaluate(WIDE_BLOCKS) if label == "desktop" else []
-        seen["problems"] = list(problems)
+        for size, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
+            if size == "phone":
+                page.set_viewport_size({"width": viewport[0], "height": viewport[1]})
+            _settle(page, doc)
+            if os.environ.get("COURSE_SCREENSHOTS") == "1":  # to look at them
+                page.screenshot(
+                    path=str(SCREENSHOTS / screenshot_name(doc, size)), full_page=True
+                )
+            seen = page.evaluate(PAGE_FACTS)
+            seen["wide"] = page.evaluate(WIDE_BLOCKS) if size == "desktop" else []
+            seen["phone_over"] = page.evaluate(PHONE_OVER)
+            seen["problems"] = list(problems)
+            _VISITS[(doc, size)] = seen
     finally:
         page.context.close()
-    _VISITS[key] = seen
-    return seen
+    return _VISITS[key]
 
 
 def _desktop(browser, doc: str) -> dict:
