@@ -27,6 +27,7 @@ import pytest
 from tests.notebooks import ROOT
 from tests.site import (
     CHROMIUM_ARGS,
+    DESKTOP,
     HTML,
     SCREENSHOTS,
     SiteServer,
@@ -378,6 +379,28 @@ def site():
         b.close()
 
 
+@pytest.fixture(scope="module")
+def calc_page(site):
+    """One calculator page for the tests that drive its form: Pyodide starts once
+    (seconds of CPU a start), each test sets every field it needs (``_ask`` resets
+    the form first). Yields ``(page, problems)``; a test empties ``problems`` first,
+    so each one is charged with what happened during it."""
+    b, base = site
+    page, problems = open_offline(b, base, "book/calculator.html")
+    try:
+        _first_answer(page)
+        yield page, problems
+    finally:
+        page.context.close()
+
+
+def _fresh(calc_page):
+    page, problems = calc_page
+    problems.clear()
+    page.set_viewport_size({"width": DESKTOP[0], "height": DESKTOP[1]})
+    return page, problems
+
+
 SET_FORM = """({values, config}) => {
   const root = document.querySelector('.tm-calc');
   const form = root.querySelector('form');
@@ -420,37 +443,32 @@ def _first_answer(page):
     )
 
 
-def test_page_matches_cli_byte_for_byte(site, tmp_path):
-    b, base = site
-    page, problems = open_offline(b, base, "book/calculator.html")
-    try:
-        _first_answer(page)
-        grid = GRID + _coverage_grid()
-        assert len(grid) >= 20
-        mismatches = []
-        for values, config in grid:
-            text = json.dumps(config, indent=2) if config is not None else None
-            got = _ask(page, values, text)
-            ref = _cli(values, text, tmp_path)
-            assert ref.returncode == 0, (values, ref.stderr)
-            want = json.loads(ref.stdout)
-            for k, v in values.items():  # the page passed what the form says
-                assert (f"--{k}" if v is True else f"--{k}={v}") in got["argv"], (
-                    k,
-                    got["argv"],
-                )
-            rows = [str(want["breakdown"][k]) for k in calc_terms()] + [
-                str(want["total_bytes"])
-            ]
-            if got["total"] != str(want["total_bytes"]) or got["bytes"] != rows:
-                mismatches.append(
-                    f"{values}: page {got['total']} {got['error'] or ''} "
-                    f"vs CLI {want['total_bytes']}"
-                )
-        assert not mismatches, "\n".join(mismatches)
-        assert not problems, "\n".join(problems)
-    finally:
-        page.context.close()
+def test_page_matches_cli_byte_for_byte(calc_page, tmp_path):
+    page, problems = _fresh(calc_page)
+    grid = GRID + _coverage_grid()
+    assert len(grid) >= 20
+    mismatches = []
+    for values, config in grid:
+        text = json.dumps(config, indent=2) if config is not None else None
+        got = _ask(page, values, text)
+        ref = _cli(values, text, tmp_path)
+        assert ref.returncode == 0, (values, ref.stderr)
+        want = json.loads(ref.stdout)
+        for k, v in values.items():  # the page passed what the form says
+            assert (f"--{k}" if v is True else f"--{k}={v}") in got["argv"], (
+                k,
+                got["argv"],
+            )
+        rows = [str(want["breakdown"][k]) for k in calc_terms()] + [
+            str(want["total_bytes"])
+        ]
+        if got["total"] != str(want["total_bytes"]) or got["bytes"] != rows:
+            mismatches.append(
+                f"{values}: page {got['total']} {got['error'] or ''} "
+                f"vs CLI {want['total_bytes']}"
+            )
+    assert not mismatches, "\n".join(mismatches)
+    assert not problems, "\n".join(problems)
 
 
 def calc_terms():
@@ -459,39 +477,34 @@ def calc_terms():
     return CATEGORIES
 
 
-def test_bad_input_gets_the_cli_message(site, tmp_path):
-    b, base = site
-    page, problems = open_offline(b, base, "book/calculator.html")
-    try:
-        _first_answer(page)
-        for values, config_text in ERRORS:
-            got = _ask(page, values, config_text)
-            ref = _cli(values, config_text, tmp_path)
-            assert ref.returncode == 2, (values, ref.stdout)
-            line = ref.stderr.strip()
-            assert "\n" not in line and line.startswith(
-                "python -m trainmem estimate: error: "
-            )
-            assert got["total"] is None and got["error"] == line, (values, got, line)
-            shown = page.locator(".tm-calc-error").inner_text()
-            assert line in shown and shown.startswith("输入有误"), shown
-            # the field the message names is marked on the form, and named in Chinese
-            flag = re.search(r"(--[a-z0-9-]+)", line)
-            marked = page.locator("[aria-invalid=true]")
-            if flag and page.locator(f"[data-flag='{flag.group(1)}']").count():
-                assert marked.count() == 1
-                assert marked.get_attribute("data-flag") == flag.group(1)
-                assert "标红" in shown
-            assert "输入有误" in page.locator(".tm-calc-status").inner_text()
-        assert not problems, "\n".join(problems)
-    finally:
-        page.context.close()
+def test_bad_input_gets_the_cli_message(calc_page, tmp_path):
+    page, problems = _fresh(calc_page)
+    for values, config_text in ERRORS:
+        got = _ask(page, values, config_text)
+        ref = _cli(values, config_text, tmp_path)
+        assert ref.returncode == 2, (values, ref.stdout)
+        line = ref.stderr.strip()
+        assert "\n" not in line and line.startswith(
+            "python -m trainmem estimate: error: "
+        )
+        assert got["total"] is None and got["error"] == line, (values, got, line)
+        shown = page.locator(".tm-calc-error").inner_text()
+        assert line in shown and shown.startswith("输入有误"), shown
+        # the field the message names is marked on the form, and named in Chinese
+        flag = re.search(r"(--[a-z0-9-]+)", line)
+        marked = page.locator("[aria-invalid=true]")
+        if flag and page.locator(f"[data-flag='{flag.group(1)}']").count():
+            assert marked.count() == 1
+            assert marked.get_attribute("data-flag") == flag.group(1)
+            assert "标红" in shown
+        assert "输入有误" in page.locator(".tm-calc-status").inner_text()
+    assert not problems, "\n".join(problems)
 
 
-def test_typing_recomputes_and_screenshots(site, tmp_path):
+def test_typing_recomputes_and_screenshots(calc_page, tmp_path):
     """A reader's edit (typing into the field) is answered; desktop and phone
     screenshots of the answered page; no horizontal overflow on a phone."""
-    b, base = site
+    page, problems = _fresh(calc_page)
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     want = json.loads(
         _cli(
@@ -499,88 +512,77 @@ def test_typing_recomputes_and_screenshots(site, tmp_path):
         ).stdout
     )
     for label, vp in (("desktop", (1280, 800)), ("phone", (390, 844))):
-        page, problems = open_offline(b, base, "book/calculator.html", viewport=vp)
-        try:
-            _first_answer(page)
-            assert page.locator(".tm-bar .tm-seg").count() >= 3
-            assert page.locator(".tm-calc-phase").inner_text() in (
-                "forward",
-                "backward",
-                "optimizer",
-            )
-            head = page.locator(".tm-table thead").inner_text()
-            assert "GB" in head and "GiB" in head
-            seq = int(page.get_attribute(".tm-calc-result", "data-seq"))
-            page.select_option("select[name=method]", "lora")
-            page.fill("input[name=batch]", "8")
-            page.check("input[name=checkpointing]")
-            page.wait_for_function(
-                "t => document.querySelector('.tm-calc-result').dataset.totalBytes === "
-                "t",
-                arg=str(want["total_bytes"]),
-                timeout=60000,
-            )
-            assert int(page.get_attribute(".tm-calc-result", "data-seq")) > seq
-            page.evaluate(
-                "() => document.activeElement && document.activeElement.blur()"
-            )
-            page.screenshot(
-                path=str(SCREENSHOTS / f"calculator_{label}.png"), full_page=True
-            )
-            page.locator(".tm-calc-result").scroll_into_view_if_needed()
-            page.screenshot(path=str(SCREENSHOTS / f"calculator_{label}_result.png"))
-            over = page.evaluate(
-                "() => document.documentElement.scrollWidth"
-                " - document.documentElement.clientWidth"
-            )
-            assert over <= 1, f"{label}: page is {over}px wider than the screen"
-            assert not problems, "\n".join(problems)
-        finally:
-            page.context.close()
+        page.set_viewport_size({"width": vp[0], "height": vp[1]})
+        _ask(page, {}, None)  # the form as a reader finds it
+        assert page.locator(".tm-bar .tm-seg").count() >= 3
+        assert page.locator(".tm-calc-phase").inner_text() in (
+            "forward",
+            "backward",
+            "optimizer",
+        )
+        head = page.locator(".tm-table thead").inner_text()
+        assert "GB" in head and "GiB" in head
+        seq = int(page.get_attribute(".tm-calc-result", "data-seq"))
+        page.select_option("select[name=method]", "lora")
+        page.fill("input[name=batch]", "8")
+        page.check("input[name=checkpointing]")
+        page.wait_for_function(
+            "t => document.querySelector('.tm-calc-result').dataset.totalBytes === t",
+            arg=str(want["total_bytes"]),
+            timeout=60000,
+        )
+        assert int(page.get_attribute(".tm-calc-result", "data-seq")) > seq
+        page.evaluate("() => document.activeElement && document.activeElement.blur()")
+        page.evaluate("() => window.scrollTo(0, 0)")
+        page.screenshot(
+            path=str(SCREENSHOTS / f"calculator_{label}.png"), full_page=True
+        )
+        page.locator(".tm-calc-result").scroll_into_view_if_needed()
+        page.screenshot(path=str(SCREENSHOTS / f"calculator_{label}_result.png"))
+        over = page.evaluate(
+            "() => document.documentElement.scrollWidth"
+            " - document.documentElement.clientWidth"
+        )
+        assert over <= 1, f"{label}: page is {over}px wider than the screen"
+        assert not problems, "\n".join(problems)
 
 
-def test_gpu_numbers_timeline_and_fit(site, tmp_path):
+def test_gpu_numbers_timeline_and_fit(calc_page, tmp_path):
     """With a GPU chosen the page shows the CLI's reserved / nvidia-smi bytes and the
     fit verdict, draws the step's timeline (one area per category, its highest point
     the peak), and the fit button answers what ``python -m trainmem fit`` answers."""
-    b, base = site
-    page, problems = open_offline(b, base, "book/calculator.html")
-    try:
-        _first_answer(page)
-        values = {"model": "llama2-7b", "method": "qlora", "batch": "4", "gpu": "T4"}
-        got = _ask(page, values, None)
-        ref = _cli(values, None, tmp_path)
-        want = json.loads(ref.stdout)
-        assert got["total"] == str(want["total_bytes"])
-        gpu = page.locator(".tm-calc-gpu")
-        assert gpu.get_attribute("data-fits") == str(want["fits"]).lower()
-        table = page.locator(".tm-gpu-table").inner_text().replace(",", "")
-        for key in ("reserved_bytes", "device_bytes", "capacity_bytes"):
-            assert str(want[key]) in table, key
-        assert page.locator(".tm-calc-timeline polygon").count() == 6
-        assert page.locator(".tm-calc-timeline polyline").count() == 1
-        page.click(".tm-fit-button")
-        page.wait_for_function(
-            "() => document.querySelector('.tm-fit-out').dataset.maxBatch"
-            " !== undefined",
-            timeout=120000,
-        )
-        argv = [sys.executable, "-m", "trainmem", "fit", "--model", "llama2-7b"]
-        argv += ["--method", "qlora", "--batch", "4", "--gpu", "T4", "--json"]
-        fit = json.loads(
-            subprocess.run(
-                argv, capture_output=True, text=True, cwd=ROOT, check=True
-            ).stdout
-        )
-        out = page.locator(".tm-fit-out")
-        assert out.get_attribute("data-max-batch") == str(fit["max_batch"])
-        text = out.inner_text()
-        assert f"最大微批 {fit['max_batch']}" in text
-        if "cheapest_change" in fit:
-            assert fit["cheapest_change"]["change"] in text
-        assert not problems, "\n".join(problems)
-    finally:
-        page.context.close()
+    page, problems = _fresh(calc_page)
+    values = {"model": "llama2-7b", "method": "qlora", "batch": "4", "gpu": "T4"}
+    got = _ask(page, values, None)
+    ref = _cli(values, None, tmp_path)
+    want = json.loads(ref.stdout)
+    assert got["total"] == str(want["total_bytes"])
+    gpu = page.locator(".tm-calc-gpu")
+    assert gpu.get_attribute("data-fits") == str(want["fits"]).lower()
+    table = page.locator(".tm-gpu-table").inner_text().replace(",", "")
+    for key in ("reserved_bytes", "device_bytes", "capacity_bytes"):
+        assert str(want[key]) in table, key
+    assert page.locator(".tm-calc-timeline polygon").count() == 6
+    assert page.locator(".tm-calc-timeline polyline").count() == 1
+    page.click(".tm-fit-button")
+    page.wait_for_function(
+        "() => document.querySelector('.tm-fit-out').dataset.maxBatch !== undefined",
+        timeout=120000,
+    )
+    argv = [sys.executable, "-m", "trainmem", "fit", "--model", "llama2-7b"]
+    argv += ["--method", "qlora", "--batch", "4", "--gpu", "T4", "--json"]
+    fit = json.loads(
+        subprocess.run(
+            argv, capture_output=True, text=True, cwd=ROOT, check=True
+        ).stdout
+    )
+    out = page.locator(".tm-fit-out")
+    assert out.get_attribute("data-max-batch") == str(fit["max_batch"])
+    text = out.inner_text()
+    assert f"最大微批 {fit['max_batch']}" in text
+    if "cheapest_change" in fit:
+        assert fit["cheapest_change"]["change"] in text
+    assert not problems, "\n".join(problems)
 
 
 def test_chapter3_embeds_the_calculator(site, tmp_path):
