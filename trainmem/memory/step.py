@@ -163,11 +163,8 @@ def _build_model(sim: Simulator, shape, step, zero_dtype):
         base_dtype=qlora_base_dtype,
     )
     if step.method == "qlora":
-        # NF4: 4 bits per weight + one fp32 absmax per 64 weights, or (double
-        # quantization) an 8-bit absmax per 64 weights + one fp32 constant per 256
-        # blocks.
-        double_quant = (1 / 64 + 4 / (64 * 256)) if step.qlora_double_quant else 4 / 64
-        bytes_per_weight = 0.5 + double_quant
+        # NF4: 4 bits per weight + its share of the absmax constants
+        bytes_per_weight = nf4_bytes_per_weight(step.qlora_double_quant)
         for layer in model.layers:
             for linear in layer.linears.values():
                 shrink(
