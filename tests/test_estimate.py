@@ -615,7 +615,9 @@ def test_estimates_equal_the_recorded_pre_refactor_values():
     every parameter and now counts NF4 for the decoder Linears only (see
     ``test_gpt2_qlora_counts_nf4_on_the_decoder_linears``); and the twelve rows with
     ZeRO >= 2 on more than one GPU, since FSDP's prefetched second unit and the
-    unsharded gradient before reduce-scatter are modelled (tests/test_zero.py). The
+    unsharded gradient before reduce-scatter are modelled (tests/test_zero.py); and the
+    QLoRA row under ZeRO-3 on 8 GPUs, since a 4-bit weight's absmax constants stay whole
+    on every rank (bitsandbytes' quant_state; tests/test_zero.py). The
     independent checks are the tests above (transformers' parameter counts, peft, the
     CPU measurement)."""
     from pathlib import Path

@@ -161,11 +161,15 @@ def test_reduce_scatter_holds_one_unsharded_unit_gradient():
 
 
 def test_fsdp_gathers_a_qlora_unit_in_its_packed_nf4_size():
-    """ZeRO-3 under QLoRA all-gathers each unit's storage, NF4 weights packed: the
-    gathered buffers (the unit and the prefetched next one on 2 GPUs) are smaller than
-    LoRA's bf16 ones by exactly (2 - NF4 bytes per weight) per Linear weight of the
-    layer (counted from transformers' layer). With the gather in the compute dtype the
-    two would be equal."""
+    """ZeRO-3 under QLoRA all-gathers each unit's parameters: a 4-bit weight's packed
+    data, 4 bits a weight. Its absmax constants are not a parameter (bitsandbytes keeps
+    them whole on every rank as the module's quant_state), so they are neither
+    gathered nor sharded. The gathered buffers (the unit and the prefetched next one on
+    2 GPUs) are smaller than LoRA's bf16 ones by exactly (2 - 0.5) bytes per Linear
+    weight of the layer (counted from transformers' layer), and each sharded 4-bit
+    weight keeps its whole quant state next to half its packed data."""
+    import math
+
     from trainmem.config import StepConfig
     from trainmem.dtypes import nf4_bytes_per_weight
 
@@ -185,6 +189,18 @@ def test_fsdp_gathers_a_qlora_unit_in_its_packed_nf4_size():
     only_q, only_lo = list((q - lo).elements()), list((lo - q).elements())
     assert len(only_q) == len(only_lo) == 1, (only_q, only_lo)
     units = 2  # the computing unit and the prefetched one
-    want = units * n_weights * (2 - bpw)
-    # NF4 storage is rounded up per tensor (math.ceil): < 1 byte per Linear weight
-    assert 0 <= want - (only_lo[0] - only_q[0]) < units * len(linears)
+    want = units * n_weights * (2 - 0.5)
+    # storage is rounded up per tensor (math.ceil): < 1 byte per Linear weight
+    assert abs(want - (only_lo[0] - only_q[0])) < units * len(linears)
+
+    # the last size of each 4-bit weight: half its packed data + its whole quant state
+    events = _step_events(method="qlora", **common)
+    final = {}
+    for e in events:
+        if e[0] in ("alloc", "resize"):
+            final[e[1]] = e[2]
+    for m in linears:
+        n = m.weight.numel()
+        state = math.ceil(n * (bpw - 0.5))
+        packed = math.ceil(n * bpw) - state
+        assert math.ceil(packed / 2) + state in final.values(), m

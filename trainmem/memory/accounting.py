@@ -197,7 +197,11 @@ def view(t: SimTensor, shape, layout=None) -> SimTensor:
 
 def shrink(sim: Simulator, buffer: Buffer, factor: float) -> None:
     """Scale a buffer's size (ZeRO partitioning, quantized storage)."""
-    new_nbytes = int(math.ceil(buffer.nbytes * factor))
+    resize(sim, buffer, int(math.ceil(buffer.nbytes * factor)))
+
+
+def resize(sim: Simulator, buffer: Buffer, new_nbytes: int) -> None:
+    """Set a buffer's size (a ZeRO shard of part of it)."""
     sim.live += new_nbytes - buffer.nbytes
     sim.live_by_category[buffer.category] += new_nbytes - buffer.nbytes
     buffer.nbytes = new_nbytes

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from .accounting import ITEMSIZE, Simulator, new, shrink
+from .accounting import ITEMSIZE, Simulator, new, resize, shrink
 from .allocator import RepeatDetector, common_period
 from .autograd import backward
 from .llama import Model, build_params, llama_loss, trainable_params
@@ -183,6 +183,12 @@ def _build_model(sim: Simulator, shape, step, zero_dtype):
     return model, trainable_params(model)
 
 
+def _quant_state_bytes(weight, step) -> int:
+    """The absmax constants of a 4-bit weight (its bytes beyond 4 bits a weight)."""
+    per_weight = nf4_bytes_per_weight(step.qlora_double_quant) - 0.5
+    return int(math.ceil(weight.numel * per_weight))
+
+
 def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype):
     """ZeRO partitioning over ``step.gpus``: the optimizer's fp32 master copies
     (DeepSpeed layout) and the master weights from stage 1, gradients from 2, weights
@@ -201,9 +207,24 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
                 shrink(sim, p.buffer, shard)
     units = 0
     if step.zero >= 3:
+        # A 4-bit weight is two things: its packed data (4 bits a weight, the
+        # parameter FSDP/DeepSpeed shard and all-gather) and its quant_state (the
+        # absmax constants), which bitsandbytes keeps whole on every rank as an
+        # attribute of the Linear4bit module (bitsandbytes/nn/modules.py,
+        # fix_4bit_weight_quant_state_from_module, 0.43.0+: the state is put back on
+        # the gathered weight), so it is neither sharded nor gathered.
+        quant_state = {
+            id(linear.w): _quant_state_bytes(linear.w, step)
+            for layer in model.layers
+            for linear in layer.linears.values()
+            if linear.quantized
+        }
         # the unit's storage as it is all-gathered: its buffers before sharding (NF4
         # weights in their packed size), not its shapes in the compute dtype
-        unit_bytes = sum(t.buffer.nbytes for t in model.layers[0].tensors())
+        unit_bytes = sum(
+            t.buffer.nbytes - quant_state.get(id(t), 0)
+            for t in model.layers[0].tensors()
+        )
         frozen = [
             t
             for layer in model.layers
@@ -213,7 +234,9 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
         ]
         for p in trainable_params(model) + frozen:
             if p.buffer.category == "weights":
-                shrink(sim, p.buffer, shard)
+                kept = quant_state.get(id(p), 0)
+                packed = p.buffer.nbytes - kept
+                resize(sim, p.buffer, math.ceil(packed * shard) + kept)
         # the unit being computed is all-gathered, and on more than one GPU so is the
         # next one: FSDP issues the next unit's all-gather while this one computes
         # (forward: torch/distributed/fsdp/_runtime_utils.py _pre_forward_unshard and
