@@ -29,8 +29,8 @@ from tests.site import (
     open_page,
     screenshot_name,
     source_of,
+    settle,
     toc_files,
-    wait_for_math,
 )
 
 DOCS = toc_files()
@@ -687,11 +687,11 @@ PHONE_OVER = (
 
 
 def _settle(page, doc: str) -> None:
-    """Wait for the page's math, fonts and course-ui.js's refit of the outputs."""
-    wait_for_math(page)
+    """:func:`tests.site.settle` (loaded, fonts, images, MathJax), then this page's
+    typeset math and course-ui.js's refit of the outputs."""
+    settle(page)
     if _has_math(doc):
         page.wait_for_selector("mjx-container", state="attached", timeout=120000)
-    page.evaluate("() => document.fonts && document.fonts.ready")
     page.wait_for_timeout(300)  # course-ui.js refits outputs 50 ms after a change
 
 
