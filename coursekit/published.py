@@ -337,7 +337,9 @@ targets, NF4 with or without double quantization, torch AdamW (foreach), no
 checkpointing, SDPA, FSDP full sharding over the stated GPUs (`zero=3`: of a 4-bit
 weight only the packed data is sharded and all-gathered; its absmax constants stay
 whole on every rank, a `quant_state` attribute of the `Linear4bit` module —
-bitsandbytes' `fix_4bit_weight_quant_state_from_module`, 0.43.0+), the stated
+bitsandbytes' `fix_4bit_weight_quant_state_from_module`, 0.43.0+; the root unit —
+embeddings, final norm, `lm_head` — stays all-gathered from the forward to the end
+of backward, torch's `_post_forward_reshard` skipping the root), the stated
 library versions (bitsandbytes 0.41.1 for the resource tables: each 4-bit Linear's
 input is saved), the row's GPU preset (allocated rows compare the allocator replay's
 `max_memory_allocated`, which adds 512 B rounding, unsplit blocks and the cuBLAS

@@ -617,9 +617,11 @@ def test_estimates_equal_the_recorded_pre_refactor_values():
     ZeRO >= 2 on more than one GPU, since FSDP's prefetched second unit and the
     unsharded gradient before reduce-scatter are modelled (tests/test_zero.py); and the
     QLoRA row under ZeRO-3 on 8 GPUs, since a 4-bit weight's absmax constants stay whole
-    on every rank (bitsandbytes' quant_state; tests/test_zero.py). The
-    independent checks are the tests above (transformers' parameter counts, peft, the
-    CPU measurement)."""
+    on every rank (bitsandbytes' quant_state; tests/test_zero.py); and the six rows
+    with ZeRO-3 on 8 GPUs, since every frozen parameter is sharded too and FSDP's root
+    unit (embeddings, final norm, lm_head) stays all-gathered from the forward to the
+    end of backward (tests/test_zero.py). The independent checks are the tests above
+    (transformers' parameter counts, peft, the CPU measurement)."""
     from pathlib import Path
 
     rows = json.loads(

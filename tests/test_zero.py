@@ -204,3 +204,45 @@ def test_fsdp_gathers_a_qlora_unit_in_its_packed_nf4_size():
         state = math.ceil(n * (bpw - 0.5))
         packed = math.ceil(n * bpw) - state
         assert math.ceil(packed / 2) + state in final.values(), m
+
+
+def test_fsdp_keeps_the_root_unit_gathered_through_backward():
+    """FSDP does not reshard the root unit after the forward (torch's
+    ``_post_forward_reshard``: ``not state._is_root``), and its frozen parameters have
+    no gradient whose hook would reshard them sooner: the root's parameters (what no
+    decoder layer holds: embeddings, final norm, lm_head; counted from transformers'
+    model) stay all-gathered from before the forward until the end of backward, on
+    top of their 1/N shards. One GPU gathers nothing beyond the layer."""
+    from trainmem.models import build_model, get_config
+
+    meta = build_model(get_config("tiny"), device="meta")
+    root = [p for n, p in meta.named_parameters() if ".layers." not in n]
+    root_bytes = 2 * sum(p.numel() for p in root)  # bf16
+    embed = meta.get_input_embeddings().weight
+
+    for gpus in (2, 4, 1):
+        events = _step_events(method="lora", precision="bf16", zero=3, gpus=gpus)
+        gathered = [
+            i
+            for i, e in enumerate(events)
+            if e[0] == "alloc" and e[3] == "weights" and e[2] == root_bytes
+        ]
+        if gpus == 1:
+            assert not gathered
+            continue
+        assert len(gathered) == 1, gpus
+        start = gathered[0]
+        uid = events[start][1]
+        end = events.index(("free", uid))
+        phases = [e[4] for e in events if e[0] == "alloc"]
+        allocs = [i for i, e in enumerate(events) if e[0] == "alloc"]
+        first_forward = allocs[phases.index("forward")]
+        last_backward = allocs[len(phases) - 1 - phases[::-1].index("backward")]
+        first_optimizer = allocs[phases.index("optimizer")]
+        assert start < first_forward and last_backward < end < first_optimizer
+        # the frozen embeddings are sharded like every other parameter
+        sizes = {}
+        for e in events:
+            if e[0] in ("alloc", "resize"):
+                sizes[e[1]] = e[2]
+        assert 2 * embed.numel() // gpus in sizes.values(), gpus

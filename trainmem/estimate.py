@@ -49,9 +49,11 @@ grad_accum, optimizer_impl)``:
   the ``b x heads x s x s`` scores).
 * ``zero`` (0-3) and ``gpus``: per-GPU memory under ZeRO partitioning over ``gpus``
   data-parallel GPUs — stage >= 1 divides optimizer states and fp32 master weights by
-  ``gpus``, >= 2 also gradients, 3 also weights (plus the gathered, unsharded layer in
-  flight, and on N > 1 the prefetched next one; from stage 2 on N > 1 one unit's
-  unsharded gradient waits for its reduce-scatter during backward).  The AdamW
+  ``gpus``, >= 2 also gradients, 3 also weights, frozen ones included (plus the
+  gathered, unsharded layer in flight, and on N > 1 the prefetched next one and the
+  root unit — embeddings, final norm, ``lm_head`` —, which FSDP keeps gathered from the
+  forward to the end of backward; from stage 2 on N > 1 one unit's unsharded gradient
+  waits for its reduce-scatter during backward).  The AdamW
   ``foreach`` scratch (``temporaries`` at the optimizer step) covers the local shard
   only.  This part is a model, not measured here.  Which parameter layout applies:
 

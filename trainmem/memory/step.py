@@ -189,14 +189,24 @@ def _quant_state_bytes(weight, step) -> int:
     return int(math.ceil(weight.numel * per_weight))
 
 
+def _linears(model) -> list:
+    """Every Linear of ``model`` (LitGPT's ``lm_head`` included: it is quantized with
+    the rest under QLoRA)."""
+    if hasattr(model, "linears") and callable(model.linears):
+        return model.linears()
+    return [linear for layer in model.layers for linear in layer.linears.values()]
+
+
 def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype):
     """ZeRO partitioning over ``step.gpus``: the optimizer's fp32 master copies
     (DeepSpeed layout) and the master weights from stage 1, gradients from 2, weights
-    from 3 (plus one all-gathered layer). Returns the master copies and the gathered
-    layer's buffer, which live until the step ends."""
+    from 3 (plus the all-gathered layers, and on N > 1 the all-gathered root unit).
+    Returns the master copies, the gathered layers' buffer, which lives until the
+    step ends, and the gathered root unit's buffer (``None`` when there is none),
+    which FSDP frees at the end of backward."""
     shard = 1.0 / step.gpus
     masters = []
-    gathered_layer = None
+    gathered_layer = gathered_root = None
     if zero_dtype:
         masters = [new(sim, p.shape, "fp32", category="master_weights") for p in params]
         for master in masters:
@@ -215,8 +225,7 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
         # the gathered weight), so it is neither sharded nor gathered.
         quant_state = {
             id(linear.w): _quant_state_bytes(linear.w, step)
-            for layer in model.layers
-            for linear in layer.linears.values()
+            for linear in _linears(model)
             if linear.quantized
         }
         # the unit's storage as it is all-gathered: its buffers before sharding (NF4
@@ -225,14 +234,19 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
             t.buffer.nbytes - quant_state.get(id(t), 0)
             for t in model.layers[0].tensors()
         )
-        frozen = [
-            t
-            for layer in model.layers
-            for linear in layer.linears.values()
-            for t in linear.tensors()
-            if not t.requires_grad
-        ]
-        for p in trainable_params(model) + frozen:
+        # every parameter is sharded, frozen ones too: FSDP flattens whatever a unit
+        # holds (embeddings, norms and lm_head included) and DeepSpeed partitions
+        # every parameter
+        in_layers = {id(t) for layer in model.layers for t in layer.tensors()}
+        root = [t for t in model.parameters() if id(t) not in in_layers]
+        # the root unit (what no decoder layer holds: the embeddings, the final norm,
+        # lm_head) as it is all-gathered, measured before sharding
+        root_bytes = sum(
+            t.buffer.nbytes - quant_state.get(id(t), 0)
+            for t in root
+            if t.buffer.category == "weights"
+        )
+        for p in model.parameters():
             if p.buffer.category == "weights":
                 kept = quant_state.get(id(p), 0)
                 packed = p.buffer.nbytes - kept
@@ -248,6 +262,20 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
         # With one GPU FSDP runs NO_SHARD: no gathered copy beyond the one unit.
         units = 2 if step.gpus > 1 else 1
         gathered_layer = sim.alloc(units * unit_bytes, "weights")
+        if step.gpus > 1 and root_bytes:
+            # The root unit is not resharded after the forward: FSDP keeps the
+            # root's parameters all-gathered "with the intention that they are
+            # immediately used for backward computation" (FSDP1:
+            # torch/distributed/fsdp/_runtime_utils.py _post_forward_reshard,
+            # free_unsharded_flat_param = not state._is_root and ...; FSDP2: the
+            # root's param group gets post_forward_mesh_info = None in
+            # FSDPState._lazy_init). Its frozen parameters have no post-backward
+            # hook that reshards them earlier (the reshard-only hook waits for
+            # gradients of the root's inputs, token ids that need none), so they
+            # stay gathered until the backward's final callback (_catch_all_reshard)
+            # at the end of backward: the whole forward and backward, on top of
+            # their shard.
+            gathered_root = sim.alloc(root_bytes, "weights")
         sim.param_cast_scale = shard
     sim.grad_scale = shard if step.zero >= 2 else 1.0
     sim.reduce_scatter_bytes = 0
@@ -260,7 +288,7 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
         sim.reduce_scatter_bytes = sum(
             t.nbytes for t in model.layers[0].tensors() if t.requires_grad
         )
-    return masters, gathered_layer
+    return masters, gathered_layer, gathered_root
 
 
 def _optimizer_states(sim: Simulator, params: list, step, state_dtype) -> list:
@@ -532,7 +560,9 @@ def simulate_step(
     # only.
     zero_dtype = _HALF.get(step.precision) if step.zero >= 1 else None
     model, params = _build_model(sim, shape, step, zero_dtype)
-    masters, gathered_layer = _shard_for_zero(sim, model, params, step, zero_dtype)
+    masters, gathered_layer, gathered_root = _shard_for_zero(
+        sim, model, params, step, zero_dtype
+    )
     # fp32 states, like the master weights, under the ZeRO layout
     state_dtype = "fp32" if zero_dtype else None
     states = _optimizer_states(sim, params, step, state_dtype)
@@ -546,6 +576,7 @@ def simulate_step(
         sim, model, shape, step, autocast, (ids, labels), replay_as
     )
     after_micro_batches = None if sim.events is None else len(sim.events)
+    del gathered_root  # resharded at the end of backward (_catch_all_reshard)
     sim.set_phase("optimizer")
     sim.mark("optimizer_start")
     rule = optimizer(step.optimizer).impl(step.optimizer_impl).scratch
