@@ -470,3 +470,33 @@ def test_combined_change_keeps_only_what_is_needed():
     kw = dict(method="lora", precision="bf16", seq=1024, gpu="T4")
     assert estimate("llama2-7b", batch=1, grad_accum=8, checkpointing=True, **kw).fits
     assert not estimate("llama2-7b", batch=1, grad_accum=8, **kw).fits
+
+
+def test_bf16_sdpa_below_sm80_runs_the_math_path():
+    """No fused SDPA kernel takes bf16 below compute capability 8.0 (flash needs
+    sm_80; memory-efficient takes fp16/fp32 there: sdp_utils.cpp's
+    less_than_sm80_mem_efficient_dtypes), so on a T4 or V100 SDPA runs its math path
+    and materialises the scores: the step is replayed with eager attention (an upper
+    bound) and says so; fp16 keeps the fused kernel, and sm_80 cards keep SDPA."""
+    kw = dict(model="tiny", method="lora", batch=2, seq=256)
+    eager = estimate(**kw, precision="bf16", attn="eager").total_bytes
+    sdpa = estimate(**kw, precision="bf16").total_bytes
+    assert eager > sdpa
+    for card in ("T4", "V100-16GB"):
+        e = estimate(**kw, precision="bf16", gpu=card)
+        assert e.total_bytes == eager, card
+        assert e.to_dict()["options"]["attn"] == "sdpa"  # what was asked
+        assert any("math path" in n for n in e.device["notes"]), card
+        fp16 = estimate(**kw, precision="fp16-amp", gpu=card)
+        assert fp16.total_bytes == estimate(**kw, precision="fp16-amp").total_bytes
+        assert fp16.device["notes"] == []
+    a100 = estimate(**kw, precision="bf16", gpu="A100-40GB")
+    assert a100.total_bytes == sdpa and a100.device["notes"] == []
+
+
+def test_flash_attention_below_sm80_is_an_option_error():
+    """FlashAttention-2 does not run below compute capability 8.0: asking for it on a
+    T4 names the option and the card."""
+    with pytest.raises(OptionError, match="T4 is sm_75") as err:
+        estimate("tiny", attn="flash", precision="fp16-amp", gpu="T4")
+    assert err.value.option == "attn"

@@ -46,7 +46,10 @@ grad_accum, optimizer_impl)``:
   (``None`` = peft's default: fp32 adapters), ``qlora_double_quant``.
 * ``checkpointing``: non-reentrant activation checkpointing of every decoder layer.
 * ``attn``: ``"sdpa"`` (also ``"flash"``: the same memory) | ``"eager"`` (materialises
-  the ``b x heads x s x s`` scores).
+  the ``b x heads x s x s`` scores). With ``gpu`` below compute capability 8.0 (T4,
+  V100) bf16 ``"sdpa"`` is replayed as ``"eager"``: no fused SDPA kernel takes bf16
+  there, so SDPA runs its math path, which materialises the scores (eager's fp32
+  softmax makes it an upper bound); ``"flash"`` there is an error.
 * ``zero`` (0-3) and ``gpus``: per-GPU memory under ZeRO partitioning over ``gpus``
   data-parallel GPUs — stage >= 1 divides optimizer states and fp32 master weights by
   ``gpus``, >= 2 also gradients, 3 also weights, frozen ones included (plus the
@@ -378,6 +381,7 @@ class MemoryEstimate:
             text += (
                 f"\n{d['gpu']}: {verdict}; headroom {d['headroom_bytes'] / GiB:.2f} GiB"
             )
+            text += "".join(f"\nnote: {n}" for n in d.get("notes", ()))
         return text
 
 
@@ -515,6 +519,8 @@ def estimate_step(
     ``model`` (a preset name, config .json path, config or :class:`Shape`)."""
     shape = model_shape(model)
     step.check_model(shape)
+    asked = step
+    step = _on_gpu(step, gpu)
     n_params = count_params(shape)
     if shape.family.replay is None:
         result = _gpt2_estimate(shape, step)
@@ -546,10 +552,45 @@ def estimate_step(
         peak_phase,
         phase_peaks,
         exact,
-        _options_record(shape, step),
+        _options_record(shape, asked),
         int(result["model_states"]),
-        *_device(result, step, gpu, timeline),
+        *_device(result, asked, gpu, timeline),
     )
+
+
+#: compute capability from which SDPA's fused kernels take bf16 (flash: sm_80 and up;
+#: memory-efficient: fp16/fp32 below sm_80, ``less_than_sm80_mem_efficient_dtypes``
+#: in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp)
+SDPA_BF16_FROM = (8, 0)
+
+
+def _bf16_activations(step: StepConfig) -> bool:
+    return step.precision in ("bf16", "bf16-amp")
+
+
+def _on_gpu(step: StepConfig, gpu: str | None) -> StepConfig:
+    """The step as it runs on ``gpu``. Below compute capability 8.0 no fused SDPA
+    kernel takes bf16, so ``scaled_dot_product_attention`` dispatches to its math
+    path, which materialises the ``b x heads x s x s`` scores like eager attention;
+    the step is replayed with eager attention (whose fp32 softmax makes it an upper
+    bound of the math path). FlashAttention-2 does not run there at all."""
+    if gpu is None:
+        return step
+    from .gpus import get_gpu
+
+    card = get_gpu(gpu)
+    if card.capability >= SDPA_BF16_FROM:
+        return step
+    major, minor = card.capability
+    if step.attn == "flash":
+        raise OptionError(
+            "attn",
+            f"attn 'flash' (FlashAttention-2) needs compute capability 8.0 or "
+            f"newer; {card.name} is sm_{major}{minor}: use attn 'sdpa'",
+        )
+    if step.attn == "sdpa" and _bf16_activations(step) and step.framework == "hf":
+        return dataclasses.replace(step, attn="eager")
+    return step
 
 
 def _device(result: dict, step: StepConfig, gpu: str | None, timeline: bool):
@@ -577,7 +618,36 @@ def _device(result: dict, step: StepConfig, gpu: str | None, timeline: bool):
         replays=result.get("replays"),
     )
     points = device.pop("timeline")
+    device["notes"] = _gpu_notes(step, get_gpu(gpu))
     return device, (points if timeline else None)
+
+
+def _gpu_notes(step: StepConfig, gpu) -> list[str]:
+    """What the card changes besides memory: bf16 on a card without bf16 units runs,
+    but emulated (torch.cuda.is_bf16_supported() answers True through emulation
+    below compute capability 8.0, so Trainer(bf16=True) accepts it)."""
+    notes = []
+    major, minor = gpu.capability
+    uses_bf16 = _bf16_activations(step) or step.lora_dtype == "bf16"
+    if uses_bf16 and not gpu.bf16:
+        notes.append(
+            f"{gpu.name} (sm_{major}{minor}) has no bf16 units: torch emulates bf16 "
+            "there and the step is slow; fp16-amp is the native choice"
+        )
+    if _bf16_activations(step) and step.attn == "sdpa" and gpu.capability < (8, 0):
+        if step.framework == "hf":
+            notes.append(
+                "no fused SDPA kernel takes bf16 below sm_80, so attention runs "
+                "SDPA's math path and materialises the scores: replayed as eager "
+                "attention (an upper bound)"
+            )
+        else:
+            notes.append(
+                "no fused SDPA kernel takes bf16 below sm_80, so attention runs "
+                "SDPA's math path and materialises the scores, which this "
+                "estimate does not include"
+            )
+    return notes
 
 
 def estimate(

@@ -185,6 +185,7 @@ def fit(model, step: StepConfig, gpu: str, vary: str = "batch") -> dict[str, Any
             device_bytes=est.device_bytes,
             headroom_bytes=est.device["headroom_bytes"],
         )
+        out["notes"] = est.device["notes"]
     change = cheapest_change(model, step, gpu)
     out["requested"] = {vary: getattr(step, vary), "fits": change["fits"]}
     if not change["fits"]:
