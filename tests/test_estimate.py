@@ -362,6 +362,44 @@ def test_gqa_eager_lora_agrees_with_measurement(kv, batch):
     assert abs(est.activation_bytes - meas.activation_bytes) <= 16
 
 
+@pytest.mark.parametrize(
+    "kv,kw",
+    [
+        (4, dict(method="lora", precision="bf16")),
+        (4, dict(method="lora", precision="bf16", checkpointing=True)),
+        (2, dict(method="lora", precision="bf16-amp", checkpointing=True)),
+        (
+            1,
+            dict(
+                method="full",
+                precision="bf16",
+                checkpointing=True,
+                checkpointing_mode="reentrant",
+            ),
+        ),
+        (2, dict(method="full", precision="fp32", batch=1)),
+    ],
+)
+def test_sdpa_math_path_agrees_with_measurement(kv, kw):
+    """SDPA's math path (what bf16 attention runs below sm_80): the replay's
+    ``attn="math"`` against the CPU measurement of the same model under
+    ``sdpa_kernel(SDPBackend.MATH)`` — aten's composite is the same code on every
+    device: fp32 copies of q, k, v alive to the op's end, the causal mask, GQA's
+    repeated k and v, the copies matmul makes of the projections' interleaved
+    layout, the fp32 scores and softmax. Peak and activations to a few bytes, also
+    under both kinds of checkpointing (the recompute runs the path again)."""
+    from trainmem.measure import measure
+    from trainmem.models import get_config
+
+    cfg = get_config("tiny", num_key_value_heads=kv)
+    kw = dict(dict(batch=2, seq=64, attn="math"), **kw)
+    est, meas = estimate(cfg, **kw), measure(cfg, **kw)
+    assert abs(est.total_bytes - meas.total_bytes) <= 16
+    assert abs(est.activation_bytes - meas.activation_bytes) <= 16
+    # the math path holds more than the fused kernel at the same settings
+    assert est.total_bytes > estimate(cfg, **dict(kw, attn="sdpa")).total_bytes
+
+
 def test_qlora_base_weights_by_hand_llama7b():
     """bitsandbytes: only the decoder blocks' Linear weights are NF4 (4 bits + an 8-bit
     absmax per 64 weights + an fp32 constant per 256 blocks with double quantization);

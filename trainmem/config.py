@@ -38,7 +38,7 @@ METHODS = ("full", "lora", "qlora")
 PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16")
 #: the optimizer names (:data:`trainmem.optimizers.OPTIMIZERS`, one entry each)
 OPTIMIZERS = tuple(_OPTIMIZERS)
-ATTN_IMPLS = ("sdpa", "eager", "flash")
+ATTN_IMPLS = ("sdpa", "eager", "flash", "math")
 #: torch.optim implementations; they differ only in the scratch memory of the step.
 #: ``foreach`` is what ``torch.optim.AdamW(params)`` picks on CUDA; ``fused`` is what
 #: Hugging Face Trainer runs by default (``optim="adamw_torch_fused"``, transformers
@@ -147,8 +147,9 @@ class StepConfig:
     )
     attn: str = _option(
         "sdpa",
-        "attention implementation: sdpa (flash: same memory) or eager (stores the b x "
-        "heads x s x s scores)",
+        "attention implementation: sdpa (flash: same memory), eager (stores the b x "
+        "heads x s x s scores) or math (SDPA's math path: fp32 scores and softmax; "
+        "what bf16 SDPA runs below sm_80)",
         choices=ATTN_IMPLS,
     )
     zero: int = _option(
@@ -274,6 +275,12 @@ class StepConfig:
                 "attn",
                 "attn 'eager' is not a LitGPT option: its CausalSelfAttention always "
                 "calls F.scaled_dot_product_attention (allowed: sdpa, flash)",
+            )
+        if self.framework == "litgpt" and self.attn == "math":
+            raise OptionError(
+                "attn",
+                "attn 'math' is modelled for the hf framework only (LitGPT's replay "
+                "has the fused SDPA kernels: sdpa, flash)",
             )
         check_choice(
             "checkpointing_mode",

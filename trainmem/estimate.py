@@ -46,10 +46,10 @@ grad_accum, optimizer_impl)``:
   (``None`` = peft's default: fp32 adapters), ``qlora_double_quant``.
 * ``checkpointing``: non-reentrant activation checkpointing of every decoder layer.
 * ``attn``: ``"sdpa"`` (also ``"flash"``: the same memory) | ``"eager"`` (materialises
-  the ``b x heads x s x s`` scores). With ``gpu`` below compute capability 8.0 (T4,
-  V100) bf16 ``"sdpa"`` is replayed as ``"eager"``: no fused SDPA kernel takes bf16
-  there, so SDPA runs its math path, which materialises the scores (eager's fp32
-  softmax makes it an upper bound); ``"flash"`` there is an error.
+  the ``b x heads x s x s`` scores) | ``"math"`` (SDPA's math path: fp32 copies of q,
+  k, v, fp32 scores and softmax). With ``gpu`` below compute capability 8.0 (T4,
+  V100) bf16 ``"sdpa"`` is replayed as ``"math"``: no fused SDPA kernel takes bf16
+  there, so SDPA runs its math path; ``"flash"`` there is an error.
 * ``zero`` (0-3) and ``gpus``: per-GPU memory under ZeRO partitioning over ``gpus``
   data-parallel GPUs — stage >= 1 divides optimizer states and fp32 master weights by
   ``gpus``, >= 2 also gradients, 3 also weights, frozen ones included (plus the
@@ -571,9 +571,9 @@ def _bf16_activations(step: StepConfig) -> bool:
 def _on_gpu(step: StepConfig, gpu: str | None) -> StepConfig:
     """The step as it runs on ``gpu``. Below compute capability 8.0 no fused SDPA
     kernel takes bf16, so ``scaled_dot_product_attention`` dispatches to its math
-    path, which materialises the ``b x heads x s x s`` scores like eager attention;
-    the step is replayed with eager attention (whose fp32 softmax makes it an upper
-    bound of the math path). FlashAttention-2 does not run there at all."""
+    path, which materialises the ``b x heads x s x s`` scores in fp32; the step is
+    replayed on that path (``attn="math"``). FlashAttention-2 does not run there at
+    all."""
     if gpu is None:
         return step
     from .gpus import get_gpu
@@ -589,7 +589,7 @@ def _on_gpu(step: StepConfig, gpu: str | None) -> StepConfig:
             f"newer; {card.name} is sm_{major}{minor}: use attn 'sdpa'",
         )
     if step.attn == "sdpa" and _bf16_activations(step) and step.framework == "hf":
-        return dataclasses.replace(step, attn="eager")
+        return dataclasses.replace(step, attn="math")
     return step
 
 
@@ -638,8 +638,7 @@ def _gpu_notes(step: StepConfig, gpu) -> list[str]:
         if step.framework == "hf":
             notes.append(
                 "no fused SDPA kernel takes bf16 below sm_80, so attention runs "
-                "SDPA's math path and materialises the scores: replayed as eager "
-                "attention (an upper bound)"
+                "SDPA's math path (fp32 scores and softmax): replayed on that path"
             )
         else:
             notes.append(

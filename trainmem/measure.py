@@ -144,6 +144,16 @@ class Measurement:
         return format_table(title, rows, self.total_bytes, extra)
 
 
+def _attention_backend(attn: str):
+    """attn "math": SDPA restricted to its math backend (the composite every device
+    runs when no fused kernel takes the inputs); other choices: no restriction."""
+    if attn != "math":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
 class _TrackedTraining:
     """The training loop of :func:`measure` with a :class:`MemoryTracker` attached.
 
@@ -207,8 +217,10 @@ class _TrackedTraining:
 
     def run(self, track: bool) -> None:
         tracker, opt = self.tracker, self.opt
-        for _ in range(self.step.grad_accum):
-            self._forward_backward(track)
+        # backward too: a checkpointed layer recomputes its attention there
+        with _attention_backend(self.step.attn):
+            for _ in range(self.step.grad_accum):
+                self._forward_backward(track)
         if track:
             self.marks["grads"] = [
                 tracker.record_of(p.grad) for p in self.trainable if p.grad is not None

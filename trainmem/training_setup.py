@@ -25,7 +25,10 @@ def build_training_setup(
 ):
     """Model (train mode) and optimizer exactly as :func:`trainmem.measure.measure` runs
     them: ``config`` a model config, ``step`` the options of the training step."""
-    model = build_model(config, device=device, attn_implementation=step.attn)
+    # attn "math": transformers' SDPA attention, run under sdpa_kernel(MATH) by the
+    # measured step (trainmem.measure)
+    impl = "sdpa" if step.attn == "math" else step.attn
+    model = build_model(config, device=device, attn_implementation=impl)
     if step.precision == "bf16":
         model = model.to(torch.bfloat16)
     if step.method == "lora":

@@ -28,6 +28,7 @@ from .ops import (
     rotate_half,
     rsqrt,
     sdpa,
+    sdpa_math,
     silu,
     softmax_fp32,
 )
@@ -188,6 +189,11 @@ def attention(
         o = clone_contig(
             sim, view(o, (b, s, a, d), "t")
         )  # transpose(1, 2).contiguous()
+    elif cfg["attn"] == "math":
+        o = sdpa_math(sim, qe, ke, v)
+        del qe, ke, v
+        # transpose(1, 2).contiguous(): the math path's output is (b, heads, s, d)
+        o = clone_contig(sim, view(o, (b, s, a, d), "t"))
     else:
         o = sdpa(sim, qe, ke, v)
         del qe, ke, v

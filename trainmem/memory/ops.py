@@ -384,6 +384,93 @@ def sdpa(sim: Simulator, q: SimTensor, k: SimTensor, v: SimTensor) -> SimTensor:
     return out
 
 
+def _repeat_heads(sim: Simulator, x: SimTensor, heads: int) -> SimTensor:
+    """``repeat_interleave`` over the head dim as the math path runs it for GQA
+    (``unsqueeze``, ``expand``, ``clone``, ``view``): always a copy. Backward sums the
+    expanded gradient back to the key/value heads."""
+    b, kv, s, d = x.shape
+    out = new(sim, (b, heads, s, d), x.dtype, layout="bhsd")
+    shape, dtype = x.shape, x.dtype
+    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dtype)])
+    return out
+
+
+def _bmm_result(sim: Simulator, o: SimTensor) -> SimTensor:
+    """``matmul``'s 4-D result: the ``(b * heads, m, n)`` bmm output viewed back
+    (``_unsafe_view``). Its backward reshapes the incoming gradient to three dims,
+    which copies a gradient whose batch and head dims do not merge."""
+    out = view(o, o.shape, o.layout)
+    shape = o.shape
+
+    def backward_fn(node, g):
+        if _batch_dims_merge(g):
+            return [g]
+        return [new(sim, shape, g.dtype, layout="bhsd")]
+
+    record(sim, out, [o], [], backward_fn)
+    return out
+
+
+def sdpa_math(sim: Simulator, q: SimTensor, k: SimTensor, v: SimTensor) -> SimTensor:
+    """``scaled_dot_product_attention`` on its math path (aten's composite
+    ``_scaled_dot_product_attention_math``, causal, torch 2.5+), what runs where no
+    fused kernel takes the dtype (bf16 below sm_80) or under
+    ``sdpa_kernel(SDPBackend.MATH)``. Measured op by op on CPU (the composite is the
+    same on every device):
+
+    * 16-bit q, k, v are copied to fp32 (``allow_fp16_bf16_reduction_math_sdp`` is
+      off by default) and q is scaled by sqrt(scale); these are C++ locals, alive
+      until the op returns;
+    * the causal mask: an ``(s, s)`` bool (``ones().tril()``) turned into an fp32
+      additive mask (``where`` of two scalars), alive until the op returns;
+    * GQA repeats k and v (``unsqueeze``/``expand``/``clone``), also locals;
+    * ``k^T`` scaled by sqrt(scale) is a temporary of the first ``matmul``, which
+      copies an operand whose batch and head dims do not merge (q and k in the
+      projections' interleaved layout) and saves what it multiplies;
+    * the fp32 scores, the masked scores and their softmax (saved) each replace the
+      previous one; the probabilities are also returned cast to the input dtype (the
+      second output, dropped by the caller when the op returns);
+    * the second ``matmul`` (it copies v when needed) and its result cast back.
+
+    Autocast does not reach inside: the op is cast once at its entry."""
+    q, k, v = _autocast_input(sim, q), _autocast_input(sim, k), _autocast_input(sim, v)
+    outer, sim.autocast = sim.autocast, None
+    try:
+        b, a, s, d = q.shape
+        in_dtype = q.dtype
+        acc = "fp32" if in_dtype in ("bf16", "fp16") else in_dtype
+        q32, k32, v32 = cast(sim, q, acc), cast(sim, k, acc), cast(sim, v, acc)
+        qs = mul_scalar(sim, q32)
+        ones = new(sim, (s, s), "u8")  # torch.bool: one byte an element
+        tril = new(sim, (s, s), "u8")
+        del ones
+        scalars = new(sim, (), acc), new(sim, (), acc)
+        mask = new(sim, (s, s), acc)
+        del scalars, tril
+        kr, vr = k32, v32
+        if k32.shape[1] != a:
+            kr, vr = _repeat_heads(sim, k32, a), _repeat_heads(sim, v32, a)
+        kt = view(kr, (b, a, d, s), {"bhsd": "t"}.get(kr.layout, kr.layout))
+        ks = mul_scalar(sim, kt)
+        del kt
+        scores = _bmm_result(sim, bmm(sim, qs, ks, (b, a, s, s)))
+        del ks
+        w = add(sim, scores, mask)
+        del scores
+        p = softmax_fp32(sim, w)
+        del w
+        # the second output, the probabilities in the input dtype: no gradient ever
+        # reaches its node
+        weights = new(sim, p.shape, in_dtype)
+        o = _bmm_result(sim, bmm(sim, p, vr, (b, a, s, d)))
+        del p, vr
+        out = cast(sim, o, in_dtype)
+        del o, kr, qs, mask, q32, k32, v32, weights
+        return out
+    finally:
+        sim.autocast = outer
+
+
 def embedding(sim: Simulator, ids: SimTensor, w: SimTensor) -> SimTensor:
     b, s = ids.shape
     out = new(sim, (b, s, w.shape[1]), w.dtype)
