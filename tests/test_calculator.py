@@ -562,6 +562,12 @@ def test_gpu_numbers_timeline_and_fit(calc_page, tmp_path):
     table = page.locator(".tm-gpu-table").inner_text().replace(",", "")
     for key in ("reserved_bytes", "device_bytes", "capacity_bytes"):
         assert str(want[key]) in table, key
+    # the estimator's notes about the card, worded by code (bf16 on a T4)
+    codes = [n["code"] for n in want["notes"]]
+    assert codes == ["bf16-emulated", "sdpa-math"]
+    shown = page.locator(".tm-calc-gpu-note")
+    assert [shown.nth(i).get_attribute("data-code") for i in range(2)] == codes
+    assert "fp16-amp" in shown.nth(0).inner_text()
     assert page.locator(".tm-calc-timeline polygon").count() == 6
     assert page.locator(".tm-calc-timeline polyline").count() == 1
     page.click(".tm-fit-button")

@@ -393,7 +393,7 @@ class _FitResult:
                 )
             else:
                 lines.append("no single or combined change tried makes it fit")
-        lines += [f"note: {n}" for n in r.get("notes", ())]
+        lines += [f"note: {n['message']}" for n in r.get("notes", ())]
         return "\n".join(lines)
 
 

@@ -381,7 +381,7 @@ class MemoryEstimate:
             text += (
                 f"\n{d['gpu']}: {verdict}; headroom {d['headroom_bytes'] / GiB:.2f} GiB"
             )
-            text += "".join(f"\nnote: {n}" for n in d.get("notes", ()))
+            text += "".join(f"\nnote: {n['message']}" for n in d.get("notes", ()))
         return text
 
 
@@ -622,30 +622,38 @@ def _device(result: dict, step: StepConfig, gpu: str | None, timeline: bool):
     return device, (points if timeline else None)
 
 
-def _gpu_notes(step: StepConfig, gpu) -> list[str]:
-    """What the card changes besides memory: bf16 on a card without bf16 units runs,
-    but emulated (torch.cuda.is_bf16_supported() answers True through emulation
-    below compute capability 8.0, so Trainer(bf16=True) accepts it)."""
+def _gpu_notes(step: StepConfig, gpu) -> list[dict]:
+    """What the card changes besides memory, as ``{"code", "message"}`` (front ends
+    word them by ``code``): bf16 on a card without bf16 units runs, but emulated
+    (torch.cuda.is_bf16_supported() answers True through emulation below compute
+    capability 8.0, so Trainer(bf16=True) accepts it); and bf16 SDPA there runs the
+    math path (:func:`_on_gpu`)."""
     notes = []
     major, minor = gpu.capability
     uses_bf16 = _bf16_activations(step) or step.lora_dtype == "bf16"
     if uses_bf16 and not gpu.bf16:
         notes.append(
-            f"{gpu.name} (sm_{major}{minor}) has no bf16 units: torch emulates bf16 "
-            "there and the step is slow; fp16-amp is the native choice"
+            {
+                "code": "bf16-emulated",
+                "message": f"{gpu.name} (sm_{major}{minor}) has no bf16 units: torch "
+                "emulates bf16 there and the step is slow; fp16-amp is the native "
+                "choice",
+            }
         )
     if _bf16_activations(step) and step.attn == "sdpa" and gpu.capability < (8, 0):
-        if step.framework == "hf":
-            notes.append(
-                "no fused SDPA kernel takes bf16 below sm_80, so attention runs "
-                "SDPA's math path (fp32 scores and softmax): replayed on that path"
-            )
-        else:
-            notes.append(
-                "no fused SDPA kernel takes bf16 below sm_80, so attention runs "
-                "SDPA's math path and materialises the scores, which this "
-                "estimate does not include"
-            )
+        replayed = step.framework == "hf"
+        notes.append(
+            {
+                "code": "sdpa-math" if replayed else "sdpa-math-not-modelled",
+                "message": "no fused SDPA kernel takes bf16 below sm_80, so attention "
+                "runs SDPA's math path (fp32 scores and softmax): "
+                + (
+                    "replayed on that path"
+                    if replayed
+                    else "this estimate does not include it"
+                ),
+            }
+        )
     return notes
 
 

@@ -215,6 +215,16 @@ def tm_formats(text):
       return el("p", { class: "tm-calc-notes" }, out.join(" "));
     }
 
+    // the estimator's notes about the card (trainmem.estimate._gpu_notes), by code
+    const GPU_NOTES = {
+      "bf16-emulated": (g) => `${g} 没有 bf16 运算单元：PyTorch 在它上面模拟 bf16，训练很慢；`
+        + "这张卡上该选 fp16-amp。",
+      "sdpa-math": () => "计算能力 8.0 以下，SDPA 的融合 kernel 都不接 bf16，注意力退回数学路径"
+        + "（fp32 的分数与 softmax）；上面的数字按这条路径重放。",
+      "sdpa-math-not-modelled": () => "计算能力 8.0 以下，SDPA 的融合 kernel 都不接 bf16，"
+        + "注意力退回数学路径（fp32 的分数与 softmax）；这个估算没有计入它。",
+    };
+
     // what the GPU reports: allocated, reserved (caching allocator), nvidia-smi, fits
     function gpuBlock(d) {
       if (!d.gpu) {
@@ -232,8 +242,12 @@ def tm_formats(text):
       const verdict = d.fits
         ? `放得下，余量 ${fmt(d.headroom_bytes, GiB, 2)} GiB。`
         : `放不下：还差 ${fmt(-d.headroom_bytes, GiB, 2)} GiB（或分配器回放在显存上限处失败）。`;
+      const notes = (d.notes || []).map((n) => el("p",
+        { class: "tm-calc-gpu-note", "data-code": n.code },
+        GPU_NOTES[n.code] ? GPU_NOTES[n.code](d.gpu) : n.message));
       return el("div", { class: "tm-calc-gpu", "data-fits": String(d.fits) },
         el("p", { class: "tm-calc-verdict" }, el("strong", {}, `${d.gpu}：`), verdict),
+        ...notes,
         el("div", { class: "tm-table-wrap" }, el("table", { class: "tm-table tm-gpu-table" },
           el("thead", {}, el("tr", {}, ...["", "GB", "GiB", "字节"].map((t) => el("th", {}, t)))),
           tbody)));
