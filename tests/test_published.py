@@ -109,3 +109,35 @@ def test_estimates_are_shared_by_code_shape_and_options(tmp_path, monkeypatch):
         with pytest.raises(AssertionError, match="replayed again"):
             published._cached(r["model"], **opts)
     published._estimate_json.cache_clear()
+
+
+def test_earlier_runs_differ_from_their_configuration_only_in_versions():
+    """A row read at its own commit (``name@date``) is an earlier run of row ``name``:
+    a full 40-hex commit, the same source, model, GPU, file and conditions except the
+    library versions (and the loss named by the transformers release), and its own
+    published value; the report names that commit next to the source."""
+    import re
+
+    from coursekit import published
+
+    data = published.load()
+    rows = {r["id"]: r for r in data["rows"]}
+    earlier = [r for r in rows.values() if "@" in r["id"]]
+    assert earlier
+    for row in earlier:
+        base = rows[row["id"].split("@")[0]]
+        assert re.fullmatch(r"[0-9a-f]{40}", row["commit"]), row["id"]
+        assert row["commit"] != data["sources"][row["source"]]["commit"]
+        for key in ("source", "model", "gpu", "file", "devices"):
+            assert row.get(key) == base.get(key), (row["id"], key)
+        same = {
+            k: v for k, v in row["conditions"].items() if k not in ("versions", "loss")
+        }
+        assert same == {
+            k: v for k, v in base["conditions"].items() if k not in ("versions", "loss")
+        }
+        assert row["conditions"]["versions"] != base["conditions"]["versions"]
+        assert row["metric"]["kind"] == base["metric"]["kind"]
+    text = (ROOT / "benchmarks/results/published_gpu.md").read_text("utf-8")
+    for row in earlier:
+        assert f"| {row['id']} | {row['source']}@{row['commit'][:9]} |" in text
