@@ -489,6 +489,8 @@ def test_estimate_from_hf_maps_trainer_arguments():
         seq=512,
         grad_accum=2,
         checkpointing=True,
+        # transformers 5's default (use_reentrant=False): the course's pinned release
+        checkpointing_mode="non-reentrant",
         lora_rank=16,
         lora_alpha=32,
         lora_targets=(
@@ -525,17 +527,54 @@ def test_estimate_from_hf_maps_trainer_arguments():
 
 
 @pytest.mark.parametrize(
+    "versions,kwargs,mode",
+    [
+        ("transformers=4.57.1", None, "reentrant"),
+        ("transformers=5.0.0", None, "non-reentrant"),
+        ("transformers=4.57.1", {"use_reentrant": False}, "non-reentrant"),
+        ("transformers=5.24.0", {"use_reentrant": True}, "reentrant"),
+    ],
+)
+def test_hf_checkpointing_form_follows_the_transformers_version(versions, kwargs, mode):
+    """``gradient_checkpointing=True`` without ``use_reentrant`` is reentrant up to
+    transformers 4.x and non-reentrant from 5.0.0; a given ``use_reentrant`` wins.
+    The estimate follows it (reentrant keeps each layer's recomputed outputs until
+    its backward is over, so it is never smaller)."""
+    from trainmem.estimate import estimate_from_hf
+    from trainmem.from_hf import hf_options
+
+    args = {"gradient_checkpointing": True, "per_device_train_batch_size": 2}
+    if kwargs is not None:
+        args["gradient_checkpointing_kwargs"] = kwargs
+    opts = hf_options("tiny", args, seq=64, versions=versions)
+    assert opts["checkpointing"] and opts["checkpointing_mode"] == mode
+    est = estimate_from_hf("tiny", args, seq=64, versions=versions)
+    assert est.options["checkpointing_mode"] == mode
+
+
+@pytest.mark.parametrize(
+    "versions,optim",
+    [
+        ("transformers=4.53.0,torch=2.8.0", "adamw_torch"),
+        ("transformers=4.54.0,torch=2.8.0", "adamw_torch_fused"),
+        ("transformers=4.57.1,torch=2.7.1", "adamw_torch"),
+        ("transformers=5.0.0,torch=2.13.0", "adamw_torch_fused"),
+    ],
+)
+def test_hf_default_optim_follows_transformers_and_torch(versions, optim):
+    """A TrainingArguments dict without ``optim`` gets the default of the versions it
+    names: fused AdamW from transformers 4.54.0 when torch is 2.8 or newer."""
+    from trainmem.from_hf import HF_OPTIMS, hf_options
+
+    opts = hf_options("tiny", {}, seq=64, versions=versions)
+    assert (opts["optimizer"], opts["optimizer_impl"]) == HF_OPTIMS[optim]
+
+
+@pytest.mark.parametrize(
     "args,needle",
     [
         ({"optim": "galore_adamw"}, "optim must be one of adamw_torch_fused"),
         ({"bf16": True, "fp16": True}, "bf16 and fp16 cannot both be set"),
-        (
-            {
-                "gradient_checkpointing": True,
-                "gradient_checkpointing_kwargs": {"use_reentrant": True},
-            },
-            "use_reentrant=True is not modelled",
-        ),
         ({}, "seq must be given"),
     ],
 )

@@ -202,3 +202,58 @@ def test_make_test_runs_the_floor_pass():
     rule = [ln for ln in text.splitlines() if ln.startswith("test: $(STAMP)")]
     assert len(rule) == 1 and "$(FLOOR_STAMP)" in rule[0]
     assert "link-torch" in text
+
+
+HF_DEFAULTS_SCRIPT = """
+import json, warnings
+warnings.filterwarnings("ignore")
+import torch, transformers
+from transformers import TrainingArguments
+from trainmem.models import build_model, get_config
+m = build_model(get_config("tiny"))
+m.gradient_checkpointing_enable()
+fns = {getattr(mod, "_gradient_checkpointing_func", None) for mod in m.modules()}
+fns.discard(None)
+optim = TrainingArguments("%s", report_to=[]).optim
+print(json.dumps({
+    "transformers": transformers.__version__,
+    "torch": torch.__version__.split("+")[0],
+    "use_reentrant": sorted({f.keywords.get("use_reentrant") for f in fns}),
+    "optim": str(getattr(optim, "value", optim)),
+}))
+"""
+
+
+@pytest.mark.parametrize("env", ["main", "floor"])
+def test_hf_defaults_are_those_of_the_installed_transformers(env, tmp_path):
+    """``trainmem hf`` fills the fields a TrainingArguments dict leaves out with the
+    defaults of the transformers and torch named in ``versions``: the checkpointing
+    form (``use_reentrant``) and ``optim``. Checked against the real thing, in both
+    environments (transformers 5 in ``.venv``, 4.x at the floor):
+    ``gradient_checkpointing_enable()`` and ``TrainingArguments().optim`` there."""
+    import subprocess
+    import sys
+
+    from trainmem.versions import (
+        hf_checkpointing_reentrant,
+        hf_default_optim,
+        parse_versions,
+    )
+
+    if env == "floor" and not FLOOR_VENV:
+        pytest.skip("needs COURSE_FLOOR_VENV (make floor)")
+    python = sys.executable if env == "main" else str(Path(FLOOR_VENV) / "bin/python")
+    out = subprocess.run(
+        [python, "-c", HF_DEFAULTS_SCRIPT % (tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    versions = parse_versions(
+        f"transformers={seen['transformers']},torch={seen['torch']}"
+    )
+    assert seen["use_reentrant"] == [hf_checkpointing_reentrant(versions)], seen
+    assert seen["optim"] == hf_default_optim(versions), seen

@@ -757,6 +757,7 @@ def estimate_from_hf(
         peft_config,
         seq=seq,
         quantization_config=quantization_config,
+        versions=overrides.get("versions"),
     )
     opts.update(overrides)
     try:

@@ -12,6 +12,7 @@ from typing import Any
 
 from .config import ATTN_IMPLS, OptionError
 from .optimizers import hf_optims
+from .versions import hf_checkpointing_reentrant, hf_default_optim, parse_versions
 
 #: ``TrainingArguments.optim`` -> (optimizer, optimizer_impl), from the ``hf_optims`` of
 #: every :mod:`trainmem.optimizers` entry. Trainer builds ``torch.optim.AdamW`` with
@@ -57,6 +58,7 @@ def hf_options(
     *,
     seq: int | None = None,
     quantization_config: Any = None,
+    versions: Any = None,
 ) -> dict[str, Any]:
     """The :func:`estimate` keyword arguments a Hugging Face ``Trainer`` run corresponds
     to.
@@ -65,18 +67,22 @@ def hf_options(
     dict of its fields (its JSON); ``None`` means Trainer's defaults. Read: ``optim``
     (see :data:`HF_OPTIMS`), ``bf16``/``fp16`` (autocast over the fp32 weights:
     ``bf16-amp``/ ``fp16-amp``; neither: ``fp32``), ``gradient_checkpointing`` or
-    ``activation_checkpointing`` (transformers 5's name; non-reentrant, its default),
+    ``activation_checkpointing`` (transformers 5's name) with
+    ``gradient_checkpointing_kwargs``' ``use_reentrant`` (left out: the default of the
+    transformers in ``versions``, :func:`trainmem.versions.hf_checkpointing_reentrant`),
     ``per_device_train_batch_size``, ``gradient_accumulation_steps`` and, for
     ``SFTConfig``, ``max_length`` (``max_seq_length`` in older trl). ``peft_config``: a
     ``peft.LoraConfig`` or its ``adapter_config.json`` dict (``r``, ``lora_alpha``,
     ``target_modules``; ``"all-linear"`` allowed), ``None`` for full fine-tuning. A
     4-bit ``quantization_config`` (``BitsAndBytesConfig(load_in_4bit=True, ...)``, or
     the model config's own) makes it QLoRA. ``seq``: tokens per sequence, when the
-    arguments do not fix a length.
+    arguments do not fix a length. ``versions``: as ``--versions`` (unnamed libraries:
+    the course's pins); the defaults of the fields left out follow them (``optim``:
+    :func:`trainmem.versions.hf_default_optim`).
 
     Raises ``ValueError`` naming the field and the allowed values.
     """
-    opts = _training_options(training_args, seq)
+    opts = _training_options(training_args, seq, parse_versions(versions))
     attn = hf_field(model, "_attn_implementation", None) or hf_field(
         model, "attn_implementation", None
     )
@@ -106,9 +112,11 @@ def hf_options(
     return opts
 
 
-def _training_options(training_args: Any, seq: int | None) -> dict[str, Any]:
+def _training_options(
+    training_args: Any, seq: int | None, versions: dict
+) -> dict[str, Any]:
     """The options ``TrainingArguments`` (and ``seq``) fix; see :func:`hf_options`."""
-    optim = hf_field(training_args, "optim", "adamw_torch_fused")
+    optim = hf_field(training_args, "optim", None) or hf_default_optim(versions)
     optim = str(getattr(optim, "value", optim))  # OptimizerNames -> its string
     if optim not in HF_OPTIMS:
         raise OptionError(
@@ -135,12 +143,9 @@ def _training_options(training_args: Any, seq: int | None) -> dict[str, Any]:
         or hf_field(training_args, "gradient_checkpointing_kwargs", None)
         or {}
     )
-    if checkpointing and checkpointing_kwargs.get("use_reentrant", False):
-        raise OptionError(
-            "training_args",
-            "gradient_checkpointing_kwargs: use_reentrant=True is not modelled; "
-            "allowed: use_reentrant=False (the default of transformers 5)",
-        )
+    reentrant = checkpointing_kwargs.get("use_reentrant")
+    if reentrant is None:
+        reentrant = hf_checkpointing_reentrant(versions)
     length = seq
     if length is None:
         length = hf_field(training_args, "max_length", None) or hf_field(
@@ -152,7 +157,7 @@ def _training_options(training_args: Any, seq: int | None) -> dict[str, Any]:
             "seq must be given (tokens per sequence): the training arguments set no "
             "max_length",
         )
-    return dict(
+    opts = dict(
         method="full",
         precision=precision,
         optimizer=optimizer,
@@ -162,6 +167,9 @@ def _training_options(training_args: Any, seq: int | None) -> dict[str, Any]:
         grad_accum=hf_field(training_args, "gradient_accumulation_steps", 1),
         checkpointing=checkpointing,
     )
+    if checkpointing:
+        opts["checkpointing_mode"] = "reentrant" if reentrant else "non-reentrant"
+    return opts
 
 
 def _lora_options(peft_config: Any) -> dict[str, Any]:

@@ -177,6 +177,23 @@ def cache_copies_kv(v: dict) -> bool:
     return v["transformers"] >= (4, 56)
 
 
+def hf_checkpointing_reentrant(v: dict) -> bool:
+    """What ``gradient_checkpointing=True`` without ``use_reentrant`` runs:
+    ``gradient_checkpointing_enable`` fills ``{"use_reentrant": True}`` up to
+    transformers 4.x (huggingface/transformers#28538, and torch's own default before
+    it); 5.0.0 switched it to ``False`` (huggingface/transformers#43203)."""
+    return v["transformers"] < (5, 0)
+
+
+def hf_default_optim(v: dict) -> str:
+    """``TrainingArguments.optim``'s default: ``"adamw_torch_fused"`` when torch is
+    2.8 or newer, from transformers 4.54.0 (``default_optim`` in training_args.py);
+    ``"adamw_torch"`` otherwise."""
+    if v["transformers"] >= (4, 54) and v["torch"] >= (2, 8):
+        return "adamw_torch_fused"
+    return "adamw_torch"
+
+
 def litgpt_rmsnorm_fp32(v: dict) -> bool:
     """LitGPT's ``RMSNorm.forward`` upcasts (``x = x.float()``, the norm in fp32,
     ``.to(dtype)`` before ``* weight``) since 6178c7cc (2023-10-24, "Half precision
