@@ -224,7 +224,9 @@ print(json.dumps({
 """
 
 
-@pytest.mark.parametrize("env", ["main", "floor"])
+@pytest.mark.parametrize(
+    "env", ["main", pytest.param("floor", marks=pytest.mark.floor)]
+)
 def test_hf_defaults_are_those_of_the_installed_transformers(env, tmp_path):
     """``trainmem hf`` fills the fields a TrainingArguments dict leaves out with the
     defaults of the transformers and torch named in ``versions``: the checkpointing
@@ -232,7 +234,6 @@ def test_hf_defaults_are_those_of_the_installed_transformers(env, tmp_path):
     environments (transformers 5 in ``.venv``, 4.x at the floor):
     ``gradient_checkpointing_enable()`` and ``TrainingArguments().optim`` there."""
     import subprocess
-    import sys
 
     from trainmem.versions import (
         hf_checkpointing_reentrant,
@@ -242,18 +243,35 @@ def test_hf_defaults_are_those_of_the_installed_transformers(env, tmp_path):
 
     if env == "floor" and not FLOOR_VENV:
         pytest.skip("needs COURSE_FLOOR_VENV (make floor)")
-    python = sys.executable if env == "main" else str(Path(FLOOR_VENV) / "bin/python")
-    out = subprocess.run(
-        [python, "-c", HF_DEFAULTS_SCRIPT % (tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    if env == "main":  # this process runs .venv
+        seen = _run_script(HF_DEFAULTS_SCRIPT % (tmp_path / "out"))
+    else:
+        out = subprocess.run(
+            [
+                str(Path(FLOOR_VENV) / "bin/python"),
+                "-c",
+                HF_DEFAULTS_SCRIPT % (tmp_path / "out"),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            check=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        seen = json.loads(out.stdout.strip().splitlines()[-1])
     versions = parse_versions(
         f"transformers={seen['transformers']},torch={seen['torch']}"
     )
     assert seen["use_reentrant"] == [hf_checkpointing_reentrant(versions)], seen
     assert seen["optim"] == hf_default_optim(versions), seen
+
+
+def _run_script(script: str) -> dict:
+    """``script`` run in this process; the JSON line it prints."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        exec(compile(script, "<hf-defaults>", "exec"), {})
+    return json.loads(buf.getvalue().strip().splitlines()[-1])
