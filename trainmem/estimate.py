@@ -568,6 +568,16 @@ def _bf16_activations(step: StepConfig) -> bool:
     return step.precision in ("bf16", "bf16-amp")
 
 
+def _sdpa_falls_back_to_math(step: StepConfig, card) -> bool:
+    """Whether ``card`` runs this step's SDPA on the math path: bf16 activations below
+    :data:`SDPA_BF16_FROM`."""
+    return (
+        step.attn == "sdpa"
+        and _bf16_activations(step)
+        and card.capability < SDPA_BF16_FROM
+    )
+
+
 def _on_gpu(step: StepConfig, gpu: str | None) -> StepConfig:
     """The step as it runs on ``gpu``. Below compute capability 8.0 no fused SDPA
     kernel takes bf16, so ``scaled_dot_product_attention`` dispatches to its math
@@ -588,7 +598,7 @@ def _on_gpu(step: StepConfig, gpu: str | None) -> StepConfig:
             f"attn 'flash' (FlashAttention-2) needs compute capability 8.0 or "
             f"newer; {card.name} is sm_{major}{minor}: use attn 'sdpa'",
         )
-    if step.attn == "sdpa" and _bf16_activations(step) and step.framework == "hf":
+    if _sdpa_falls_back_to_math(step, card) and step.framework == "hf":
         return dataclasses.replace(step, attn="math")
     return step
 
@@ -640,8 +650,8 @@ def _gpu_notes(step: StepConfig, gpu) -> list[dict]:
                 "choice",
             }
         )
-    if _bf16_activations(step) and step.attn == "sdpa" and gpu.capability < (8, 0):
-        replayed = step.framework == "hf"
+    if _sdpa_falls_back_to_math(step, gpu):
+        replayed = step.framework == "hf"  # as _on_gpu decides
         notes.append(
             {
                 "code": "sdpa-math" if replayed else "sdpa-math-not-modelled",

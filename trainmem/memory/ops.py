@@ -294,15 +294,19 @@ def _batch_dims_merge(x: SimTensor) -> bool:
     return b == 1 or heads == 1
 
 
-def repeat_kv(sim: Simulator, x: SimTensor, heads: int) -> SimTensor:
+def repeat_kv(
+    sim: Simulator, x: SimTensor, heads: int, always_copy: bool = False
+) -> SimTensor:
     """transformers' ``repeat_kv``: ``x[:, :, None].expand(b, kv, n_rep, s,
     d).reshape(b, heads, s, d)``. With one key/value head the reshape is a view (stride
-    0 over the heads, layout ``"x"``); otherwise it copies. Backward sums the expanded
-    gradient back to ``(b, kv, s, d)``."""
+    0 over the heads, layout ``"x"``); otherwise it copies. ``always_copy``: SDPA's
+    math path (``repeat_interleave``: ``unsqueeze``, ``expand``, ``clone``), which
+    copies for one head too. Backward sums the expanded gradient back to
+    ``(b, kv, s, d)``."""
     b, kv, s, d = x.shape
     if kv == heads:
         return x
-    if kv == 1:
+    if kv == 1 and not always_copy:
         out = SimTensor(x.buffer, (b, heads, s, d), x.dtype, layout="x")
     else:
         out = new(sim, (b, heads, s, d), x.dtype, layout="bhsd")
@@ -384,17 +388,6 @@ def sdpa(sim: Simulator, q: SimTensor, k: SimTensor, v: SimTensor) -> SimTensor:
     return out
 
 
-def _repeat_heads(sim: Simulator, x: SimTensor, heads: int) -> SimTensor:
-    """``repeat_interleave`` over the head dim as the math path runs it for GQA
-    (``unsqueeze``, ``expand``, ``clone``, ``view``): always a copy. Backward sums the
-    expanded gradient back to the key/value heads."""
-    b, kv, s, d = x.shape
-    out = new(sim, (b, heads, s, d), x.dtype, layout="bhsd")
-    shape, dtype = x.shape, x.dtype
-    record(sim, out, [x], [], lambda node, g: [new(sim, shape, dtype)])
-    return out
-
-
 def _bmm_result(sim: Simulator, o: SimTensor) -> SimTensor:
     """``matmul``'s 4-D result: the ``(b * heads, m, n)`` bmm output viewed back
     (``_unsafe_view``). Its backward reshapes the incoming gradient to three dims,
@@ -447,9 +440,9 @@ def sdpa_math(sim: Simulator, q: SimTensor, k: SimTensor, v: SimTensor) -> SimTe
         scalars = new(sim, (), acc), new(sim, (), acc)
         mask = new(sim, (s, s), acc)
         del scalars, tril
-        kr, vr = k32, v32
-        if k32.shape[1] != a:
-            kr, vr = _repeat_heads(sim, k32, a), _repeat_heads(sim, v32, a)
+        # GQA (the same tensors when every head has its own k and v)
+        kr = repeat_kv(sim, k32, a, always_copy=True)
+        vr = repeat_kv(sim, v32, a, always_copy=True)
         kt = view(kr, (b, a, d, s), {"bhsd": "t"}.get(kr.layout, kr.layout))
         ks = mul_scalar(sim, kt)
         del kt

@@ -228,12 +228,14 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
             for linear in _linears(model)
             if linear.quantized
         }
-        # the unit's storage as it is all-gathered: its buffers before sharding (NF4
-        # weights in their packed size), not its shapes in the compute dtype
-        unit_bytes = sum(
-            t.buffer.nbytes - quant_state.get(id(t), 0)
-            for t in model.layers[0].tensors()
-        )
+
+        def gathered_bytes(tensors) -> int:
+            """The tensors' storage as it is all-gathered: their buffers before
+            sharding (NF4 weights in their packed size, without the quant_state),
+            not their shapes in the compute dtype."""
+            return sum(t.buffer.nbytes - quant_state.get(id(t), 0) for t in tensors)
+
+        unit_bytes = gathered_bytes(model.layers[0].tensors())
         # every parameter is sharded, frozen ones too: FSDP flattens whatever a unit
         # holds (embeddings, norms and lm_head included) and DeepSpeed partitions
         # every parameter
@@ -241,11 +243,7 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
         root = [t for t in model.parameters() if id(t) not in in_layers]
         # the root unit (what no decoder layer holds: the embeddings, the final norm,
         # lm_head) as it is all-gathered, measured before sharding
-        root_bytes = sum(
-            t.buffer.nbytes - quant_state.get(id(t), 0)
-            for t in root
-            if t.buffer.category == "weights"
-        )
+        root_bytes = gathered_bytes(t for t in root if t.buffer.category == "weights")
         for p in model.parameters():
             if p.buffer.category == "weights":
                 kept = quant_state.get(id(p), 0)
