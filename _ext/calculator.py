@@ -82,6 +82,8 @@ LABELS = {
     "no-double-quant": "QLoRA 不做双重量化（no-double-quant）",
     "zero": "ZeRO 阶段（zero）",
     "gpus": "GPU 数（gpus）",
+    "zero-impl": "分片实现（zero-impl）",
+    "deepspeed-sizes": "DeepSpeed 桶大小（deepspeed-sizes）",
     "lora-dropout": "LoRA dropout（lora-dropout）",
     "use-cache": "KV 缓存（use-cache）",
     "versions": "库版本（versions）",

@@ -212,6 +212,13 @@ ERRORS: list[tuple[dict, str | None]] = [
 ]
 
 
+#: the options a choice needs to be valid (DeepSpeed is modelled at ZeRO 2/3)
+NEEDS = {
+    "zero-impl": {"zero": "3", "gpus": "2"},
+    "deepspeed-sizes": {"zero": "3", "gpus": "2", "zero-impl": "deepspeed"},
+}
+
+
 def _coverage_grid() -> list[tuple[dict, None]]:
     """Every preset and every value of every choice option of the CLI once (a preset or
     an option added to the CLI is then compared too, without editing this file)."""
@@ -226,7 +233,7 @@ def _coverage_grid() -> list[tuple[dict, None]]:
         for c in f["choices"]:
             if c == f["default"]:
                 continue
-            values = {f["name"]: c}
+            values = {**NEEDS.get(f["name"], {}), f["name"]: c}
             if f["name"].startswith("lora-"):
                 values["method"] = "lora"
             out.append((values, None))

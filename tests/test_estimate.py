@@ -570,9 +570,102 @@ def test_hf_default_optim_follows_transformers_and_torch(versions, optim):
     assert (opts["optimizer"], opts["optimizer_impl"]) == HF_OPTIMS[optim]
 
 
+def test_estimate_from_hf_reads_deepspeed_and_fsdp(tmp_path):
+    """TrainingArguments' ``deepspeed`` (a dict or the path of its JSON) sets ZeRO
+    stage 2/3 under DeepSpeed, with the Trainer's 'auto' sizes when the config says
+    'auto' and DeepSpeed's own when it leaves them out; ``fsdp`` sets FSDP's stage;
+    the GPUs are the launcher's (an override)."""
+    from trainmem.estimate import estimate_from_hf
+    from trainmem.from_hf import hf_options
+
+    keys = (
+        "reduce_bucket_size",
+        "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold",
+    )
+    auto = {"zero_optimization": {"stage": 3, **dict.fromkeys(keys, "auto")}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(auto))
+    base = {"max_length": 16, "bf16": True}
+    cases = [
+        (auto, dict(zero=3, zero_impl="deepspeed", deepspeed_sizes="hf-auto")),
+        (str(path), dict(zero=3, zero_impl="deepspeed", deepspeed_sizes="hf-auto")),
+        (
+            {"zero_optimization": {"stage": 2}},
+            dict(zero=2, zero_impl="deepspeed", deepspeed_sizes="defaults"),
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8}},
+            dict(zero=3, zero_impl="deepspeed", deepspeed_sizes="defaults"),
+        ),
+    ]
+    for ds, want in cases:
+        opts = hf_options("tiny", dict(base, deepspeed=ds))
+        assert {k: opts[k] for k in want} == want, ds
+    for fsdp, stage in (
+        ("full_shard auto_wrap", 3),
+        (["shard_grad_op"], 2),
+        ("auto_wrap", 3),  # accelerate's default strategy
+        (True, 3),  # transformers 5: FSDP2, reshard_after_forward defaults to True
+    ):
+        opts = hf_options("tiny", dict(base, fsdp=fsdp))
+        assert (opts["zero"], opts["zero_impl"]) == (stage, "fsdp"), fsdp
+    opts = hf_options(
+        "tiny", dict(base, fsdp=True, fsdp_config={"reshard_after_forward": False})
+    )
+    assert opts["zero"] == 2
+    assert "zero" not in hf_options("tiny", dict(base, fsdp=""))
+    assert "zero" not in hf_options("tiny", dict(base, fsdp=["no_shard"]))
+    est = estimate_from_hf("tiny", dict(base, deepspeed=auto), gpus=2)
+    assert est.options["gpus"] == 2 and est.options["zero_impl"] == "deepspeed"
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [
+        (
+            {"max_length": 8, "deepspeed": {"zero_optimization": {"stage": 1}}},
+            "stage 1 is not modelled",
+        ),
+        (
+            {
+                "max_length": 8,
+                "deepspeed": {
+                    "zero_optimization": {
+                        "stage": 3,
+                        "offload_param": {"device": "cpu"},
+                    }
+                },
+            },
+            "offloading is not modelled",
+        ),
+        (
+            {
+                "max_length": 8,
+                "deepspeed": {
+                    "zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8}
+                },
+            },
+            "reduce_bucket_size = 200000000.0",
+        ),
+        (
+            {
+                "max_length": 8,
+                "deepspeed": {
+                    "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}
+                },
+            },
+            "a mix is not modelled",
+        ),
+        (
+            {
+                "max_length": 8,
+                "deepspeed": {"zero_optimization": {"stage": 3}},
+                "fsdp": "full_shard",
+            },
+            "deepspeed and fsdp cannot both be set",
+        ),
+        ({"max_length": 8, "fsdp": "full_shard offload"}, "offload"),
         ({"optim": "galore_adamw"}, "optim must be one of adamw_torch_fused"),
         ({"bf16": True, "fp16": True}, "bf16 and fp16 cannot both be set"),
         ({}, "seq must be given"),
@@ -714,6 +807,8 @@ def test_estimates_equal_the_recorded_pre_refactor_values():
         "kbit_prepare",
         "checkpointing_mode",
         "framework",
+        "zero_impl",
+        "deepspeed_sizes",
     )
     for row in rows:
         result = estimate(**row["options"], use_cache="off", kbit_prepare="none")

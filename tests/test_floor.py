@@ -215,7 +215,13 @@ m.gradient_checkpointing_enable()
 fns = {getattr(mod, "_gradient_checkpointing_func", None) for mod in m.modules()}
 fns.discard(None)
 optim = TrainingArguments("%s", report_to=[]).optim
+from trainmem.from_hf import _sharding_options
+fsdp = {
+    words: _sharding_options(TrainingArguments("unused", fsdp=words, report_to=[]))
+    for words in ("full_shard auto_wrap", "shard_grad_op auto_wrap")
+}
 print(json.dumps({
+    "fsdp": fsdp,
     "transformers": transformers.__version__,
     "torch": torch.__version__.split("+")[0],
     "use_reentrant": sorted({f.keywords.get("use_reentrant") for f in fns}),
@@ -232,7 +238,8 @@ def test_hf_defaults_are_those_of_the_installed_transformers(env, tmp_path):
     defaults of the transformers and torch named in ``versions``: the checkpointing
     form (``use_reentrant``) and ``optim``. Checked against the real thing, in both
     environments (transformers 5 in ``.venv``, 4.x at the floor):
-    ``gradient_checkpointing_enable()`` and ``TrainingArguments().optim`` there."""
+    ``gradient_checkpointing_enable()`` and ``TrainingArguments().optim`` there; and
+    the ZeRO stage read from ``TrainingArguments(fsdp=...)`` as each keeps it."""
     import subprocess
 
     from trainmem.versions import (
@@ -264,6 +271,12 @@ def test_hf_defaults_are_those_of_the_installed_transformers(env, tmp_path):
     )
     assert seen["use_reentrant"] == [hf_checkpointing_reentrant(versions)], seen
     assert seen["optim"] == hf_default_optim(versions), seen
+    # TrainingArguments(fsdp=...) as each transformers keeps it (4.x: a list of
+    # FSDPOption; 5.x: True and fsdp_config["reshard_after_forward"])
+    assert seen["fsdp"] == {
+        "full_shard auto_wrap": {"zero": 3, "zero_impl": "fsdp"},
+        "shard_grad_op auto_wrap": {"zero": 2, "zero_impl": "fsdp"},
+    }, seen
 
 
 def _run_script(script: str) -> dict:

@@ -246,3 +246,212 @@ def test_fsdp_keeps_the_root_unit_gathered_through_backward():
             if e[0] in ("alloc", "resize"):
                 sizes[e[1]] = e[2]
         assert 2 * embed.numel() // gpus in sizes.values(), gpus
+
+
+# --------------------------------------------------------------------------------------
+# DeepSpeed ZeRO (zero_impl="deepspeed"): its bucket, module-by-module gathering and
+# persistent small parameters, each isolated in the replayed step's allocations
+# --------------------------------------------------------------------------------------
+DS = dict(method="lora", precision="bf16-amp", zero_impl="deepspeed", gpus=2)
+
+
+def _hf_auto(hidden: int) -> dict:
+    """The sizes transformers' Trainer writes for ``"auto"`` (its own
+    ``trainer_config_finalize`` run on a DeepSpeed config; ``is_auto`` is the check
+    transformers' ``HfDeepSpeedConfig`` makes when deepspeed is installed)."""
+    from types import SimpleNamespace
+
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig as T
+
+    class Config(HfDeepSpeedConfig):
+        fill_only, fill_match = T.fill_only, T.fill_match
+        finalize = T.trainer_config_finalize
+
+        def is_auto(self, key):
+            return self.get_value(key) == "auto"
+
+    keys = (
+        "reduce_bucket_size",
+        "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold",
+    )
+    zero = {"stage": 3, **dict.fromkeys(keys, "auto")}
+    config = Config({"zero_optimization": zero})
+    config.mismatches = []
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=hidden))
+    config.finalize(TrainingArguments(output_dir="unused", report_to=[]), model, 10)
+    return {k: config.config["zero_optimization"][k] for k in keys}
+
+
+def test_hf_auto_sizes_are_the_trainers():
+    from trainmem import deepspeed
+
+    for hidden in (64, 4096, 8192):
+        got = deepspeed.sizes("hf-auto", hidden)
+        assert _hf_auto(hidden) == {
+            "reduce_bucket_size": got.reduce_bucket,
+            "stage3_prefetch_bucket_size": got.prefetch_bucket,
+            "stage3_param_persistence_threshold": got.persistence_threshold,
+        }
+    # DeepSpeed's defaults, read from deepspeed/runtime/zero/config.py
+    assert deepspeed.sizes("defaults", 64) == deepspeed.Sizes(
+        5 * 10**8, 5 * 10**7, 10**5
+    )
+
+
+def _alloc_index(events):
+    """(indices of the alloc events, their phases)."""
+    allocs = [i for i, e in enumerate(events) if e[0] == "alloc"]
+    return allocs, [events[i][4] for i in allocs]
+
+
+def test_deepspeed_gradient_bucket():
+    """DeepSpeed copies gradients into one bucket of reduce_bucket_size elements in the
+    module's dtype (bf16 here): ZeRO-3 allocates it with the optimizer and keeps it
+    through the step; ZeRO-2 allocates it when each backward starts and drops it
+    after. FSDP has no such buffer."""
+    hidden = 64  # the tiny preset
+    bucket = _hf_auto(hidden)["reduce_bucket_size"] * 2
+
+    def buckets(events):
+        return [
+            i
+            for i, e in enumerate(events)
+            if e[0] == "alloc" and e[3] == "gradients" and e[2] == bucket
+        ]
+
+    events = _step_events(zero=3, deepspeed_sizes="hf-auto", grad_accum=2, **DS)
+    allocs, phases = _alloc_index(events)
+    (start,) = buckets(events)
+    end = events.index(("free", events[start][1]))
+    assert start < allocs[phases.index("forward")]
+    assert end > allocs[phases.index("optimizer")]
+
+    events = _step_events(zero=2, deepspeed_sizes="hf-auto", grad_accum=2, **DS)
+    allocs, phases = _alloc_index(events)
+    found = buckets(events)
+    assert len(found) == 2  # one per micro-batch's backward
+    for i in found:
+        assert events[i][4] == "backward"
+        end = events.index(("free", events[i][1]))
+        later = [a for a, p in zip(allocs, phases) if a > i and p != "backward"]
+        assert not later or end < later[0]  # gone before the next forward/step
+
+    fsdp = dict(DS, zero_impl="fsdp")
+    events = _step_events(zero=3, grad_accum=2, **fsdp)
+    assert not buckets(events)
+
+
+def test_deepspeed_gathers_the_embeddings_and_lm_head_module_by_module():
+    """ZeRO-3 under DeepSpeed gathers a module's parameters when it runs and releases
+    them after it unless they are used again soon: the embedding for its forward
+    only, lm_head from its forward to its backward. Nothing keeps FSDP's root unit
+    (embeddings + final norm + lm_head) gathered."""
+    from trainmem.models import build_model, get_config
+
+    meta = build_model(get_config("tiny"), device="meta")
+    embed = 2 * meta.get_input_embeddings().weight.numel()
+    head = 2 * meta.get_output_embeddings().weight.numel()
+    root = 2 * sum(p.numel() for n, p in meta.named_parameters() if ".layers." not in n)
+    events = _step_events(zero=3, deepspeed_sizes="hf-auto", **DS)
+    allocs, phases = _alloc_index(events)
+    first_backward = allocs[phases.index("backward")]
+    last_backward = allocs[len(phases) - 1 - phases[::-1].index("backward")]
+    gathered = [
+        i
+        for i, e in enumerate(events)
+        if e[0] == "alloc" and e[3] == "weights" and e[4] == "forward"
+    ]
+    assert [events[i][2] for i in gathered] == [embed, head]
+    ends = [events.index(("free", events[i][1])) for i in gathered]
+    assert ends[0] < first_backward  # the embedding: its forward only
+    assert first_backward < ends[1] < last_backward  # lm_head: into the backward
+    assert not [e for e in events if e[0] == "alloc" and e[2] == root]
+
+
+def _final_sizes(events) -> dict:
+    sizes = {}
+    for e in events:
+        if e[0] in ("alloc", "resize"):
+            sizes[e[1]] = e[2]
+    return sizes
+
+
+def test_deepspeed_keeps_small_parameters_whole():
+    """A parameter of fewer elements than stage3_param_persistence_threshold is never
+    partitioned. DeepSpeed's default threshold (1e5) is larger than every tensor of the
+    tiny preset, so nothing of it is sharded; the Trainer's 'auto' (10 x hidden = 640)
+    keeps the 64-element norm weights whole and shards the 64 x 64 q_proj weight."""
+    layer = _tiny_layer()
+    norm = 2 * layer.input_layernorm.weight.numel()
+    q_proj = 2 * layer.self_attn.q_proj.weight.numel()
+    for sizes, sharded in (("defaults", False), ("hf-auto", True)):
+        events = _step_events(zero=3, deepspeed_sizes=sizes, **DS)
+        params = [
+            e[1]
+            for e in events
+            if e[0] == "alloc" and e[3] == "weights" and e[4] == "idle"
+        ]
+        first = {e[1]: e[2] for e in events if e[0] == "alloc"}
+        final = _final_sizes(events)
+        norms = [u for u in params if first[u] == norm]
+        assert norms and all(final[u] == norm for u in norms)
+        qs = [u for u in params if first[u] == q_proj]
+        want = q_proj // 2 if sharded else q_proj
+        assert qs and all(final[u] == want for u in qs), sizes
+
+
+def test_deepspeed_gathers_one_layer_plus_the_prefetch_bucket():
+    """What ZeRO-3 holds gathered of the decoder layers: with checkpointing the
+    recomputed layer (kept for its backward, max_reuse_distance) without its persistent
+    parameters, without checkpointing the largest Linear; on top the prefetch bucket
+    (stage3_prefetch_bucket_size elements, bf16). Counted from transformers' layer and
+    peft's LoRA shapes (rank 8 on q_proj and v_proj)."""
+    sizes = _hf_auto(64)
+    threshold = sizes["stage3_param_persistence_threshold"]
+    layer = _tiny_layer()
+    rank = 8
+    tensors = {}
+    for name, m in layer.named_modules():
+        if type(m).__name__ == "Linear":
+            shapes = [tuple(m.weight.shape)]
+            if name.split(".")[-1] in ("q_proj", "v_proj"):
+                shapes += [(rank, m.in_features), (m.out_features, rank)]
+            tensors[name] = [a * b for a, b in shapes]
+    sharded = {k: [n for n in v if n >= threshold] for k, v in tensors.items()}
+    unit = 2 * sum(map(sum, sharded.values()))
+    largest = 2 * max(map(sum, sharded.values()))
+    prefetch = 2 * sizes["stage3_prefetch_bucket_size"]
+    for checkpointing, live in ((True, unit), (False, largest)):
+        want = live + min(prefetch, unit)
+        events = _step_events(
+            zero=3, deepspeed_sizes="hf-auto", checkpointing=checkpointing, **DS
+        )
+        idle = [
+            e[2]
+            for e in events
+            if e[0] == "alloc" and e[3] == "weights" and e[4] == "idle"
+        ]
+        assert idle[-1] == want, (checkpointing, idle[-1], want)
+
+
+def test_deepspeed_options_are_checked():
+    from trainmem.config import OptionError, StepConfig
+    from trainmem.estimate import estimate
+
+    for bad, option in (
+        (dict(zero=1, zero_impl="deepspeed"), "zero_impl"),
+        (dict(zero=0, zero_impl="deepspeed"), "zero_impl"),
+        (dict(zero=3, zero_impl="deepspeed", framework="litgpt"), "zero_impl"),
+        (dict(zero=3, deepspeed_sizes="hf-auto"), "deepspeed_sizes"),
+        (dict(zero=3, zero_impl="megatron"), "zero_impl"),
+        (dict(zero=3, zero_impl="deepspeed", deepspeed_sizes="big"), "deepspeed_sizes"),
+    ):
+        with pytest.raises(OptionError) as e:
+            StepConfig(**bad)
+        assert e.value.option == option, bad
+    with pytest.raises(OptionError) as e:
+        estimate("gpt2", zero=3, gpus=2, zero_impl="deepspeed")
+    assert e.value.option == "zero_impl"

@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Hugging Face user has: the model's config.json, the "
         "TrainingArguments (as JSON: optim, bf16/fp16, "
         "gradient_checkpointing, per_device_train_batch_size, "
-        "gradient_accumulation_steps, max_length) and the peft "
+        "gradient_accumulation_steps, max_length, deepspeed or fsdp) and the peft "
         "adapter_config.json (LoRA; a 4-bit quantization_config in "
         "config.json makes it QLoRA).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -279,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the user's library versions, e.g. transformers=4.48.1,peft=0.13.2,"
         "bitsandbytes=0.43.3,torch=2.4.1 (any subset; default: the pinned ones)",
     )
+    ph.add_argument(
+        "--gpus",
+        type=_positive("gpus"),
+        default=1,
+        help="data-parallel GPUs the launcher starts (the sharding itself comes from "
+        "the arguments' deepspeed or fsdp field); default 1",
+    )
     _add_gpu_option(ph, required=False)
     ph.add_argument(
         "--json",
@@ -307,6 +314,7 @@ def _run_hf(args):
         seq=args.seq,
         versions=args.versions,
         gpu=args.gpu,
+        gpus=args.gpus,
     )
 
 

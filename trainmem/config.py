@@ -19,6 +19,7 @@ import inspect
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .deepspeed import SIZES as DEEPSPEED_SIZES
 from .dtypes import FLOAT_DTYPES
 from .errors import OptionError as OptionError
 from .errors import check_choice as check_choice
@@ -47,6 +48,8 @@ ATTN_IMPLS = ("sdpa", "eager", "flash", "math")
 OPTIMIZER_IMPLS = IMPLS
 LORA_DTYPES = (None, *FLOAT_DTYPES)
 ZERO_STAGES = (0, 1, 2, 3)
+#: who shards the model at ``zero`` >= 2 (torch FSDP, or DeepSpeed ZeRO)
+ZERO_IMPLS = ("fsdp", "deepspeed")
 USE_CACHE = (None, "on", "off")
 KBIT_PREPARE = ("peft", "none")
 KERNELS = ("cuda", "cpu")
@@ -164,6 +167,25 @@ class StepConfig:
     gpus: int = _option(
         1, "data-parallel GPUs (≥ 1)", kind="positive", estimate_only=True
     )
+    zero_impl: str = _option(
+        "fsdp",
+        "who shards at --zero 2/3: fsdp (torch FSDP: a decoder layer per unit, the "
+        "next one prefetched, the root unit kept gathered through backward) or "
+        "deepspeed (DeepSpeed ZeRO: a gradient bucket of reduce_bucket_size "
+        "elements, each module's parameters gathered as it runs plus a prefetch "
+        "bucket, small parameters never partitioned)",
+        choices=ZERO_IMPLS,
+        estimate_only=True,
+    )
+    deepspeed_sizes: str = _option(
+        "defaults",
+        "with --zero-impl deepspeed: the bucket sizes — defaults (DeepSpeed's own, "
+        "what a config without them gets, as accelerate builds it from its yaml: "
+        "reduce 5e8, prefetch 5e7, persistence 1e5 elements) or hf-auto (the "
+        "Trainer's 'auto': hidden², 0.9·hidden², 10·hidden)",
+        choices=DEEPSPEED_SIZES,
+        estimate_only=True,
+    )
     checkpointing_mode: str = _option(
         "non-reentrant",
         "with --checkpointing: torch.utils.checkpoint's form — non-reentrant (what "
@@ -253,10 +275,30 @@ class StepConfig:
         check_positive_int("grad_accum", self.grad_accum)
         check_positive_int("gpus", self.gpus)
         check_choice("zero", self.zero, ZERO_STAGES)
+        check_choice("zero_impl", self.zero_impl, ZERO_IMPLS)
+        check_choice("deepspeed_sizes", self.deepspeed_sizes, DEEPSPEED_SIZES)
         check_choice("use_cache", self.use_cache, USE_CACHE)
         check_choice("kbit_prepare", self.kbit_prepare, KBIT_PREPARE)
         check_choice("kernels", self.kernels, KERNELS)
         check_choice("framework", self.framework, FRAMEWORKS)
+        if self.zero_impl == "deepspeed" and self.zero not in (2, 3):
+            raise OptionError(
+                "zero_impl",
+                f"zero_impl 'deepspeed' is modelled for ZeRO stages 2 and 3, got zero="
+                f"{self.zero} (stage 1 with bf16 runs DeepSpeed's BF16_Optimizer, "
+                "whose whole-model fp32 gradient buffers are not modelled)",
+            )
+        if self.zero_impl == "deepspeed" and self.framework != "hf":
+            raise OptionError(
+                "zero_impl",
+                "zero_impl 'deepspeed' is modelled for the hf framework (LitGPT "
+                "shards with FSDP through Fabric)",
+            )
+        if self.deepspeed_sizes != "defaults" and self.zero_impl != "deepspeed":
+            raise OptionError(
+                "deepspeed_sizes",
+                "deepspeed_sizes applies to zero_impl 'deepspeed' only",
+            )
         if self.previous_seq is not None:
             p = self.previous_seq
             if isinstance(p, bool) or not isinstance(p, int) or p < 0:
@@ -325,6 +367,12 @@ class StepConfig:
     def check_model(self, shape: Shape) -> None:
         """Check the LoRA targets and rank against the Linear layers of ``shape``
         (and that the framework models the model's family)."""
+        if self.zero_impl == "deepspeed" and shape.family.replay != "llama":
+            raise OptionError(
+                "zero_impl",
+                "zero_impl 'deepspeed' is modelled for the replayed Llama-family "
+                f"decoders, got {shape.arch}",
+            )
         if self.framework == "litgpt" and shape.family.replay != "llama":
             raise OptionError(
                 "framework",

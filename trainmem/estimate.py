@@ -56,7 +56,15 @@ grad_accum, optimizer_impl)``:
   gathered, unsharded layer in flight, and on N > 1 the prefetched next one and the
   root unit — embeddings, final norm, ``lm_head`` —, which FSDP keeps gathered from the
   forward to the end of backward; from stage 2 on N > 1 one unit's unsharded gradient
-  waits for its reduce-scatter during backward).  The AdamW
+  waits for its reduce-scatter during backward). That is FSDP (``zero_impl="fsdp"``);
+  ``zero_impl="deepspeed"`` (stages 2 and 3) models DeepSpeed ZeRO instead
+  (:mod:`trainmem.deepspeed`): its gradient bucket of ``reduce_bucket_size``
+  elements (kept from the optimizer's creation at stage 3, for each backward at stage
+  2), parameters gathered module by module (a checkpointed layer through its backward,
+  plus the prefetch bucket; the embeddings for their forward, ``lm_head`` from its
+  forward to its backward: no root unit) and parameters under the persistence
+  threshold never partitioned; ``deepspeed_sizes`` picks DeepSpeed's defaults or the
+  Trainer's ``"auto"`` values.  The AdamW
   ``foreach`` scratch (``temporaries`` at the optimizer step) covers the local shard
   only.  This part is a model, not measured here.  Which parameter layout applies:
 
@@ -501,6 +509,8 @@ def _options_record(shape: Shape, step: StepConfig) -> dict[str, Any]:
         attn=step.attn_memory,
         zero=step.zero,
         gpus=step.gpus,
+        zero_impl=step.zero_impl,
+        deepspeed_sizes=step.deepspeed_sizes,
         grad_accum=step.grad_accum,
         optimizer_impl=step.optimizer_impl,
         checkpointing_mode=step.checkpointing_mode,

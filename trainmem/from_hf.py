@@ -70,8 +70,10 @@ def hf_options(
     ``activation_checkpointing`` (transformers 5's name) with
     ``gradient_checkpointing_kwargs``' ``use_reentrant`` (left out: the default of the
     transformers in ``versions``, :func:`trainmem.versions.hf_checkpointing_reentrant`),
-    ``per_device_train_batch_size``, ``gradient_accumulation_steps`` and, for
-    ``SFTConfig``, ``max_length`` (``max_seq_length`` in older trl). ``peft_config``: a
+    ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``deepspeed``
+    or ``fsdp`` (ZeRO stage and who shards, :func:`_sharding_options`; the number of
+    GPUs is an override) and, for ``SFTConfig``, ``max_length`` (``max_seq_length`` in
+    older trl). ``peft_config``: a
     ``peft.LoraConfig`` or its ``adapter_config.json`` dict (``r``, ``lora_alpha``,
     ``target_modules``; ``"all-linear"`` allowed), ``None`` for full fine-tuning. A
     4-bit ``quantization_config`` (``BitsAndBytesConfig(load_in_4bit=True, ...)``, or
@@ -169,7 +171,108 @@ def _training_options(
     )
     if checkpointing:
         opts["checkpointing_mode"] = "reentrant" if reentrant else "non-reentrant"
+    opts.update(_sharding_options(training_args))
     return opts
+
+
+_DS_SIZE_KEYS = {
+    2: ("reduce_bucket_size",),
+    3: (
+        "reduce_bucket_size",
+        "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold",
+    ),
+}
+
+
+def _sharding_options(training_args: Any) -> dict[str, Any]:
+    """``zero``, ``zero_impl`` and ``deepspeed_sizes`` from TrainingArguments'
+    ``deepspeed`` (a DeepSpeed config: its dict, or the path of its JSON file) or
+    ``fsdp``; neither: no sharding. ``fsdp`` is transformers 4's words
+    (``"full_shard auto_wrap"``, a list of them) or transformers 5's ``True`` with
+    ``fsdp_config["reshard_after_forward"]`` (FSDP2: ``True`` = full shard, ``False`` =
+    shard_grad_op; FSDP1: the strategy's name). The number of GPUs is the
+    launcher's, not an argument's (``estimate_from_hf(..., gpus=N)``, ``trainmem hf
+    --gpus N``)."""
+    ds = hf_field(training_args, "deepspeed", None)
+    fsdp = hf_field(training_args, "fsdp", None)
+    if ds and fsdp:
+        raise OptionError(
+            "training_args", "deepspeed and fsdp cannot both be set in the arguments"
+        )
+    if ds:
+        return _deepspeed_options(ds)
+    if not fsdp:
+        return {}
+    config = hf_field(training_args, "fsdp_config", None) or {}
+    if isinstance(fsdp, bool):
+        words = [str(config.get("reshard_after_forward", True)).lower()]
+    else:
+        words = fsdp.split() if isinstance(fsdp, str) else list(fsdp)
+        words = [str(getattr(w, "value", w)).lower() for w in words]  # FSDPOption
+    offload = str(config.get("offload_params", config.get("cpu_offload", False)))
+    if "offload" in words or offload.lower() == "true":
+        raise OptionError(
+            "training_args", "fsdp offload (parameters on the CPU) is not modelled"
+        )
+    if "no_shard" in words:
+        return {}
+    # accelerate's FSDP default is FULL_SHARD; FSDP2's reshard_after_forward=False is
+    # SHARD_GRAD_OP
+    stage = 2 if ("shard_grad_op" in words or "false" in words) else 3
+    return {"zero": stage, "zero_impl": "fsdp"}
+
+
+def _deepspeed_options(ds: Any) -> dict[str, Any]:
+    """The options a DeepSpeed config fixes (see :func:`_sharding_options`)."""
+    if isinstance(ds, str):
+        from .errors import read_json_object
+
+        ds = read_json_object(ds, "training_args")
+    zero = hf_field(ds, "zero_optimization", None) or {}
+    stage = zero.get("stage", 0)
+    if stage not in (2, 3):
+        raise OptionError(
+            "training_args",
+            f"deepspeed zero_optimization.stage {stage!r} is not modelled (stages 2 "
+            "and 3 are)",
+        )
+    for offload in ("offload_optimizer", "offload_param"):
+        device = (zero.get(offload) or {}).get("device", "none")
+        if device not in (None, "none"):
+            raise OptionError(
+                "training_args",
+                f"deepspeed zero_optimization.{offload}.device {device!r}: offloading "
+                "is not modelled",
+            )
+    given = {k: zero[k] for k in _DS_SIZE_KEYS[stage] if k in zero}
+    from .deepspeed import DEFAULTS
+
+    defaults = {
+        "reduce_bucket_size": DEFAULTS.reduce_bucket,
+        "stage3_prefetch_bucket_size": DEFAULTS.prefetch_bucket,
+        "stage3_param_persistence_threshold": DEFAULTS.persistence_threshold,
+    }
+    if given and all(v == "auto" for v in given.values()):
+        if len(given) != len(_DS_SIZE_KEYS[stage]):
+            missing = sorted(set(_DS_SIZE_KEYS[stage]) - set(given))
+            raise OptionError(
+                "training_args",
+                f"deepspeed zero_optimization sets some sizes to 'auto' and leaves "
+                f"out {', '.join(missing)}: a mix is not modelled",
+            )
+        sizes = "hf-auto"
+    else:
+        for key, value in given.items():
+            if value != defaults[key]:
+                raise OptionError(
+                    "training_args",
+                    f"deepspeed zero_optimization.{key} = {value!r}: the sizes "
+                    "modelled are 'auto' (the Trainer's) or DeepSpeed's defaults "
+                    f"({key} {defaults[key]:,} when left out)",
+                )
+        sizes = "defaults"
+    return {"zero": stage, "zero_impl": "deepspeed", "deepspeed_sizes": sizes}
 
 
 def _lora_options(peft_config: Any) -> dict[str, Any]:

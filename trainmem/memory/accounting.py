@@ -46,6 +46,11 @@ class Simulator:
         self.marks: dict[str, dict] = {}
         self.grad_scale = 1.0  # ZeRO >= 2: the fraction of each gradient kept locally
         self.reduce_scatter_bytes = 0  # ZeRO >= 2 on N > 1: one unsharded unit grad
+        # DeepSpeed ZeRO-2: its gradient bucket, allocated for each backward
+        self.backward_bucket_bytes = 0
+        # DeepSpeed ZeRO-3: bytes each root module (embeddings, lm_head) gathers to
+        # when it runs, by the parameter's id
+        self.gathered_modules: dict[int, int] = {}
         self.param_cast_scale = (
             1.0  # ZeRO-3: the fraction of each weight autocast casts
         )

@@ -239,11 +239,23 @@ def decoder_layer(
     return add(sim, residual, x)
 
 
+def gathered(sim: Simulator, p: SimTensor) -> SimTensor:
+    """``p`` as its module uses it: under DeepSpeed ZeRO-3 (``sim.gathered_modules``)
+    a gathered copy that lives as long as the ops keep it (the embedding's forward
+    keeps nothing; lm_head's keeps it for its backward), else ``p`` itself."""
+    nbytes = sim.gathered_modules.get(id(p))
+    if nbytes is None:
+        return p
+    g = SimTensor(sim.alloc(nbytes, "weights"), p.shape, p.dtype, p.requires_grad)
+    g.grad_accumulator = p.grad_accumulator
+    return g
+
+
 def llama_loss(
     sim: Simulator, model: Model, ids: SimTensor, labels: SimTensor, cfg: dict
 ) -> SimTensor:
     b, s = ids.shape
-    h = embedding(sim, ids, model.embed)
+    h = embedding(sim, ids, gathered(sim, model.embed))
     if cfg["checkpointing"] and not h.requires_grad:
         # transformers' gradient_checkpointing_enable() calls
         # enable_input_require_grads(): the (frozen) embedding output is made a leaf
@@ -291,7 +303,7 @@ def llama_loss(
         del pos
     h = rmsnorm(sim, h, model.norm)
     del mask  # LlamaModel.forward returns here
-    logits = linear(sim, h, model.lm_head)
+    logits = linear(sim, h, gathered(sim, model.lm_head))
     # (h, the model output's last_hidden_state, lives until the causal-LM forward
     # returns) ForCausalLMLoss: logits.float(); pad+shift labels; cross_entropy =
     # log_softmax + nll_loss

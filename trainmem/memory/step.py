@@ -11,6 +11,7 @@ from .allocator import RepeatDetector, common_period
 from .autograd import backward
 from .llama import Model, build_params, llama_loss, trainable_params
 from .ops import mul_scalar
+from .. import deepspeed
 from ..dtypes import nf4_bytes_per_weight
 from ..versions import (
     bnb_saves_input,
@@ -201,12 +202,16 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
     """ZeRO partitioning over ``step.gpus``: the optimizer's fp32 master copies
     (DeepSpeed layout) and the master weights from stage 1, gradients from 2, weights
     from 3 (plus the all-gathered layers, and on N > 1 the all-gathered root unit).
-    Returns the master copies, the gathered layers' buffer, which lives until the
-    step ends, and the gathered root unit's buffer (``None`` when there is none),
-    which FSDP frees at the end of backward."""
+    Returns the master copies, what lives until the step ends (the gathered layers'
+    buffer and DeepSpeed ZeRO-3's gradient bucket, each ``None`` when there is none)
+    and the gathered root unit's buffer (``None`` when there is none), which FSDP
+    frees at the end of backward."""
     shard = 1.0 / step.gpus
     masters = []
     gathered_layer = gathered_root = None
+    ds_sizes = None
+    if step.zero_impl == "deepspeed":  # (the hf model; config.py rejects litgpt)
+        ds_sizes = deepspeed.sizes(step.deepspeed_sizes, model.norm.shape[0])
     if zero_dtype:
         masters = [new(sim, p.shape, "fp32", category="master_weights") for p in params]
         for master in masters:
@@ -215,7 +220,6 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
         for p in params:
             if p.buffer.category == "master_weights":
                 shrink(sim, p.buffer, shard)
-    units = 0
     if step.zero >= 3:
         # A 4-bit weight is two things: its packed data (4 bits a weight, the
         # parameter FSDP/DeepSpeed shard and all-gather) and its quant_state (the
@@ -235,7 +239,19 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
             not their shapes in the compute dtype."""
             return sum(t.buffer.nbytes - quant_state.get(id(t), 0) for t in tensors)
 
-        unit_bytes = gathered_bytes(model.layers[0].tensors())
+        persisted = set()
+        if step.zero_impl == "deepspeed":
+            # DeepSpeed never partitions a parameter of fewer elements than
+            # stage3_param_persistence_threshold (ds_persist): it stays whole on every
+            # rank and is not gathered (its optimizer partition is still 1/N)
+            threshold = ds_sizes.persistence_threshold
+            persisted = {
+                id(p)
+                for p in model.parameters()
+                if p.buffer.nbytes // ITEMSIZE[p.dtype] < threshold
+            }
+        unit = [t for t in model.layers[0].tensors() if id(t) not in persisted]
+        unit_bytes = gathered_bytes(unit)
         # every parameter is sharded, frozen ones too: FSDP flattens whatever a unit
         # holds (embeddings, norms and lm_head included) and DeepSpeed partitions
         # every parameter
@@ -244,23 +260,41 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
         # the root unit (what no decoder layer holds: the embeddings, the final norm,
         # lm_head) as it is all-gathered, measured before sharding
         root_bytes = gathered_bytes(t for t in root if t.buffer.category == "weights")
+        if step.zero_impl == "deepspeed":
+            live = _deepspeed_gathered(
+                model, step, unit_bytes, gathered_bytes, persisted, ds_sizes
+            )
+            # what DeepSpeed gathers of the embeddings and lm_head, one module at a
+            # time: the embeddings and lm_head are gathered when their module runs and
+            # released after it unless reused soon (max_reuse_distance): the
+            # embedding for its forward, lm_head from its forward to its backward
+            # (llama_loss gathers them)
+            sim.gathered_modules = {
+                id(p): gathered_bytes([p])
+                for p in (model.embed, model.lm_head)
+                if id(p) not in persisted
+            }
         for p in model.parameters():
-            if p.buffer.category == "weights":
+            if p.buffer.category == "weights" and id(p) not in persisted:
                 kept = quant_state.get(id(p), 0)
                 packed = p.buffer.nbytes - kept
                 resize(sim, p.buffer, math.ceil(packed * shard) + kept)
-        # the unit being computed is all-gathered, and on more than one GPU so is the
-        # next one: FSDP issues the next unit's all-gather while this one computes
-        # (forward: torch/distributed/fsdp/_runtime_utils.py _pre_forward_unshard and
-        # the rate limiter of _limit_all_gathers, which lets two all-gathers be in
-        # flight; backward: the default BackwardPrefetch.BACKWARD_PRE prefetches the
-        # previous unit before this one's gradient is computed; FSDP2's all-gather
-        # stream overlaps the same way, fully_shard in
-        # torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py; torch 2.4-2.13).
-        # With one GPU FSDP runs NO_SHARD: no gathered copy beyond the one unit.
-        units = 2 if step.gpus > 1 else 1
-        gathered_layer = sim.alloc(units * unit_bytes, "weights")
-        if step.gpus > 1 and root_bytes:
+        if step.zero_impl == "deepspeed":
+            gathered_layer = sim.alloc(live, "weights")
+        else:
+            # the unit being computed is all-gathered, and on more than one GPU so is
+            # the next one: FSDP issues the next unit's all-gather while this one
+            # computes (forward: torch/distributed/fsdp/_runtime_utils.py
+            # _pre_forward_unshard and the rate limiter of _limit_all_gathers, which
+            # lets two all-gathers be in flight; backward: the default
+            # BackwardPrefetch.BACKWARD_PRE prefetches the previous unit before this
+            # one's gradient is computed; FSDP2's all-gather stream overlaps the same
+            # way, fully_shard in torch/distributed/fsdp/_fully_shard/
+            # _fsdp_param_group.py; torch 2.4-2.13). With one GPU FSDP runs
+            # NO_SHARD: no gathered copy beyond the one unit.
+            units = 2 if step.gpus > 1 else 1
+            gathered_layer = sim.alloc(units * unit_bytes, "weights")
+        if step.zero_impl == "fsdp" and step.gpus > 1 and root_bytes:
             # The root unit is not resharded after the forward: FSDP keeps the
             # root's parameters all-gathered "with the intention that they are
             # immediately used for backward computation" (FSDP1:
@@ -277,7 +311,19 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
         sim.param_cast_scale = shard
     sim.grad_scale = shard if step.zero >= 2 else 1.0
     sim.reduce_scatter_bytes = 0
-    if step.zero >= 2 and step.gpus > 1:
+    bucket = None
+    if step.zero_impl == "deepspeed":
+        # DeepSpeed's contiguous gradient bucket (trainmem.deepspeed), in the
+        # module's dtype (the trainable parameters'): ZeRO-3 allocates it with the
+        # optimizer and keeps it; ZeRO-2 allocates it when each backward starts and
+        # drops it after the reduction. Each gradient is copied into it by its hook,
+        # so no unit's unsharded gradient waits beside it.
+        nbytes = ds_sizes.reduce_bucket * ITEMSIZE[params[0].dtype] if params else 0
+        if step.zero >= 3:
+            bucket = sim.alloc(nbytes, "gradients")
+        else:
+            sim.backward_bucket_bytes = nbytes
+    elif step.zero >= 2 and step.gpus > 1:
         # before a unit's gradient is reduce-scattered it exists unsharded: FSDP's
         # _post_backward_hook (_runtime_utils.py) reduce-scatters flat_param.grad (the
         # whole unit, in the gradient dtype) into a 1/N shard (torch.empty_like of one
@@ -286,7 +332,27 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
         sim.reduce_scatter_bytes = sum(
             t.nbytes for t in model.layers[0].tensors() if t.requires_grad
         )
-    return masters, gathered_layer, gathered_root
+    return masters, (gathered_layer, bucket), gathered_root
+
+
+def _deepspeed_gathered(model, step, unit_bytes, gathered_bytes, persisted, sizes):
+    """What DeepSpeed ZeRO-3 holds gathered of the decoder layers at the backward's
+    peak. It gathers parameters module by module (a forward/backward pre-hook per
+    module, PartitionedParameterCoordinator.fetch_sub_module) and releases a module's
+    after it ran unless the trace uses them again within max_reuse_distance (1e9
+    elements): a checkpointed layer's recomputed forward keeps them for that layer's
+    backward, so the whole layer is gathered; without checkpointing the largest
+    Linear is. On top, the prefetch of the modules that follow, up to
+    stage3_prefetch_bucket_size elements (in the gathered tensors' element size)."""
+    if step.checkpointing:
+        live = unit_bytes
+    else:
+        live = max(
+            gathered_bytes(t for t in lin.tensors() if id(t) not in persisted)
+            for lin in model.layers[0].linears.values()
+        )
+    itemsize = ITEMSIZE[model.norm.dtype]
+    return live + min(sizes.prefetch_bucket * itemsize, unit_bytes)
 
 
 def _optimizer_states(sim: Simulator, params: list, step, state_dtype) -> list:
@@ -398,11 +464,13 @@ def _micro_batch(sim, model, step, autocast, batch, cfg, litgpt_logits) -> int:
     sim.mark("forward_end")
     activations_at_end = sim.marks["forward_end"]["activations"]
     sim.set_phase("backward")
-    unsharded_grad = None
+    unsharded_grad = bucket = None
     if sim.reduce_scatter_bytes:
         unsharded_grad = sim.alloc(sim.reduce_scatter_bytes, "temporaries")
+    if sim.backward_bucket_bytes:
+        bucket = sim.alloc(sim.backward_bucket_bytes, "gradients")
     backward(sim, loss)
-    del loss, unsharded_grad
+    del loss, unsharded_grad, bucket
     return activations_at_end
 
 
@@ -558,9 +626,7 @@ def simulate_step(
     # only.
     zero_dtype = _HALF.get(step.precision) if step.zero >= 1 else None
     model, params = _build_model(sim, shape, step, zero_dtype)
-    masters, gathered_layer, gathered_root = _shard_for_zero(
-        sim, model, params, step, zero_dtype
-    )
+    masters, held, gathered_root = _shard_for_zero(sim, model, params, step, zero_dtype)
     # fp32 states, like the master weights, under the ZeRO layout
     state_dtype = "fp32" if zero_dtype else None
     states = _optimizer_states(sim, params, step, state_dtype)
@@ -581,7 +647,7 @@ def simulate_step(
     if rule is not None:
         part = 1.0 / step.gpus if step.zero >= 1 else 1.0
         SCRATCH_RULES[rule](sim, params, state_dtype, part)
-    del masters, gathered_layer
+    del masters, held
     if step.framework == "litgpt" and step.zero == 0:
         _litgpt_eval(sim, model, step, (ids, labels), cfg)
     cfg.pop("held", None)

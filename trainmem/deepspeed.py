@@ -1,0 +1,68 @@
+"""DeepSpeed ZeRO as the replay models it (``zero_impl="deepspeed"``): the sizes that
+set its memory, and where each comes from.
+
+Three numbers of a DeepSpeed config decide what ZeRO-2/3 holds beyond the model states
+(all counted in elements, not bytes):
+
+* ``reduce_bucket_size``: gradients are copied into one contiguous bucket of this many
+  elements in the module's dtype before they are reduced (``contiguous_gradients``,
+  on by default). ZeRO-3 allocates it once when the optimizer is built
+  (``DeepSpeedZeroOptimizer_Stage3._setup_for_real_optimizer``:
+  ``self.__ipg_bucket_flat_buffer = torch.empty(self.reduce_bucket_size, dtype=
+  self.dtype, ...)``) and keeps it; ZeRO-1/2 allocate it at the start of every
+  backward (``DeepSpeedZeroOptimizer.backward``; a second one with ``overlap_comm``,
+  off by default below stage 3) and drop it after the reduction
+  (``_release_ipg_buffers``). ``deepspeed/runtime/zero/stage3.py`` and
+  ``stage_1_and_2.py``, the same from v0.10 to v0.16.
+* ``stage3_prefetch_bucket_size``: ZeRO-3 all-gathers the parameters of the modules
+  about to run, up to this many elements ahead of the one running
+  (``PartitionedParameterCoordinator.fetch_sub_module``).
+* ``stage3_param_persistence_threshold``: a parameter of fewer elements is never
+  partitioned (``ds_persist``): whole on every rank (norm weights, small LoRA matrices).
+
+A config that leaves them out gets DeepSpeed's defaults (``deepspeed/runtime/zero/
+config.py``: 5e8, 5e7, 1e5); that is what ``accelerate``'s DeepSpeed plugin writes when
+it builds the config from its yaml (``DeepSpeedPlugin.__post_init__`` names only the
+stage, the offload devices and ``stage3_gather_16bit_weights_on_model_save``).
+Hugging Face's example configs set them to ``"auto"``, which the Trainer fills from the
+model's hidden size h (``transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig.
+trainer_config_finalize``): h², int(0.9·h²) and 10·h.
+
+Standard library only (the in-page calculator runs it in Pyodide)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: the estimator's ``deepspeed_sizes`` choices
+SIZES = ("defaults", "hf-auto")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """DeepSpeed's bucket sizes and persistence threshold, in elements."""
+
+    reduce_bucket: int
+    prefetch_bucket: int
+    persistence_threshold: int
+
+
+#: DeepSpeed's own defaults (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig:
+#: reduce_bucket_size, stage3_prefetch_bucket_size, stage3_param_persistence_threshold)
+DEFAULTS = Sizes(
+    reduce_bucket=500_000_000, prefetch_bucket=50_000_000, persistence_threshold=100_000
+)
+
+
+def sizes(which: str, hidden: int) -> Sizes:
+    """The sizes a run gets: DeepSpeed's ``"defaults"``, or the Trainer's ``"auto"``
+    values for a model of hidden size ``hidden`` (``"hf-auto"``)."""
+    if which == "defaults":
+        return DEFAULTS
+    if which == "hf-auto":
+        return Sizes(
+            reduce_bucket=hidden * hidden,
+            prefetch_bucket=int(0.9 * hidden * hidden),
+            persistence_threshold=10 * hidden,
+        )
+    raise ValueError(f"deepspeed sizes must be one of {SIZES}, got {which!r}")
