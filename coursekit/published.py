@@ -142,7 +142,11 @@ def row_options(row: dict) -> dict:
         "optimizer": "adamw",
         "optimizer_impl": "foreach",  # torch.optim.AdamW(params) on CUDA
     }
-    if framework in ("litgpt", "torchtune") or c["precision"].startswith("bf16"):
+    if c["precision"].startswith("bf16-amp"):
+        # Trainer's bf16=True under FSDP/DeepSpeed: 16-bit compute copies, fp32 master
+        # weights (the estimator's ZeRO layout)
+        opts["precision"] = "bf16-amp"
+    elif framework in ("litgpt", "torchtune") or c["precision"].startswith("bf16"):
         # bf16-true / model loaded in bf16, no autocast: pure bf16 parameters
         opts["precision"] = "bf16"
     if c.get("global_batch"):
@@ -174,6 +178,10 @@ def row_options(row: dict) -> dict:
     if row.get("devices", 1) > 1 and (c["method"] == "full" or c.get("zero")):
         # FSDP full sharding
         opts["zero"], opts["gpus"] = c.get("zero") or 3, row["devices"]
+        if c.get("zero_impl"):
+            opts["zero_impl"] = c["zero_impl"]
+            if c.get("deepspeed_sizes"):
+                opts["deepspeed_sizes"] = c["deepspeed_sizes"]
     if framework == "litgpt":  # the frameworks the estimator models: hf, litgpt
         opts["framework"] = framework
         if c.get("optimizer", "").startswith("bnb.optim.PagedAdamW"):
@@ -370,7 +378,9 @@ def report(rows: list[dict], results: list[dict]) -> str:
 
 NOTES = """\
 Every row is estimated with the options its source states (`row_options`): pure bf16
-(`bf16-true`, or a model loaded in bf16 without autocast), LoRA rank/alpha/dropout/
+(`bf16-true`, or a model loaded in bf16 without autocast; the two peft pages' Trainer
+`bf16=True` under FSDP/DeepSpeed is `bf16-amp`, whose ZeRO layout keeps fp32 master
+copies of the adapters and computes with 16-bit ones), LoRA rank/alpha/dropout/
 targets, NF4 with or without double quantization, torch AdamW (foreach), no
 checkpointing, SDPA, FSDP full sharding over the stated GPUs (`zero=3`: of a 4-bit
 weight only the packed data is sharded and all-gathered; its absmax constants stay
@@ -440,9 +450,17 @@ still miss:
   with earlier library versions (see "Same configuration, other versions"): the
   published LoRA figures barely move, while full fine-tuning's grows with the torch
   version and the estimate's does not; what changed there is not identified.
-- peft FSDP-QLoRA page: the versions are the first releases meeting the page's
-  minimums, and the GPU model is not named; the figure is compared with `device_bytes`
-  (reserved + CUDA context + NCCL's ring buffers at the fewest channels NCCL builds).
+- peft FSDP-QLoRA and DeepSpeed-QLoRA pages: the versions are the first releases
+  meeting the pages' minimums, and the FSDP page does not name its GPU; the figures
+  are compared with `device_bytes` (reserved + CUDA context + NCCL's ring buffers at
+  the fewest channels NCCL builds). The DeepSpeed row runs `zero_impl="deepspeed"`
+  (`trainmem.deepspeed`): the gradient bucket of `reduce_bucket_size` elements that
+  ZeRO-3 allocates with its optimizer and keeps (at DeepSpeed's default size:
+  accelerate builds the config from its yaml without sizes), parameters gathered
+  module by module (a checkpointed layer's through its backward, plus the prefetch
+  bucket; embeddings for their forward, `lm_head` from its forward to its backward)
+  instead of FSDP's units and root, and parameters under
+  `stage3_param_persistence_threshold` whole.
   More channels on an NVLink topology, the kernels loaded during the step and FSDP's
   flat-parameter padding are not in `device_bytes`.
 
