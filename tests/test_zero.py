@@ -362,7 +362,10 @@ def test_deepspeed_gathers_the_embeddings_and_lm_head_module_by_module():
     gathered = [
         i
         for i, e in enumerate(events)
-        if e[0] == "alloc" and e[3] == "weights" and e[4] == "forward"
+        if e[0] == "alloc"
+        and e[3] == "weights"
+        and e[4] == "forward"
+        and e[2] in (embed, head)
     ]
     assert [events[i][2] for i in gathered] == [embed, head]
     ends = [events.index(("free", events[i][1])) for i in gathered]
@@ -406,9 +409,11 @@ def test_deepspeed_keeps_small_parameters_whole():
 def test_deepspeed_gathers_one_layer_plus_the_prefetch_bucket():
     """What ZeRO-3 holds gathered of the decoder layers: with checkpointing the
     recomputed layer (kept for its backward, max_reuse_distance) without its persistent
-    parameters, without checkpointing the largest Linear; on top the prefetch bucket
-    (stage3_prefetch_bucket_size elements, bf16). Counted from transformers' layer and
-    peft's LoRA shapes (rank 8 on q_proj and v_proj)."""
+    parameters, without checkpointing the largest Linear; on top the prefetch: the
+    next layer's parameters in module order while fewer than
+    stage3_prefetch_bucket_size elements are in flight (the one crossing the bound
+    whole; bf16). Counted from transformers' layer and peft's LoRA shapes (rank 8 on
+    q_proj and v_proj)."""
     sizes = _hf_auto(64)
     threshold = sizes["stage3_param_persistence_threshold"]
     layer = _tiny_layer()
@@ -423,9 +428,14 @@ def test_deepspeed_gathers_one_layer_plus_the_prefetch_bucket():
     sharded = {k: [n for n in v if n >= threshold] for k, v in tensors.items()}
     unit = 2 * sum(map(sum, sharded.values()))
     largest = 2 * max(map(sum, sharded.values()))
-    prefetch = 2 * sizes["stage3_prefetch_bucket_size"]
+    prefetch = 0
+    for n in (n for v in sharded.values() for n in v):
+        if prefetch // 2 >= sizes["stage3_prefetch_bucket_size"]:
+            break
+        prefetch += 2 * n
+    assert 0 < prefetch <= unit
     for checkpointing, live in ((True, unit), (False, largest)):
-        want = live + min(prefetch, unit)
+        want = live + prefetch
         events = _step_events(
             zero=3, deepspeed_sizes="hf-auto", checkpointing=checkpointing, **DS
         )
@@ -455,3 +465,83 @@ def test_deepspeed_options_are_checked():
     with pytest.raises(OptionError) as e:
         estimate("gpt2", zero=3, gpus=2, zero_impl="deepspeed")
     assert e.value.option == "zero_impl"
+
+
+def test_deepspeed_reuse_distance_rule():
+    """``__params_to_release``: after the use at position k the trace is read from
+    k + 1, each module's elements added; the module is kept if it comes again while
+    the sum read so far is under max_reuse_distance."""
+    from trainmem import deepspeed
+
+    trace = [("a", 10), ("b", 5), ("a", 10), ("c", 1), ("b", 5)]
+
+    def kept(limit):
+        return deepspeed.kept(trace, deepspeed.Sizes(0, 0, 0, limit))
+
+    assert kept(5) == set()  # a: 5 elements between its uses, not under 5
+    assert kept(6) == {0}  # a kept; b: 10 + 1 between
+    assert kept(12) == {0, 1}
+    assert kept(10**9) == {0, 1}  # a last use is never kept (nothing reuses it)
+
+
+def test_deepspeed_keeps_layers_within_the_reuse_distance():
+    """A model of fewer elements than max_reuse_distance keeps every layer gathered
+    from its forward to its backward: for the tiny preset, every decoder-layer
+    parameter that is partitioned (its whole, bf16), less what is already counted as
+    the module being computed, is held from the end of the forward (before the final
+    norm) until the backward has ended. A 70B model keeps none beyond the layer being
+    computed (its last layer is the one recomputed first)."""
+    from trainmem.config import StepConfig
+    from trainmem.estimate import model_shape
+    from trainmem.memory import step as st
+
+    sizes = _hf_auto(64)
+    threshold = sizes["stage3_param_persistence_threshold"]
+    rank = 8
+    layer_bytes = 0
+    for name, m in _tiny_layer().named_modules():
+        if type(m).__name__ == "Linear":
+            shapes = [tuple(m.weight.shape)]
+            if name.split(".")[-1] in ("q_proj", "v_proj"):
+                shapes += [(rank, m.in_features), (m.out_features, rank)]
+            layer_bytes += sum(2 * a * b for a, b in shapes if a * b >= threshold)
+    events = _step_events(zero=3, deepspeed_sizes="hf-auto", checkpointing=True, **DS)
+    idle = [
+        e[2] for e in events if e[0] == "alloc" and e[3] == "weights" and e[4] == "idle"
+    ]
+    live = idle[-1]  # the gathered layer + prefetch (tested above)
+    want = 2 * layer_bytes - live  # the tiny preset's two layers
+    allocs, phases = _alloc_index(events)
+    found = [
+        i
+        for i, e in enumerate(events)
+        if e[0] == "alloc" and e[3] == "weights" and e[4] == "forward" and e[2] == want
+    ]
+    assert len(found) == 1, want
+    end = events.index(("free", events[found[0]][1]))
+    last_backward = allocs[len(phases) - 1 - phases[::-1].index("backward")]
+    assert last_backward < end
+
+    seen = {}
+
+    def spy(*args):
+        seen["extra"] = original(*args)
+        return seen["extra"]
+
+    original, st._deepspeed_kept = st._deepspeed_kept, spy
+    try:
+        step = StepConfig(
+            method="qlora",
+            precision="bf16-amp",
+            batch=1,
+            seq=8,
+            checkpointing=True,
+            zero=3,
+            gpus=2,
+            zero_impl="deepspeed",
+            kbit_prepare="none",
+        )
+        st.simulate_step(model_shape("llama2-70b"), step)
+    finally:
+        st._deepspeed_kept = original
+    assert seen["extra"] == 0

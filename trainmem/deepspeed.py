@@ -20,6 +20,11 @@ Three numbers of a DeepSpeed config decide what ZeRO-2/3 holds beyond the model 
 * ``stage3_param_persistence_threshold``: a parameter of fewer elements is never
   partitioned (``ds_persist``): whole on every rank (norm weights, small LoRA matrices).
 
+And one that HF's example configs write out and accelerate's leaves to the default:
+``stage3_max_reuse_distance`` (1e9): a module's parameters are not released after it
+ran if the trace of one step uses them again within that many elements
+(``PartitionedParameterCoordinator.__params_to_release``), see :func:`kept`.
+
 A config that leaves them out gets DeepSpeed's defaults (``deepspeed/runtime/zero/
 config.py``: 5e8, 5e7, 1e5); that is what ``accelerate``'s DeepSpeed plugin writes when
 it builds the config from its yaml (``DeepSpeedPlugin.__post_init__`` names only the
@@ -40,11 +45,13 @@ SIZES = ("defaults", "hf-auto")
 
 @dataclass(frozen=True)
 class Sizes:
-    """DeepSpeed's bucket sizes and persistence threshold, in elements."""
+    """DeepSpeed's bucket sizes, persistence threshold and reuse distance, in
+    elements."""
 
     reduce_bucket: int
     prefetch_bucket: int
     persistence_threshold: int
+    max_reuse_distance: int = 1_000_000_000
 
 
 #: DeepSpeed's own defaults (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig:
@@ -66,3 +73,30 @@ def sizes(which: str, hidden: int) -> Sizes:
             persistence_threshold=10 * hidden,
         )
     raise ValueError(f"deepspeed sizes must be one of {SIZES}, got {which!r}")
+
+
+def kept(trace: list[tuple[object, int]], sizes: Sizes) -> set[int]:
+    """Positions of ``trace`` whose module is not released after it ran.
+
+    ``trace``: one step's module uses in order (``(module, elements)``: a module as it
+    fetches its parameters, and the elements of all its parameters, persistent ones
+    included). After the use at position k, DeepSpeed walks the trace from k + 1,
+    adding each module's elements, and keeps the module's parameters if it meets the
+    module again before the sum reaches ``max_reuse_distance``
+    (``__params_to_release``: the sum is checked before each module is read)."""
+    nxt: dict[int, int] = {}
+    last: dict[object, int] = {}
+    for i in range(len(trace) - 1, -1, -1):
+        module = trace[i][0]
+        if module in last:
+            nxt[i] = last[module]
+        last[module] = i
+    prefix = [0]
+    for _, n in trace:
+        prefix.append(prefix[-1] + n)
+    return {
+        k
+        for k, j in nxt.items()
+        # the elements of the modules between the two uses
+        if prefix[j] - prefix[k + 1] < sizes.max_reuse_distance
+    }

@@ -51,6 +51,9 @@ class Simulator:
         # DeepSpeed ZeRO-3: bytes each root module (embeddings, lm_head) gathers to
         # when it runs, by the parameter's id
         self.gathered_modules: dict[int, int] = {}
+        # DeepSpeed ZeRO-3: layers' parameters kept gathered from the forward into the
+        # backward (max_reuse_distance), beyond the module being computed
+        self.ds_kept_bytes = 0
         self.param_cast_scale = (
             1.0  # ZeRO-3: the fraction of each weight autocast casts
         )

@@ -301,6 +301,10 @@ def llama_loss(
     del cos, sin
     if cfg["checkpointing"]:
         del pos
+    if sim.ds_kept_bytes:
+        # DeepSpeed ZeRO-3: the layers whose parameters it keeps gathered from their
+        # forward until their backward (step._deepspeed_kept), held from here
+        cfg["ds_kept"] = sim.alloc(sim.ds_kept_bytes, "weights")
     h = rmsnorm(sim, h, model.norm)
     del mask  # LlamaModel.forward returns here
     logits = linear(sim, h, gathered(sim, model.lm_head))

@@ -264,6 +264,9 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
             live = _deepspeed_gathered(
                 model, step, unit_bytes, gathered_bytes, persisted, ds_sizes
             )
+            sim.ds_kept_bytes = _deepspeed_kept(
+                model, step, gathered_bytes, persisted, ds_sizes, live
+            )
             # what DeepSpeed gathers of the embeddings and lm_head, one module at a
             # time: the embeddings and lm_head are gathered when their module runs and
             # released after it unless reused soon (max_reuse_distance): the
@@ -335,15 +338,69 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
     return masters, (gathered_layer, bucket), gathered_root
 
 
+def _layer_modules(layer) -> list[tuple[str, list]]:
+    """A decoder layer's modules with parameters in the order its forward runs them
+    (each Linear's base weight and bias, then peft's lora_A and lora_B modules)."""
+    out = [("input_layernorm", [layer.input_layernorm])]
+    for name, lin in layer.linears.items():
+        if name == "gate_proj":
+            out.append(("post_attention_layernorm", [layer.post_attention_layernorm]))
+        out.append((name, [t for t in (lin.w, lin.b) if t is not None]))
+        out += [(f"{name}.lora_{ab}", [t]) for ab, t in (("A", lin.A), ("B", lin.B))]
+    return [(name, ts) for name, ts in out if all(t is not None for t in ts)]
+
+
+def _deepspeed_kept(model, step, gathered_bytes, persisted, sizes, live) -> int:
+    """Bytes of decoder-layer parameters DeepSpeed ZeRO-3 keeps gathered from their
+    forward into the backward, beyond ``live`` (what :func:`_deepspeed_gathered`
+    already holds for the module being computed): each module is kept after its
+    forward if the step's trace uses it again within ``max_reuse_distance`` elements
+    (:func:`trainmem.deepspeed.kept`). The trace: the embeddings, every layer's
+    modules, the final norm and lm_head; then the backward: lm_head, and per layer
+    from the last (its checkpointed forward recomputed first, under checkpointing)
+    its modules in reverse, and the embeddings' backward hook. With a 70B model only
+    the last layer is kept (it is the one computed first); models of fewer elements
+    keep more layers, those under the distance all of them."""
+
+    def elements(tensors) -> int:
+        return sum(gathered_bytes([t]) // ITEMSIZE[t.dtype] for t in tensors)
+
+    forward, backward = [], []
+    layers = [_layer_modules(layer) for layer in model.layers]
+    for i, modules in enumerate(layers):
+        forward += [((i, name), ts) for name, ts in modules]
+    head = [("lm_head", [model.lm_head])]
+    for i in reversed(range(len(layers))):
+        if step.checkpointing:
+            backward += [((i, name), ts) for name, ts in layers[i]]
+        backward += [((i, name), ts) for name, ts in reversed(layers[i])]
+    embed = [("embed", [model.embed])]
+    trace = embed + forward + [("norm", [model.norm])] + head + head + backward
+    trace += embed
+    kept = deepspeed.kept([(key, elements(ts)) for key, ts in trace], sizes)
+    first = len(embed)
+    held = sum(
+        gathered_bytes(t for t in ts if id(t) not in persisted)
+        for k, (_, ts) in enumerate(forward, start=first)
+        if k in kept
+    )
+    return max(0, held - live)
+
+
 def _deepspeed_gathered(model, step, unit_bytes, gathered_bytes, persisted, sizes):
     """What DeepSpeed ZeRO-3 holds gathered of the decoder layers at the backward's
     peak. It gathers parameters module by module (a forward/backward pre-hook per
-    module, PartitionedParameterCoordinator.fetch_sub_module) and releases a module's
-    after it ran unless the trace uses them again within max_reuse_distance (1e9
-    elements): a checkpointed layer's recomputed forward keeps them for that layer's
-    backward, so the whole layer is gathered; without checkpointing the largest
-    Linear is. On top, the prefetch of the modules that follow, up to
-    stage3_prefetch_bucket_size elements (in the gathered tensors' element size)."""
+    module, ``PartitionedParameterCoordinator.fetch_sub_module``) and releases a
+    module's after it ran unless the trace uses them again within
+    ``max_reuse_distance`` (1e9 elements, ``__params_to_release``): a checkpointed
+    layer's recomputed forward keeps them for that layer's backward, so the whole
+    layer is gathered; without checkpointing the largest Linear is. (At the end of the
+    forward the last layer is kept for its recompute the same way; the one before it
+    is already beyond the distance, behind lm_head's forward and backward.) On top,
+    the prefetch: the next parameters of the trace, taken one by one while fewer than
+    ``stage3_prefetch_bucket_size`` elements are in flight, so the one that crosses
+    the bound is fetched whole — counted here over the next layer's parameters in
+    module order, in the elements they are stored in."""
     if step.checkpointing:
         live = unit_bytes
     else:
@@ -352,7 +409,16 @@ def _deepspeed_gathered(model, step, unit_bytes, gathered_bytes, persisted, size
             for lin in model.layers[0].linears.values()
         )
     itemsize = ITEMSIZE[model.norm.dtype]
-    return live + min(sizes.prefetch_bucket * itemsize, unit_bytes)
+    prefetched = elements = 0
+    for t in model.layers[0].tensors():
+        if id(t) in persisted:
+            continue
+        if elements >= sizes.prefetch_bucket:
+            break
+        nbytes = gathered_bytes([t])
+        prefetched += nbytes
+        elements += nbytes // itemsize
+    return live + prefetched
 
 
 def _optimizer_states(sim: Simulator, params: list, step, state_dtype) -> list:
@@ -470,6 +536,9 @@ def _micro_batch(sim, model, step, autocast, batch, cfg, litgpt_logits) -> int:
     if sim.backward_bucket_bytes:
         bucket = sim.alloc(sim.backward_bucket_bytes, "gradients")
     backward(sim, loss)
+    # DeepSpeed's layers kept gathered from the forward: released by the end of
+    # backward (each after its own backward)
+    cfg.pop("ds_kept", None)
     del loss, unsharded_grad, bucket
     return activations_at_end
 
