@@ -460,7 +460,11 @@ still miss:
   module by module (a checkpointed layer's through its backward, plus the prefetch
   bucket; embeddings for their forward, `lm_head` from its forward to its backward)
   instead of FSDP's units and root, and parameters under
-  `stage3_param_persistence_threshold` whole.
+  `stage3_param_persistence_threshold` whole. Which parameters DeepSpeed keeps
+  gathered after the forward (`stage3_max_reuse_distance` over its recorded trace),
+  which it never partitions, and its bucket were checked against DeepSpeed 0.16.4 on
+  CPU (`benchmarks/deepspeed_cpu_check.py`: 16 cases, full fine-tuning and LoRA, three
+  checkpointing forms, four reuse distances, all the same).
   More channels on an NVLink topology, the kernels loaded during the step and FSDP's
   flat-parameter padding are not in `device_bytes`.
 

@@ -469,28 +469,38 @@ def test_deepspeed_options_are_checked():
 
 def test_deepspeed_reuse_distance_rule():
     """``__params_to_release``: after the use at position k the trace is read from
-    k + 1, each module's elements added; the module is kept if it comes again while
-    the sum read so far is under max_reuse_distance."""
+    k + 1, each module's elements added; a parameter of the module is kept if some
+    module uses it again while the sum read so far is under max_reuse_distance (the
+    module need not be the same one: peft's LoRA wrapper uses lora_A's weight)."""
     from trainmem import deepspeed
 
-    trace = [("a", 10), ("b", 5), ("a", 10), ("c", 1), ("b", 5)]
+    trace = [(("a",), 10), (("b",), 5), (("a",), 10), (("c", "b"), 1), (("b",), 5)]
 
     def kept(limit):
         return deepspeed.kept(trace, deepspeed.Sizes(0, 0, 0, limit))
 
-    assert kept(5) == set()  # a: 5 elements between its uses, not under 5
-    assert kept(6) == {0}  # a kept; b: 10 + 1 between
-    assert kept(12) == {0, 1}
-    assert kept(10**9) == {0, 1}  # a last use is never kept (nothing reuses it)
+    assert kept(5) == {(3, "b")}  # nothing between 3 and 4; a: 5 elements, not < 5
+    assert kept(6) == {(0, "a"), (3, "b")}  # b at 1: 10 elements until c uses it
+    assert kept(11) == {(0, "a"), (1, "b"), (3, "b")}
+    assert kept(10**9) == kept(11)  # a last use (a at 2, c at 3, b at 4): never
+
+
+def _tiny_layer_embed_numel() -> int:
+    from trainmem.models import build_model, get_config
+
+    meta = build_model(get_config("tiny"), device="meta")
+    return meta.get_input_embeddings().weight.numel()
 
 
 def test_deepspeed_keeps_layers_within_the_reuse_distance():
     """A model of fewer elements than max_reuse_distance keeps every layer gathered
     from its forward to its backward: for the tiny preset, every decoder-layer
-    parameter that is partitioned (its whole, bf16), less what is already counted as
-    the module being computed, is held from the end of the forward (before the final
-    norm) until the backward has ended. A 70B model keeps none beyond the layer being
-    computed (its last layer is the one recomputed first)."""
+    parameter that is partitioned and the embeddings (their whole, bf16), less what is
+    already counted as the module being computed, are held from the end of the
+    forward (before the final norm) until the backward has ended. A 70B model keeps
+    none beyond the layer being computed (its last layer is the one recomputed
+    first). DeepSpeed's own choice is checked on CPU by
+    benchmarks/deepspeed_cpu_check.py."""
     from trainmem.config import StepConfig
     from trainmem.estimate import model_shape
     from trainmem.memory import step as st
@@ -510,7 +520,8 @@ def test_deepspeed_keeps_layers_within_the_reuse_distance():
         e[2] for e in events if e[0] == "alloc" and e[3] == "weights" and e[4] == "idle"
     ]
     live = idle[-1]  # the gathered layer + prefetch (tested above)
-    want = 2 * layer_bytes - live  # the tiny preset's two layers
+    embed = 2 * _tiny_layer_embed_numel()
+    want = 2 * layer_bytes + embed - live  # the tiny preset's two layers, embeddings
     allocs, phases = _alloc_index(events)
     found = [
         i

@@ -75,28 +75,27 @@ def sizes(which: str, hidden: int) -> Sizes:
     raise ValueError(f"deepspeed sizes must be one of {SIZES}, got {which!r}")
 
 
-def kept(trace: list[tuple[object, int]], sizes: Sizes) -> set[int]:
-    """Positions of ``trace`` whose module is not released after it ran.
+def kept(trace: list[tuple[tuple, int]], sizes: Sizes) -> set[tuple[int, object]]:
+    """``(position, parameter)`` pairs of ``trace`` whose parameter is not released
+    after the module at that position ran.
 
-    ``trace``: one step's module uses in order (``(module, elements)``: a module as it
-    fetches its parameters, and the elements of all its parameters, persistent ones
-    included). After the use at position k, DeepSpeed walks the trace from k + 1,
-    adding each module's elements, and keeps the module's parameters if it meets the
-    module again before the sum reaches ``max_reuse_distance``
+    ``trace``: one step's module uses in order (``(parameters, elements)``: the
+    parameters a module fetches, and their elements, persistent ones included).
+    After the use at position k, DeepSpeed walks the trace from k + 1, adding each
+    module's elements, and keeps each of the module's parameters that some module
+    there uses again before the sum reaches ``max_reuse_distance``
     (``__params_to_release``: the sum is checked before each module is read)."""
-    nxt: dict[int, int] = {}
-    last: dict[object, int] = {}
-    for i in range(len(trace) - 1, -1, -1):
-        module = trace[i][0]
-        if module in last:
-            nxt[i] = last[module]
-        last[module] = i
     prefix = [0]
     for _, n in trace:
         prefix.append(prefix[-1] + n)
-    return {
-        k
-        for k, j in nxt.items()
-        # the elements of the modules between the two uses
-        if prefix[j] - prefix[k + 1] < sizes.max_reuse_distance
-    }
+    nxt: dict[object, int] = {}
+    out = set()
+    for k in range(len(trace) - 1, -1, -1):
+        for p in trace[k][0]:
+            j = nxt.get(p)
+            # the elements of the modules between the two uses
+            if j is not None and prefix[j] - prefix[k + 1] < sizes.max_reuse_distance:
+                out.add((k, p))
+        for p in trace[k][0]:
+            nxt[p] = k
+    return out

@@ -350,40 +350,128 @@ def _layer_modules(layer) -> list[tuple[str, list]]:
     return [(name, ts) for name, ts in out if all(t is not None for t in ts)]
 
 
+def _needing_grad(layers, embed_grad: bool) -> list[set]:
+    """Per layer, the names of the modules whose output requires grad (DeepSpeed
+    registers a module's backward hook only on such outputs): a module's output
+    does when its input does or it has a trainable parameter; peft's lora_A and
+    lora_B always do. ``embed_grad``: whether the embeddings' output does (trainable
+    embeddings, or transformers' enable_input_require_grads under checkpointing)."""
+    h, out = embed_grad, []
+    for modules in layers:
+        trains = {name: any(t.requires_grad for t in ts) for name, ts in modules}
+        grad = {}
+
+        def linear(name: str, x: bool) -> bool:
+            grad[name] = x or trains[name]
+            for part in ("lora_A", "lora_B", "wrapper"):
+                if f"{name}.{part}" in trains:
+                    grad[f"{name}.{part}"] = True
+            return grad[name] or f"{name}.lora_B" in trains
+
+        grad["input_layernorm"] = h or trains["input_layernorm"]
+        attn = [linear(n, grad["input_layernorm"]) for n in ATTENTION]
+        h = linear("o_proj", any(attn)) or h
+        grad["post_attention_layernorm"] = h or trains["post_attention_layernorm"]
+        act = [linear(n, grad["post_attention_layernorm"]) for n in MLP_IN]
+        h = linear("down_proj", any(act)) or h
+        out.append({name for name, g in grad.items() if g})
+    return out
+
+
+ATTENTION = ("q_proj", "k_proj", "v_proj")
+MLP_IN = ("gate_proj", "up_proj")
+
+
+def deepspeed_trace(model, step, elements, sizes) -> tuple[list, int]:
+    """One step's module uses as DeepSpeed ZeRO-3 records them (its
+    ``__submodule_order`` of a forward and backward), and how many of them the
+    forward's decoder stack ends at: ``([(key, tensors), ...], n)``. Keys:
+    ``"embed"``, ``(layer, module name)`` (:func:`_layer_modules`), ``"norm"``,
+    ``"lm_head"``. The forward: the embeddings,
+    every layer's modules, the final norm and lm_head; the backward: lm_head, the
+    final norm, and per layer from the last its modules in reverse, then the
+    embeddings — in the backward only the modules whose output requires grad
+    (:func:`_needing_grad`). Under checkpointing a layer's forward is recomputed
+    inside its backward, and its modules fetch their parameters again: reentrant
+    checkpointing recomputes before any of the layer's backward hooks; non-reentrant
+    recomputes when the first saved tensor is unpacked, which is after the backward
+    hook of the layer's last module (the one its output's gradient reaches first)
+    has fetched it. peft's LoRA wrapper reads ``lora_A.weight`` (its dtype, to cast
+    the input) before lora_A runs; a partitioned lora_A weight is then gathered for
+    the wrapper and DeepSpeed registers it as the wrapper's external parameter, so
+    the wrapper is a module of the trace with that weight, before its base layer in
+    the forward and first in the backward. Checked against DeepSpeed's recorded
+    trace on CPU (``benchmarks/deepspeed_cpu_check.py``)."""
+    groups = []  # per layer: each module with its peft wrapper and adapters
+    for layer in model.layers:
+        mine = []
+        for name, ts in _layer_modules(layer):
+            if ".lora_" in name:
+                mine[-1].append((name, ts))
+                continue
+            lin = layer.linears.get(name)
+            wrapper = []
+            if lin is not None and lin.A is not None:
+                if elements([lin.A]) >= sizes.persistence_threshold:
+                    wrapper = [(f"{name}.wrapper", [lin.A])]
+            mine.append(wrapper + [(name, ts)])
+        groups.append(mine)
+    layers = [[m for group in mine for m in group] for mine in groups]
+    embed_grad = model.embed.requires_grad or step.checkpointing
+    needed = _needing_grad(layers, embed_grad)
+    embed = [("embed", [model.embed])]
+    forward = embed + [((i, n), ts) for i, ms in enumerate(layers) for n, ts in ms]
+    head = [("lm_head", [model.lm_head])]
+    norm = [("norm", [model.norm])]
+    backward = head + norm
+    for i in reversed(range(len(layers))):
+        ahead = [((i, name), ts) for name, ts in layers[i]]
+        back = []
+        for group in reversed(groups[i]):  # a wrapper's hook fires first
+            wrapped = group[:1] if group[0][0].endswith(".wrapper") else []
+            for name, ts in wrapped + group[len(wrapped) :][::-1]:
+                if name in needed[i]:
+                    back.append(((i, name), ts))
+        if not step.checkpointing:
+            backward += back
+        elif step.checkpointing_mode == "reentrant":
+            backward += ahead + back
+        else:
+            backward += back[:1] + ahead + back[1:]
+    trace = forward + norm + head + backward + (embed if embed_grad else [])
+    return trace, len(forward)
+
+
+def deepspeed_kept_modules(model, step, elements, sizes) -> list:
+    """The parameters of the embeddings and decoder layers that DeepSpeed keeps
+    gathered after the forward, for their use in the backward: at its last use in
+    the forward, some module of the trace (:func:`deepspeed_trace`) uses each again
+    within ``max_reuse_distance`` elements (:func:`trainmem.deepspeed.kept`;
+    ``elements``: a list of tensors -> the elements DeepSpeed counts for them)."""
+    trace, n = deepspeed_trace(model, step, elements, sizes)
+    uses = [(tuple(id(t) for t in ts), elements(ts)) for _, ts in trace]
+    kept = deepspeed.kept(uses, sizes)
+    last = {}
+    for k in range(n):
+        for t in trace[k][1]:
+            last[id(t)] = (k, t)
+    return [t for k, t in last.values() if (k, id(t)) in kept]
+
+
 def _deepspeed_kept(model, step, gathered_bytes, persisted, sizes, live) -> int:
-    """Bytes of decoder-layer parameters DeepSpeed ZeRO-3 keeps gathered from their
-    forward into the backward, beyond ``live`` (what :func:`_deepspeed_gathered`
-    already holds for the module being computed): each module is kept after its
-    forward if the step's trace uses it again within ``max_reuse_distance`` elements
-    (:func:`trainmem.deepspeed.kept`). The trace: the embeddings, every layer's
-    modules, the final norm and lm_head; then the backward: lm_head, and per layer
-    from the last (its checkpointed forward recomputed first, under checkpointing)
-    its modules in reverse, and the embeddings' backward hook. With a 70B model only
-    the last layer is kept (it is the one computed first); models of fewer elements
-    keep more layers, those under the distance all of them."""
+    """Bytes DeepSpeed ZeRO-3 keeps gathered from the forward into the backward
+    (:func:`deepspeed_kept_modules`), beyond ``live`` (what
+    :func:`_deepspeed_gathered` already holds for the module being computed). With a
+    70B model only the last layer is kept (it is the one computed first); models of
+    fewer elements keep more layers, those under the distance all of them and the
+    embeddings too. Checked against DeepSpeed itself on CPU
+    (``benchmarks/deepspeed_cpu_check.py``)."""
 
     def elements(tensors) -> int:
         return sum(gathered_bytes([t]) // ITEMSIZE[t.dtype] for t in tensors)
 
-    forward, backward = [], []
-    layers = [_layer_modules(layer) for layer in model.layers]
-    for i, modules in enumerate(layers):
-        forward += [((i, name), ts) for name, ts in modules]
-    head = [("lm_head", [model.lm_head])]
-    for i in reversed(range(len(layers))):
-        if step.checkpointing:
-            backward += [((i, name), ts) for name, ts in layers[i]]
-        backward += [((i, name), ts) for name, ts in reversed(layers[i])]
-    embed = [("embed", [model.embed])]
-    trace = embed + forward + [("norm", [model.norm])] + head + head + backward
-    trace += embed
-    kept = deepspeed.kept([(key, elements(ts)) for key, ts in trace], sizes)
-    first = len(embed)
-    held = sum(
-        gathered_bytes(t for t in ts if id(t) not in persisted)
-        for k, (_, ts) in enumerate(forward, start=first)
-        if k in kept
-    )
+    kept = deepspeed_kept_modules(model, step, elements, sizes)
+    held = gathered_bytes(t for t in kept if id(t) not in persisted)
     return max(0, held - live)
 
 
