@@ -339,6 +339,7 @@ def test_fit_max_batch_is_the_boundary(capsys):
     assert not estimate("llama2-7b", batch=n + 1, **kw).fits
     assert r["requested"] == {"batch": 8, "fits": n >= 8}
     change = r["cheapest_change"]  # 8 does not fit: halve it, accumulate twice as much
+    assert "fits" not in change  # the request's verdict is requested["fits"] alone
     assert change["change"].startswith("micro-batch")
     b = change["options"]["batch"]
     assert b <= n and change["options"]["grad_accum"] * b == 8

@@ -189,5 +189,6 @@ def fit(model, step: StepConfig, gpu: str, vary: str = "batch") -> dict[str, Any
     change = cheapest_change(model, step, gpu)
     out["requested"] = {vary: getattr(step, vary), "fits": change["fits"]}
     if not change["fits"]:
-        out["cheapest_change"] = change
+        # (its "fits" says whether the request fits as it is: requested["fits"])
+        out["cheapest_change"] = {k: v for k, v in change.items() if k != "fits"}
     return out
