@@ -72,9 +72,14 @@ def test_floor_rejects_a_missing_lower_bound(tmp_path):
         floor_pins(bad)
 
 
-def floor_kernel_manager(venv: str | Path):
+def floor_kernel_manager(venv: str | Path, sockets: str | Path | None = None):
     """A kernel manager whose ``python3`` is the one ``venv`` installed (and no
-    other: the current interpreter's own kernel is not added as a fallback)."""
+    other: the current interpreter's own kernel is not added as a fallback).
+    ``sockets``: a folder for the kernel's channels over ZMQ's ``ipc`` transport
+    (Unix sockets, as the grader runs kernels); without it, TCP ports on 127.0.0.1,
+    which jupyter_client picks free and the kernel binds a moment later — another
+    worker's kernel can take one in between ("Address already in use", "Kernel died
+    before replying to kernel_info")."""
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import AsyncKernelManager
 
@@ -85,7 +90,10 @@ def floor_kernel_manager(venv: str | Path):
             "(make floor-venv)"
         )
     specs = KernelSpecManager(kernel_dirs=[str(kernels)], ensure_native_kernel=False)
-    return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=specs)
+    ipc = {}
+    if sockets is not None:
+        ipc = dict(transport="ipc", ip=str(Path(sockets) / "kernel"))
+    return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=specs, **ipc)
 
 
 @pytest.mark.floor
@@ -93,7 +101,7 @@ def floor_kernel_manager(venv: str | Path):
 @pytest.mark.parametrize(
     "path", all_notebooks(), ids=lambda p: f"{p.parent.name}/{p.name}"
 )
-def test_notebook_runs_at_floor(path):
+def test_notebook_runs_at_floor(path, tmp_path):
     from jupyter_core.utils import run_sync
 
     from coursekit.execute import kernel_env
@@ -105,7 +113,7 @@ def test_notebook_runs_at_floor(path):
     # errors stop the run (CellExecutionError) unless the cell is tagged
     # raises-exception; the kernel gets the environment every stored output is made
     # with (the native kernel path)
-    km = floor_kernel_manager(FLOOR_VENV)
+    km = floor_kernel_manager(FLOOR_VENV, sockets=tmp_path)
     try:
         NotebookClient(
             nb,
