@@ -17,10 +17,10 @@ step's forward it lists the parameters that are gathered (``ds_status`` AVAILABL
 not persistent, with the prefetch off
 (``stage3_prefetch_bucket_size`` 0) so that what is gathered is what the reuse rule
 kept; and the optimizer's gradient bucket. The replay's side:
-:func:`trainmem.memory.step.deepspeed_kept_modules` (which modules are kept after their
-forward, ``stage3_max_reuse_distance``) plus lm_head (gathered from its forward to its
-backward), the parameters under ``stage3_param_persistence_threshold``, and a bucket of
-``reduce_bucket_size`` elements in the module's dtype."""
+:func:`trainmem.memory.step.deepspeed_kept_params` (which parameters are kept after
+their forward, ``stage3_max_reuse_distance``) plus lm_head (gathered from its forward
+to its backward), the parameters under ``stage3_param_persistence_threshold``, and a
+bucket of ``reduce_bucket_size`` elements in the module's dtype."""
 
 from __future__ import annotations
 
@@ -132,8 +132,9 @@ def measured(case: dict, port: int) -> dict:
             p.join(120)
 
 
-def _hf_names(model) -> dict:
-    """The transformers parameter name of each tensor of the replay's model."""
+def _hf_names(model, shape) -> dict:
+    """The transformers parameter name of each tensor of the replay's model (the
+    Linears' paths from the family's ``module_paths``)."""
     names = {
         id(model.embed): "model.embed_tokens.weight",
         id(model.norm): "model.norm.weight",
@@ -146,10 +147,7 @@ def _hf_names(model) -> dict:
             f"{at}.post_attention_layernorm.weight"
         )
         for name, lin in layer.linears.items():
-            block = (
-                "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            )
-            base = f"{at}.{block}.{name}"
+            base = shape.family.module_paths[name].format(i=i)
             names[id(lin.w)] = f"{base}.weight"
             for part, t in (("lora_A", lin.A), ("lora_B", lin.B)):
                 if t is not None:
@@ -163,7 +161,7 @@ def predicted(case: dict) -> dict:
     from trainmem.dtypes import DTYPES
     from trainmem.estimate import model_shape
     from trainmem.memory.accounting import ITEMSIZE, Simulator
-    from trainmem.memory.step import _build_model, deepspeed_kept_modules
+    from trainmem.memory.step import _build_model, deepspeed_kept_params
 
     lora = dict(lora_targets=case["targets"]) if case["targets"] else {}
     step = StepConfig(
@@ -179,14 +177,15 @@ def predicted(case: dict) -> dict:
     sizes = deepspeed.Sizes(
         case["reduce"], case["prefetch"], case["persist"], case["reuse"]
     )
-    model, params = _build_model(Simulator(), model_shape("tiny"), step, "bf16")
+    shape = model_shape("tiny")
+    model, params = _build_model(Simulator(), shape, step, "bf16")
 
     def elements(tensors) -> int:
         return sum(t.buffer.nbytes // ITEMSIZE[t.dtype] for t in tensors)
 
     persistent = {id(p) for p in model.parameters() if p.numel < case["persist"]}
-    names = _hf_names(model)
-    kept = deepspeed_kept_modules(model, step, elements, sizes)
+    names = _hf_names(model, shape)
+    kept = deepspeed_kept_params(model, step, elements, sizes)
     gathered = {names[id(t)] for t in kept if id(t) not in persistent}
     gathered.add("lm_head.weight")  # gathered from its forward to its backward
     return dict(

@@ -61,6 +61,16 @@ DEFAULTS = Sizes(
 )
 
 
+#: the ``zero_optimization`` key of each size a run's config may set, by the ZeRO stage
+#: that reads it (stage 2 has only the bucket)
+CONFIG_KEYS = {
+    "reduce_bucket": "reduce_bucket_size",
+    "prefetch_bucket": "stage3_prefetch_bucket_size",
+    "persistence_threshold": "stage3_param_persistence_threshold",
+}
+STAGE_SIZES = {2: ("reduce_bucket",), 3: tuple(CONFIG_KEYS)}
+
+
 def sizes(which: str, hidden: int) -> Sizes:
     """The sizes a run gets: DeepSpeed's ``"defaults"``, or the Trainer's ``"auto"``
     values for a model of hidden size ``hidden`` (``"hf-auto"``)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import deepspeed
 from .config import ATTN_IMPLS, OptionError
 from .optimizers import hf_optims
 from .versions import hf_checkpointing_reentrant, hf_default_optim, parse_versions
@@ -175,16 +176,6 @@ def _training_options(
     return opts
 
 
-_DS_SIZE_KEYS = {
-    2: ("reduce_bucket_size",),
-    3: (
-        "reduce_bucket_size",
-        "stage3_prefetch_bucket_size",
-        "stage3_param_persistence_threshold",
-    ),
-}
-
-
 def _sharding_options(training_args: Any) -> dict[str, Any]:
     """``zero``, ``zero_impl`` and ``deepspeed_sizes`` from TrainingArguments'
     ``deepspeed`` (a DeepSpeed config: its dict, or the path of its JSON file) or
@@ -245,17 +236,15 @@ def _deepspeed_options(ds: Any) -> dict[str, Any]:
                 f"deepspeed zero_optimization.{offload}.device {device!r}: offloading "
                 "is not modelled",
             )
-    given = {k: zero[k] for k in _DS_SIZE_KEYS[stage] if k in zero}
-    from .deepspeed import DEFAULTS
-
+    keys = [deepspeed.CONFIG_KEYS[f] for f in deepspeed.STAGE_SIZES[stage]]
+    given = {k: zero[k] for k in keys if k in zero}
     defaults = {
-        "reduce_bucket_size": DEFAULTS.reduce_bucket,
-        "stage3_prefetch_bucket_size": DEFAULTS.prefetch_bucket,
-        "stage3_param_persistence_threshold": DEFAULTS.persistence_threshold,
+        deepspeed.CONFIG_KEYS[f]: getattr(deepspeed.DEFAULTS, f)
+        for f in deepspeed.STAGE_SIZES[stage]
     }
     if given and all(v == "auto" for v in given.values()):
-        if len(given) != len(_DS_SIZE_KEYS[stage]):
-            missing = sorted(set(_DS_SIZE_KEYS[stage]) - set(given))
+        if len(given) != len(keys):
+            missing = sorted(set(keys) - set(given))
             raise OptionError(
                 "training_args",
                 f"deepspeed zero_optimization sets some sizes to 'auto' and leaves "

@@ -239,17 +239,18 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
             not their shapes in the compute dtype."""
             return sum(t.buffer.nbytes - quant_state.get(id(t), 0) for t in tensors)
 
+        def elements(tensors) -> int:
+            """The elements DeepSpeed counts for the tensors (``ds_numel``: of a
+            4-bit weight, its packed data)."""
+            return sum(gathered_bytes([t]) // ITEMSIZE[t.dtype] for t in tensors)
+
         persisted = set()
         if step.zero_impl == "deepspeed":
             # DeepSpeed never partitions a parameter of fewer elements than
             # stage3_param_persistence_threshold (ds_persist): it stays whole on every
             # rank and is not gathered (its optimizer partition is still 1/N)
             threshold = ds_sizes.persistence_threshold
-            persisted = {
-                id(p)
-                for p in model.parameters()
-                if p.buffer.nbytes // ITEMSIZE[p.dtype] < threshold
-            }
+            persisted = {id(p) for p in model.parameters() if elements([p]) < threshold}
         unit = [t for t in model.layers[0].tensors() if id(t) not in persisted]
         unit_bytes = gathered_bytes(unit)
         # every parameter is sharded, frozen ones too: FSDP flattens whatever a unit
@@ -262,10 +263,10 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
         root_bytes = gathered_bytes(t for t in root if t.buffer.category == "weights")
         if step.zero_impl == "deepspeed":
             live = _deepspeed_gathered(
-                model, step, unit_bytes, gathered_bytes, persisted, ds_sizes
+                model, step, unit_bytes, gathered_bytes, elements, persisted, ds_sizes
             )
             sim.ds_kept_bytes = _deepspeed_kept(
-                model, step, gathered_bytes, persisted, ds_sizes, live
+                model, step, gathered_bytes, elements, persisted, ds_sizes, live
             )
             # what DeepSpeed gathers of the embeddings and lm_head, one module at a
             # time: the embeddings and lm_head are gathered when their module runs and
@@ -338,16 +339,22 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
     return masters, (gathered_layer, bucket), gathered_root
 
 
-def _layer_modules(layer) -> list[tuple[str, list]]:
-    """A decoder layer's modules with parameters in the order its forward runs them
-    (each Linear's base weight and bias, then peft's lora_A and lora_B modules)."""
-    out = [("input_layernorm", [layer.input_layernorm])]
+def _layer_groups(layer) -> list[list[tuple[str, list]]]:
+    """A decoder layer's modules with parameters, in the order its forward runs them,
+    grouped by what a Linear is under peft: its base weight and bias, then its
+    lora_A and lora_B modules (a norm is a group of its own)."""
+    out = [[("input_layernorm", [layer.input_layernorm])]]
     for name, lin in layer.linears.items():
         if name == "gate_proj":
-            out.append(("post_attention_layernorm", [layer.post_attention_layernorm]))
-        out.append((name, [t for t in (lin.w, lin.b) if t is not None]))
-        out += [(f"{name}.lora_{ab}", [t]) for ab, t in (("A", lin.A), ("B", lin.B))]
-    return [(name, ts) for name, ts in out if all(t is not None for t in ts)]
+            out.append([("post_attention_layernorm", [layer.post_attention_layernorm])])
+        group = [(name, [t for t in (lin.w, lin.b) if t is not None])]
+        group += [
+            (f"{name}.lora_{ab}", [t])
+            for ab, t in (("A", lin.A), ("B", lin.B))
+            if t is not None
+        ]
+        out.append(group)
+    return out
 
 
 def _needing_grad(layers, embed_grad: bool) -> list[set]:
@@ -386,7 +393,7 @@ def deepspeed_trace(model, step, elements, sizes) -> tuple[list, int]:
     """One step's module uses as DeepSpeed ZeRO-3 records them (its
     ``__submodule_order`` of a forward and backward), and how many of them the
     forward's decoder stack ends at: ``([(key, tensors), ...], n)``. Keys:
-    ``"embed"``, ``(layer, module name)`` (:func:`_layer_modules`), ``"norm"``,
+    ``"embed"``, ``(layer, module name)`` (:func:`_layer_groups`), ``"norm"``,
     ``"lm_head"``. The forward: the embeddings,
     every layer's modules, the final norm and lm_head; the backward: lm_head, the
     final norm, and per layer from the last its modules in reverse, then the
@@ -404,17 +411,12 @@ def deepspeed_trace(model, step, elements, sizes) -> tuple[list, int]:
     trace on CPU (``benchmarks/deepspeed_cpu_check.py``)."""
     groups = []  # per layer: each module with its peft wrapper and adapters
     for layer in model.layers:
-        mine = []
-        for name, ts in _layer_modules(layer):
-            if ".lora_" in name:
-                mine[-1].append((name, ts))
-                continue
-            lin = layer.linears.get(name)
-            wrapper = []
+        mine = _layer_groups(layer)
+        for group in mine:
+            lin = layer.linears.get(group[0][0])
             if lin is not None and lin.A is not None:
                 if elements([lin.A]) >= sizes.persistence_threshold:
-                    wrapper = [(f"{name}.wrapper", [lin.A])]
-            mine.append(wrapper + [(name, ts)])
+                    group.insert(0, (f"{group[0][0]}.wrapper", [lin.A]))
         groups.append(mine)
     layers = [[m for group in mine for m in group] for mine in groups]
     embed_grad = model.embed.requires_grad or step.checkpointing
@@ -442,7 +444,7 @@ def deepspeed_trace(model, step, elements, sizes) -> tuple[list, int]:
     return trace, len(forward)
 
 
-def deepspeed_kept_modules(model, step, elements, sizes) -> list:
+def deepspeed_kept_params(model, step, elements, sizes) -> list:
     """The parameters of the embeddings and decoder layers that DeepSpeed keeps
     gathered after the forward, for their use in the backward: at its last use in
     the forward, some module of the trace (:func:`deepspeed_trace`) uses each again
@@ -458,24 +460,24 @@ def deepspeed_kept_modules(model, step, elements, sizes) -> list:
     return [t for k, t in last.values() if (k, id(t)) in kept]
 
 
-def _deepspeed_kept(model, step, gathered_bytes, persisted, sizes, live) -> int:
+def _deepspeed_kept(
+    model, step, gathered_bytes, elements, persisted, sizes, live
+) -> int:
     """Bytes DeepSpeed ZeRO-3 keeps gathered from the forward into the backward
-    (:func:`deepspeed_kept_modules`), beyond ``live`` (what
+    (:func:`deepspeed_kept_params`), beyond ``live`` (what
     :func:`_deepspeed_gathered` already holds for the module being computed). With a
     70B model only the last layer is kept (it is the one computed first); models of
     fewer elements keep more layers, those under the distance all of them and the
     embeddings too. Checked against DeepSpeed itself on CPU
     (``benchmarks/deepspeed_cpu_check.py``)."""
-
-    def elements(tensors) -> int:
-        return sum(gathered_bytes([t]) // ITEMSIZE[t.dtype] for t in tensors)
-
-    kept = deepspeed_kept_modules(model, step, elements, sizes)
+    kept = deepspeed_kept_params(model, step, elements, sizes)
     held = gathered_bytes(t for t in kept if id(t) not in persisted)
     return max(0, held - live)
 
 
-def _deepspeed_gathered(model, step, unit_bytes, gathered_bytes, persisted, sizes):
+def _deepspeed_gathered(
+    model, step, unit_bytes, gathered_bytes, elements, persisted, sizes
+):
     """What DeepSpeed ZeRO-3 holds gathered of the decoder layers at the backward's
     peak. It gathers parameters module by module (a forward/backward pre-hook per
     module, ``PartitionedParameterCoordinator.fetch_sub_module``) and releases a
@@ -496,16 +498,14 @@ def _deepspeed_gathered(model, step, unit_bytes, gathered_bytes, persisted, size
             gathered_bytes(t for t in lin.tensors() if id(t) not in persisted)
             for lin in model.layers[0].linears.values()
         )
-    itemsize = ITEMSIZE[model.norm.dtype]
-    prefetched = elements = 0
+    prefetched = in_flight = 0
     for t in model.layers[0].tensors():
         if id(t) in persisted:
             continue
-        if elements >= sizes.prefetch_bucket:
+        if in_flight >= sizes.prefetch_bucket:
             break
-        nbytes = gathered_bytes([t])
-        prefetched += nbytes
-        elements += nbytes // itemsize
+        prefetched += gathered_bytes([t])
+        in_flight += elements([t])
     return live + prefetched
 
 
