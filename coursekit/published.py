@@ -450,22 +450,25 @@ still miss:
   with earlier library versions (see "Same configuration, other versions"): the
   published LoRA figures barely move, while full fine-tuning's grows with the torch
   version and the estimate's does not; what changed there is not identified.
-- peft FSDP-QLoRA and DeepSpeed-QLoRA pages: the versions are the first releases
-  meeting the pages' minimums, and the FSDP page does not name its GPU; the figures
-  are compared with `device_bytes` (reserved + CUDA context + NCCL's ring buffers at
-  the fewest channels NCCL builds). The DeepSpeed row runs `zero_impl="deepspeed"`
-  (`trainmem.deepspeed`): the gradient bucket of `reduce_bucket_size` elements that
-  ZeRO-3 allocates with its optimizer and keeps (at DeepSpeed's default size:
-  accelerate builds the config from its yaml without sizes), parameters gathered
-  module by module (a checkpointed layer's through its backward, plus the prefetch
-  bucket; embeddings for their forward, `lm_head` from its forward to its backward)
-  instead of FSDP's units and root, and parameters under
-  `stage3_param_persistence_threshold` whole. Which parameters DeepSpeed keeps
-  gathered after the forward (`stage3_max_reuse_distance` over its recorded trace),
-  which it never partitions, and its bucket were checked against DeepSpeed 0.16.4 on
-  CPU (`benchmarks/deepspeed_cpu_check.py`: 16 cases, full fine-tuning and LoRA, three
-  checkpointing forms, four reuse distances, all the same).
-  More channels on an NVLink topology, the kernels loaded during the step and FSDP's
+- peft FSDP-QLoRA and DeepSpeed-QLoRA pages: the versions are the first releases meeting
+  the pages' minimums, and the FSDP page does not name its GPU; the figures are compared
+  with `device_bytes` (reserved + CUDA context + NCCL's ring buffers, as many channels
+  as NCCL runs between A100s on NVSwitch — neither page says how its cards are
+  connected, the A100 presets are the SXM boards —, in one communicator under FSDP and
+  two under DeepSpeed, whose optimizer runs on a clone of the world group that
+  `zero.Init` partitions the parameters on). The DeepSpeed row runs
+  `zero_impl="deepspeed"` (`trainmem.deepspeed`): the gradient bucket of
+  `reduce_bucket_size` elements that ZeRO-3 allocates with its optimizer and keeps (at
+  DeepSpeed's default size: accelerate builds the config from its yaml without sizes),
+  parameters gathered module by module (a checkpointed layer's through its backward,
+  plus the prefetch bucket; embeddings for their forward, `lm_head` from its forward to
+  its backward) instead of FSDP's units and root, and parameters under
+  `stage3_param_persistence_threshold` whole. Which parameters DeepSpeed keeps gathered
+  after the forward (`stage3_max_reuse_distance` over its recorded trace), which it
+  never partitions, and its bucket were checked against DeepSpeed 0.16.4 on CPU
+  (`benchmarks/deepspeed_cpu_check.py`: 16 cases, full fine-tuning and LoRA, three
+  checkpointing forms, four reuse distances, all the same). The kernels loaded during
+  the step, NCCL's buffers rounded to its allocation granularity and FSDP's
   flat-parameter padding are not in `device_bytes`.
 
 Sources read and left out (conditions not pinned, so no row):

@@ -375,22 +375,35 @@ def test_cli_gpu_and_versions_errors(capsys):
 def test_nccl_buffers_on_more_than_one_gpu():
     """N > 1: nvidia-smi adds NCCL's ring buffers (outside the caching allocator): one
     LL (8 lines x 512 threads x 8 steps x 16 B), one LL128 (120 x 640 x 8 x 8 B) and one
-    Simple (NCCL_BUFFSIZE 4 MiB) buffer per channel, at least 2 channels; none on one
-    GPU. fits leaves them out of the allocator's budget."""
-    from trainmem.gpus import nccl_bytes
+    Simple (NCCL_BUFFSIZE 4 MiB) buffer per channel per communicator; 24 channels
+    between SXM boards on NVSwitch (the A100/H100 presets), at least 2 over PCIe; one
+    communicator under FSDP, two under DeepSpeed (the world group and its clone); none
+    on one GPU. fits leaves them out of the allocator's budget."""
+    from trainmem.gpus import GPUS, nccl_bytes, nccl_channels
 
     per_channel = 524_288 + 4_915_200 + 4 * (1 << 20)
     assert nccl_bytes(1) == 0 and nccl_bytes(2) == nccl_bytes(8) == 2 * per_channel
+    assert nccl_bytes(2, 24, 2) == 48 * per_channel
+    assert [g for g in GPUS if nccl_channels(GPUS[g]) == 24] == [
+        "A100-40GB",
+        "A100-80GB",
+        "H100-80GB",
+    ]
     kw = dict(method="lora", precision="bf16", batch=1, seq=256, gpu="A100-80GB")
     one = estimate("llama2-7b", **kw).to_dict()
     two = estimate("llama2-7b", zero=3, gpus=2, **kw).to_dict()
-    assert one["nccl_bytes"] == 0
+    assert one["nccl_bytes"] == one["nccl_communicators"] == 0
     assert one["device_bytes"] == one["reserved_bytes"] + one["context_bytes"]
-    assert two["nccl_bytes"] == 2 * per_channel
+    assert (two["nccl_communicators"], two["nccl_channels"]) == (1, 24)
+    assert two["nccl_bytes"] == 24 * per_channel
     assert two["device_bytes"] == (
-        two["reserved_bytes"] + two["context_bytes"] + 2 * per_channel
+        two["reserved_bytes"] + two["context_bytes"] + 24 * per_channel
     )
     assert two["headroom_bytes"] == two["capacity_bytes"] - two["device_bytes"]
+    ds = estimate("llama2-7b", zero=3, gpus=2, zero_impl="deepspeed", **kw).to_dict()
+    assert ds["nccl_communicators"] == 2 and ds["nccl_bytes"] == 48 * per_channel
+    pcie = estimate("llama2-7b", zero=3, gpus=2, **dict(kw, gpu="L40S")).to_dict()
+    assert pcie["nccl_channels"] == 2 and pcie["nccl_bytes"] == 2 * per_channel
 
 
 ACCUM_CASES = [

@@ -374,6 +374,10 @@ class MemoryEstimate:
         if self.device is not None:
             d = self.device
             extra["reserved (max_memory_reserved)"] = d["reserved_bytes"]
+            extra["+ CUDA context"] = d["context_bytes"]
+            if d["nccl_bytes"]:
+                comms, channels = d["nccl_communicators"], d["nccl_channels"]
+                extra[f"+ NCCL ({comms} comm x {channels} channels)"] = d["nccl_bytes"]
             extra["device (nvidia-smi, lower bound)"] = d["device_bytes"]
             extra[f"{d['gpu']} memory"] = d["capacity_bytes"]
         text = format_table(
@@ -546,7 +550,11 @@ def estimate_step(
             step,
             record_events=gpu is not None or timeline,
             replay_as=(
-                replay_setup(gpu, step.library_versions, step.gpus) if gpu else None
+                replay_setup(
+                    gpu, step.library_versions, step.gpus, nccl_communicators(step)
+                )
+                if gpu
+                else None
             ),
         )
         exact = True
@@ -613,6 +621,13 @@ def _on_gpu(step: StepConfig, gpu: str | None) -> StepConfig:
     return step
 
 
+def nccl_communicators(step: StepConfig) -> int:
+    """The NCCL communicators a step's process holds on ``step.gpus`` > 1 GPUs: torch's
+    FSDP/DDP run on the default group, DeepSpeed adds a clone of it for its optimizer
+    (:mod:`trainmem.gpus`, "Communicators")."""
+    return 2 if step.zero_impl == "deepspeed" else 1
+
+
 def _device(result: dict, step: StepConfig, gpu: str | None, timeline: bool):
     """trainmem.gpus.device_report of the replayed step on ``gpu`` (None without) and
     the step's timeline (None unless asked for)."""
@@ -636,6 +651,7 @@ def _device(result: dict, step: StepConfig, gpu: str | None, timeline: bool):
         200 if timeline else 0,
         gpus=step.gpus,
         replays=result.get("replays"),
+        communicators=nccl_communicators(step),
     )
     points = device.pop("timeline")
     device["notes"] = _gpu_notes(step, get_gpu(gpu))

@@ -43,12 +43,31 @@ Sources of the figures (each cited where it is used):
   x ``NCCL_LL_MAX_NTHREADS`` 512 x ``NCCL_STEPS`` 8 x 16 B ``ncclLLFifoLine``,
   ``DEFAULT_LL128_BUFFSIZE`` = ``NCCL_LL128_ELEMS_PER_THREAD`` 120 x
   ``NCCL_LL128_MAX_NTHREADS`` 640 x 8 steps x 8 B (constants of
-  ``src/include/device.h``). Channels: the ring search finds at least one ring, and
-  ``ncclTopoPostset`` (``src/graph/connect.cc``) doubles the channels (``nChannels =
-  std::min(MAXCHANNELS, nChannels*2)``), so at least 2; NVLink topologies get more
-  (the count is the topology search's, not modelled: the term is a lower bound). FSDP's
-  all-gather and reduce-scatter use the ring algorithm; tree connections of
-  all-reduce and NCCL's kernels are not counted.
+  ``src/include/device.h``): 9.19 MiB per channel.
+
+  Channels: the topology search's result. Over PCIe the ring search finds at least
+  one ring and ``ncclTopoPostset`` (``src/graph/connect.cc``) doubles the channels
+  (``nChannels = std::min(MAXCHANNELS, nChannels*2)``), so at least 2 (a lower bound).
+  On the SXM boards, every GPU on NVSwitch, NCCL runs 24 collective channels: "for
+  dgxA100, 12 nvlink and 24 cta for allreduce" (NVIDIA/nccl#1225; one CTA per channel,
+  "2 CTAs per NVLink in order to saturate the BW", NVIDIA/nccl#1703), and the H100
+  logs of NVIDIA/nccl#1259 (8 GPUs) and pytorch/torchtitan#1570 (4 GPUs) print
+  ``Channel 00/24``. The A100 and H100 presets are those boards (``nvlink``); their
+  PCIe versions get the lower bound.
+
+  Communicators: each process group that runs a collective has its own NCCL
+  communicator with its own buffers ("more communicators = more memory used", NCCL's
+  maintainer in NVIDIA/nccl#864). torch's FSDP (and DDP) runs on the default group,
+  as the Trainer's barriers and loss gathering do: one communicator. DeepSpeed adds a
+  second one: ``zero.Init`` partitions and all-gathers the parameters on the world
+  group (``partition_parameters.py``: ``ds_process_group = dist.get_world_group()``),
+  while the engine hands its optimizer ``groups._get_data_parallel_group()``, a
+  ``dist.new_group`` clone of the world group (``utils/groups.py``
+  ``_clone_world_group``), for the gradients' reduce-scatter.
+
+  Not counted: the rounding of each buffer to the allocation granularity, tree
+  connections of all-reduce to other peers than the ring's, send/receive channels,
+  and NCCL's kernels.
 * Not modelled: other processes on the card.
 
 Standard library only (the in-page calculator runs it in Pyodide)."""
@@ -75,6 +94,8 @@ NCCL_LL128_BUFFSIZE = 120 * 640 * NCCL_STEPS * 8
 NCCL_SIMPLE_BUFFSIZE = 1 << 22
 #: the fewest ring channels NCCL builds (one ring, doubled by ncclTopoPostset)
 NCCL_MIN_RING_CHANNELS = 2
+#: collective channels between GPUs on NVSwitch (A100/H100 SXM; module docstring)
+NCCL_NVLINK_CHANNELS = 24
 
 
 @dataclass(frozen=True)
@@ -83,6 +104,8 @@ class GPU:
     memory_mib: int  # nvidia-smi memory.total
     capability: tuple[int, int]
     bf16: bool
+    #: the SXM board, every GPU on NVSwitch (NCCL's channel count, module docstring)
+    nvlink: bool = False
 
     @property
     def capacity_bytes(self) -> int:
@@ -99,9 +122,9 @@ GPUS = {
         GPU("L40S", 46068, (8, 9), True),
         GPU("RTX3090", 24576, (8, 6), True),
         GPU("RTX4090", 24564, (8, 9), True),
-        GPU("A100-40GB", 40960, (8, 0), True),
-        GPU("A100-80GB", 81920, (8, 0), True),
-        GPU("H100-80GB", 81559, (9, 0), True),
+        GPU("A100-40GB", 40960, (8, 0), True, nvlink=True),
+        GPU("A100-80GB", 81920, (8, 0), True, nvlink=True),
+        GPU("H100-80GB", 81559, (9, 0), True, nvlink=True),
     )
 }
 
@@ -135,16 +158,23 @@ def context_bytes(gpu: GPU, torch_version: tuple) -> int:
     return CONTEXT_LAZY
 
 
-def nccl_bytes(gpus: int, channels: int = NCCL_MIN_RING_CHANNELS) -> int:
+def nccl_channels(gpu: GPU) -> int:
+    """NCCL's collective channels between ``gpu`` cards (module docstring)."""
+    return NCCL_NVLINK_CHANNELS if gpu.nvlink else NCCL_MIN_RING_CHANNELS
+
+
+def nccl_bytes(
+    gpus: int, channels: int = NCCL_MIN_RING_CHANNELS, communicators: int = 1
+) -> int:
     """NCCL's ring buffers on each of ``gpus`` ranks (0 on one GPU): one buffer per
-    protocol (LL, LL128, Simple) per channel (module docstring)."""
+    protocol (LL, LL128, Simple) per channel, per communicator (module docstring)."""
     if gpus <= 1:
         return 0
     per_channel = NCCL_LL_BUFFSIZE + NCCL_LL128_BUFFSIZE + NCCL_SIMPLE_BUFFSIZE
-    return channels * per_channel
+    return communicators * channels * per_channel
 
 
-def _overheads(gpu_name: str, versions: dict, gpus: int):
+def _overheads(gpu_name: str, versions: dict, gpus: int, communicators: int):
     """The card and what sits on it besides the step's tensors: one cuBLAS
     workspace, the CUDA context, NCCL's buffers."""
     gpu = get_gpu(gpu_name)
@@ -153,16 +183,16 @@ def _overheads(gpu_name: str, versions: dict, gpus: int):
         gpu,
         cublas_workspace_bytes(gpu, torch_version),
         context_bytes(gpu, torch_version),
-        nccl_bytes(gpus),
+        nccl_bytes(gpus, nccl_channels(gpu), communicators),
     )
 
 
-def replay_setup(gpu_name: str, versions: dict, gpus: int = 1):
+def replay_setup(gpu_name: str, versions: dict, gpus: int = 1, communicators: int = 1):
     """What the step's events are replayed after and under on ``gpu_name``: the two
     cuBLAS workspaces (allocated at the first matmul, they persist), and the bytes the
     caching allocator may reserve (the card's memory less the CUDA context and NCCL's
     buffers)."""
-    return _setup_of(*_overheads(gpu_name, versions, gpus))
+    return _setup_of(*_overheads(gpu_name, versions, gpus, communicators))
 
 
 def _setup_of(gpu, workspace: int, context: int, nccl: int):
@@ -177,6 +207,7 @@ def device_report(
     timeline_points=0,
     gpus: int = 1,
     replays: dict | None = None,
+    communicators: int = 1,
 ):
     """Reserved and device bytes of a replayed step on ``gpu_name`` (one of ``gpus``
     ranks): the cuBLAS workspaces are allocated first (they persist from the first
@@ -187,7 +218,7 @@ def device_report(
     from the start (not when a timeline is asked for)."""
     from .memory.allocator import replay
 
-    overheads = _overheads(gpu_name, versions, gpus)
+    overheads = _overheads(gpu_name, versions, gpus, communicators)
     gpu, workspace, context, nccl = overheads
     prelude, capacity = _setup_of(*overheads)
 
@@ -218,6 +249,8 @@ def device_report(
         "device_bytes": device,
         "context_bytes": context,
         "nccl_bytes": nccl,
+        "nccl_communicators": communicators if gpus > 1 else 0,
+        "nccl_channels": nccl_channels(gpu) if gpus > 1 else 0,
         "cublas_workspace_bytes": 2 * workspace,
         "fits": fits,
         "headroom_bytes": gpu.capacity_bytes - device,
