@@ -90,9 +90,10 @@ def test_agrees_with_the_estimator_for_fp32_adamw():
     """Cross-check with trainmem.estimate (independent code): fp32 AdamW = 4 + 4 + 8
     bytes/param.
 
-    ZeRO-0/1/2 agree to within AdamW's per-tensor ``step`` scalars (bytes, not
-    per-parameter); ZeRO-3 differs by the gathered (unsharded) layers the estimator adds
-    (two on more than one GPU: FSDP prefetches the next unit)."""
+    ZeRO-0 (torch DDP) differs by DDP's gradient buckets; ZeRO-1/2 agree to within
+    AdamW's per-tensor ``step`` scalars (bytes, not per-parameter); ZeRO-3 differs by
+    the gathered (unsharded) layers the estimator adds (two on more than one GPU: FSDP
+    prefetches the next unit)."""
     from trainmem import estimate
 
     for stage in (0, 1, 2, 3):
@@ -105,7 +106,11 @@ def test_agrees_with_the_estimator_for_fp32_adamw():
         mine = zero.per_gpu_memory(
             e.n_params, stage, 4, weight_bytes=4, grad_bytes=4, k=8
         ).model_states
-        if stage < 3:
+        if stage == 0:
+            # torch DDP: its gradient buckets, a second copy of every gradient, which
+            # the ZeRO paper's data-parallel baseline leaves out
+            assert abs(states - mine - 4 * e.n_params) <= 8 * 64
+        elif stage < 3:
             assert abs(states - mine) <= 8 * 64  # a few scalars per parameter tensor
         else:
             # ZeRO-3: the estimator also holds the gathered (unsharded) decoder layers
@@ -116,6 +121,61 @@ def test_agrees_with_the_estimator_for_fp32_adamw():
             layer = sum(p.numel() for p in meta.model.layers[0].parameters())
             # two units on 4 GPUs: the one computing and the prefetched next one
             assert abs(states - mine - 2 * 4 * layer) <= 8 * 64  # fp32: 4 B/param
+
+
+def test_ddp_buckets_are_c10ds():
+    """The DDP buckets the replay allocates are the ones c10d forms: the same
+    assignment as ``dist._compute_bucket_assignment_by_size`` (mixed dtypes, a tensor
+    larger than a cap, the 1 MiB first cap), and a real DistributedDataParallel (gloo,
+    one rank) keeps buckets holding every trainable parameter's bytes, with
+    ``gradient_as_bucket_view`` off."""
+    import torch
+    import torch.distributed as dist
+
+    from trainmem.memory.step import DDP_BUCKET_CAPS, ddp_bucket_sizes
+
+    sizes = [3_000, 700_000, 9_000_000, 400_000, 30_000_000, 5, 6_000_000, 2_000_000]
+    dtypes = [torch.float32, torch.bfloat16]
+    tensors = [
+        torch.empty(n, dtype=dtypes[i % 2], device="meta") for i, n in enumerate(sizes)
+    ]
+    indices, _ = dist._compute_bucket_assignment_by_size(tensors, list(DDP_BUCKET_CAPS))
+    theirs = sorted(
+        sum(tensors[i].numel() * tensors[i].element_size() for i in bucket)
+        for bucket in indices
+    )
+    mine = ddp_bucket_sizes((t.numel() * t.element_size(), t.dtype) for t in tensors)
+    assert sorted(mine) == theirs and len(theirs) > 3
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    model[0].requires_grad_(False)  # frozen parameters get no bucket
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp(torch.randn(2, 64)).sum().backward()
+        data = ddp._get_ddp_logging_data()
+    finally:
+        dist.destroy_process_group()
+    trainable = sum(p.numel() * 4 for p in model[1].parameters())
+    assert sum(map(int, data["bucket_sizes"].split(","))) == trainable
+    assert data["gradient_as_bucket_view"] == 0
+
+
+def test_ddp_keeps_a_second_copy_of_the_gradients():
+    """zero=0 on more than one GPU is DDP: besides ``param.grad`` the step holds its
+    buckets, every trainable gradient's bytes once more (fp32 full fine-tuning: 4 B a
+    parameter; LoRA: the fp32 adapters'), from before the forward to the end."""
+    from trainmem import estimate
+
+    def grads(**kw):
+        e = estimate.estimate("tiny", batch=1, seq=16, **kw)
+        return e.breakdown["gradients"], e.model_state_bytes, e.n_trainable
+
+    for kw in (dict(precision="fp32"), dict(method="lora", precision="bf16")):
+        _, one, n = grads(gpus=1, **kw)
+        at_peak, two, _ = grads(gpus=2, **kw)
+        assert two - one == 4 * n  # fp32 gradients (peft's fp32 adapters under LoRA)
+        assert at_peak >= 4 * n  # the buckets are alive at the peak, wherever it is
 
 
 # --------------------------------------------------------------------------------------

@@ -165,7 +165,11 @@ class StepConfig:
         estimate_only=True,
     )
     gpus: int = _option(
-        1, "data-parallel GPUs (≥ 1)", kind="positive", estimate_only=True
+        1,
+        "data-parallel GPUs (≥ 1); with --zero 0 torch DDP, whose gradient buckets "
+        "hold a second copy of the trainable gradients",
+        kind="positive",
+        estimate_only=True,
     )
     zero_impl: str = _option(
         "fsdp",

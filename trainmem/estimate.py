@@ -64,7 +64,9 @@ grad_accum, optimizer_impl)``:
   plus the prefetch bucket; the embeddings for their forward, ``lm_head`` from its
   forward to its backward: no root unit) and parameters under the persistence
   threshold never partitioned; ``deepspeed_sizes`` picks DeepSpeed's defaults or the
-  Trainer's ``"auto"`` values.  The AdamW
+  Trainer's ``"auto"`` values. ``zero=0`` on ``gpus`` > 1 is torch DDP: nothing is
+  partitioned, and DDP's gradient buckets (a second copy of every trainable gradient,
+  ``gradient_as_bucket_view=False``) live for the whole run.  The AdamW
   ``foreach`` scratch (``temporaries`` at the optimizer step) covers the local shard
   only.  This part is a model, not measured here.  Which parameter layout applies:
 

@@ -339,6 +339,45 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
     return masters, (gathered_layer, bucket), gathered_root
 
 
+#: DDP's bucket caps once its first iteration has rebuilt the buckets in the order
+#: the gradients became ready: the first bucket 1 MiB
+#: (``dist._DEFAULT_FIRST_BUCKET_BYTES``), the others ``bucket_cap_mb`` = 25 MiB
+#: (torch/nn/parallel/distributed.py; the Reducer's ``rebuild_buckets`` in
+#: torch/csrc/distributed/c10d/reducer.cpp; the Trainer's ``ddp_bucket_cap_mb``
+#: defaults to None, DDP's 25)
+DDP_BUCKET_CAPS = (1 << 20, 25 << 20)
+
+
+def ddp_bucket_sizes(tensors, caps=DDP_BUCKET_CAPS) -> list[int]:
+    """The bytes of each DDP bucket over ``tensors`` (``(nbytes, dtype)`` in the order
+    their gradients become ready), as c10d's ``compute_bucket_assignment_by_size``
+    forms them: one open bucket per dtype, closed once it holds at least its cap; each
+    closed bucket moves that dtype on to the next cap, and what stays open at the end
+    is a bucket too."""
+    open_, out = {}, []
+    for nbytes, dtype in tensors:
+        bucket = open_.setdefault(dtype, [0, 0])  # bytes, index of its cap
+        bucket[0] += nbytes
+        if bucket[0] >= caps[bucket[1]]:
+            out.append(bucket[0])
+            bucket[:] = [0, min(bucket[1] + 1, len(caps) - 1)]
+    return out + [b[0] for b in open_.values() if b[0]]
+
+
+def _ddp_buckets(sim: Simulator, params: list, step) -> list:
+    """DistributedDataParallel's gradient buckets (``zero=0`` on ``gpus`` > 1): the
+    Reducer allocates one flat tensor per bucket (``at::empty`` of the bucket's
+    elements, in its parameters' dtype) when DDP wraps the model and keeps them. With
+    ``gradient_as_bucket_view=False`` — DDP's default; neither accelerate's
+    ``DistributedDataParallelKwargs`` nor the Trainer changes it — each gradient is
+    copied into its bucket for the all-reduce and back into ``param.grad``, so the
+    buckets are a second copy of every trainable gradient, alive the whole run."""
+    if step.zero != 0 or step.gpus <= 1:
+        return []
+    ready = [(math.prod(p.shape) * ITEMSIZE[p.dtype], p.dtype) for p in params]
+    return [sim.alloc(n, "gradients") for n in ddp_bucket_sizes(reversed(ready))]
+
+
 def _layer_groups(layer) -> list[list[tuple[str, list]]]:
     """A decoder layer's modules with parameters, in the order its forward runs them,
     grouped by what a Linear is under peft: its base weight and bias, then its
@@ -784,6 +823,7 @@ def simulate_step(
     zero_dtype = _HALF.get(step.precision) if step.zero >= 1 else None
     model, params = _build_model(sim, shape, step, zero_dtype)
     masters, held, gathered_root = _shard_for_zero(sim, model, params, step, zero_dtype)
+    ddp = _ddp_buckets(sim, params, step)
     # fp32 states, like the master weights, under the ZeRO layout
     state_dtype = "fp32" if zero_dtype else None
     states = _optimizer_states(sim, params, step, state_dtype)
@@ -804,7 +844,7 @@ def simulate_step(
     if rule is not None:
         part = 1.0 / step.gpus if step.zero >= 1 else 1.0
         SCRATCH_RULES[rule](sim, params, state_dtype, part)
-    del masters, held
+    del masters, held, ddp
     if step.framework == "litgpt" and step.zero == 0:
         _litgpt_eval(sim, model, step, (ids, labels), cfg)
     cfg.pop("held", None)
