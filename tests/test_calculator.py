@@ -567,7 +567,7 @@ def test_gpu_numbers_timeline_and_fit(calc_page, tmp_path):
     gpu = page.locator(".tm-calc-gpu")
     assert gpu.get_attribute("data-fits") == str(want["fits"]).lower()
     table = page.locator(".tm-gpu-table").inner_text().replace(",", "")
-    for key in ("reserved_bytes", "device_bytes", "capacity_bytes"):
+    for key in ("reserved_bytes", "context_bytes", "device_bytes", "capacity_bytes"):
         assert str(want[key]) in table, key
     # the estimator's notes about the card, worded by code (bf16 on a T4)
     codes = [n["code"] for n in want["notes"]]
@@ -595,6 +595,23 @@ def test_gpu_numbers_timeline_and_fit(calc_page, tmp_path):
     assert f"最大微批 {fit['max_batch']}" in text
     if "cheapest_change" in fit:
         assert fit["cheapest_change"]["change"] in text
+    assert not problems, "\n".join(problems)
+
+
+def test_nvidia_smi_rows_on_more_than_one_gpu(calc_page, tmp_path):
+    """On more than one GPU the page breaks nvidia-smi down as the CLI's table does:
+    the CUDA context and NCCL's buffers, with the communicators and channels they
+    count (two communicators under DeepSpeed, 24 channels between A100s)."""
+    page, problems = _fresh(calc_page)
+    values = {"model": "llama2-7b", "method": "lora", "zero": "3", "gpus": "2"}
+    values.update({"zero-impl": "deepspeed", "gpu": "A100-40GB"})
+    _ask(page, values, None)
+    want = json.loads(_cli(values, None, tmp_path).stdout)
+    table = page.locator(".tm-gpu-table").inner_text()
+    assert str(want["nccl_bytes"]) in table.replace(",", "")
+    comms, channels = want["nccl_communicators"], want["nccl_channels"]
+    assert (comms, channels) == (2, 24)
+    assert f"{comms} 个通信器 × {channels} 个通道" in table
     assert not problems, "\n".join(problems)
 
 

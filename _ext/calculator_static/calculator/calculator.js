@@ -236,7 +236,12 @@ def tm_formats(text):
         d.gpu_allocated_bytes));
       tbody.append(bytesRow(el("th", { scope: "row" }, "保留（max_memory_reserved）"),
         d.reserved_bytes));
-      tbody.append(bytesRow(el("th", { scope: "row" }, "nvidia-smi（下限：+ CUDA 上下文）"),
+      tbody.append(bytesRow(el("th", { scope: "row" }, "+ CUDA 上下文"), d.context_bytes));
+      if (d.nccl_bytes) {
+        const label = `+ NCCL 缓冲区（${d.nccl_communicators} 个通信器 × ${d.nccl_channels} 个通道）`;
+        tbody.append(bytesRow(el("th", { scope: "row" }, label), d.nccl_bytes));
+      }
+      tbody.append(bytesRow(el("th", { scope: "row" }, "nvidia-smi（下限）"),
         d.device_bytes));
       tbody.append(bytesRow(el("th", { scope: "row" }, `${d.gpu} 显存`), d.capacity_bytes));
       const verdict = d.fits
