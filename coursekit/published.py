@@ -468,8 +468,7 @@ still miss:
   never partitions, and its bucket were checked against DeepSpeed 0.16.4 on CPU
   (`benchmarks/deepspeed_cpu_check.py`: 16 cases, full fine-tuning and LoRA, three
   checkpointing forms, four reuse distances, all the same). The kernels loaded during
-  the step, NCCL's buffers rounded to its allocation granularity and FSDP's
-  flat-parameter padding are not in `device_bytes`.
+  the step and FSDP's flat-parameter padding are not in `device_bytes`.
 
 Sources read and left out (conditions not pinned, so no row):
 

@@ -373,15 +373,25 @@ def test_cli_gpu_and_versions_errors(capsys):
 
 
 def test_nccl_buffers_on_more_than_one_gpu():
-    """N > 1: nvidia-smi adds NCCL's ring buffers (outside the caching allocator): one
-    LL (8 lines x 512 threads x 8 steps x 16 B), one LL128 (120 x 640 x 8 x 8 B) and one
-    Simple (NCCL_BUFFSIZE 4 MiB) buffer per channel per communicator; 24 channels
-    between SXM boards on NVSwitch (the A100/H100 presets), at least 2 over PCIe; one
-    communicator under FSDP, two under DeepSpeed (the world group and its clone); none
-    on one GPU. fits leaves them out of the allocator's budget."""
-    from trainmem.gpus import GPUS, nccl_bytes, nccl_channels
+    """N > 1: nvidia-smi adds NCCL's ring buffers (outside the caching allocator). Per
+    channel a send and a receive side, each a 4 KiB header plus its buffers rounded up
+    to 2 MiB: LL (8 lines x 512 threads x 8 steps x 16 B), LL128 (120 x 640 x 8 x 8 B)
+    on the receive side, Simple (NCCL_BUFFSIZE 4 MiB) on the send side under P2P read
+    (sm_80 on NVLink), on the receive side otherwise; 24 channels between SXM boards
+    on NVSwitch (the A100/H100 presets), at least 2 over PCIe; one communicator under
+    FSDP, two under DeepSpeed (the world group and its clone); none on one GPU. fits
+    leaves them out of the allocator's budget."""
+    import math
 
-    per_channel = 524_288 + 4_915_200 + 4 * (1 << 20)
+    from trainmem.gpus import GPUS, nccl_bytes, nccl_channel_bytes, nccl_channels
+
+    def up(n):  # a side: header + buffers, to a multiple of 2 MiB
+        return math.ceil((4096 + n) / 2**21) * 2**21
+
+    ll, ll128, simple = 524_288, 4_915_200, 4 * (1 << 20)
+    per_channel = up(simple) + up(ll + ll128)
+    assert per_channel == up(0) + up(ll + ll128 + simple) == 12 * 2**20
+    assert nccl_channel_bytes(True) == nccl_channel_bytes(False) == per_channel
     assert nccl_bytes(1) == 0 and nccl_bytes(2) == nccl_bytes(8) == 2 * per_channel
     assert nccl_bytes(2, 24, 2) == 48 * per_channel
     assert [g for g in GPUS if nccl_channels(GPUS[g]) == 24] == [

@@ -35,15 +35,22 @@ Sources of the figures (each cited where it is used):
   ``torch.cuda.get_device_properties().total_memory`` is the same number in bytes.
 * NCCL buffers (N > 1 GPUs; NCCL allocates them with ``cudaMalloc``/``cuMem``, outside
   PyTorch's caching allocator, so they are in ``nvidia-smi`` but not in reserved): every
-  ring channel connects each rank to its next and previous peer, and each connection
-  has one buffer per protocol (``src/transport/p2p.cc``: the receiver allocates them,
-  with P2P read the Simple one sits on the sender, one set per rank per channel either
-  way). Sizes from ``src/init.cc`` (NCCL 2.18-2.27): ``DEFAULT_BUFFSIZE`` = 4 MiB
-  (Simple, ``NCCL_BUFFSIZE``), ``DEFAULT_LL_BUFFSIZE`` = ``NCCL_LL_LINES_PER_THREAD`` 8
-  x ``NCCL_LL_MAX_NTHREADS`` 512 x ``NCCL_STEPS`` 8 x 16 B ``ncclLLFifoLine``,
-  ``DEFAULT_LL128_BUFFSIZE`` = ``NCCL_LL128_ELEMS_PER_THREAD`` 120 x
-  ``NCCL_LL128_MAX_NTHREADS`` 640 x 8 steps x 8 B (constants of
-  ``src/include/device.h``): 9.19 MiB per channel.
+  ring channel connects each rank to its next peer (a send connection) and its
+  previous one (a receive connection), and each connection is one allocation in the
+  rank's own memory (``src/transport/p2p.cc``, the P2P transport of NVLink and PCIe
+  peer access; NCCL 2.18-2.27). The receive side holds an ``ncclRecvMem`` header and a
+  buffer per protocol, the send side an ``ncclSendMem`` header, and under P2P read
+  (both GPUs sm_80 on NVLink, ``ncclTopoCheckP2p`` in ``src/graph/paths.cc``) the
+  Simple buffer moves from the receive side to the send side. Each side is rounded up
+  to ``CUDA_IPC_MIN`` = 2 MiB (``ALIGN_SIZE(sendSize, CUDA_IPC_MIN)``, the same for
+  ``recvSize``; ``src/include/comm.h``; the headers are ``MEM_ALIGN`` = 4096 B). The
+  buffers (``src/init.cc``): ``DEFAULT_BUFFSIZE`` = 4 MiB (Simple, ``NCCL_BUFFSIZE``),
+  ``DEFAULT_LL_BUFFSIZE`` = ``NCCL_LL_LINES_PER_THREAD`` 8 x ``NCCL_LL_MAX_NTHREADS``
+  512 x ``NCCL_STEPS`` 8 x 16 B ``ncclLLFifoLine``, ``DEFAULT_LL128_BUFFSIZE`` =
+  ``NCCL_LL128_ELEMS_PER_THREAD`` 120 x ``NCCL_LL128_MAX_NTHREADS`` 640 x 8 steps x 8 B
+  (constants of ``src/include/device.h``): 12 MiB per channel with or without P2P
+  read. Without peer access NCCL uses its SHM transport, whose buffers sit in host
+  memory; the estimate counts the P2P transport's.
 
   Channels: the topology search's result. Over PCIe the ring search finds at least
   one ring and ``ncclTopoPostset`` (``src/graph/connect.cc``) doubles the channels
@@ -65,9 +72,8 @@ Sources of the figures (each cited where it is used):
   ``dist.new_group`` clone of the world group (``utils/groups.py``
   ``_clone_world_group``), for the gradients' reduce-scatter.
 
-  Not counted: the rounding of each buffer to the allocation granularity, tree
-  connections of all-reduce to other peers than the ring's, send/receive channels,
-  and NCCL's kernels.
+  Not counted: tree connections of all-reduce to other peers than the ring's,
+  send/receive channels, and NCCL's kernels.
 * Not modelled: other processes on the card.
 
 Standard library only (the in-page calculator runs it in Pyodide)."""
@@ -92,6 +98,10 @@ NCCL_STEPS = 8
 NCCL_LL_BUFFSIZE = 8 * 512 * NCCL_STEPS * 16
 NCCL_LL128_BUFFSIZE = 120 * 640 * NCCL_STEPS * 8
 NCCL_SIMPLE_BUFFSIZE = 1 << 22
+#: the headers of a connection's two sides (MEM_ALIGN) and the rounding of each side
+#: (CUDA_IPC_MIN), src/include/comm.h
+NCCL_MEM_ALIGN = 4096
+NCCL_CUDA_IPC_MIN = 2 * MiB
 #: the fewest ring channels NCCL builds (one ring, doubled by ncclTopoPostset)
 NCCL_MIN_RING_CHANNELS = 2
 #: collective channels between GPUs on NVSwitch (A100/H100 SXM; module docstring)
@@ -163,15 +173,37 @@ def nccl_channels(gpu: GPU) -> int:
     return NCCL_NVLINK_CHANNELS if gpu.nvlink else NCCL_MIN_RING_CHANNELS
 
 
+def nccl_channel_bytes(p2p_read: bool = False) -> int:
+    """One ring channel's buffers on a rank: its send and its receive side, each
+    rounded up to ``CUDA_IPC_MIN``; under P2P read the Simple buffer is on the send
+    side (module docstring)."""
+
+    def side(nbytes: int) -> int:
+        return -(-(NCCL_MEM_ALIGN + nbytes) // NCCL_CUDA_IPC_MIN) * NCCL_CUDA_IPC_MIN
+
+    simple = NCCL_SIMPLE_BUFFSIZE
+    low_latency = NCCL_LL_BUFFSIZE + NCCL_LL128_BUFFSIZE
+    if p2p_read:
+        return side(simple) + side(low_latency)
+    return side(0) + side(low_latency + simple)
+
+
+def p2p_read(gpu: GPU) -> bool:
+    """Whether NCCL reads from its peer's buffer (P2P read): sm_80 GPUs on NVLink."""
+    return gpu.nvlink and gpu.capability == (8, 0)
+
+
 def nccl_bytes(
-    gpus: int, channels: int = NCCL_MIN_RING_CHANNELS, communicators: int = 1
+    gpus: int,
+    channels: int = NCCL_MIN_RING_CHANNELS,
+    communicators: int = 1,
+    p2p_read: bool = False,
 ) -> int:
-    """NCCL's ring buffers on each of ``gpus`` ranks (0 on one GPU): one buffer per
-    protocol (LL, LL128, Simple) per channel, per communicator (module docstring)."""
+    """NCCL's ring buffers on each of ``gpus`` ranks (0 on one GPU): a channel's send
+    and receive sides, per channel, per communicator (module docstring)."""
     if gpus <= 1:
         return 0
-    per_channel = NCCL_LL_BUFFSIZE + NCCL_LL128_BUFFSIZE + NCCL_SIMPLE_BUFFSIZE
-    return communicators * channels * per_channel
+    return communicators * channels * nccl_channel_bytes(p2p_read)
 
 
 def _overheads(gpu_name: str, versions: dict, gpus: int, communicators: int):
@@ -183,7 +215,7 @@ def _overheads(gpu_name: str, versions: dict, gpus: int, communicators: int):
         gpu,
         cublas_workspace_bytes(gpu, torch_version),
         context_bytes(gpu, torch_version),
-        nccl_bytes(gpus, nccl_channels(gpu), communicators),
+        nccl_bytes(gpus, nccl_channels(gpu), communicators, p2p_read(gpu)),
     )
 
 
