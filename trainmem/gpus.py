@@ -52,15 +52,19 @@ Sources of the figures (each cited where it is used):
   read. Without peer access NCCL uses its SHM transport, whose buffers sit in host
   memory; the estimate counts the P2P transport's.
 
-  Channels: the topology search's result. Over PCIe the ring search finds at least
-  one ring and ``ncclTopoPostset`` (``src/graph/connect.cc``) doubles the channels
-  (``nChannels = std::min(MAXCHANNELS, nChannels*2)``), so at least 2 (a lower bound).
-  On the SXM boards, every GPU on NVSwitch, NCCL runs 24 collective channels: "for
-  dgxA100, 12 nvlink and 24 cta for allreduce" (NVIDIA/nccl#1225; one CTA per channel,
-  "2 CTAs per NVLink in order to saturate the BW", NVIDIA/nccl#1703), and the H100
-  logs of NVIDIA/nccl#1259 (8 GPUs) and pytorch/torchtitan#1570 (4 GPUs) print
-  ``Channel 00/24``. The A100 and H100 presets are those boards (``nvlink``); their
-  PCIe versions get the lower bound.
+  Channels: the topology search's result (``src/graph/search.cc``, ``connect.cc``, read
+  at NCCL 2.21.5). The ring search takes the fastest per-channel bandwidth of its
+  speed array that the links carry and adds channels until they fill the GPU's
+  bandwidth; ``ncclTopoDupChannels`` doubles them when that bandwidth is 25 GB/s or
+  more, and ``ncclTopoPostset`` doubles them again (``nChannels =
+  std::min(MAXCHANNELS, nChannels*2)``). SXM boards on NVSwitch: an A100 has 12
+  NVLinks of ``SM80_NVLINK_BW`` 20 GB/s (240), filled by 6 channels of 40; an H100 18
+  of 20.6 (370.8), best filled by 6 of 60; either way 6 x 2 x 2 = 24 channels, what
+  NCCL prints on these machines ("for dgxA100, 12 nvlink and 24 cta for allreduce",
+  NVIDIA/nccl#1225, a CTA per channel; ``Channel 00/24`` on H100s in NVIDIA/nccl#1259
+  and pytorch/torchtitan#1570). Over PCIe (24 GB/s) one channel of 20 is found, not
+  duplicated in the search: 2. The A100 and H100 presets are the SXM boards
+  (``nvlink``); their PCIe versions get 2.
 
   Communicators: each process group that runs a collective has its own NCCL
   communicator with its own buffers ("more communicators = more memory used", NCCL's
