@@ -5,6 +5,8 @@ device bytes, fits, ``trainmem fit``)."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +36,8 @@ from trainmem.versions import (
     loss_form,
     parse_versions,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # 3 layers, 128 wide: a real CPU step takes about a second
 SMALL = dict(
@@ -525,3 +529,49 @@ def test_flash_attention_below_sm80_is_an_option_error():
     with pytest.raises(OptionError, match="T4 is sm_75") as err:
         estimate("tiny", attn="flash", precision="fp16-amp", gpu="T4")
     assert err.value.option == "attn"
+
+
+def test_nvls_is_named_where_nccl_sets_it_up():
+    """NCCL sets NVLS up on more than 2 NVSwitch-connected sm_90+ GPUs; the estimate
+    does not count it and says so in a note there, and only there."""
+    from trainmem.config import StepConfig
+    from trainmem.estimate import _gpu_notes
+    from trainmem.gpus import GPUS
+
+    def codes(gpu, gpus):
+        step = StepConfig(method="full", zero=3, gpus=gpus)
+        return [n["code"] for n in _gpu_notes(step, GPUS[gpu])]
+
+    assert codes("H100-80GB", 8) == codes("H100-80GB", 3) == ["nvls-not-modelled"]
+    assert codes("H100-80GB", 2) == codes("A100-80GB", 8) == codes("L40S", 8) == []
+
+
+def test_every_gpu_note_has_the_calculators_wording():
+    """Each note the estimator can give about a card has a Chinese wording in the
+    calculator (which words notes by code)."""
+    from trainmem.config import StepConfig
+    from trainmem.estimate import _gpu_notes
+    from trainmem.gpus import GPUS
+
+    cases = [
+        (dict(precision="bf16"), "T4"),
+        (dict(precision="bf16", framework="litgpt"), "T4"),
+        (dict(method="full", zero=3, gpus=8), "H100-80GB"),
+    ]
+    made = {
+        n["code"] for kw, gpu in cases for n in _gpu_notes(StepConfig(**kw), GPUS[gpu])
+    }
+    js = (ROOT / "_ext/calculator_static/calculator/calculator.js").read_text()
+    block = js[js.index("const GPU_NOTES = {") :]
+    block = block[: block.index("};")]
+    worded = set(re.findall(r'^\s*"([a-z0-9-]+)":', block, re.M))
+    assert (
+        made
+        == worded
+        == {
+            "bf16-emulated",
+            "sdpa-math",
+            "sdpa-math-not-modelled",
+            "nvls-not-modelled",
+        }
+    )

@@ -664,8 +664,9 @@ def _gpu_notes(step: StepConfig, gpu) -> list[dict]:
     """What the card changes besides memory, as ``{"code", "message"}`` (front ends
     word them by ``code``): bf16 on a card without bf16 units runs, but emulated
     (torch.cuda.is_bf16_supported() answers True through emulation below compute
-    capability 8.0, so Trainer(bf16=True) accepts it); and bf16 SDPA there runs the
-    math path (:func:`_on_gpu`)."""
+    capability 8.0, so Trainer(bf16=True) accepts it); bf16 SDPA there runs the
+    math path (:func:`_on_gpu`); and on more than 2 NVSwitch-connected sm_90+ GPUs
+    NCCL's NVLS buffers, which the estimate leaves out (:mod:`trainmem.gpus`)."""
     notes = []
     major, minor = gpu.capability
     uses_bf16 = _bf16_activations(step) or step.lora_dtype == "bf16"
@@ -690,6 +691,17 @@ def _gpu_notes(step: StepConfig, gpu) -> list[dict]:
                     if replayed
                     else "this estimate does not include it"
                 ),
+            }
+        )
+    if gpu.nvlink and gpu.capability >= (9, 0) and step.gpus > 2:
+        notes.append(
+            {
+                "code": "nvls-not-modelled",
+                "message": "NCCL's NVLS (NVLink SHARP) buffers are not in this "
+                "estimate: on more than 2 NVSwitch-connected GPUs of compute "
+                "capability 9.0 or newer NCCL maps channels x 2 buffers per local GPU "
+                "into each GPU, for every communicator (up to gigabytes per GPU, "
+                "depending on the NCCL version); NCCL_NVLS_ENABLE=0 turns them off",
             }
         )
     return notes

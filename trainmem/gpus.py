@@ -77,7 +77,17 @@ Sources of the figures (each cited where it is used):
   ``_clone_world_group``), for the gradients' reduce-scatter.
 
   Not counted: tree connections of all-reduce to other peers than the ring's,
-  send/receive channels, and NCCL's kernels.
+  send/receive channels, NCCL's kernels, and NVLS (NVLink SHARP). NCCL sets NVLS up
+  on more than 2 GPUs with multicast support (sm_90 on NVSwitch;
+  ``src/transport/nvls.cc``, ``gpuCount <= 2`` returns early): each GPU maps
+  ``nChannels * 2 * buffSize * nHeads`` (one head per local GPU) for each
+  communicator. Its size depends on the NCCL version — through 2.20 ``buffSize`` is
+  the 4 MiB Simple buffer plus a 2 MiB header and ``nChannels`` the collective
+  channels, so 8 GPUs map 2.25 GiB each (the ``nvlsTotalSize 2415919104`` that
+  vllm-project/vllm#9699 logs); 2.21 uses 1 MiB + 2 MiB; from 2.22 16 NVLS channels
+  of 1 MiB, set up only when an NVLS algorithm first runs, which NCCL's tuner
+  decides —, so the estimate names it in a note (``nvls-not-modelled``) instead of
+  counting it.
 * Not modelled: other processes on the card.
 
 Standard library only (the in-page calculator runs it in Pyodide)."""
