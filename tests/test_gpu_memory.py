@@ -557,6 +557,16 @@ def test_every_gpu_note_has_the_calculators_wording():
         (dict(precision="bf16"), "T4"),
         (dict(precision="bf16", framework="litgpt"), "T4"),
         (dict(method="full", zero=3, gpus=8), "H100-80GB"),
+        (
+            dict(
+                method="lora",
+                zero=3,
+                gpus=2,
+                zero_impl="deepspeed",
+                checkpointing=True,
+            ),
+            "A100-40GB",
+        ),
     ]
     made = {
         n["code"] for kw, gpu in cases for n in _gpu_notes(StepConfig(**kw), GPUS[gpu])
@@ -573,5 +583,24 @@ def test_every_gpu_note_has_the_calculators_wording():
             "sdpa-math",
             "sdpa-math-not-modelled",
             "nvls-not-modelled",
+            "deepspeed-checkpoint-error",
         }
     )
+
+
+def test_deepspeed_lora_with_non_reentrant_checkpointing_is_flagged():
+    """DeepSpeed ZeRO-3 + LoRA + non-reentrant checkpointing stops in DeepSpeed before
+    its fix (what benchmarks/deepspeed_cpu_check.py met with 0.16.4): the estimate
+    says so, and only for that combination."""
+    from trainmem.gpus import GPUS
+
+    def codes(**kw):
+        base = dict(method="lora", zero=3, gpus=2, zero_impl="deepspeed")
+        step = StepConfig(**{**base, "checkpointing": True, **kw})
+        from trainmem.estimate import _gpu_notes
+
+        return [n["code"] for n in _gpu_notes(step, GPUS["A100-40GB"])]
+
+    assert codes() == codes(method="qlora") == ["deepspeed-checkpoint-error"]
+    assert codes(checkpointing_mode="reentrant") == codes(checkpointing=False) == []
+    assert codes(method="full") == codes(zero_impl="fsdp") == []

@@ -665,8 +665,11 @@ def _gpu_notes(step: StepConfig, gpu) -> list[dict]:
     word them by ``code``): bf16 on a card without bf16 units runs, but emulated
     (torch.cuda.is_bf16_supported() answers True through emulation below compute
     capability 8.0, so Trainer(bf16=True) accepts it); bf16 SDPA there runs the
-    math path (:func:`_on_gpu`); and on more than 2 NVSwitch-connected sm_90+ GPUs
-    NCCL's NVLS buffers, which the estimate leaves out (:mod:`trainmem.gpus`)."""
+    math path (:func:`_on_gpu`); a DeepSpeed ZeRO-3 LoRA step with non-reentrant
+    checkpointing, which DeepSpeed before its fix stops with a CheckpointError (seen on
+    CPU with 0.16.4, ``benchmarks/deepspeed_cpu_check.py``); and on more than 2
+    NVSwitch-connected sm_90+ GPUs NCCL's NVLS buffers, which the estimate leaves out
+    (:mod:`trainmem.gpus`)."""
     notes = []
     major, minor = gpu.capability
     uses_bf16 = _bf16_activations(step) or step.lora_dtype == "bf16"
@@ -691,6 +694,23 @@ def _gpu_notes(step: StepConfig, gpu) -> list[dict]:
                     if replayed
                     else "this estimate does not include it"
                 ),
+            }
+        )
+    if (
+        step.zero_impl == "deepspeed"
+        and step.zero >= 3
+        and step.method in ("lora", "qlora")
+        and step.checkpointing
+        and step.checkpointing_mode == "non-reentrant"
+    ):
+        notes.append(
+            {
+                "code": "deepspeed-checkpoint-error",
+                "message": "DeepSpeed ZeRO-3 with LoRA and non-reentrant checkpointing "
+                "stops in the backward with torch's CheckpointError in DeepSpeed "
+                "releases without deepspeedai/DeepSpeed#8148 (seen with 0.16.4; "
+                "huggingface/transformers#47254); gradient_checkpointing_kwargs="
+                "{'use_reentrant': True} runs (--checkpointing-mode reentrant)",
             }
         )
     if gpu.nvlink and gpu.capability >= (9, 0) and step.gpus > 2:

@@ -223,6 +223,10 @@ def tm_formats(text):
         + "（fp32 的分数与 softmax）；上面的数字按这条路径重放。",
       "sdpa-math-not-modelled": () => "计算能力 8.0 以下，SDPA 的融合 kernel 都不接 bf16，"
         + "注意力退回数学路径（fp32 的分数与 softmax）；这个估算没有计入它。",
+      "deepspeed-checkpoint-error": () => "DeepSpeed ZeRO-3 下 LoRA 配非重入检查点：没有合入 "
+        + "deepspeedai/DeepSpeed#8148 的 DeepSpeed 版本会在反向里报 torch 的 CheckpointError"
+        + "（0.16.4 上复现过）；改用 gradient_checkpointing_kwargs={'use_reentrant': True}"
+        + "（检查点形式选 reentrant）可以跑。",
       "nvls-not-modelled": () => "NCCL 的 NVLS（NVLink SHARP）缓冲区不在这个估算里：NVSwitch 连接的"
         + "计算能力 9.0 及以上的 GPU 超过 2 张时，NCCL 为每个通信器在每张卡上映射这块内存，"
         + "随 NCCL 版本可达每卡数 GiB；设 NCCL_NVLS_ENABLE=0 可关掉。",
