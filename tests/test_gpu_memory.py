@@ -592,13 +592,12 @@ def test_deepspeed_lora_with_non_reentrant_checkpointing_is_flagged():
     """DeepSpeed ZeRO-3 + LoRA + non-reentrant checkpointing stops in DeepSpeed before
     its fix (what benchmarks/deepspeed_cpu_check.py met with 0.16.4): the estimate
     says so, and only for that combination."""
+    from trainmem.estimate import _gpu_notes
     from trainmem.gpus import GPUS
 
     def codes(**kw):
         base = dict(method="lora", zero=3, gpus=2, zero_impl="deepspeed")
         step = StepConfig(**{**base, "checkpointing": True, **kw})
-        from trainmem.estimate import _gpu_notes
-
         return [n["code"] for n in _gpu_notes(step, GPUS["A100-40GB"])]
 
     assert codes() == codes(method="qlora") == ["deepspeed-checkpoint-error"]

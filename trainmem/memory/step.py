@@ -374,7 +374,7 @@ def _ddp_buckets(sim: Simulator, params: list, step) -> list:
     buckets are a second copy of every trainable gradient, alive the whole run."""
     if step.zero != 0 or step.gpus <= 1:
         return []
-    ready = [(math.prod(p.shape) * ITEMSIZE[p.dtype], p.dtype) for p in params]
+    ready = [(p.nbytes, p.dtype) for p in params]
     return [sim.alloc(n, "gradients") for n in ddp_bucket_sizes(reversed(ready))]
 
 
