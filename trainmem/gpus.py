@@ -187,7 +187,7 @@ def nccl_channels(gpu: GPU) -> int:
     return NCCL_NVLINK_CHANNELS if gpu.nvlink else NCCL_MIN_RING_CHANNELS
 
 
-def nccl_channel_bytes(p2p_read: bool = False) -> int:
+def nccl_channel_bytes(read: bool = False) -> int:
     """One ring channel's buffers on a rank: its send and its receive side, each
     rounded up to ``CUDA_IPC_MIN``; under P2P read the Simple buffer is on the send
     side (module docstring)."""
@@ -197,7 +197,7 @@ def nccl_channel_bytes(p2p_read: bool = False) -> int:
 
     simple = NCCL_SIMPLE_BUFFSIZE
     low_latency = NCCL_LL_BUFFSIZE + NCCL_LL128_BUFFSIZE
-    if p2p_read:
+    if read:
         return side(simple) + side(low_latency)
     return side(0) + side(low_latency + simple)
 
@@ -211,13 +211,14 @@ def nccl_bytes(
     gpus: int,
     channels: int = NCCL_MIN_RING_CHANNELS,
     communicators: int = 1,
-    p2p_read: bool = False,
+    read: bool = False,
 ) -> int:
     """NCCL's ring buffers on each of ``gpus`` ranks (0 on one GPU): a channel's send
-    and receive sides, per channel, per communicator (module docstring)."""
+    and receive sides, per channel, per communicator; ``read``: P2P read
+    (:func:`p2p_read`) (module docstring)."""
     if gpus <= 1:
         return 0
-    return communicators * channels * nccl_channel_bytes(p2p_read)
+    return communicators * channels * nccl_channel_bytes(read)
 
 
 def _overheads(gpu_name: str, versions: dict, gpus: int, communicators: int):
