@@ -1,0 +1,72 @@
+"""Recorded runs of the book's GPU cells on a real GPU, shown beside the CPU run.
+
+A GPU cell's stored output is the run CI checks (on the CPU at small size, where the
+book was executed without CUDA). Where a section's lesson depends on the hardware
+(TFLOPS, allocated / reserved / nvidia-smi bytes, compile speed-ups), the page also
+shows what the same cell printed on a real GPU: the text below is that run's output,
+kept as data (``coursekit/data/gpu_runs/<run>.json``: the GPU, the library versions,
+and each GPU cell's printed text keyed ``<notebook stem>/<cell id>``).
+
+``show_recorded(key)`` prints one cell's recorded output under a label line naming
+the GPU, the date and the versions, so the reader can tell it from the CPU run.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data" / "gpu_runs"
+# : The run the book shows by default.
+DEFAULT_RUN = "h200-2026-12-04"
+# : First line of a recorded GPU output (the book styles it like the GPU cells' labels).
+RECORDED_LABEL = (
+    "以下为同一单元在 {gpu}（计算能力 {cc}）上的一次真实运行的输出"
+    "（{date}；{versions}）。"
+)
+VERSION_KEYS = ("torch", "cuda", "transformers", "peft", "bitsandbytes")
+
+
+@lru_cache(maxsize=None)
+def load_run(run: str = DEFAULT_RUN) -> dict:
+    """The recorded run ``run`` (a file name under ``coursekit/data/gpu_runs``)."""
+    path = DATA / f"{run}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in DATA.glob("*.json"))
+        raise ValueError(f"run must be one of {known}, got {run!r}")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def recorded_label(run: str = DEFAULT_RUN) -> str:
+    """The label line of a recorded output: the GPU, its compute capability, the date
+    and the versions that matter."""
+    data = load_run(run)
+    v = data["versions"]
+    versions = "、".join(f"{k} {v[k]}" for k in VERSION_KEYS if k in v)
+    cc = ".".join(str(x) for x in data["capability"])
+    return RECORDED_LABEL.format(
+        gpu=data["gpu"], cc=cc, date=data["date"], versions=versions
+    )
+
+
+def recorded_output(key: str, run: str = DEFAULT_RUN) -> str:
+    """The text a GPU cell printed on the recorded run, without its own label line.
+
+    ``key`` is ``"<notebook stem>/<cell id>"``; an unknown key raises ValueError
+    naming the keys the run holds.
+    """
+    cells = load_run(run)["cells"]
+    if key not in cells:
+        raise ValueError(f"key must be one of {sorted(cells)}, got {key!r}")
+    lines = cells[key].splitlines()
+    # The cell's own first line is its GPU label ("以下为在 GPU（…）上运行的输出。")
+    while lines and (not lines[0].strip() or lines[0].startswith("以下为在 GPU（")):
+        lines.pop(0)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def show_recorded(key: str, run: str = DEFAULT_RUN) -> None:
+    """Print the recorded GPU output of one cell under its label line."""
+    print(recorded_label(run))
+    print(recorded_output(key, run), end="")
