@@ -36,6 +36,8 @@ __all__ = [
     "dequantize_int8",
     "int8_bytes_per_param",
     "nf4_bytes_per_param",
+    "NF4_RULES",
+    "nf4_bytes",
     "quantize_nf4",
     "dequantize_nf4",
 ]
@@ -341,6 +343,37 @@ def nf4_bytes_per_param(
     With it: 0.5 + 1/64 + 4/(64·256) ≈ 0.5159 bytes (≈0.127 bit/param of constants).
     """
     return nf4_bytes_per_weight(double_quant, block_size, dq_block_size)
+
+
+#: The rules a "7B at 4 bits" size can be counted by (:func:`nf4_bytes`).
+NF4_RULES = ("fp16-scale", "fp32-absmax", "double-quant", "bitsandbytes")
+
+
+def nf4_bytes(n_params: int, rule: str, other_params: int = 0) -> float:
+    """Bytes of ``n_params`` 4-bit weights in blocks of 64, counted by ``rule``:
+
+    * ``"fp16-scale"``: one FP16 scale per 64 weights, 0.5 + 2/64 bytes each;
+    * ``"fp32-absmax"``: one FP32 absmax per 64 (QLoRA §2 without double
+      quantisation), 0.5 + 4/64;
+    * ``"double-quant"``: the absmax constants quantised again to 8 bits, one FP32
+      constant per 256 of them (QLoRA §2), 0.5 + 1/64 + 4/(64·256);
+    * ``"bitsandbytes"``: how bitsandbytes stores a model: ``n_params`` (the decoder
+      Linears) as ``"double-quant"`` and ``other_params`` (embeddings, ``lm_head``,
+      norms) in 16 bits. Only this rule takes ``other_params``.
+    """
+    if rule not in NF4_RULES:
+        raise ValueError(f"rule must be one of {NF4_RULES}, got {rule!r}")
+    if other_params and rule != "bitsandbytes":
+        raise ValueError(
+            f"other_params is only counted by rule 'bitsandbytes', got rule {rule!r}"
+        )
+    per = {
+        "fp16-scale": 0.5 + 2 / 64,
+        "fp32-absmax": nf4_bytes_per_param(64, double_quant=False),
+        "double-quant": nf4_bytes_per_param(64, double_quant=True),
+        "bitsandbytes": nf4_bytes_per_param(64, double_quant=True),
+    }[rule]
+    return n_params * per + 2 * other_params
 
 
 def quantize_nf4(w: torch.Tensor, block_size: int = 64) -> Quantized:

@@ -13,8 +13,10 @@ number.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .estimate import GB, GiB, count_params, estimate
-from .quant import adam_state_bytes_per_param, nf4_bytes_per_param
+from .quant import adam_state_bytes_per_param, nf4_bytes, nf4_bytes_per_param
 
 __all__ = [
     "MODEL_7B",
@@ -30,8 +32,18 @@ __all__ = [
     "adam8_saving",
     "qlora_base_split",
     "qlora_base_bytes",
+    "nf4_7b_bytes",
+    "int8_7b_bytes",
+    "INT8_RULES",
     "H100_HBM_BYTES_PER_S",
     "H100_BF16_DENSE_FLOPS",
+    "H100_PCIE_HBM_BYTES_PER_S",
+    "H100_PCIE_BF16_DENSE_FLOPS",
+    "H100_SXM_FP32_FLOPS",
+    "H100_SXM_TF32_DENSE_FLOPS",
+    "Capacity",
+    "CAPACITIES",
+    "capacity",
     "decode_seconds_per_token",
     "pipeline_bubble",
     "mfu",
@@ -114,11 +126,52 @@ def qlora_base_bytes(
     )
 
 
+def nf4_7b_bytes(rule: str, model: str = MODEL_7B) -> float:
+    """A model's weights at 4 bits by ``rule`` (:data:`trainmem.quant.NF4_RULES`).
+
+    ``"fp16-scale"``, ``"fp32-absmax"`` and ``"double-quant"`` count every parameter
+    at 4 bits; ``"bitsandbytes"`` quantises the decoder Linears (double-quant) and keeps
+    the embeddings, ``lm_head`` and norms in 16 bits (= :func:`qlora_base_bytes`).
+    """
+    if rule == "bitsandbytes":
+        linear, rest = qlora_base_split(model)
+        return nf4_bytes(linear, rule, other_params=rest)
+    return nf4_bytes(n_params(model), rule)
+
+
+#: The rules a "7B in INT8" size can be counted by (:func:`int8_7b_bytes`).
+INT8_RULES = ("every-parameter", "bitsandbytes")
+
+
+def int8_7b_bytes(rule: str, model: str = MODEL_7B) -> float:
+    """A model's weights in INT8 by ``rule``.
+
+    ``"every-parameter"``: 1 byte per parameter, scales not counted. ``"bitsandbytes"``
+    (LLM.int8(), ``load_in_8bit``): the decoder Linears in INT8 with one fp32 scale
+    per output row, the embeddings, ``lm_head`` and norms in 16 bits.
+    """
+    if rule not in INT8_RULES:
+        raise ValueError(f"rule must be one of {INT8_RULES}, got {rule!r}")
+    if rule == "every-parameter":
+        return float(n_params(model))
+    from .estimate import model_shape
+
+    linear, rest = qlora_base_split(model)
+    s = model_shape(model)
+    rows = s.layers * sum(d_out for _, d_out in s.linear_shapes().values())
+    return float(linear + 4 * rows + 2 * rest)
+
+
 # ------------------------------------------------------------------ throughput
-# arithmetic NVIDIA H100 SXM datasheet: HBM3 bandwidth and dense (no sparsity) BF16
-# tensor-core peak.
+# arithmetic NVIDIA H100 datasheet, dense (no sparsity) tensor-core peaks. The SXM5
+# board (HBM3): 3.35 TB/s, BF16 989 TFLOPS, TF32 494.5 TFLOPS, FP32 (no tensor
+# cores) 67 TFLOPS. The PCIe board (HBM2e): 2.0 TB/s, BF16 756 TFLOPS.
 H100_HBM_BYTES_PER_S = 3.35e12
 H100_BF16_DENSE_FLOPS = 989e12
+H100_PCIE_HBM_BYTES_PER_S = 2.0e12
+H100_PCIE_BF16_DENSE_FLOPS = 756e12
+H100_SXM_FP32_FLOPS = 67e12
+H100_SXM_TF32_DENSE_FLOPS = 494.5e12
 
 
 def decode_seconds_per_token(
@@ -152,3 +205,87 @@ def mfu(
     """Model FLOPs utilisation: 6 FLOPs per parameter per token (forward 2 + backward 4)
     / peak."""
     return 6 * n_params(model) * tokens_per_s / peak_flops
+
+
+# ------------------------------------------------------------------ GPU capacity
+# One card has three capacities; the book names which one each number uses:
+#
+# * ``smi_bytes``: ``nvidia-smi``'s ``memory.total`` (the :mod:`trainmem.gpus` preset,
+#   what the estimator's ``fits`` compares with). The card's name ("16GB", "80GB") is
+#   the marketing size in GB, ``marketing_gb``.
+# * ``torch_total_bytes``: ``torch.cuda.mem_get_info()[1]`` (= the "total capacity" of
+#   torch's out-of-memory message): what the driver gives CUDA, less than memory.total.
+# * ``allocatable_bytes``: ``torch_total_bytes`` less the CUDA context of a PyTorch
+#   process, which is created before the first tensor: what one process can allocate.
+#
+# Sources of ``torch_total_bytes`` (the OOM message prints GiB to 2 decimals, so those
+# are ± 0.005 GiB): T4 14.56 GiB, AlphaGPU/leetgpu-challenges#52 and
+# Zheng-Chong/CatVTON#133 (2025; a 2024 Colab driver printed 14.75 GiB,
+# hpcaitech/Open-Sora#697); A100 80GB 79.15 GiB, Lightning-AI/litgpt
+# tutorials/oom.md; H100 80GB 79.11 GiB, vllm-project/vllm#27508; H200 measured on
+# the course's run of 2026-12-04 (torch 2.11 / CUDA 13: mem_get_info total
+# 150,109,880,320 B, nvidia-smi memory.total 143,771 MiB, a process's context 618
+# MiB; the run's record is coursekit/data/gpu_runs/h200-2026-12-04.json and
+# tests/test_consistency.py checks the two agree). The context of the other cards is
+# the estimator's (:func:`trainmem.gpus.context_bytes`, a published lazy-loading
+# measurement); the H200 run shows a newer torch/CUDA takes more.
+H200_SMI_MIB = 143_771
+H200_TORCH_TOTAL = 150_109_880_320
+H200_CONTEXT_MIB = 618
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """The three capacities of one card (see the comment above)."""
+
+    gpu: str
+    marketing_gb: int
+    smi_bytes: int
+    torch_total_bytes: int
+    context_bytes: int
+    source: str
+
+    @property
+    def allocatable_bytes(self) -> int:
+        return self.torch_total_bytes - self.context_bytes
+
+
+def _preset(name: str, marketing_gb: int, torch_gib: float, source: str) -> Capacity:
+    from .gpus import context_bytes, get_gpu
+
+    g = get_gpu(name)
+    return Capacity(
+        name,
+        marketing_gb,
+        g.capacity_bytes,
+        round(torch_gib * GiB),
+        context_bytes(g, (2, 4)),
+        source,
+    )
+
+
+CAPACITIES = {
+    c.gpu: c
+    for c in (
+        _preset(
+            "T4", 16, 14.56, "AlphaGPU/leetgpu-challenges#52, Zheng-Chong/CatVTON#133"
+        ),
+        _preset("A100-80GB", 80, 79.15, "Lightning-AI/litgpt tutorials/oom.md"),
+        _preset("H100-80GB", 80, 79.11, "vllm-project/vllm#27508"),
+        Capacity(
+            "H200",
+            141,
+            H200_SMI_MIB * 2**20,
+            H200_TORCH_TOTAL,
+            H200_CONTEXT_MIB * 2**20,
+            "this course's H200 run, 2026-12-04",
+        ),
+    )
+}
+
+
+def capacity(gpu: str) -> Capacity:
+    """The :class:`Capacity` of ``gpu`` (a key of :data:`CAPACITIES`)."""
+    if gpu not in CAPACITIES:
+        raise ValueError(f"gpu must be one of {sorted(CAPACITIES)}, got {gpu!r}")
+    return CAPACITIES[gpu]
