@@ -460,17 +460,26 @@ def sdpa_backend_ran(fn) -> str:
     return sdpa_backend_from_ops(rec.ops)
 
 
-#: Memory a GPU reports (``torch.cuda.get_device_properties(0).total_memory / 2**30``,
-#: recent drivers, ECC on), not the marketing number: a "16 GB" T4 exposes about 14.6
-#: GiB.
-REPORTED_GIB = {
-    "T4 16GB": 14.56,
-    "A10 24GB": 22.06,
-    "RTX 4090 24GB": 23.52,
-    "A100 40GB": 39.39,
-    "A100 80GB": 79.15,
-    "H100 80GB": 79.11,
-}
+#: Memory a GPU reports to torch (``torch.cuda.mem_get_info()[1] / 2**30``, the "total
+#: capacity" of its out-of-memory message), not the marketing number: a "16GB" T4
+#: exposes about 14.6 GiB. One definition with its sources:
+#: :data:`trainmem.reference.CAPACITIES`.
+def _reported_gib() -> dict[str, float]:
+    import re
+
+    from trainmem.reference import CAPACITIES
+
+    def label(key, gb):  # "A100-80GB" -> "A100 80GB", "RTX4090" -> "RTX 4090 24GB"
+        name = re.sub(r"-\d+GB$", "", key).replace("RTX", "RTX ")
+        return f"{name} {gb}GB"
+
+    return {
+        label(k, c.marketing_gb): round(c.torch_total_bytes / 2**30, 2)
+        for k, c in CAPACITIES.items()
+    }
+
+
+REPORTED_GIB = _reported_gib()
 
 
 def usable_capacities(include_current: bool = True) -> dict[str, float]:

@@ -70,3 +70,16 @@ def show_recorded(key: str, run: str = DEFAULT_RUN) -> None:
     """Print the recorded GPU output of one cell under its label line."""
     print(recorded_label(run))
     print(recorded_output(key, run), end="")
+
+
+def recorded_match(key: str, pattern: str, run: str = DEFAULT_RUN) -> tuple[str, ...]:
+    """The groups of the first match of the regular expression ``pattern`` in one
+    cell's recorded output (numbers a page cites from the run, as printed)."""
+    import re
+
+    m = re.search(pattern, recorded_output(key, run))
+    if m is None:
+        raise ValueError(
+            f"pattern {pattern!r} not found in the recorded output of {key}"
+        )
+    return m.groups()

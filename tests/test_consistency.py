@@ -123,7 +123,16 @@ QUANTITIES = {
     "7B INT8 weights by the bitsandbytes rule (decoder Linears INT8 with one fp32 "
     "scale per output row; embeddings, lm_head and norms 16-bit)": (
         lambda: _int8_bnb_bytes(),
-        [("07", "int8_7b_bnb", GB), ("10", "q_w7_int8", GiB)],
+        [
+            ("07", "int8_7b_bnb", GB),
+            ("07", "int8_7b_bnb_gib", GiB),
+            ("10", "q_w7_int8", GiB),
+            ("10", "q_w7_int8_gb", GB),
+        ],
+    ),
+    "7B INT8 weights, every parameter 1 byte (scales not counted)": (
+        lambda: R.int8_7b_bytes("every-parameter"),
+        [("07", "int8_7b", GB), ("10", "q_w7_int8_all", GiB)],
     ),
     "7B fp32 weights": (
         lambda: R.weights_bytes(bytes_per_param=4),
@@ -189,8 +198,28 @@ QUANTITIES = {
         lambda: quant.nf4_bytes_per_param(double_quant=False),
         [("07", "nf4_bpp", 1), ("10", "q_nf4_nodq", 1)],
     ),
+    "7B at 4 bits, every parameter, one FP16 scale per 64": (
+        lambda: R.nf4_7b_bytes("fp16-scale"),
+        [("07", "nf4_fp16_7b", GB)],
+    ),
+    "7B at 4 bits, every parameter, one FP32 absmax per 64 (QLoRA without DQ)": (
+        lambda: R.nf4_7b_bytes("fp32-absmax"),
+        [("07", "nf4_fp32_7b", GB)],
+    ),
+    "7B at 4 bits, every parameter, NF4 + double quantisation": (
+        lambda: R.nf4_7b_bytes("double-quant"),
+        [("07", "nf4dq_all_7b", GB), ("10", "q_qlora_all_nf4_gib", GiB)],
+    ),
+    "Llama-3-8B QLoRA base as bitsandbytes stores it": (
+        lambda: R.nf4_7b_bytes("bitsandbytes", R.llama3_8b()),
+        [("07", "l3_base_gb", GB)],
+    ),
+    "Llama-3-8B LoRA r=8 on q, k, v, o: trainable parameters (GQA k, v)": (
+        lambda: lora_param_count_for_config(R.llama3_8b(), QKVO, 8),
+        [("06", "l3_lora_tr", 1)],
+    ),
     "7B QLoRA base (NF4 Linears, 16-bit embeddings/lm_head/norms)": (
-        lambda: R.qlora_base_bytes(),
+        lambda: R.nf4_7b_bytes("bitsandbytes"),
         [("07", "nf4dq_7b", GB), ("10", "q_qlora_base_gib", GiB)],
     ),
     "7B QLoRA r=16 on all Linears, model states": (
@@ -268,6 +297,70 @@ QUANTITIES = {
         lambda: zero.per_gpu_memory(R.n_params(), "zero3", 8).total,
         [("09", "z3_7b_8", GiB), ("10", "q_z3_7b_8", GiB)],
     ),
+    "7B per GPU under torch DDP's defaults, 8 GPUs: 16 B/param + fp32 bucket copy": (
+        lambda: 20 * R.n_params(),
+        [("09", "ddp_torch_7b", GiB), ("10", "q_ddp_torch7", GiB)],
+    ),
+    "torch DDP's gradient-bucket copy of the 7B fp32 gradients": (
+        lambda: 4 * R.n_params(),
+        [("09", "xcheck_z0_gib", GiB), ("10", "q_ddp_bucket_gib", GiB)],
+    ),
+    "ZeRO-3 on 8 GPUs: the estimator's gathered layers (computed + prefetched), fp32": (
+        lambda: 2 * 4 * _layer_params(),
+        [("09", "xcheck_z3_mib", MiB)],
+    ),
+    "the same in bf16": (
+        lambda: 2 * 2 * _layer_params(),
+        [("09", "xcheck_z3_mib_bf16", MiB)],
+    ),
+    "layers gathered at once by FSDP on more than one GPU": (
+        lambda: 2,
+        [("09", "xcheck_units", 1)],
+    ),
+    "foreign CUDA contexts on GPU 0 when 8 ranks touch CUDA before set_device": (
+        lambda: 8 - 1,
+        [("09", "rec_foreign", 1), ("10", "q_ctx_foreign", 1)],
+    ),
+    "a PyTorch process's CUDA context on the H200 (torch 2.11, CUDA 13)": (
+        lambda: _recorded_context_mib() * MiB,
+        [
+            ("09", "rec_ctx_mib", MiB),
+            ("08", "cap_h200_ctx_mib", MiB),
+            ("10", "q_ctx_h200_mib", MiB),
+        ],
+    ),
+    "T4 memory.total (nvidia-smi), the capacity the estimator's fit uses": (
+        lambda: R.capacity("T4").smi_bytes,
+        [
+            ("08", "t4_cap_gb", GB),
+            ("08", "t4_cap_mib", MiB),
+            ("08", "cap_t4_smi_mib", MiB),
+        ],
+    ),
+    "T4 total as torch sees it (mem_get_info)": (
+        lambda: R.capacity("T4").torch_total_bytes,
+        [("08", "cap_t4_torch_gib", GiB)],
+    ),
+    "A100 80GB memory.total (nvidia-smi)": (
+        lambda: R.capacity("A100-80GB").smi_bytes,
+        [("09", "cap_a100_smi_mib", MiB), ("09", "cap_a100_smi_gib", GiB)],
+    ),
+    "A100 80GB total as torch sees it (mem_get_info)": (
+        lambda: R.capacity("A100-80GB").torch_total_bytes,
+        [("09", "cap_a100_torch_gib", GiB)],
+    ),
+    "H100 PCIe: FLOPs per byte to be compute-bound (BF16 dense / HBM2e)": (
+        lambda: R.H100_PCIE_BF16_DENSE_FLOPS / R.H100_PCIE_HBM_BYTES_PER_S,
+        [("08", "dec_ridge_pcie", 1)],
+    ),
+    "H100 PCIe: 7B bf16 weights read once per decoded token": (
+        lambda: R.decode_seconds_per_token(hbm_bytes_per_s=R.H100_PCIE_HBM_BYTES_PER_S),
+        [("08", "dec_bf16_ms_pcie", 1e-3)],
+    ),
+    "H100 SXM: BF16 dense tensor-core peak over TF32 dense": (
+        lambda: R.H100_BF16_DENSE_FLOPS / R.H100_SXM_TF32_DENSE_FLOPS,
+        [("10", "q_bf16_tf32_x", 1)],
+    ),
     "7B lm_head parameters (modules_to_save)": (
         lambda: CFG7.vocab_size * CFG7.hidden_size,
         [("06", "sw_lm_head", 1), ("10", "q_lm_head", 1)],
@@ -297,6 +390,20 @@ QUANTITIES = {
         [("06", "sz7_adapter", MiB), ("10", "q_adapter_mib", MiB)],
     ),
 }
+
+
+def _layer_params() -> int:
+    """Parameters of one LLaMA-7B decoder layer."""
+    h, i = CFG7.hidden_size, CFG7.intermediate_size
+    return 4 * h * h + 3 * h * i + 2 * h
+
+
+def _recorded_context_mib() -> int:
+    """The CUDA context the H200 run measured (chapter 9's GPU cell, as printed)."""
+    from coursekit.gpu_runs import recorded_match
+
+    (mib,) = recorded_match("09_beyond_one_gpu/fde0c96b", r"dropped by ([\d,]+) MiB")
+    return int(mib.replace(",", ""))
 
 
 def _task_config():
@@ -571,3 +678,185 @@ def test_reintroduced_contradiction_on_the_page_fails(prefix, marker, sentence, 
     for key in values:
         assert key in source, f"chapter {prefix}: {key!r} not in the cell"
     assert prose_mismatches(_synthetic(source), {**stored, **values})
+
+
+# ------------------------------------------------- capacities: one named definition
+def test_h200_capacities_are_the_recorded_run():
+    from coursekit.gpu_runs import load_run
+
+    run = load_run("h200-2026-12-04")
+    h200 = R.capacity("H200")
+    assert h200.torch_total_bytes == run["mem_get_info_total"]
+    assert h200.smi_bytes == run["nvidia_smi_memory_total_mib"] * MiB
+    assert h200.context_bytes == _recorded_context_mib() * MiB
+
+
+def test_capacities_are_the_presets_and_the_picker():
+    from coursekit.gpu import REPORTED_GIB
+    from trainmem.gpus import get_gpu
+
+    for name, c in R.CAPACITIES.items():
+        if name != "H200":  # no estimator preset
+            assert c.smi_bytes == get_gpu(name).capacity_bytes, name
+        assert c.allocatable_bytes < c.torch_total_bytes < c.smi_bytes, name
+        assert c.smi_bytes < (c.marketing_gb + 1) * GiB, name
+    assert sorted(REPORTED_GIB.values()) == sorted(
+        round(c.torch_total_bytes / GiB, 2) for c in R.CAPACITIES.values()
+    )
+
+
+def test_nf4_rules():
+    n = R.n_params()
+    assert quant.nf4_bytes(n, "fp16-scale") == n * (0.5 + 2 / 64)
+    assert quant.nf4_bytes(n, "fp32-absmax") == n * (0.5 + 4 / 64)
+    assert quant.nf4_bytes(n, "double-quant") == n * (0.5 + 1 / 64 + 4 / (64 * 256))
+    assert R.nf4_7b_bytes("bitsandbytes") == R.qlora_base_bytes()
+    with pytest.raises(ValueError, match="rule must be one of"):
+        quant.nf4_bytes(n, "nf4")
+    with pytest.raises(ValueError, match="only counted by rule 'bitsandbytes'"):
+        quant.nf4_bytes(n, "double-quant", other_params=1)
+
+
+# ------------------------------------- a number that has several rules names its rule
+# (chapter, glue key, words one of which the sentence showing it must contain): a
+# 4-bit or INT8 size says how it was counted, a capacity which capacity it is, a
+# ZeRO-3 difference how many layers, a DDP per-GPU figure its bucket copy.
+NAMED = [
+    ("07", "nf4_fp16_7b", ("FP16",)),
+    ("07", "nf4_fp32_7b", ("FP32 absmax",)),
+    ("07", "nf4dq_all_7b", ("双重量化",)),
+    ("07", "nf4dq_7b", ("bitsandbytes",)),
+    ("10", "q_qlora_all_nf4_gib", ("双重量化",)),
+    ("10", "q_qlora_base_gib", ("bitsandbytes",)),
+    ("10", "q_nf4_nodq", ("FP32 absmax",)),
+    ("07", "int8_7b", ("所有参数", "每个参数")),
+    ("07", "int8_7b_bnb", ("bitsandbytes",)),
+    ("10", "q_w7_int8", ("bitsandbytes",)),
+    ("10", "q_w7_int8_all", ("每个参数",)),
+    ("09", "xcheck_z3_mib", ("{glue:}`xcheck_units` 层",)),
+    ("09", "dp_7b", ("ddp_torch_7b", "加卡没用")),
+    ("10", "q_amp7", ("q_ddp_torch7", "模型状态 {glue")),
+    ("08", "t4_cap_gb", ("显存总量",)),
+    ("08", "cap_t4_torch_gib", ("torch 可见",)),
+    ("09", "cap_a100_torch_gib", ("mem_get_info",)),
+    ("09", "cap_a100_smi_mib", ("显存总量",)),
+    ("08", "dec_ridge", ("SXM",)),
+    ("07", "qs_extra_512", ("SXM",)),
+    ("10", "q_mfu", ("SXM",)),
+    ("10", "q_bf16_flops_x", ("不用 Tensor Core",)),
+    ("10", "q_ctx_a100_x7_gib", ("q_ctx_foreign",)),
+]
+
+
+def _sentences_with(source: str, key: str) -> list[str]:
+    nb = nbformat.reads(source, as_version=4)
+    role = f"{{glue:}}`{key}`"
+    return [
+        s
+        for c in nb.cells
+        if c.cell_type == "markdown"
+        for s in SENTENCE.split(c.source)
+        if s and role in s
+    ]
+
+
+def unnamed(source: str, key: str, words) -> list[str]:
+    return [s for s in _sentences_with(source, key) if not any(w in s for w in words)]
+
+
+@pytest.mark.parametrize(
+    "prefix, key, words", NAMED, ids=[f"{p}-{k}" for p, k, _ in NAMED]
+)
+def test_each_number_names_its_rule(prefix, key, words):
+    (path,) = BOOK.glob(f"{prefix}_*.ipynb")
+    source = path.read_text(encoding="utf-8")
+    assert _sentences_with(source, key), f"chapter {prefix} no longer shows {key}"
+    bad = unnamed(source, key, words)
+    assert not bad, f"chapter {prefix}: {key} shown without {words}:\n" + "\n".join(bad)
+
+
+# The sentences these items once had fail the same check.
+@pytest.mark.parametrize(
+    "key, words, sentence",
+    [
+        (
+            "xcheck_z3_mib",
+            ("{glue:}`xcheck_units` 层",),
+            "ZeRO-3 分别差 {glue:}`xcheck_z3_mib` MiB 和 "
+            "{glue:}`xcheck_z3_mib_bf16` MiB，"
+            "正好是估算器额外计入的「一层 all-gather 出来的完整权重」。",
+        ),
+        (
+            "q_qlora_all_nf4_gib",
+            ("双重量化",),
+            "7B 底座 {glue:}`q_qlora_base_gib` GiB（把全部参数乘以 NF4 字节数会得 "
+            "{glue:}`q_qlora_all_nf4_gib` GiB）。",
+        ),
+        (
+            "t4_cap_gb",
+            ("显存总量",),
+            "同一个 LLaMA-7B QLoRA 步骤在 T4（{glue:}`t4_cap_gb` GB）上放得下。",
+        ),
+        (
+            "dec_ridge",
+            ("SXM",),
+            "而 H100 要约 {glue:}`dec_ridge` FLOP/字节才是算力受限。",
+        ),
+        (
+            "q_amp7",
+            ("q_ddp_torch7", "模型状态 {glue"),
+            "数字（7B、8 卡、每卡模型状态）：DDP {glue:}`q_amp7` GiB，FSDP "
+            "{glue:}`q_z3_7b_8` GiB。",
+        ),
+    ],
+    ids=["ch9 one layer", "Q55 NF4", "ch8 T4 GB", "ch8 H100", "Q31 DDP"],
+)
+def test_old_unnamed_sentences_fail(key, words, sentence):
+    assert unnamed(_synthetic(sentence), key, words)
+
+
+# Interview answers that were wrong or dated: what each must now say.
+ANSWERS = [
+    ("06", "Q7：LoRA、Adapter", ("P-tuning v2", "PrefixTuningConfig"), ()),
+    ("09", "Q5：FSDP 和 DeepSpeed", ("set_requires_gradient_sync",), ()),
+    (
+        "10",
+        "Q31：FSDP 和 DDP",
+        ("set_requires_gradient_sync", "gradient_as_bucket_view"),
+        (),
+    ),
+    ("10", "Q11：一个能用的 FP8", ("1×128", "128×128", "MXFP8", "E8M0"), ()),
+    ("10", "Q21：为什么要用混合精度", ("q_bf16_tf32_x", "TF32"), ()),
+    ("10", "Q81：MFU 怎么算", ("FLOPs",), ("次乘加每参数",)),
+    ("10", "Q95：每个进程都在 GPU 0", ("q_ctx_foreign",), ()),
+    ("09", "Q6：8 张「80GB」", ("ddp_torch_7b", "gradient_as_bucket_view"), ()),
+]
+
+
+@pytest.mark.parametrize(
+    "prefix, marker, must, must_not", ANSWERS, ids=[a[1][:12] for a in ANSWERS]
+)
+def test_corrected_interview_answers(prefix, marker, must, must_not):
+    (path,) = BOOK.glob(f"{prefix}_*.ipynb")
+    nb = nbformat.read(path, as_version=4)
+    cells = [
+        c.source for c in nb.cells if c.cell_type == "markdown" and marker in c.source
+    ]
+    assert cells, f"chapter {prefix}: no cell with {marker!r}"
+    text = cells[0][cells[0].index(marker) :]
+    text = text[: text.find("\n:::", 1) if "\n:::" in text else None]
+    missing = [w for w in must if w not in text]
+    present = [w for w in must_not if w in text]
+    assert not missing and not present, (prefix, marker, missing, present)
+
+
+def test_fsdp2_has_no_no_sync():
+    """FSDP2's fully_shard modules skip the gradient sync with
+    set_requires_gradient_sync(False); no_sync() is DDP's and FSDP1's."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    assert hasattr(FSDPModule, "set_requires_gradient_sync")
+    assert not hasattr(FSDPModule, "no_sync")
+    assert hasattr(FullyShardedDataParallel, "no_sync")
+    assert hasattr(DistributedDataParallel, "no_sync")

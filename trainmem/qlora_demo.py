@@ -111,7 +111,7 @@ def _line(label: str, run: StepRun) -> str:
     mem = (
         f"max_memory_allocated {run.peak_bytes / 2**30:6.2f} GiB"
         if run.peak_bytes is not None
-        else "CPU run (no CUDA peak)"
+        else "CPU 上运行（没有 CUDA 峰值）"
     )
     return (
         f"{label:14} {mem} | {run.seconds_per_step * 1e3:8.1f} ms/step | "

@@ -41,6 +41,8 @@ __all__ = [
     "H100_PCIE_BF16_DENSE_FLOPS",
     "H100_SXM_FP32_FLOPS",
     "H100_SXM_TF32_DENSE_FLOPS",
+    "LLAMA3_8B",
+    "llama3_8b",
     "Capacity",
     "CAPACITIES",
     "capacity",
@@ -58,6 +60,24 @@ ADAM8_PAPER_BLOCK = 2048
 ACT_CONDITIONS = dict(
     precision="bf16-amp", attn="sdpa", batch=1, seq=2048, checkpointing=False
 )
+
+
+#: Llama-3-8B (Meta, 2024) as overrides of the LLaMA-2-7B preset: same width, depth and
+#: heads; a 128,256-token vocabulary, GQA with 8 key/value heads, a wider MLP.
+LLAMA3_8B = dict(
+    vocab_size=128256,
+    intermediate_size=14336,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+)
+
+
+def llama3_8b():
+    """The transformers config of Llama-3-8B (:data:`LLAMA3_8B`), usable wherever a
+    preset name is."""
+    from .models import get_config
+
+    return get_config("llama2-7b", **LLAMA3_8B)
 
 
 def n_params(model: str = MODEL_7B) -> int:
@@ -221,8 +241,10 @@ def mfu(
 # Sources of ``torch_total_bytes`` (the OOM message prints GiB to 2 decimals, so those
 # are ± 0.005 GiB): T4 14.56 GiB, AlphaGPU/leetgpu-challenges#52 and
 # Zheng-Chong/CatVTON#133 (2025; a 2024 Colab driver printed 14.75 GiB,
-# hpcaitech/Open-Sora#697); A100 80GB 79.15 GiB, Lightning-AI/litgpt
-# tutorials/oom.md; H100 80GB 79.11 GiB, vllm-project/vllm#27508; H200 measured on
+# hpcaitech/Open-Sora#697); RTX 4090 23.64 GiB, ali-vilab/VGen#104 and
+# 3DTopia/Phidias-Diffusion#8; A100 40GB 39.50 GiB, TianheWu/CoSeR#10; A100 80GB
+# 79.15 GiB, Lightning-AI/litgpt tutorials/oom.md; H100 80GB 79.11 GiB,
+# vllm-project/vllm#27508; H200 measured on
 # the course's run of 2026-12-04 (torch 2.11 / CUDA 13: mem_get_info total
 # 150,109,880,320 B, nvidia-smi memory.total 143,771 MiB, a process's context 618
 # MiB; the run's record is coursekit/data/gpu_runs/h200-2026-12-04.json and
@@ -270,6 +292,10 @@ CAPACITIES = {
         _preset(
             "T4", 16, 14.56, "AlphaGPU/leetgpu-challenges#52, Zheng-Chong/CatVTON#133"
         ),
+        _preset(
+            "RTX4090", 24, 23.64, "ali-vilab/VGen#104, 3DTopia/Phidias-Diffusion#8"
+        ),
+        _preset("A100-40GB", 40, 39.50, "TianheWu/CoSeR#10"),
         _preset("A100-80GB", 80, 79.15, "Lightning-AI/litgpt tutorials/oom.md"),
         _preset("H100-80GB", 80, 79.11, "vllm-project/vllm#27508"),
         Capacity(

@@ -1,0 +1,46 @@
+"""Figures a phone can read: coursekit.figures.legible, and the chapters that use it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import matplotlib
+import nbformat
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
+
+from coursekit.figures import MAX_WIDTH_IN, legible, rendered_px  # noqa: E402
+
+BOOK = Path(__file__).resolve().parents[1] / "book"
+# chapters whose every glued figure goes through legible()
+LEGIBLE_CHAPTERS = ("06", "07", "08", "09")
+
+
+def test_legible_narrows_the_figure_and_raises_small_text():
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3))
+    a.plot([1, 2], label="x")
+    a.set_title("t", fontsize=6)
+    a.legend(fontsize=6)
+    b.annotate("note", (1, 1), fontsize=5)
+    legible(fig)
+    fig.canvas.draw()
+    assert fig.get_size_inches()[0] == MAX_WIDTH_IN
+    sizes = [t.get_fontsize() for t in fig.findobj(Text) if t.get_text()]
+    assert min(sizes) >= 11
+    assert a.title.get_fontsize() >= 12
+    assert min(rendered_px(s, MAX_WIDTH_IN) for s in sizes) >= 9
+    plt.close(fig)
+
+
+def test_chapter_figures_go_through_legible():
+    for prefix in LEGIBLE_CHAPTERS:
+        (path,) = BOOK.glob(f"{prefix}_*.ipynb")
+        nb = nbformat.read(path, as_version=4)
+        for c in nb.cells:
+            if c.cell_type != "code":
+                continue
+            for m in re.finditer(r'glue\("(fig_\w+)", ([^)]*\)?)\)', c.source):
+                assert m.group(2).startswith("legible("), (path.stem, m.group(1))
