@@ -198,25 +198,9 @@ QUANTITIES = {
         lambda: quant.nf4_bytes_per_param(double_quant=False),
         [("07", "nf4_bpp", 1), ("10", "q_nf4_nodq", 1)],
     ),
-    "7B at 4 bits, every parameter, one FP16 scale per 64": (
-        lambda: R.nf4_7b_bytes("fp16-scale"),
-        [("07", "nf4_fp16_7b", GB)],
-    ),
-    "7B at 4 bits, every parameter, one FP32 absmax per 64 (QLoRA without DQ)": (
-        lambda: R.nf4_7b_bytes("fp32-absmax"),
-        [("07", "nf4_fp32_7b", GB)],
-    ),
     "7B at 4 bits, every parameter, NF4 + double quantisation": (
         lambda: R.nf4_7b_bytes("double-quant"),
         [("07", "nf4dq_all_7b", GB), ("10", "q_qlora_all_nf4_gib", GiB)],
-    ),
-    "Llama-3-8B QLoRA base as bitsandbytes stores it": (
-        lambda: R.nf4_7b_bytes("bitsandbytes", R.llama3_8b()),
-        [("07", "l3_base_gb", GB)],
-    ),
-    "Llama-3-8B LoRA r=8 on q, k, v, o: trainable parameters (GQA k, v)": (
-        lambda: lora_param_count_for_config(R.llama3_8b(), QKVO, 8),
-        [("06", "l3_lora_tr", 1)],
     ),
     "7B QLoRA base (NF4 Linears, 16-bit embeddings/lm_head/norms)": (
         lambda: R.nf4_7b_bytes("bitsandbytes"),
@@ -305,18 +289,6 @@ QUANTITIES = {
         lambda: 4 * R.n_params(),
         [("09", "xcheck_z0_gib", GiB), ("10", "q_ddp_bucket_gib", GiB)],
     ),
-    "ZeRO-3 on 8 GPUs: the estimator's gathered layers (computed + prefetched), fp32": (
-        lambda: 2 * 4 * _layer_params(),
-        [("09", "xcheck_z3_mib", MiB)],
-    ),
-    "the same in bf16": (
-        lambda: 2 * 2 * _layer_params(),
-        [("09", "xcheck_z3_mib_bf16", MiB)],
-    ),
-    "layers gathered at once by FSDP on more than one GPU": (
-        lambda: 2,
-        [("09", "xcheck_units", 1)],
-    ),
     "foreign CUDA contexts on GPU 0 when 8 ranks touch CUDA before set_device": (
         lambda: 8 - 1,
         [("09", "rec_foreign", 1), ("10", "q_ctx_foreign", 1)],
@@ -328,6 +300,68 @@ QUANTITIES = {
             ("08", "cap_h200_ctx_mib", MiB),
             ("10", "q_ctx_h200_mib", MiB),
         ],
+    ),
+    "7B lm_head parameters (modules_to_save)": (
+        lambda: CFG7.vocab_size * CFG7.hidden_size,
+        [("06", "sw_lm_head", 1), ("10", "q_lm_head", 1)],
+    ),
+    "LLaMA-7B FFN (gate, up, down) parameters over attention projections": (
+        lambda: 3 * CFG7.intermediate_size / (4 * CFG7.hidden_size),
+        [("07", "ffn_attn_ratio", 1), ("10", "q_ffn_attn_x", 1)],
+    ),
+    "LLaMA-7B FFN share of the linear layers' parameters": (
+        lambda: (
+            3
+            * CFG7.intermediate_size
+            / (3 * CFG7.intermediate_size + 4 * CFG7.hidden_size)
+        ),
+        [("07", "ffn_share", 1), ("10", "q_ffn_share", 1)],
+    ),
+    "LoRA r=8 q, k, v, o parameters of the over-fitting task's tiny Llama": (
+        lambda: lora_param_count_for_config(_task_config(), QKVO, 8),
+        [("06", "of_n_trainable_r8", 1), ("10", "q_of_trainable", 1)],
+    ),
+    "bytes left alive per step by a validation loss kept with its graph, KB": (
+        lambda: _parse(_glued("08")["leak_per_step_kb"])[0] * 1024,
+        [("08", "leak_per_step_kb", 1024), ("10", "q_leak_kb", 1024)],
+    ),
+    "7B LoRA r=8 q, k, v, o adapter file, fp32, MiB": (
+        lambda: 4 * lora_param_count_for_config(CFG7, QKVO, 8),
+        [("06", "sz7_adapter", MiB), ("10", "q_adapter_mib", MiB)],
+    ),
+}
+
+
+# Quantities glued in one chapter only, with the same check against their reference
+# (a ZeRO-3 difference, a capacity, a rule's size, a board's ridge point).
+ONE_CHAPTER = {
+    "7B at 4 bits, every parameter, one FP16 scale per 64": (
+        lambda: R.nf4_7b_bytes("fp16-scale"),
+        [("07", "nf4_fp16_7b", GB)],
+    ),
+    "7B at 4 bits, every parameter, one FP32 absmax per 64 (QLoRA without DQ)": (
+        lambda: R.nf4_7b_bytes("fp32-absmax"),
+        [("07", "nf4_fp32_7b", GB)],
+    ),
+    "Llama-3-8B QLoRA base as bitsandbytes stores it": (
+        lambda: R.nf4_7b_bytes("bitsandbytes", R.llama3_8b()),
+        [("07", "l3_base_gb", GB)],
+    ),
+    "Llama-3-8B LoRA r=8 on q, k, v, o: trainable parameters (GQA k, v)": (
+        lambda: lora_param_count_for_config(R.llama3_8b(), QKVO, 8),
+        [("06", "l3_lora_tr", 1)],
+    ),
+    "ZeRO-3 on 8 GPUs: the estimator's gathered layers (computed + prefetched), fp32": (
+        lambda: 2 * 4 * _layer_params(),
+        [("09", "xcheck_z3_mib", MiB)],
+    ),
+    "the same in bf16": (
+        lambda: 2 * 2 * _layer_params(),
+        [("09", "xcheck_z3_mib_bf16", MiB)],
+    ),
+    "layers gathered at once by FSDP on more than one GPU": (
+        lambda: 2,
+        [("09", "xcheck_units", 1)],
     ),
     "T4 memory.total (nvidia-smi), the capacity the estimator's fit uses": (
         lambda: R.capacity("T4").smi_bytes,
@@ -361,35 +395,13 @@ QUANTITIES = {
         lambda: R.H100_BF16_DENSE_FLOPS / R.H100_SXM_TF32_DENSE_FLOPS,
         [("10", "q_bf16_tf32_x", 1)],
     ),
-    "7B lm_head parameters (modules_to_save)": (
-        lambda: CFG7.vocab_size * CFG7.hidden_size,
-        [("06", "sw_lm_head", 1), ("10", "q_lm_head", 1)],
-    ),
-    "LLaMA-7B FFN (gate, up, down) parameters over attention projections": (
-        lambda: 3 * CFG7.intermediate_size / (4 * CFG7.hidden_size),
-        [("07", "ffn_attn_ratio", 1), ("10", "q_ffn_attn_x", 1)],
-    ),
-    "LLaMA-7B FFN share of the linear layers' parameters": (
-        lambda: (
-            3
-            * CFG7.intermediate_size
-            / (3 * CFG7.intermediate_size + 4 * CFG7.hidden_size)
-        ),
-        [("07", "ffn_share", 1), ("10", "q_ffn_share", 1)],
-    ),
-    "LoRA r=8 q, k, v, o parameters of the over-fitting task's tiny Llama": (
-        lambda: lora_param_count_for_config(_task_config(), QKVO, 8),
-        [("06", "of_n_trainable_r8", 1), ("10", "q_of_trainable", 1)],
-    ),
-    "bytes left alive per step by a validation loss kept with its graph, KB": (
-        lambda: _parse(_glued("08")["leak_per_step_kb"])[0] * 1024,
-        [("08", "leak_per_step_kb", 1024), ("10", "q_leak_kb", 1024)],
-    ),
-    "7B LoRA r=8 q, k, v, o adapter file, fp32, MiB": (
-        lambda: 4 * lora_param_count_for_config(CFG7, QKVO, 8),
-        [("06", "sz7_adapter", MiB), ("10", "q_adapter_mib", MiB)],
-    ),
 }
+
+
+@pytest.mark.parametrize("quantity", list(ONE_CHAPTER))
+def test_single_chapter_quantity_is_its_reference(quantity):
+    reference, uses = ONE_CHAPTER[quantity]
+    _check(quantity, reference(), uses)
 
 
 def _layer_params() -> int:
@@ -439,6 +451,10 @@ def test_shared_quantity_agrees_across_chapters(quantity):
     assert len(chapters) >= 2, (
         f"{quantity}: listed for one chapter only; this test is for shared numbers"
     )
+    _check(quantity, ref, uses)
+
+
+def _check(quantity, ref, uses):
     for prefix, key, unit in uses:
         values = _glued(prefix)
         assert key in values, (
@@ -718,7 +734,7 @@ def test_nf4_rules():
 
 
 # ------------------------------------- a number that has several rules names its rule
-# (chapter, glue key, words one of which the sentence showing it must contain): a
+# (chapter, glue key, words one of which the paragraph showing it must contain): a
 # 4-bit or INT8 size says how it was counted, a capacity which capacity it is, a
 # ZeRO-3 difference how many layers, a DDP per-GPU figure its bucket copy.
 NAMED = [
@@ -755,7 +771,7 @@ def _sentences_with(source: str, key: str) -> list[str]:
         s
         for c in nb.cells
         if c.cell_type == "markdown"
-        for s in SENTENCE.split(c.source)
+        for s in re.split(r"\n\s*\n", c.source)
         if s and role in s
     ]
 
