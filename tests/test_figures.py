@@ -44,3 +44,20 @@ def test_chapter_figures_go_through_legible():
                 continue
             for m in re.finditer(r'glue\("(fig_\w+)", ([^)]*\)?)\)', c.source):
                 assert m.group(2).startswith("legible("), (path.stem, m.group(1))
+
+
+def test_no_mathtext_in_chinese_labels():
+    """A label mixing CJK and $...$ is drawn in the math font, which has no CJK
+    glyphs: the Chinese comes out as boxes."""
+    for prefix in LEGIBLE_CHAPTERS:
+        (path,) = BOOK.glob(f"{prefix}_*.ipynb")
+        nb = nbformat.read(path, as_version=4)
+        for c in nb.cells:
+            for m in re.finditer(r'zh\(\s*f?"([^"]*)"', c.source):
+                zh_text = m.group(1)
+                assert not (
+                    re.search(r"[\u4e00-\u9fff]", zh_text) and "$" in zh_text
+                ), (
+                    path.stem,
+                    zh_text,
+                )
