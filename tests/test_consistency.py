@@ -450,6 +450,8 @@ def bpp_size_mismatches(text: str, n_params: int) -> list[str]:
     for sentence in SENTENCE.split(text):
         if not sentence or "7B" not in sentence and "7B" not in text:
             continue
+        # a sentence about the current shape multiplies out with its own count
+        n = R.n_params(R.LLAMA3_8B) if "Llama-3-8B" in sentence else n_params
         for m in (m for p in PAIRS for m in p.finditer(sentence)):
             bpp_text = m.group("bpp") or m.group("bpp2")
             bpp = sum(float(x) for x in re.findall(NUM, bpp_text))
@@ -458,10 +460,10 @@ def bpp_size_mismatches(text: str, n_params: int) -> list[str]:
                 len(m.group("size").split(".")[1]) if "." in m.group("size") else 0
             )
             tol = 0.5 * 10.0**-decimals + 0.005 * size
-            if abs(bpp * n_params / unit - size) > tol:
+            if abs(bpp * n / unit - size) > tol:
                 out.append(
-                    f"{bpp_text} B/param x {n_params:,} = "
-                    f"{bpp * n_params / unit:.1f} {m.group('unit')}, "
+                    f"{bpp_text} B/param x {n:,} = "
+                    f"{bpp * n / unit:.1f} {m.group('unit')}, "
                     f"the text says {m.group('size')} {m.group('unit')}: "
                     f"{sentence.strip()}"
                 )

@@ -106,7 +106,8 @@ def plot_ranges(formats: Iterable[str] = DEFAULT_FORMATS, ax=None, tr=_en):
     ax.set_xlim(-50, 62)
     ax.set_xlabel(
         tr(
-            r"$\log_{10}|x|$（浅色：次正规数，深色：正规数）",
+            # no mathtext here: it has no CJK fallback font
+            "log₁₀|x|（浅色：次正规数，深色：正规数）",
             r"$\log_{10}|x|$ (light: subnormal, solid: normal)",
         )
     )
