@@ -213,6 +213,14 @@ QUANTITIES = {
         lambda: R.n_params(R.LLAMA3_8B),
         [("01", "l3_n", 1), ("03", "l3_n", 1)],
     ),
+    "one layer's activations, bf16 autocast, SDPA, batch 1, 2048 tokens, LLaMA-7B": (
+        lambda: _layer(R.MODEL_7B, 2048),
+        [("03", "layer7_sdpa_mb", M), ("04", "a7_mb", M)],
+    ),
+    "the same for Llama-3-8B (GQA: narrower k, v; wider MLP)": (
+        lambda: _layer(R.LLAMA3_8B, 2048),
+        [("03", "l3_layer_mb", M), ("04", "a8_mb", M)],
+    ),
     "Llama-3-8B vocabulary": (
         lambda: R.LLAMA3_8B["vocab_size"],
         [("01", "l3_vocab", 1), ("03", "l3_vocab", 1)],
