@@ -21,6 +21,7 @@ reference.
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -206,6 +207,43 @@ QUANTITIES = {
         lambda: R.nf4_7b_bytes("bitsandbytes"),
         [("07", "nf4dq_7b", GB), ("10", "q_qlora_base_gib", GiB)],
     ),
+    # A "7B at 4 bits" is one of three named rules (reference.FOUR_BIT_RULES); chapter 1
+    # once used a fourth (an fp16 scale per 64 weights, 3.58 GB) that no other chapter
+    # shared.
+    "7B at 4 bits, rule 'bnb' (as bitsandbytes stores it)": (
+        lambda: R.four_bit_weight_bytes("bnb"),
+        [("01", "w4_bnb_gb", GB), ("07", "nf4dq_7b", GB)],
+    ),
+    "7B at 4 bits, rule 'nf4-dq' (every parameter NF4 + double quantisation)": (
+        lambda: R.four_bit_weight_bytes("nf4-dq"),
+        [("01", "w4_nf4dq_gb", GB), ("07", "nf4dq_all_7b", GB)],
+    ),
+    "NF4 constants, bits per parameter, rule 'nf4' (fp32 absmax per 64)": (
+        lambda: (R.four_bit_bytes_per_param("nf4") - 0.5) * 8,
+        [("01", "w4_nf4_bits", 1), ("07", "nf4_const_bits", 1)],
+    ),
+    "Llama-3-8B parameters": (
+        lambda: R.n_params(R.LLAMA3_8B),
+        [("01", "l3_n", 1), ("03", "l3_n", 1)],
+    ),
+    "one layer's activations, bf16 autocast, SDPA, batch 1, 2048 tokens, LLaMA-7B": (
+        lambda: _layer(R.MODEL_7B, 2048),
+        [("03", "layer7_sdpa_mb", M), ("04", "a7_mb", M)],
+    ),
+    "the same for Llama-3-8B (GQA: narrower k, v; wider MLP)": (
+        lambda: _layer(R.LLAMA3_8B, 2048),
+        [("03", "l3_layer_mb", M), ("04", "a8_mb", M)],
+    ),
+    "Llama-3-8B vocabulary": (
+        lambda: R.LLAMA3_8B["vocab_size"],
+        [("01", "l3_vocab", 1), ("03", "l3_vocab", 1)],
+    ),
+    "Llama-3-8B LoRA r=8 on q_proj, v_proj: trainable parameters (GQA: v is narrow)": (
+        lambda: lora_param_count_for_config(
+            SimpleNamespace(**R.LLAMA3_8B), ("q_proj", "v_proj"), 8
+        ),
+        [("03", "l3_lora_n", 1), ("05", "sv8_qv", 1)],
+    ),
     "7B QLoRA r=16 on all Linears, model states": (
         lambda: R.qlora_base_bytes() + _lora_states(16, ALL_LINEARS),
         [("09", "seed_qlora_7b", GiB), ("10", "cs_qlora_7b", GiB)],
@@ -230,6 +268,8 @@ QUANTITIES = {
         lambda: lora_param_count_for_config(CFG7, ("q_proj", "v_proj"), 8),
         [
             ("03", "lora_trainable", 1),
+            ("03", "l2_lora_n", 1),
+            ("05", "sv7_qv", 1),
             ("06", "p_qv_tr", 1),
             ("08", "lora_params_m", M),
             ("08", "lora_qv_n", 1),
@@ -541,6 +581,8 @@ def bpp_size_mismatches(text: str, n_params: int) -> list[str]:
     for sentence in SENTENCE.split(text):
         if not sentence or "7B" not in sentence and "7B" not in text:
             continue
+        # a sentence about the current shape multiplies out with its own count
+        n = R.n_params(R.LLAMA3_8B) if "Llama-3-8B" in sentence else n_params
         for m in (m for p in PAIRS for m in p.finditer(sentence)):
             bpp_text = m.group("bpp") or m.group("bpp2")
             bpp = sum(float(x) for x in re.findall(NUM, bpp_text))
@@ -549,10 +591,10 @@ def bpp_size_mismatches(text: str, n_params: int) -> list[str]:
                 len(m.group("size").split(".")[1]) if "." in m.group("size") else 0
             )
             tol = 0.5 * 10.0**-decimals + 0.005 * size
-            if abs(bpp * n_params / unit - size) > tol:
+            if abs(bpp * n / unit - size) > tol:
                 out.append(
-                    f"{bpp_text} B/param x {n_params:,} = "
-                    f"{bpp * n_params / unit:.1f} {m.group('unit')}, "
+                    f"{bpp_text} B/param x {n:,} = "
+                    f"{bpp * n / unit:.1f} {m.group('unit')}, "
                     f"the text says {m.group('size')} {m.group('unit')}: "
                     f"{sentence.strip()}"
                 )
@@ -876,3 +918,99 @@ def test_fsdp2_has_no_no_sync():
     assert not hasattr(FSDPModule, "no_sync")
     assert hasattr(FullyShardedDataParallel, "no_sync")
     assert hasattr(DistributedDataParallel, "no_sync")
+
+
+# ------------------------------------------------------ one chapter, one source
+def _gap_gb() -> float:
+    """GB a GiB reading undercounts when read as GB: the 7B peak in GB minus the same
+    bytes in GiB (the two numbers of chapter 3's misconception 1)."""
+    b = _peak7(precision="bf16-amp", optimizer="adamw", method="full", attn="sdpa")
+    return b / GB - b / GiB
+
+
+# quantity -> (reference, [(chapter, glue key, unit)]): a number one chapter states,
+# checked against its one source.
+ONE_SOURCE = {
+    "GB a GiB reading of the 7B peak undercounts": (_gap_gb, [("03", "gap_gb", 1)]),
+    "Llama-3-8B SDPA activations outside the layers, 2048 tokens (logits, loss)": (
+        lambda: R.activation_bytes(R.LLAMA3_8B) - 32 * _layer(R.LLAMA3_8B, 2048),
+        [("03", "l3_rest_gb", GB)],
+    ),
+    "Llama-3-8B at 4 bits, rule 'bnb'": (
+        lambda: R.four_bit_weight_bytes("bnb", R.LLAMA3_8B),
+        [("01", "l3_w4_bnb_gb", GB)],
+    ),
+    "Llama-3-8B LoRA r=8 on all Linears: trainable parameters": (
+        lambda: lora_param_count_for_config(
+            SimpleNamespace(**R.LLAMA3_8B), ALL_LINEARS, 8
+        ),
+        [("05", "sv8_t", 1)],
+    ),
+}
+
+
+def _layer(model, seq: int) -> int:
+    from trainmem.estimate import activation_bytes_per_layer
+
+    return activation_bytes_per_layer(
+        model, batch=1, seq=seq, precision="bf16-amp", attn="sdpa"
+    )
+
+
+@pytest.mark.parametrize("quantity", list(ONE_SOURCE))
+def test_one_chapter_quantity_equals_its_source(quantity):
+    reference, uses = ONE_SOURCE[quantity]
+    ref = reference()
+    for prefix, key, unit in uses:
+        value, half_digit = _parse(_glued(prefix)[key])
+        assert abs(value * unit - ref) <= half_digit * unit * (1 + 1e-9), (
+            f"{quantity}: chapter {prefix} glues {key}={value} (x {unit:g}), the "
+            f"reference is {ref / unit:.6g}"
+        )
+
+
+def _markdown(prefix: str) -> str:
+    (path,) = BOOK.glob(f"{prefix}_*.ipynb")
+    nb = nbformat.read(path, as_version=4)
+    return "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+
+
+def test_gb_gib_gap_states_its_unit():
+    """Chapter 3's misconception 1 once said "大 9.3" (134.8 GB - 125.5 GiB, no
+    unit)."""
+    text = _markdown("03")
+    assert "{glue:}`gap_gb` GB" in text
+    assert re.search(r"大 \{glue:\}`gap_gb`(?! G)", text) is None
+
+
+def test_fsdp2_gradient_accumulation_switch():
+    """FSDP2 (fully_shard) has no no_sync(): chapter 4 glues what torch has and says
+    which generation has which."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    g = _glued("04")
+    assert g["fsdp2_no_sync"] == str(hasattr(FSDPModule, "no_sync")) == "False"
+    assert g["fsdp2_sync_switch"] == "True"
+    assert hasattr(FSDPModule, "set_requires_gradient_sync")
+    assert g["fsdp1_no_sync"] == str(hasattr(FullyShardedDataParallel, "no_sync"))
+    text = _markdown("04")
+    assert "FSDP 也有 `no_sync()`" not in text
+    (q8,) = [b for b in text.split(":::") if "Q8：" in b]
+    assert "set_requires_gradient_sync" in q8 and "FSDP1" in q8
+
+
+def test_qlora_hyperparameters_are_the_papers():
+    """QLoRA used r=64, alpha=16 on all linear layers; alpha = 2r is not from it."""
+    text = _markdown("05")
+    (q6,) = [b for b in text.split(":::") if "Q6：" in b]
+    assert "$r=64$" in q6 and "$\\alpha=16$" in q6
+    for sentence in re.split(r"[。；]", text):
+        if "QLoRA" in sentence:
+            assert "2r" not in sentence, sentence
+
+
+def test_fp8_answer_names_the_block_scaled_recipes():
+    text = _markdown("01")
+    (q6,) = [b for b in text.split(":::") if "Q6：FP8" in b]
+    for term in ("按块", "1×128", "128×128", "MXFP8", "E8M0"):
+        assert term in q6, term

@@ -24,7 +24,13 @@ COLORS = {
 }
 
 
-def _axes(ax, figsize=(6.4, 3.6)):
+def _en(cn: str, en: str) -> str:
+    """The default label translator: English (``tr=coursekit.fonts.zh`` gives Chinese
+    where a CJK font exists; trainmem does not import coursekit)."""
+    return en
+
+
+def _axes(ax, figsize=(5.5, 3.6)):
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -37,6 +43,7 @@ def plot_spacing(
     ax=None,
     xlim=(1e-12, 1e6),
     points: int = 4000,
+    tr=_en,
 ):
     """Grid spacing (ulp) versus magnitude |x| on log-log axes, one staircase per
     format.
@@ -66,14 +73,19 @@ def plot_spacing(
                 ms=4,
             )
     ax.set_xlabel("|x|")
-    ax.set_ylabel("spacing to next value (ulp)")
-    ax.set_title("Precision: spacing grows with magnitude; dots = largest finite value")
+    ax.set_ylabel(tr("相邻两数的间隔（ulp）", "spacing to next value (ulp)"))
+    ax.set_title(
+        tr(
+            "精度（precision）：间隔随数量级增长\n圆点：最大有限值",
+            "Precision: spacing grows with magnitude\ndots = largest finite value",
+        )
+    )
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(ncol=2)
     return fig
 
 
-def plot_ranges(formats: Iterable[str] = DEFAULT_FORMATS, ax=None):
+def plot_ranges(formats: Iterable[str] = DEFAULT_FORMATS, ax=None, tr=_en):
     """Representable positive range per format: subnormals (light) and normals (solid),
     log scale."""
     fig, ax = _axes(ax)
@@ -86,35 +98,44 @@ def plot_ranges(formats: Iterable[str] = DEFAULT_FORMATS, ax=None):
         ax.text(
             hi + 0.5,
             i,
-            f"max {f.max_normal:,.0f}"
-            if f.max_normal < 1e6
-            else f"max {f.max_normal:.3g}",
+            f"{f.max_normal:,.0f}" if f.max_normal < 1e6 else f"{f.max_normal:.2g}",
             va="center",
-            fontsize=8,
         )
     ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()
-    ax.set_xlim(-50, 48)
-    ax.set_xlabel(r"$\log_{10}|x|$   (light: subnormal, solid: normal)")
-    ax.set_title("Range: where each format can represent a nonzero finite value")
+    ax.set_xlim(-50, 62)
+    ax.set_xlabel(
+        tr(
+            # no mathtext here: it has no CJK fallback font
+            "log₁₀|x|（浅色：次正规数，深色：正规数）",
+            r"$\log_{10}|x|$ (light: subnormal, solid: normal)",
+        )
+    )
+    ax.set_title(
+        tr(
+            "量程（range）：能表示的正数范围\n右侧数字：最大有限值",
+            "Range of positive values\nright: largest finite value",
+        )
+    )
     ax.grid(True, axis="x", alpha=0.3)
     return fig
 
 
-def format_overview(formats: Iterable[str] = DEFAULT_FORMATS):
-    """Two panels: range bars (top) and spacing versus magnitude (bottom)."""
+def format_overview(formats: Iterable[str] = DEFAULT_FORMATS, tr=_en):
+    """Two panels stacked (narrow enough for a phone): range bars (top) and spacing
+    versus magnitude (bottom). ``tr(chinese, english)`` picks each label's language."""
     import matplotlib.pyplot as plt
 
     formats = list(formats)
-    fig, (a, b) = plt.subplots(2, 1, figsize=(7.5, 7.5))
-    plot_ranges(formats, a)
-    plot_spacing(formats, b)
+    fig, (a, b) = plt.subplots(2, 1, figsize=(5.5, 8.5))
+    plot_ranges(formats, a, tr=tr)
+    plot_spacing(formats, b, tr=tr)
     fig.tight_layout()
     return fig
 
 
 def plot_magnitude_histogram(
-    values, thresholds: Sequence[tuple[str, float]], ax=None, bins: int = 80
+    values, thresholds: Sequence[tuple[str, float]], ax=None, bins: int = 80, tr=_en
 ):
     """Histogram of log10|values| with labelled vertical lines at ``thresholds`` (label,
     value)."""
@@ -127,6 +148,6 @@ def plot_magnitude_histogram(
             np.log10(t), color=f"C{k + 1}", ls="--", lw=1.2, label=f"{label} = {t:.3g}"
         )
     ax.set_xlabel(r"$\log_{10}|g|$")
-    ax.set_ylabel("count")
-    ax.legend(fontsize=8)
+    ax.set_ylabel(tr("个数（count）", "count"))
+    ax.legend()
     return fig

@@ -20,6 +20,10 @@ from .quant import adam_state_bytes_per_param, nf4_bytes, nf4_bytes_per_param
 
 __all__ = [
     "MODEL_7B",
+    "LLAMA3_8B",
+    "FOUR_BIT_RULES",
+    "four_bit_bytes_per_param",
+    "four_bit_weight_bytes",
     "GB",
     "GiB",
     "ADAM8_BLOCK",
@@ -52,6 +56,23 @@ __all__ = [
 ]
 
 MODEL_7B = "llama-7b"
+# A current 7-8B shape beside the LLaMA-1/2 one: the fields of Meta-Llama-3-8B's
+# config.json (128,256-token vocabulary, GQA with 8 K/V heads, MLP width 14,336). Every
+# function here takes it as ``model`` (a dict of config.json fields is a model).
+LLAMA3_8B = {
+    "model_type": "llama",
+    "name_or_path": "meta-llama/Meta-Llama-3-8B",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+}
 # bitsandbytes quantises Adam's states in blocks of 256 values since 0.44 (2024); the
 # 8-bit optimizers paper (Dettmers et al., 2022) used 2048.
 ADAM8_BLOCK = 256
@@ -64,7 +85,7 @@ ACT_CONDITIONS = dict(
 
 #: Llama-3-8B (Meta, 2024) as overrides of the LLaMA-2-7B preset: same width, depth and
 #: heads; a 128,256-token vocabulary, GQA with 8 key/value heads, a wider MLP.
-LLAMA3_8B = dict(
+_LLAMA3_8B_OVERRIDES = dict(
     vocab_size=128256,
     intermediate_size=14336,
     num_key_value_heads=8,
@@ -73,11 +94,11 @@ LLAMA3_8B = dict(
 
 
 def llama3_8b():
-    """The transformers config of Llama-3-8B (:data:`LLAMA3_8B`), usable wherever a
-    preset name is."""
+    """The transformers config of Llama-3-8B (the shape of :data:`LLAMA3_8B`), usable
+    wherever a preset name is."""
     from .models import get_config
 
-    return get_config("llama2-7b", **LLAMA3_8B)
+    return get_config("llama2-7b", **_LLAMA3_8B_OVERRIDES)
 
 
 def n_params(model: str = MODEL_7B) -> int:
@@ -180,6 +201,43 @@ def int8_7b_bytes(rule: str, model: str = MODEL_7B) -> float:
     s = model_shape(model)
     rows = s.layers * sum(d_out for _, d_out in s.linear_shapes().values())
     return float(linear + 4 * rows + 2 * rest)
+
+
+# ------------------------------------------------------------------ 4-bit weights
+# : The rules a "7B at 4 bits" size can be computed by, each named once. Chapter 1 and
+# : chapter 7 quote the same rule by the same name.
+FOUR_BIT_RULES = {
+    "nf4": "every parameter NF4, one fp32 absmax per 64 weights (QLoRA without double"
+    " quantisation)",
+    "nf4-dq": "every parameter NF4 with double quantisation (8-bit absmax per 64, one"
+    " fp32 constant per 256 of them)",
+    "bnb": "as bitsandbytes stores a model: decoder Linears NF4 + double quantisation,"
+    " embeddings, lm_head and norms in 16 bits",
+}
+
+
+def four_bit_bytes_per_param(rule: str = "nf4") -> float:
+    """Bytes per 4-bit weight, constants included, of an all-parameter rule
+    (``"nf4"`` or ``"nf4-dq"``; ``"bnb"`` depends on the model: see
+    :func:`four_bit_weight_bytes`)."""
+    if rule == "nf4":
+        return nf4_bytes_per_param(64, double_quant=False)
+    if rule == "nf4-dq":
+        return nf4_bytes_per_param(64, double_quant=True)
+    raise ValueError(
+        f"rule must be 'nf4' or 'nf4-dq' for bytes per parameter (got {rule!r}); "
+        "'bnb' keeps some parameters in 16 bits: use four_bit_weight_bytes"
+    )
+
+
+def four_bit_weight_bytes(rule: str = "nf4", model=MODEL_7B) -> float:
+    """Bytes of ``model``'s weights at 4 bits under ``rule`` (a key of
+    :data:`FOUR_BIT_RULES`)."""
+    if rule not in FOUR_BIT_RULES:
+        raise ValueError(f"rule must be one of {sorted(FOUR_BIT_RULES)}, got {rule!r}")
+    if rule == "bnb":
+        return qlora_base_bytes(model, double_quant=True)
+    return n_params(model) * four_bit_bytes_per_param(rule)
 
 
 # ------------------------------------------------------------------ throughput
