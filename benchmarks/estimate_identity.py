@@ -2,7 +2,7 @@
 before a refactoring and compared after it.
 
     python benchmarks/estimate_identity.py record [FILE]    # write the rows' outputs
-    python benchmarks/estimate_identity.py compare [FILE]   # print rows compared/identical
+    python benchmarks/estimate_identity.py compare [FILE]   # rows compared, identical
 
 The rows: the golden estimates of ``tests/data/estimate_golden.json`` (as
 ``tests/test_estimate.py`` runs them), every published GPU row
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainmem.config import OptionError, StepConfig  # noqa: E402
+from trainmem.config import OptionError  # noqa: E402
 from trainmem.estimate import estimate, estimate_from_hf  # noqa: E402
 
 DEFAULT = ROOT / "benchmarks" / "results" / "estimate_identity.json"
