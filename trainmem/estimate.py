@@ -171,9 +171,12 @@ from .config import (
     split_targets,
     step_signature,
 )
+from .decisions import Decisions, decide, sdpa_falls_back_to_math
 from .dtypes import GB, GiB, nf4_bytes_per_weight
+from .precisions import precision as precision_entry
 from .families import FAMILIES, lora_adapter_params
 from .from_hf import ALL_LINEAR, HF_OPTIMS, hf_field_error, hf_options
+from .memory.accounting import ITEMSIZE
 from .versions import version_text
 
 __all__ = [
@@ -270,15 +273,17 @@ def bytes_per_param(
     check_choice("precision", precision, PRECISIONS)
     spec = optimizer_entry(optimizer)
     check_choice("convention", convention, ("torch-amp", "zero-paper", "accelerate"))
+    prec = precision_entry(precision)
     if convention == "accelerate":
-        return 16.0 if precision == "fp32" else 8.0
-    p = 2 if precision == "bf16" else 4
-    if convention == "zero-paper" and precision in ("fp16-amp", "bf16-amp"):
-        return 2 + 2 + 4 + _nominal_state_bytes(spec, 4)
+        return 4.0 * ITEMSIZE[prec.compute]
+    p = ITEMSIZE[prec.params]
+    if convention == "zero-paper" and prec.zero_half:
+        half = ITEMSIZE[prec.zero_half]
+        return half + half + 4 + _nominal_state_bytes(spec, 4)
     states = _nominal_state_bytes(spec, p)
     if convention == "zero-paper":
         return p + p + states
-    copy = 2 if precision in ("fp16-amp", "bf16-amp") else 0
+    copy = ITEMSIZE[prec.autocast] if prec.autocast else 0
     return p + copy + p + states
 
 
@@ -431,14 +436,15 @@ def _qlora_weights(shape: Shape, step: StepConfig) -> int:
     return int(n_linear * nf4) + 2 * (count_params(shape) - n_linear)
 
 
-def _gpt2_estimate(shape: Shape, step: StepConfig) -> dict:
+def _gpt2_estimate(shape: Shape, d: Decisions) -> dict:
     """Closed-form estimate (not replayed): model states exact, activations after
     Korthikanti et al. 2022 (34·s·b·h + 5·a·s²·b bytes per layer in 16-bit, the s² term
     only for eager)."""
-    method, precision, optimizer = step.method, step.precision, step.optimizer
+    step, prec = d.options, d.precision
+    method, optimizer = step.method, step.optimizer
     n_params = count_params(shape)
-    param_bytes = 2 if precision == "bf16" else 4
-    amp = precision in ("fp16-amp", "bf16-amp")
+    param_bytes = ITEMSIZE[prec.params]
+    amp = prec.autocast is not None
     if method == "full":
         n_trainable = n_params
     else:
@@ -453,13 +459,13 @@ def _gpt2_estimate(shape: Shape, step: StepConfig) -> dict:
     grads = n_trainable * trainable_bytes
     spec = optimizer_entry(optimizer)
     states = int(n_trainable * _nominal_state_bytes(spec, trainable_bytes))
-    if amp and step.zero >= 1:  # ZeRO/DeepSpeed: 16-bit module, fp32 master + states
+    if d.zero_layout:  # ZeRO/DeepSpeed: 16-bit module, fp32 master + states
         weights = _qlora_weights(shape, step) if qlora else 2 * n_params
         grads, master = 2 * n_trainable, 4 * n_trainable
         states = int(n_trainable * _nominal_state_bytes(spec, 4))
-    act_scale = 1.0 if precision != "fp32" else 2.0
+    act_scale = ITEMSIZE[prec.compute] / 2.0
     batch, seq, hidden, heads = step.batch, step.seq, shape.hidden, shape.heads
-    eager = step.attn_memory == "eager"
+    eager = d.attention == "eager"
     per_layer = 34 * seq * batch * hidden + (
         5 * heads * seq * seq * batch if eager else 0
     )
@@ -535,11 +541,14 @@ def estimate_step(
     ``model`` (a preset name, config .json path, config or :class:`Shape`)."""
     shape = model_shape(model)
     step.check_model(shape)
-    asked = step
-    step = _on_gpu(step, gpu)
+    if gpu is not None:
+        from .gpus import get_gpu
+
+        get_gpu(gpu)  # a bad name raises OptionError("gpu") before anything else
+    d = decide(shape, step, gpu)
     n_params = count_params(shape)
-    if shape.family.replay is None:
-        result = _gpt2_estimate(shape, step)
+    if d.layout is None:
+        result = _gpt2_estimate(shape, d)
         exact = False
         n_trainable = result["n_trainable"]
     else:
@@ -549,12 +558,10 @@ def estimate_step(
 
         result = simulate_step(
             shape,
-            step,
+            d,
             record_events=gpu is not None or timeline,
             replay_as=(
-                replay_setup(
-                    gpu, step.library_versions, step.gpus, nccl_communicators(step)
-                )
+                replay_setup(gpu, d.versions, step.gpus, d.communicators)
                 if gpu
                 else None
             ),
@@ -572,71 +579,26 @@ def estimate_step(
         peak_phase,
         phase_peaks,
         exact,
-        _options_record(shape, asked),
+        _options_record(shape, step),
         int(result["model_states"]),
-        *_device(result, asked, gpu, timeline),
+        *_device(result, d, timeline),
     )
-
-
-#: compute capability from which SDPA's fused kernels take bf16 (flash: sm_80 and up;
-#: memory-efficient: fp16/fp32 below sm_80, ``less_than_sm80_mem_efficient_dtypes``
-#: in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp)
-SDPA_BF16_FROM = (8, 0)
-
-
-def _bf16_activations(step: StepConfig) -> bool:
-    return step.precision in ("bf16", "bf16-amp")
-
-
-def _sdpa_falls_back_to_math(step: StepConfig, card) -> bool:
-    """Whether ``card`` runs this step's SDPA on the math path: bf16 activations below
-    :data:`SDPA_BF16_FROM`."""
-    return (
-        step.attn == "sdpa"
-        and _bf16_activations(step)
-        and card.capability < SDPA_BF16_FROM
-    )
-
-
-def _on_gpu(step: StepConfig, gpu: str | None) -> StepConfig:
-    """The step as it runs on ``gpu``. Below compute capability 8.0 no fused SDPA
-    kernel takes bf16, so ``scaled_dot_product_attention`` dispatches to its math
-    path, which materialises the ``b x heads x s x s`` scores in fp32; the step is
-    replayed on that path (``attn="math"``). FlashAttention-2 does not run there at
-    all."""
-    if gpu is None:
-        return step
-    from .gpus import get_gpu
-
-    card = get_gpu(gpu)
-    if card.capability >= SDPA_BF16_FROM:
-        return step
-    major, minor = card.capability
-    if step.attn == "flash":
-        raise OptionError(
-            "attn",
-            f"attn 'flash' (FlashAttention-2) needs compute capability 8.0 or "
-            f"newer; {card.name} is sm_{major}{minor}: use attn 'sdpa'",
-        )
-    if _sdpa_falls_back_to_math(step, card) and step.framework == "hf":
-        return dataclasses.replace(step, attn="math")
-    return step
 
 
 def nccl_communicators(step: StepConfig) -> int:
     """The NCCL communicators a step's process holds on ``step.gpus`` > 1 GPUs: torch's
     FSDP/DDP run on the default group, DeepSpeed adds a clone of it for its optimizer
-    (:mod:`trainmem.gpus`, "Communicators")."""
-    return 2 if step.zero_impl == "deepspeed" else 1
+    (:mod:`trainmem.gpus`, "Communicators"; the sharding entry's ``communicators``)."""
+    from .sharding import sharding
+
+    return sharding(step.zero_impl).communicators
 
 
-def _device(result: dict, step: StepConfig, gpu: str | None, timeline: bool):
-    """trainmem.gpus.device_report of the replayed step on ``gpu`` (None without) and
-    the step's timeline (None unless asked for)."""
-    if gpu is not None:
-        from .gpus import get_gpu
-
-        get_gpu(gpu)  # a bad name raises OptionError("gpu") also for gpt2
+def _device(result: dict, d: Decisions, timeline: bool):
+    """trainmem.gpus.device_report of the replayed step on ``d.gpu`` (None without)
+    and the step's timeline (None unless asked for)."""
+    step = d.options
+    gpu = None if d.gpu is None else d.gpu.name
     events = result.get("events")
     if not events:
         return None, None
@@ -649,30 +611,31 @@ def _device(result: dict, step: StepConfig, gpu: str | None, timeline: bool):
     device = device_report(
         events,
         gpu,
-        step.library_versions,
+        d.versions,
         200 if timeline else 0,
         gpus=step.gpus,
         replays=result.get("replays"),
-        communicators=nccl_communicators(step),
+        communicators=d.communicators,
     )
     points = device.pop("timeline")
-    device["notes"] = _gpu_notes(step, get_gpu(gpu))
+    device["notes"] = _gpu_notes(d)
     return device, (points if timeline else None)
 
 
-def _gpu_notes(step: StepConfig, gpu) -> list[dict]:
+def _gpu_notes(d: Decisions) -> list[dict]:
     """What the card changes besides memory, as ``{"code", "message"}`` (front ends
     word them by ``code``): bf16 on a card without bf16 units runs, but emulated
     (torch.cuda.is_bf16_supported() answers True through emulation below compute
     capability 8.0, so Trainer(bf16=True) accepts it); bf16 SDPA there runs the
-    math path (:func:`_on_gpu`); a DeepSpeed ZeRO-3 LoRA step with non-reentrant
-    checkpointing, which DeepSpeed before its fix stops with a CheckpointError (seen on
-    CPU with 0.16.4, ``benchmarks/deepspeed_cpu_check.py``); and on more than 2
-    NVSwitch-connected sm_90+ GPUs NCCL's NVLS buffers, which the estimate leaves out
-    (:mod:`trainmem.gpus`)."""
+    math path (:func:`trainmem.decisions.decide`); a DeepSpeed ZeRO-3 LoRA step
+    with non-reentrant checkpointing, which DeepSpeed before its fix stops with a
+    CheckpointError (seen on CPU with 0.16.4, ``benchmarks/deepspeed_cpu_check.py``);
+    and on more than 2 NVSwitch-connected sm_90+ GPUs NCCL's NVLS buffers, which the
+    estimate leaves out (:mod:`trainmem.gpus`)."""
+    step, gpu = d.options, d.gpu
     notes = []
     major, minor = gpu.capability
-    uses_bf16 = _bf16_activations(step) or step.lora_dtype == "bf16"
+    uses_bf16 = d.bf16_compute or step.lora_dtype == "bf16"
     if uses_bf16 and not gpu.bf16:
         notes.append(
             {
@@ -682,8 +645,8 @@ def _gpu_notes(step: StepConfig, gpu) -> list[dict]:
                 "choice",
             }
         )
-    if _sdpa_falls_back_to_math(step, gpu):
-        replayed = step.framework == "hf"  # as _on_gpu decides
+    if sdpa_falls_back_to_math(step, d.precision, gpu):
+        replayed = d.attention_reason is not None  # decisions._attention
         notes.append(
             {
                 "code": "sdpa-math" if replayed else "sdpa-math-not-modelled",
@@ -697,7 +660,7 @@ def _gpu_notes(step: StepConfig, gpu) -> list[dict]:
             }
         )
     if (
-        step.zero_impl == "deepspeed"
+        d.sharding.checkpoint_error
         and step.zero >= 3
         and step.method in ("lora", "qlora")
         and step.checkpointing
@@ -786,10 +749,10 @@ def activation_bytes_per_layer(
         checkpointing=checkpointing,
         attn=attn,
     )
-    held = [
-        simulate_step(dataclasses.replace(shape, layers=layers), step)["activations"]
-        for layers in (2, 3)
-    ]
+    held = []
+    for layers in (2, 3):
+        deeper = dataclasses.replace(shape, layers=layers)
+        held.append(simulate_step(deeper, decide(deeper, step))["activations"])
     return held[1] - held[0]
 
 

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from . import deepspeed
@@ -303,3 +304,92 @@ def hf_field_error(e: OptionError, overrides) -> OptionError:
         rest = str(e)[len(e.option) :] if str(e).startswith(e.option) else f": {e}"
         return OptionError(source, f"{source} {field_name}{rest}")
     return e
+
+
+# --------------------------------------------------------------------------------------
+# a published run's conditions -> options
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunFramework:
+    """How the estimator replays a run of one framework a published source names:
+    the :mod:`trainmem.frameworks` entry it runs as, whether its recipes train
+    bf16-true (parameters in bf16, no autocast), its LoRA adapters' dtype (``None``:
+    peft's fp32 unless ``autocast_adapter_dtype=False``; LitGPT's follow the bf16-true
+    module) and QLoRA's k-bit preparation when the run does not say (LitGPT quantizes
+    through Fabric's BitsandbytesPrecision, without peft's
+    ``prepare_model_for_kbit_training``: the rest of the model stays bf16)."""
+
+    framework: str
+    bf16_true: bool
+    lora_dtype: str | None
+    kbit_prepare: str
+    #: the run's ``optimizer`` condition names bitsandbytes' paged AdamW
+    reads_optimizer: bool = False
+
+
+RUN_FRAMEWORKS = {
+    "hf": RunFramework("hf", False, None, "peft"),
+    "litgpt": RunFramework("litgpt", True, "bf16", "none", reads_optimizer=True),
+    "torchtune": RunFramework("hf", True, None, "none"),
+}
+#: the first word of a run's ``precision`` condition -> the estimator's precision.
+#: Trainer's bf16=True under FSDP/DeepSpeed is ``bf16-amp`` (16-bit compute copies,
+#: fp32 master weights: the estimator's ZeRO layout); bf16-true / a model loaded in
+#: bf16 without autocast is pure ``bf16``
+RUN_PRECISIONS = {"bf16-amp": "bf16-amp", "bf16": "bf16", "bf16-true": "bf16"}
+
+
+def run_options(conditions: dict, devices: int = 1) -> dict[str, Any]:
+    """The estimator's options for one published run on ``devices`` GPUs, each read
+    from a condition the source states (``coursekit/data/published_gpu.json``'s
+    ``conditions``)."""
+    c = conditions
+    run = RUN_FRAMEWORKS[c["framework"]]
+    opts: dict = {
+        "method": c["method"],
+        "batch": c["micro_batch"],
+        "seq": c["seq"] or c["seq_bound"],
+        "checkpointing": bool(c.get("checkpointing")),
+        "grad_accum": c.get("grad_accum") or 1,
+        "attn": "sdpa",
+        "optimizer": "adamw",
+        "optimizer_impl": "foreach",  # torch.optim.AdamW(params) on CUDA
+    }
+    precision = RUN_PRECISIONS.get(c["precision"].split()[0])
+    if precision is None and run.bf16_true:
+        precision = RUN_PRECISIONS["bf16-true"]
+    if precision:
+        opts["precision"] = precision
+    if c.get("global_batch"):
+        # the run's gradient accumulation (LitGPT: global_batch_size // (micro_batch
+        # * devices)); the gradients stay allocated through the next forward
+        opts["grad_accum"] = max(1, c["global_batch"] // (c["micro_batch"] * devices))
+    if c["method"] != "full":
+        opts["lora_rank"] = c["lora_r"]
+        opts["lora_alpha"] = c.get("lora_alpha") or 2 * c["lora_r"]
+        targets = c["lora_targets"]
+        opts["lora_targets"] = tuple(ALL_LINEAR if targets == "all-linear" else targets)
+        if c.get("lora_head"):
+            opts["lora_targets"] += ("lm_head",)  # LitGPT's lora_head
+        opts["lora_dtype"] = run.lora_dtype
+        opts["lora_dropout"] = c.get("lora_dropout") or 0.0
+    if c.get("quantize"):
+        opts["qlora_double_quant"] = c["quantize"].endswith("-dq")
+        opts["kbit_prepare"] = c.get("kbit_prepare") or run.kbit_prepare
+    if c.get("checkpointing") == "reentrant":
+        opts["checkpointing_mode"] = "reentrant"
+    if devices > 1 and (c["method"] == "full" or c.get("zero")):
+        # FSDP full sharding
+        opts["zero"], opts["gpus"] = c.get("zero") or 3, devices
+        if c.get("zero_impl"):
+            opts["zero_impl"] = c["zero_impl"]
+            if c.get("deepspeed_sizes"):
+                opts["deepspeed_sizes"] = c["deepspeed_sizes"]
+    opts["framework"] = run.framework
+    if run.reads_optimizer and c.get("optimizer", "").startswith(
+        "bnb.optim.PagedAdamW"
+    ):
+        opts["optimizer"] = "paged_adamw"
+    if c.get("versions"):
+        opts["versions"] = c["versions"]
+    return opts

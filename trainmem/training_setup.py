@@ -8,7 +8,8 @@ import importlib
 
 import torch
 
-from .config import OptionError, StepConfig
+from .config import OptionError, StepConfig, model_shape
+from .decisions import decide
 from .dtypes import dtype as dtype_entry
 from .models import build_model
 from .optimizers import OPTIMIZERS
@@ -29,8 +30,9 @@ def build_training_setup(
     # measured step (trainmem.measure)
     impl = "sdpa" if step.attn == "math" else step.attn
     model = build_model(config, device=device, attn_implementation=impl)
-    if step.precision == "bf16":
-        model = model.to(torch.bfloat16)
+    load = decide(model_shape(config), step).dtypes.load
+    if load != "fp32":  # the weights as loaded (from_pretrained's dtype)
+        model = model.to(torch_dtype(load))
     if step.method == "lora":
         from peft import LoraConfig, get_peft_model
 

@@ -348,27 +348,22 @@ def build_params(
     shape,
     *,
     method: str,
-    precision: str,
     lora_rank: int,
     lora_targets,
-    lora_dtype: str | None,
-    param_dtype: str | None = None,
-    base_dtype: str | None = None,
+    dtypes,
 ) -> Model:
     """Parameters (and buffers) as the measured model holds them.
 
-    ``param_dtype`` (``"bf16"``/``"fp16"``) overrides the dtype of every parameter,
-    buffer and LoRA adapter: the ZeRO/DeepSpeed mixed-precision layout, where the module
-    itself is cast to the low precision (``model.bfloat16()``) and the fp32 master copy
-    lives in the optimizer (added by :func:`simulate_step`, category
-    ``master_weights``); all parameters are then ``weights``. ``base_dtype`` overrides
-    the dtype of the (frozen) base model only, not of the adapters: QLoRA's 16-bit
-    embeddings, norms and ``lm_head`` (the decoder Linear weights are then quantized by
-    :func:`simulate_step`)."""
-    base_param_dtype = (
-        param_dtype or base_dtype or ("bf16" if precision == "bf16" else "fp32")
-    )
-    amp = precision in ("fp16-amp", "bf16-amp") and param_dtype is None
+    ``dtypes``: the step's :class:`trainmem.decisions.Dtypes` — ``base`` for the base
+    parameters (under the ZeRO/DeepSpeed mixed-precision layout every parameter,
+    buffer and adapter is in ``module``'s 16-bit dtype, ``model.bfloat16()``, and the
+    fp32 master copy lives in the optimizer, added by :func:`simulate_step`; under
+    QLoRA the 16-bit or fp32 embeddings, norms and ``lm_head``, the decoder Linear
+    weights quantized afterwards by :func:`simulate_step`), ``buffers``, ``adapters``.
+    Under autocast a trainable fp32 parameter is also the master copy (category
+    ``master_weights``)."""
+    base_param_dtype = dtypes.base
+    amp = dtypes.autocast is not None
     full = method == "full"
 
     def make_param(param_shape, trainable, dtype=base_param_dtype):
@@ -380,14 +375,12 @@ def build_params(
     h = shape.hidden
     embed = make_param((shape.vocab, h), full)
     # rotary buffers: inv_freq and original_inv_freq (head_dim/2 floats each)
-    buffer_dtype = param_dtype or ("bf16" if precision == "bf16" else "fp32")
+    buffer_dtype = dtypes.buffers
     buffers = [
         new(sim, (shape.head_dim // 2,), buffer_dtype, category="weights")
         for _ in range(2)
     ]
-    adapter_dtype = (
-        param_dtype or lora_dtype or "fp32"
-    )  # peft upcasts adapters to fp32 by default
+    adapter_dtype = dtypes.adapters
     adapter_category = (
         "master_weights" if (amp and adapter_dtype == "fp32") else "weights"
     )

@@ -5,6 +5,8 @@ micro-batch."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 from .accounting import ITEMSIZE, Simulator, new, resize, shrink
 from .allocator import RepeatDetector, common_period
@@ -18,7 +20,6 @@ from ..versions import (
     cache_copies_kv,
     litgpt_loss_holds_graph,
     litgpt_rmsnorm_fp32,
-    loss_form,
 )
 from . import litgpt
 
@@ -112,14 +113,12 @@ def _state_sizes(params: list, state_dtype, part: float) -> list[int]:
     ]
 
 
-_HALF = {"fp16-amp": "fp16", "bf16-amp": "bf16"}  # the 16-bit dtype of a precision
-
-
-def _build_litgpt(sim: Simulator, shape, step, zero_dtype):
+def _build_litgpt(sim: Simulator, shape, d):
     """LitGPT's GPT (:mod:`.litgpt`); under QLoRA every Linear, ``lm_head`` included,
     is 4-bit: Fabric's ``BitsandbytesPrecision.convert_module`` replaces each
     ``torch.nn.Linear`` (no ``ignore_modules`` in finetune/lora.py)."""
-    model = litgpt.build_params(sim, shape, step, zero_dtype)
+    step = d.options
+    model = litgpt.build_params(sim, shape, step, d.dtypes)
     versions = step.library_versions
     if step.method == "qlora":
         bytes_per_weight = nf4_bytes_per_weight(step.qlora_double_quant)
@@ -135,33 +134,23 @@ def _build_litgpt(sim: Simulator, shape, step, zero_dtype):
     return model, litgpt.trainable_params(model)
 
 
-def _build_model(sim: Simulator, shape, step, zero_dtype):
-    """The parameters (and buffers) of the model, QLoRA's base weights quantized;
-    returns the :class:`~.llama.Model` and its trainable parameters."""
-    if step.framework == "litgpt":
-        return _build_litgpt(sim, shape, step, zero_dtype)
-    # QLoRA (bitsandbytes ``load_in_4bit`` with a 16-bit ``torch_dtype``): only the
-    # Linear layers inside the decoder blocks are NF4; embeddings, norms and lm_head
-    # stay in the 16-bit dtype.
-    qlora_base_dtype = None
-    compute_dtype = "fp16" if step.precision == "fp16-amp" else "bf16"
-    if step.method == "qlora" and not zero_dtype:
-        qlora_base_dtype = compute_dtype
-        if step.kbit_prepare == "peft":
-            # peft's prepare_model_for_kbit_training: every fp16/bf16 parameter that is
-            # not quantized (embeddings, norms, lm_head) is cast to fp32
-            qlora_base_dtype = "fp32"
+def _build_llama(sim: Simulator, shape, d):
+    """The parameters (and buffers) of the transformers decoder, QLoRA's base weights
+    quantized; returns the :class:`~.llama.Model` and its trainable parameters.
+    QLoRA (bitsandbytes ``load_in_4bit`` with a 16-bit ``torch_dtype``): only the
+    Linear layers inside the decoder blocks are NF4; embeddings, norms and lm_head
+    stay in the 16-bit dtype, or fp32 after peft's prepare_model_for_kbit_training
+    (``Dtypes.quant_base``)."""
+    step = d.options
+    compute_dtype = d.dtypes.quant_compute
     versions = step.library_versions
     model = build_params(
         sim,
         shape,
         method=step.method,
-        precision=step.precision,
         lora_rank=step.lora_rank,
         lora_targets=step.lora_targets,
-        lora_dtype=step.lora_dtype,
-        param_dtype=zero_dtype,
-        base_dtype=qlora_base_dtype,
+        dtypes=d.dtypes,
     )
     if step.method == "qlora":
         # NF4: 4 bits per weight + its share of the absmax constants
@@ -198,7 +187,7 @@ def _linears(model) -> list:
     return [linear for layer in model.layers for linear in layer.linears.values()]
 
 
-def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype):
+def _shard_for_zero(sim: Simulator, model: Model, params: list, d):
     """ZeRO partitioning over ``step.gpus``: the optimizer's fp32 master copies
     (DeepSpeed layout) and the master weights from stage 1, gradients from 2, weights
     from 3 (plus the all-gathered layers, and on N > 1 the all-gathered root unit).
@@ -206,14 +195,18 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
     buffer and DeepSpeed ZeRO-3's gradient bucket, each ``None`` when there is none)
     and the gathered root unit's buffer (``None`` when there is none), which FSDP
     frees at the end of backward."""
+    step, plan = d.options, d.sharding
     shard = 1.0 / step.gpus
     masters = []
     gathered_layer = gathered_root = None
     ds_sizes = None
-    if step.zero_impl == "deepspeed":  # (the hf model; config.py rejects litgpt)
+    if plan.module_gather:  # (the hf model; config.py rejects litgpt)
         ds_sizes = deepspeed.sizes(step.deepspeed_sizes, model.norm.shape[0])
-    if zero_dtype:
-        masters = [new(sim, p.shape, "fp32", category="master_weights") for p in params]
+    if d.dtypes.master:
+        masters = [
+            new(sim, p.shape, d.dtypes.master, category="master_weights")
+            for p in params
+        ]
         for master in masters:
             shrink(sim, master.buffer, shard)
     if step.zero >= 1:
@@ -245,7 +238,7 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
             return sum(gathered_bytes([t]) // ITEMSIZE[t.dtype] for t in tensors)
 
         persisted = set()
-        if step.zero_impl == "deepspeed":
+        if plan.module_gather:
             # DeepSpeed never partitions a parameter of fewer elements than
             # stage3_param_persistence_threshold (ds_persist): it stays whole on every
             # rank and is not gathered (its optimizer partition is still 1/N)
@@ -261,7 +254,7 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
         # the root unit (what no decoder layer holds: the embeddings, the final norm,
         # lm_head) as it is all-gathered, measured before sharding
         root_bytes = gathered_bytes(t for t in root if t.buffer.category == "weights")
-        if step.zero_impl == "deepspeed":
+        if plan.module_gather:
             live = _deepspeed_gathered(
                 model, step, unit_bytes, gathered_bytes, elements, persisted, ds_sizes
             )
@@ -283,7 +276,7 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
                 kept = quant_state.get(id(p), 0)
                 packed = p.buffer.nbytes - kept
                 resize(sim, p.buffer, math.ceil(packed * shard) + kept)
-        if step.zero_impl == "deepspeed":
+        if plan.module_gather:
             gathered_layer = sim.alloc(live, "weights")
         else:
             # the unit being computed is all-gathered, and on more than one GPU so is
@@ -298,7 +291,7 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
             # NO_SHARD: no gathered copy beyond the one unit.
             units = 2 if step.gpus > 1 else 1
             gathered_layer = sim.alloc(units * unit_bytes, "weights")
-        if step.zero_impl == "fsdp" and step.gpus > 1 and root_bytes:
+        if plan.keeps_root and step.gpus > 1 and root_bytes:
             # The root unit is not resharded after the forward: FSDP keeps the
             # root's parameters all-gathered "with the intention that they are
             # immediately used for backward computation" (FSDP1:
@@ -316,7 +309,7 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, step, zero_dtype
     sim.grad_scale = shard if step.zero >= 2 else 1.0
     sim.reduce_scatter_bytes = 0
     bucket = None
-    if step.zero_impl == "deepspeed":
+    if plan.gradient_bucket:
         # DeepSpeed's contiguous gradient bucket (trainmem.deepspeed), in the
         # module's dtype (the trainable parameters'): ZeRO-3 allocates it with the
         # optimizer and keeps it; ZeRO-2 allocates it when each backward starts and
@@ -636,23 +629,21 @@ class _Repeater:
             events[start:] = _renamed(events, start, len(events), names)
 
 
-def _micro_batch(sim, model, step, autocast, batch, cfg, litgpt_logits) -> int:
+def _micro_batch(sim, model, d, batch, cfg, litgpt_logits) -> int:
     """One micro-batch: forward, loss (scaled for accumulation and fp16), backward.
     Returns the forward-allocated bytes alive at the end of its forward pass."""
+    step = d.options
     ids, labels = batch
     sim.set_phase("forward")
-    sim.autocast = autocast
+    sim.autocast = d.dtypes.autocast
     cache = step.cache_on and cache_copies_kv(step.library_versions)
     cfg["kv_cache"] = [] if cache else None
-    if step.framework == "litgpt":
-        loss = litgpt.forward_loss(sim, model, ids, labels, cfg, litgpt_logits)
-    else:
-        loss = llama_loss(sim, model, ids, labels, cfg)
+    loss = DECODERS[d.layout].loss(sim, model, ids, labels, cfg, litgpt_logits)
     sim.autocast = None
     sim.autocast_cache = []  # leaving torch.autocast clears its cache
     if step.grad_accum > 1:
         loss = mul_scalar(sim, loss)
-    if step.precision == "fp16-amp":
+    if d.precision.loss_scaling:
         loss = mul_scalar(sim, loss)  # GradScaler.scale(loss)
     sim.mark("forward_end")
     activations_at_end = sim.marks["forward_end"]["activations"]
@@ -671,25 +662,26 @@ def _micro_batch(sim, model, step, autocast, batch, cfg, litgpt_logits) -> int:
 
 
 def _forward_backward(
-    sim: Simulator, model: Model, shape, step, autocast, batch, replay_as=None
-) -> int:
+    sim: Simulator, model: Model, shape, d, batch, replay_as=None
+) -> tuple[int, dict]:
     """The ``grad_accum`` micro-batches of the step (forward, loss scaling, backward);
-    returns the forward-allocated bytes alive at the end of the (last) forward pass."""
-    ids, labels = batch
+    returns the forward-allocated bytes alive at the end of the (last) forward pass
+    and the replay's state the rest of the step reads (``cfg``)."""
+    step = d.options
     cfg = {
         "heads": shape.heads,
         "kv_heads": shape.kv_heads,
         "head_dim": shape.head_dim,
-        "attn": step.attn_memory,
+        "attn": d.attention,
         "checkpointing": step.checkpointing,
-        "loss_form": loss_form(step.library_versions),
+        "loss_form": d.loss_form,
         "reentrant": step.checkpointing_mode == "reentrant",
         # LitGPT: finetune/lora.py chunks lm_head, finetune/full.py does not
         "chunked_head": step.method != "full",
     }
     activations_at_end = 0
     litgpt_logits = []
-    if step.framework == "litgpt":
+    if d.framework.previous_seq:
         versions = step.library_versions
         cfg["rmsnorm_fp32"] = litgpt_rmsnorm_fp32(versions)
         cfg["loss_holds_graph"] = litgpt_loss_holds_graph(versions)
@@ -721,9 +713,7 @@ def _forward_backward(
         if repeater is not None:
             repeater.write(sim.events)
         else:
-            activations_at_end = _micro_batch(
-                sim, model, step, autocast, batch, cfg, litgpt_logits
-            )
+            activations_at_end = _micro_batch(sim, model, d, batch, cfg, litgpt_logits)
             if (
                 recorded
                 and STOP_AT_REPEAT
@@ -742,7 +732,7 @@ def _forward_backward(
                 stop = j + (n - 1 - j) % period
         if j >= stop:
             break
-    if step.framework == "litgpt":
+    if d.framework.previous_seq:
         cfg["held"] = litgpt_logits  # alive through the optimizer step and validate
     cfg["repeater"] = repeater  # renames the rest of the step's events
     cfg["replays"] = {  # those that have set-up and the first micro-batch
@@ -798,20 +788,52 @@ def _previous_logits(sim: Simulator, model, step, seq: int) -> list:
     ]
 
 
+@dataclass(frozen=True)
+class Decoder:
+    """One decoder layout the replay knows: ``build(sim, shape, d)`` -> (model, its
+    trainable parameters); ``loss(sim, model, ids, labels, cfg, held)`` -> the loss
+    of one micro-batch's forward; ``after_step``: what the framework's loop runs
+    after the optimizer step (``None``: nothing)."""
+
+    name: str
+    build: Callable
+    loss: Callable
+    after_step: Callable | None = None
+
+
+def _llama_loss(sim, model, ids, labels, cfg, held):
+    return llama_loss(sim, model, ids, labels, cfg)
+
+
+#: the decoder layouts, by :attr:`trainmem.decisions.Decisions.layout`
+DECODERS = {
+    d.name: d
+    for d in (
+        Decoder("llama", _build_llama, _llama_loss),
+        Decoder("litgpt", _build_litgpt, litgpt.forward_loss, _litgpt_eval),
+    )
+}
+
+
 def simulate_step(
-    shape, step, record_events: bool = False, replay_as: tuple | None = None
+    shape, d, record_events: bool = False, replay_as: tuple | None = None
 ) -> dict:
     """Replay step 2 of training (states exist, grads start as None) of the model
-    ``shape`` (:class:`trainmem.config.Shape`) with the options ``step``
-    (:class:`trainmem.config.StepConfig`), and return bytes: ``peak``, ``breakdown``
+    ``shape`` (:class:`trainmem.config.Shape`) as the step's decisions ``d``
+    (:class:`trainmem.decisions.Decisions`, :func:`trainmem.decisions.decide`) say,
+    and return bytes: ``peak``, ``breakdown``
     (categories at the peak), ``activations`` (forward-allocated bytes alive at the end
     of the forward pass), ``model_states`` (weights + gradients + optimizer states +
     master weights when the optimizer step starts), ``phase_peaks``. ``replay_as``:
     ``(prelude, capacity)`` of the caching-allocator replay the events are for
     (``trainmem.gpus.replay_setup``), which decides when micro-batches stop adding
     anything new (``_forward_backward``)."""
-    if shape.family.replay != "llama":
-        raise NotImplementedError("the step replay models Llama-family decoders")
+    if d.layout not in DECODERS:
+        raise NotImplementedError(
+            f"the step replay models the decoder layouts {', '.join(DECODERS)}, "
+            f"not {shape.arch}"
+        )
+    step = d.options
     sim = Simulator()
     if record_events:
         sim.events = []  # every allocation and free, for the caching-allocator model
@@ -819,22 +841,19 @@ def simulate_step(
     # ZeRO >= 1 with mixed precision: DeepSpeed's layout (the ZeRO paper's), not torch
     # AMP's. The module is cast to the 16-bit dtype (weights, grads 2 B/param; no
     # autocast), the optimizer holds fp32 master weights and fp32 states for its shard
-    # only.
-    zero_dtype = _HALF.get(step.precision) if step.zero >= 1 else None
-    model, params = _build_model(sim, shape, step, zero_dtype)
-    masters, held, gathered_root = _shard_for_zero(sim, model, params, step, zero_dtype)
+    # only (``d.dtypes``: module, master, optimizer_states).
+    model, params = DECODERS[d.layout].build(sim, shape, d)
+    masters, held, gathered_root = _shard_for_zero(sim, model, params, d)
     ddp = _ddp_buckets(sim, params, step)
-    # fp32 states, like the master weights, under the ZeRO layout
-    state_dtype = "fp32" if zero_dtype else None
+    state_dtype = d.dtypes.optimizer_states
     states = _optimizer_states(sim, params, step, state_dtype)
     ids = new(sim, (step.batch, step.seq), "i64", category="activations")
     labels = new(sim, (step.batch, step.seq), "i64", category="activations")
     sim.peak = sim.live
     sim.peak_by_category = dict(sim.live_by_category)
     sim.phase_peaks = {}
-    autocast = None if zero_dtype else _HALF.get(step.precision)
     activations_at_end, cfg = _forward_backward(
-        sim, model, shape, step, autocast, (ids, labels), replay_as
+        sim, model, shape, d, (ids, labels), replay_as
     )
     after_micro_batches = None if sim.events is None else len(sim.events)
     del gathered_root  # resharded at the end of backward (_catch_all_reshard)
@@ -845,8 +864,8 @@ def simulate_step(
         part = 1.0 / step.gpus if step.zero >= 1 else 1.0
         SCRATCH_RULES[rule](sim, params, state_dtype, part)
     del masters, held, ddp
-    if step.framework == "litgpt" and step.zero == 0:
-        _litgpt_eval(sim, model, step, (ids, labels), cfg)
+    if d.framework.eval_after_step and step.zero == 0:
+        DECODERS[d.layout].after_step(sim, model, step, (ids, labels), cfg)
     cfg.pop("held", None)
     cfg.pop("held_graph", None)
     sim.set_phase("idle")
