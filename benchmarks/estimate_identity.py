@@ -90,6 +90,28 @@ def hf_rows():
                 m, a, p, seq=s, versions="transformers=5.0.0"
             ),
         )
+    # a bf16 checkpoint's config under transformers 4.x (fp32 load) and 5.x (stored)
+    bf16_config = {
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 352,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "torch_dtype": "bfloat16",
+    }
+    for t in ("4.57.1", "5.24.0"):
+        yield (
+            f"hf/bf16-config/{t}",
+            lambda t=t: estimate_from_hf(
+                bf16_config,
+                {"bf16": True, "per_device_train_batch_size": 4},
+                {"r": 16},
+                seq=128,
+                versions=f"transformers={t}",
+            ),
+        )
     quant = {"load_in_4bit": True, "bnb_4bit_use_double_quant": True}
     yield (
         "hf/qlora",

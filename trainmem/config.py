@@ -142,6 +142,15 @@ class StepConfig:
     lora_dtype: str | None = _option(
         None, "adapter dtype; default: peft's (fp32 adapters)", choices=FLOAT_DTYPES
     )
+    load_dtype: str | None = _option(
+        None,
+        "the dtype the weights are loaded in (from_pretrained's dtype), independent "
+        "of autocast: bf16 with --precision bf16-amp is a 16-bit base loaded from a "
+        "16-bit checkpoint, autocast bf16, fp32 adapters (Trainer(bf16=True) on "
+        "transformers 5); default: the precision's (fp32 under autocast, bf16 for "
+        "pure bf16)",
+        choices=FLOAT_DTYPES,
+    )
     qlora_double_quant: bool = _option(
         True,
         "QLoRA without double quantization of the NF4 constants",
@@ -276,6 +285,7 @@ class StepConfig:
             object.__setattr__(self, "optimizer_impl", spec.default_impl)
         check_choice("attn", self.attn, ATTN_IMPLS)
         check_choice("lora_dtype", self.lora_dtype, LORA_DTYPES)
+        check_choice("load_dtype", self.load_dtype, LORA_DTYPES)
         check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         spec.impl(self.optimizer_impl)
         check_positive_int("batch", self.batch)

@@ -102,12 +102,14 @@ def _dtypes(
     shape: Shape, step: StepConfig, prec: Precision, frame: Framework
 ) -> Dtypes:
     zero_half = prec.zero_half if step.zero >= 1 else None
-    load = prec.params
+    load = step.load_dtype or prec.params
     autocast = None if zero_half else prec.autocast
     quant_compute = quant_base = None
     if step.method == "qlora":
         quant_compute = prec.quant_compute
-        quant_base = quant_compute
+        # the non-quantized weights as loaded: the 16-bit dtype QLoRA loads in unless
+        # the load dtype is given
+        quant_base = step.load_dtype or quant_compute
         if step.kbit_prepare == "peft" and not frame.quant_base_16bit:
             # peft's prepare_model_for_kbit_training: every fp16/bf16 parameter that
             # is not quantized (embeddings, norms, lm_head) is cast to fp32

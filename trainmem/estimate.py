@@ -175,9 +175,15 @@ from .decisions import Decisions, decide, sdpa_falls_back_to_math
 from .dtypes import GB, GiB, nf4_bytes_per_weight
 from .precisions import precision as precision_entry
 from .families import FAMILIES, lora_adapter_params
-from .from_hf import ALL_LINEAR, HF_OPTIMS, hf_field_error, hf_options
+from .from_hf import (
+    ALL_LINEAR,
+    HF_OPTIMS,
+    hf_field_error,
+    hf_options,
+    load_dtype_reason,
+)
 from .memory.accounting import ITEMSIZE
-from .versions import version_text
+from .versions import parse_versions, version_text
 
 __all__ = [
     "ATTN_IMPLS",
@@ -401,6 +407,8 @@ class MemoryEstimate:
                 f"\n{d['gpu']}: {verdict}; headroom {d['headroom_bytes'] / GiB:.2f} GiB"
             )
             text += "".join(f"\nnote: {n['message']}" for n in d.get("notes", ()))
+        if "load_dtype_reason" in self.options:
+            text += f"\nrecipe: {self.options['load_dtype_reason']}"
         return text
 
 
@@ -531,6 +539,8 @@ def _options_record(shape: Shape, step: StepConfig) -> dict[str, Any]:
         versions={k: version_text(k, v) for k, v in step.library_versions.items()},
         kbit_prepare=step.kbit_prepare,
         framework=step.framework,
+        # only when given, so records of the recipes' own load dtype stay as they were
+        **({"load_dtype": step.load_dtype} if step.load_dtype else {}),
     )
 
 
@@ -801,6 +811,9 @@ def estimate_from_hf(
             raise
         raise renamed from None
     est.options["source"] = "hf"
+    est.options["load_dtype_reason"] = load_dtype_reason(
+        model, parse_versions(overrides.get("versions"))
+    )
     return est
 
 

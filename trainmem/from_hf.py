@@ -13,8 +13,16 @@ from typing import Any
 
 from . import deepspeed
 from .config import ATTN_IMPLS, OptionError
+from .dtypes import DTYPES, FLOAT_DTYPES
 from .optimizers import hf_optims
-from .versions import hf_checkpointing_reentrant, hf_default_optim, parse_versions
+from .precisions import precision as precision_entry
+from .versions import (
+    hf_checkpointing_reentrant,
+    hf_default_optim,
+    hf_loads_stored_dtype,
+    parse_versions,
+    version_text,
+)
 
 #: ``TrainingArguments.optim`` -> (optimizer, optimizer_impl), from the ``hf_optims`` of
 #: every :mod:`trainmem.optimizers` entry. Trainer builds ``torch.optim.AdamW`` with
@@ -86,7 +94,11 @@ def hf_options(
 
     Raises ``ValueError`` naming the field and the allowed values.
     """
-    opts = _training_options(training_args, seq, parse_versions(versions))
+    versions = parse_versions(versions)
+    opts = _training_options(training_args, seq, versions)
+    load = load_dtype(model, versions)
+    if load != precision_entry(opts["precision"]).params:
+        opts["load_dtype"] = load
     attn = hf_field(model, "_attn_implementation", None) or hf_field(
         model, "attn_implementation", None
     )
@@ -114,6 +126,56 @@ def hf_options(
             "of 4-bit weights is not possible",
         )
     return opts
+
+
+def config_dtype(model: Any) -> str | None:
+    """The dtype a model config says its checkpoint is stored in: ``dtype``
+    (transformers 5's name) or ``torch_dtype`` (4.x configs), as a
+    :data:`trainmem.dtypes.DTYPES` name (``"bfloat16"`` and ``torch.bfloat16`` ->
+    ``"bf16"``); ``None`` when neither is set or ``"auto"``."""
+    value = hf_field(model, "dtype", None)
+    if value is None:
+        value = hf_field(model, "torch_dtype", None)
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.")
+    for d in DTYPES.values():
+        if d.torch == name and d.name in FLOAT_DTYPES:
+            return d.name
+    if name == "auto":
+        return None
+    raise OptionError(
+        "model",
+        f"model config: dtype must be one of "
+        f"{', '.join(DTYPES[d].torch for d in FLOAT_DTYPES)}, got {value!r}",
+    )
+
+
+def load_dtype_reason(model: Any, versions: dict) -> str:
+    """Why :func:`load_dtype` answers what it does, in one sentence."""
+    stored = config_dtype(model)
+    t = version_text("transformers", versions["transformers"])
+    if hf_loads_stored_dtype(versions):
+        rule = f"transformers {t} loads the stored dtype (dtype='auto', from 5.0)"
+        if stored:
+            return f"weights loaded in {stored}: {rule}, the config's dtype"
+        return f"weights loaded in fp32: {rule} and the config names none"
+    said = f" although the config stores {stored}" if stored else ""
+    return (
+        f"weights loaded in fp32: transformers {t} loads fp32 unless dtype/"
+        f"torch_dtype is passed (before 5.0){said}"
+    )
+
+
+def load_dtype(model: Any, versions: dict) -> str:
+    """The dtype ``from_pretrained(path)`` without ``dtype`` loads the model in, for
+    the transformers of ``versions``: from 5.0 the stored dtype (the config's,
+    :func:`config_dtype`; a config without one: fp32 assumed), before 5.0 fp32
+    (:func:`trainmem.versions.hf_loads_stored_dtype`)."""
+    stored = config_dtype(model)
+    if stored and hf_loads_stored_dtype(versions):
+        return stored
+    return "fp32"
 
 
 def _training_options(

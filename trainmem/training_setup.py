@@ -29,10 +29,12 @@ def build_training_setup(
     # attn "math": transformers' SDPA attention, run under sdpa_kernel(MATH) by the
     # measured step (trainmem.measure)
     impl = "sdpa" if step.attn == "math" else step.attn
-    model = build_model(config, device=device, attn_implementation=impl)
+    # the weights in the step's load dtype (from_pretrained's dtype; from_config
+    # would follow the config's own dtype)
     load = decide(model_shape(config), step).dtypes.load
-    if load != "fp32":  # the weights as loaded (from_pretrained's dtype)
-        model = model.to(torch_dtype(load))
+    model = build_model(
+        config, device=device, dtype=torch_dtype(load), attn_implementation=impl
+    )
     if step.method == "lora":
         from peft import LoraConfig, get_peft_model
 
