@@ -22,7 +22,7 @@ from .config import OptionError, Shape, StepConfig
 from .frameworks import Framework, framework
 from .precisions import Precision, precision
 from .sharding import Sharding, sharding
-from .versions import loss_form
+from .versions import cache_copies_kv, loss_form
 
 #: compute capability from which SDPA's fused kernels take bf16 (flash: sm_80 and up;
 #: memory-efficient: fp16/fp32 below sm_80, ``less_than_sm80_mem_efficient_dtypes``
@@ -85,6 +85,9 @@ class Decisions:
     zero_layout: bool
     #: NCCL communicators of the process on more than one GPU
     communicators: int
+    #: the forward's KV cache holds new copies of every layer's K and V
+    #: (``StepConfig.cache_on`` and :func:`trainmem.versions.cache_copies_kv`)
+    kv_cache_copies: bool
     versions: dict = dataclasses.field(default_factory=dict)
     gpu: Any = None
 
@@ -192,6 +195,7 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
         loss_form=loss_form(versions),
         zero_layout=bool(prec.zero_half) and step.zero >= 1,
         communicators=shard.communicators,
+        kv_cache_copies=step.cache_on and cache_copies_kv(versions),
         versions=versions,
         gpu=gpu,
     )

@@ -138,11 +138,12 @@ class LitGPT:
         return [lin for b in self.blocks for lin in b.linears.values()] + [self.lm_head]
 
 
-def build_params(sim: Simulator, shape, step, dtypes):
+def build_params(sim: Simulator, shape, dec):
     """LitGPT's parameters (and RoPE buffers) for ``step``: the base in the module's
     dtype (``bf16`` for ``bf16``-true, fp32 otherwise), the adapters in the same dtype
     unless ``lora_dtype`` says otherwise (LitGPT creates them inside the module), and
     only ``lora_`` parameters trainable (``mark_only_lora_as_trainable``)."""
+    step, dtypes = dec.options, dec.dtypes
     full = step.method == "full"
     amp = dtypes.autocast is not None
     # under QLoRA BitsandbytesPrecision builds the module under its dtype context
@@ -199,7 +200,7 @@ def build_params(sim: Simulator, shape, step, dtypes):
     # GPT.max_seq_length = min(longest, max_seq_length) rebuilds the RoPE cache after
     # setup: build_rope_cache returns fp32 cos and sin of (max_seq_length, rope_n_elem)
     # (fp16 before 6178c7cc: trainmem.versions.litgpt_rope_fp32)
-    rope_dtype = "fp32" if litgpt_rope_fp32(step.library_versions) else "fp16"
+    rope_dtype = "fp32" if litgpt_rope_fp32(dec.versions) else "fp16"
     buffers = [
         new(sim, (step.seq, d), rope_dtype, category="weights") for _ in ("cos", "sin")
     ]

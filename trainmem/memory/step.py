@@ -17,7 +17,6 @@ from .. import deepspeed
 from ..dtypes import nf4_bytes_per_weight
 from ..versions import (
     bnb_saves_input,
-    cache_copies_kv,
     litgpt_loss_holds_graph,
     litgpt_rmsnorm_fp32,
 )
@@ -118,8 +117,8 @@ def _build_litgpt(sim: Simulator, shape, d):
     is 4-bit: Fabric's ``BitsandbytesPrecision.convert_module`` replaces each
     ``torch.nn.Linear`` (no ``ignore_modules`` in finetune/lora.py)."""
     step = d.options
-    model = litgpt.build_params(sim, shape, step, d.dtypes)
-    versions = step.library_versions
+    model = litgpt.build_params(sim, shape, d)
+    versions = d.versions
     if step.method == "qlora":
         bytes_per_weight = nf4_bytes_per_weight(step.qlora_double_quant)
         for lin in model.linears():
@@ -143,7 +142,7 @@ def _build_llama(sim: Simulator, shape, d):
     (``Dtypes.quant_base``)."""
     step = d.options
     compute_dtype = d.dtypes.quant_compute
-    versions = step.library_versions
+    versions = d.versions
     model = build_params(
         sim,
         shape,
@@ -636,8 +635,7 @@ def _micro_batch(sim, model, d, batch, cfg, litgpt_logits) -> int:
     ids, labels = batch
     sim.set_phase("forward")
     sim.autocast = d.dtypes.autocast
-    cache = step.cache_on and cache_copies_kv(step.library_versions)
-    cfg["kv_cache"] = [] if cache else None
+    cfg["kv_cache"] = [] if d.kv_cache_copies else None
     loss = DECODERS[d.layout].loss(sim, model, ids, labels, cfg, litgpt_logits)
     sim.autocast = None
     sim.autocast_cache = []  # leaving torch.autocast clears its cache
@@ -682,7 +680,7 @@ def _forward_backward(
     activations_at_end = 0
     litgpt_logits = []
     if d.framework.previous_seq:
-        versions = step.library_versions
+        versions = d.versions
         cfg["rmsnorm_fp32"] = litgpt_rmsnorm_fp32(versions)
         cfg["loss_holds_graph"] = litgpt_loss_holds_graph(versions)
         # finetune/lora.py's loop variable ``logits``: the previous micro-batch's chunk
