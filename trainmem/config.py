@@ -350,6 +350,29 @@ class StepConfig:
 
         parse_versions(self.versions)  # raises OptionError for a bad entry
 
+    def record(self, names, **given) -> dict[str, Any]:
+        """The options ``names``, in that order, as a result reports them
+        (``.options`` of an estimate or a measurement): ``lora_targets`` as a list,
+        ``use_cache`` as ``"on"``/``"off"`` (:attr:`cache_on`), ``versions`` as the
+        text of every library's version; ``given`` supplies names that are not
+        fields (``model``, ``device``) or overrides one (``attn``)."""
+        from .versions import version_text
+
+        forms = {
+            "lora_targets": lambda v: list(v),
+            "use_cache": lambda v: "on" if self.cache_on else "off",
+            "versions": lambda v: {
+                k: version_text(k, t) for k, t in self.library_versions.items()
+            },
+        }
+        out = {}
+        for name in names:
+            if name in given:
+                out[name] = given[name]
+            else:
+                out[name] = forms.get(name, lambda v: v)(getattr(self, name))
+        return out
+
     @property
     def library_versions(self) -> dict:
         from .versions import parse_versions

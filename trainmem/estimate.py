@@ -183,7 +183,7 @@ from .from_hf import (
     load_dtype_reason,
 )
 from .memory.accounting import ITEMSIZE
-from .versions import parse_versions, version_text
+from .versions import parse_versions
 
 __all__ = [
     "ATTN_IMPLS",
@@ -513,35 +513,39 @@ def _gpt2_estimate(shape: Shape, d: Decisions) -> dict:
 
 def _options_record(shape: Shape, step: StepConfig) -> dict[str, Any]:
     """The options of an estimate as its result reports them (``.options``)."""
-    return dict(
-        model=shape.name,
-        method=step.method,
-        precision=step.precision,
-        optimizer=step.optimizer,
-        batch=step.batch,
-        seq=step.seq,
-        lora_rank=step.lora_rank,
-        lora_alpha=step.lora_alpha,
-        lora_targets=list(step.lora_targets),
-        lora_dtype=step.lora_dtype,
-        qlora_double_quant=step.qlora_double_quant,
-        checkpointing=step.checkpointing,
-        attn=step.attn_memory,
-        zero=step.zero,
-        gpus=step.gpus,
-        zero_impl=step.zero_impl,
-        deepspeed_sizes=step.deepspeed_sizes,
-        grad_accum=step.grad_accum,
-        optimizer_impl=step.optimizer_impl,
-        checkpointing_mode=step.checkpointing_mode,
-        lora_dropout=step.lora_dropout,
-        use_cache="on" if step.cache_on else "off",
-        versions={k: version_text(k, v) for k, v in step.library_versions.items()},
-        kbit_prepare=step.kbit_prepare,
-        framework=step.framework,
-        # only when given, so records of the recipes' own load dtype stay as they were
-        **({"load_dtype": step.load_dtype} if step.load_dtype else {}),
-    )
+    names = ESTIMATE_RECORD + (("load_dtype",) if step.load_dtype else ())
+    # load_dtype only when given, so records of the recipes' own stay as they were
+    return step.record(names, model=shape.name, attn=step.attn_memory)
+
+
+#: the options an estimate's result reports, in order (:meth:`StepConfig.record`)
+ESTIMATE_RECORD = (
+    "model",
+    "method",
+    "precision",
+    "optimizer",
+    "batch",
+    "seq",
+    "lora_rank",
+    "lora_alpha",
+    "lora_targets",
+    "lora_dtype",
+    "qlora_double_quant",
+    "checkpointing",
+    "attn",
+    "zero",
+    "gpus",
+    "zero_impl",
+    "deepspeed_sizes",
+    "grad_accum",
+    "optimizer_impl",
+    "checkpointing_mode",
+    "lora_dropout",
+    "use_cache",
+    "versions",
+    "kbit_prepare",
+    "framework",
+)
 
 
 def estimate_step(

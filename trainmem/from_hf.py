@@ -14,6 +14,7 @@ from typing import Any
 from . import deepspeed
 from .config import ATTN_IMPLS, OptionError
 from .dtypes import DTYPES, FLOAT_DTYPES
+from .families import LLAMA_LINEARS
 from .optimizers import hf_optims
 from .precisions import precision as precision_entry
 from .versions import (
@@ -32,15 +33,7 @@ from .versions import (
 HF_OPTIMS = hf_optims()
 #: target_modules="all-linear": every Linear of the decoder blocks (peft leaves lm_head
 #: out)
-ALL_LINEAR = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
+ALL_LINEAR = LLAMA_LINEARS
 
 
 _HF_NAMES = {

@@ -96,9 +96,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .dtypes import MiB
 from .errors import OptionError
 
-MiB = 1 << 20
 
 #: CUDA context bytes by source (see the module docstring)
 CONTEXT_LAZY = 287_047_680 - 20 * MiB  # pytorch/pytorch#86509, lazy loading

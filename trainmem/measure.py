@@ -433,24 +433,30 @@ step_signature(
 
 def _options_record(config, step: StepConfig, device: str, seed: int) -> dict:
     """The options of a measurement as its result reports them (``.options``)."""
-    return dict(
-        method=step.method,
-        precision=step.precision,
-        optimizer=step.optimizer,
-        batch=step.batch,
-        seq=step.seq,
-        grad_accum=step.grad_accum,
-        lora_rank=step.lora_rank,
-        lora_alpha=step.lora_alpha,
-        lora_targets=list(step.lora_targets),
-        lora_dtype=step.lora_dtype,
-        checkpointing=step.checkpointing,
-        attn=step.attn,
-        seed=seed,
-        optimizer_impl=step.optimizer_impl,
-        device=device,
-        model=getattr(config, "name_or_path", None) or "config",
-    )
+    names = MEASURE_RECORD + (("load_dtype",) if step.load_dtype else ())
+    model = getattr(config, "name_or_path", None) or "config"
+    return step.record(names, seed=seed, device=device, model=model)
+
+
+#: the options a measurement's result reports, in order (:meth:`StepConfig.record`)
+MEASURE_RECORD = (
+    "method",
+    "precision",
+    "optimizer",
+    "batch",
+    "seq",
+    "grad_accum",
+    "lora_rank",
+    "lora_alpha",
+    "lora_targets",
+    "lora_dtype",
+    "checkpointing",
+    "attn",
+    "seed",
+    "optimizer_impl",
+    "device",
+    "model",
+)
 
 
 def _from_run(run: dict, device: str, started: float, options: dict) -> Measurement:
