@@ -20,14 +20,13 @@ from typing import Any
 
 from .config import OptionError, Shape, StepConfig
 from .frameworks import Framework, framework
+from .gpus import SM80
 from .precisions import Precision, precision
 from .sharding import Sharding, sharding
 from .versions import cache_copies_kv, loss_form
 
-#: compute capability from which SDPA's fused kernels take bf16 (flash: sm_80 and up;
-#: memory-efficient: fp16/fp32 below sm_80, ``less_than_sm80_mem_efficient_dtypes``
-#: in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp)
-SDPA_BF16_FROM = (8, 0)
+#: compute capability from which SDPA's fused kernels take bf16 (:data:`gpus.SM80`)
+SDPA_BF16_FROM = SM80
 
 
 @dataclass(frozen=True)
