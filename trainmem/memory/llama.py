@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from .accounting import SimTensor, Simulator, new, view
 from .autograd import AccumulateGrad, checkpoint, param
+from .sharded import gathered
 from .ops import (
     _promote,
     add,
@@ -239,18 +240,6 @@ def decoder_layer(
     return add(sim, residual, x)
 
 
-def gathered(sim: Simulator, p: SimTensor) -> SimTensor:
-    """``p`` as its module uses it: under DeepSpeed ZeRO-3 (``sim.gathered_modules``)
-    a gathered copy that lives as long as the ops keep it (the embedding's forward
-    keeps nothing; lm_head's keeps it for its backward), else ``p`` itself."""
-    nbytes = sim.gathered_modules.get(id(p))
-    if nbytes is None:
-        return p
-    g = SimTensor(sim.alloc(nbytes, "weights"), p.shape, p.dtype, p.requires_grad)
-    g.grad_accumulator = p.grad_accumulator
-    return g
-
-
 def llama_loss(
     sim: Simulator, model: Model, ids: SimTensor, labels: SimTensor, cfg: dict
 ) -> SimTensor:
@@ -301,10 +290,10 @@ def llama_loss(
     del cos, sin
     if cfg["checkpointing"]:
         del pos
-    if sim.ds_kept_bytes:
-        # DeepSpeed ZeRO-3: the layers whose parameters it keeps gathered from their
-        # forward until their backward (step._deepspeed_kept), held from here
-        cfg["ds_kept"] = sim.alloc(sim.ds_kept_bytes, "weights")
+    if sim.sharded:
+        # the layers a sharding keeps gathered from their forward until their
+        # backward (DeepSpeed ZeRO-3: step._deepspeed_kept), held from here
+        sim.sharded.after_layers(sim, cfg)
     h = rmsnorm(sim, h, model.norm)
     del mask  # LlamaModel.forward returns here
     logits = linear(sim, h, gathered(sim, model.lm_head))

@@ -13,6 +13,7 @@ from .allocator import RepeatDetector, common_period
 from .autograd import backward
 from .llama import Model, build_params, llama_loss, trainable_params
 from .ops import mul_scalar
+from .sharded import Sharded
 from .. import deepspeed
 from ..dtypes import nf4_bytes_per_weight
 from ..versions import (
@@ -195,6 +196,7 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, d):
     and the gathered root unit's buffer (``None`` when there is none), which FSDP
     frees at the end of backward."""
     step, plan = d.options, d.sharding
+    sharded = sim.sharded = Sharded()
     shard = 1.0 / step.gpus
     masters = []
     gathered_layer = gathered_root = None
@@ -257,7 +259,7 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, d):
             live = _deepspeed_gathered(
                 model, step, unit_bytes, gathered_bytes, elements, persisted, ds_sizes
             )
-            sim.ds_kept_bytes = _deepspeed_kept(
+            sharded.kept_bytes = _deepspeed_kept(
                 model, step, gathered_bytes, elements, persisted, ds_sizes, live
             )
             # what DeepSpeed gathers of the embeddings and lm_head, one module at a
@@ -265,7 +267,7 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, d):
             # released after it unless reused soon (max_reuse_distance): the
             # embedding for its forward, lm_head from its forward to its backward
             # (llama_loss gathers them)
-            sim.gathered_modules = {
+            sharded.gathered_modules = {
                 id(p): gathered_bytes([p])
                 for p in (model.embed, model.lm_head)
                 if id(p) not in persisted
@@ -304,9 +306,8 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, d):
             # at the end of backward: the whole forward and backward, on top of
             # their shard.
             gathered_root = sim.alloc(root_bytes, "weights")
-        sim.param_cast_scale = shard
-    sim.grad_scale = shard if step.zero >= 2 else 1.0
-    sim.reduce_scatter_bytes = 0
+        sharded.param_cast_scale = shard
+    sharded.grad_scale = shard if step.zero >= 2 else 1.0
     bucket = None
     if plan.gradient_bucket:
         # DeepSpeed's contiguous gradient bucket (trainmem.deepspeed), in the
@@ -318,14 +319,14 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, d):
         if step.zero >= 3:
             bucket = sim.alloc(nbytes, "gradients")
         else:
-            sim.backward_bucket_bytes = nbytes
+            sharded.backward_bucket_bytes = nbytes
     elif step.zero >= 2 and step.gpus > 1:
         # before a unit's gradient is reduce-scattered it exists unsharded: FSDP's
         # _post_backward_hook (_runtime_utils.py) reduce-scatters flat_param.grad (the
         # whole unit, in the gradient dtype) into a 1/N shard (torch.empty_like of one
         # chunk), then frees the unsharded gradient; one unit's trainable gradients
         # are therefore alive during backward on top of the sharded ones
-        sim.reduce_scatter_bytes = sum(
+        sharded.reduce_scatter_bytes = sum(
             t.nbytes for t in model.layers[0].tensors() if t.requires_grad
         )
     return masters, (gathered_layer, bucket), gathered_root
@@ -646,11 +647,7 @@ def _micro_batch(sim, model, d, batch, cfg, litgpt_logits) -> int:
     sim.mark("forward_end")
     activations_at_end = sim.marks["forward_end"]["activations"]
     sim.set_phase("backward")
-    unsharded_grad = bucket = None
-    if sim.reduce_scatter_bytes:
-        unsharded_grad = sim.alloc(sim.reduce_scatter_bytes, "temporaries")
-    if sim.backward_bucket_bytes:
-        bucket = sim.alloc(sim.backward_bucket_bytes, "gradients")
+    unsharded_grad, bucket = sim.sharded.backward_buffers(sim)
     backward(sim, loss)
     # DeepSpeed's layers kept gathered from the forward: released by the end of
     # backward (each after its own backward)
