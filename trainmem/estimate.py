@@ -44,6 +44,12 @@ grad_accum, optimizer_impl)``:
   forward).
 * ``lora_rank`` (r), ``lora_alpha``, ``lora_targets`` (module names), ``lora_dtype``
   (``None`` = peft's default: fp32 adapters), ``qlora_double_quant``.
+* ``load_dtype``: the dtype the weights are loaded in, independent of autocast
+  (``None``: the precision's, fp32 under ``*-amp``). ``precision="bf16-amp",
+  load_dtype="bf16"`` is ``Trainer(bf16=True)`` over a bf16 checkpoint loaded by
+  transformers 5's ``from_pretrained`` (``dtype="auto"``): the 16-bit base held once
+  (autocast casts only fp32 tensors), a 16-bit residual stream, peft's fp32 adapters.
+  :func:`estimate_from_hf` derives it (:func:`trainmem.from_hf.load_dtype`).
 * ``checkpointing``: non-reentrant activation checkpointing of every decoder layer.
 * ``attn``: ``"sdpa"`` (also ``"flash"``: the same memory) | ``"eager"`` (materialises
   the ``b x heads x s x s`` scores) | ``"math"`` (SDPA's math path: fp32 copies of q,
