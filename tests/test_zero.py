@@ -566,6 +566,7 @@ def test_deepspeed_keeps_layers_within_the_reuse_distance():
     from trainmem.config import StepConfig
     from trainmem.estimate import model_shape
     from trainmem.decisions import decide
+    from trainmem.memory import shard_plan as plan
     from trainmem.memory import step as st
 
     sizes = _hf_auto(64)
@@ -602,7 +603,7 @@ def test_deepspeed_keeps_layers_within_the_reuse_distance():
         seen["extra"] = original(*args)
         return seen["extra"]
 
-    original, st._deepspeed_kept = st._deepspeed_kept, spy
+    original, plan._deepspeed_kept = plan._deepspeed_kept, spy
     try:
         step = StepConfig(
             method="qlora",
@@ -618,5 +619,5 @@ def test_deepspeed_keeps_layers_within_the_reuse_distance():
         shape = model_shape("llama2-70b")
         st.simulate_step(shape, decide(shape, step))
     finally:
-        st._deepspeed_kept = original
+        plan._deepspeed_kept = original
     assert seen["extra"] == 0
