@@ -30,6 +30,110 @@ def _linears(model) -> list:
     return [linear for layer in model.layers for linear in layer.linears.values()]
 
 
+def _shard_weights(sim: Simulator, model: Model, d, shard: float, ds_sizes):
+    """ZeRO-3: every weight sharded, frozen ones too (a 4-bit weight's packed data,
+    not its quant_state), and what is gathered at once — FSDP's unit being computed
+    (and the next one on N > 1) and its root unit, or DeepSpeed's modules with its
+    prefetch bucket, the layers it keeps for their backward and its one-module
+    gathers of the embeddings and lm_head. Returns the gathered layers' buffer and
+    the gathered root unit's (``None`` when there is none)."""
+    step, plan, sharded = d.options, d.sharding, sim.sharded
+    gathered_root = None
+    # A 4-bit weight is two things: its packed data (4 bits a weight, the
+    # parameter FSDP/DeepSpeed shard and all-gather) and its quant_state (the
+    # absmax constants), which bitsandbytes keeps whole on every rank as an
+    # attribute of the Linear4bit module (bitsandbytes/nn/modules.py,
+    # fix_4bit_weight_quant_state_from_module, 0.43.0+: the state is put back on
+    # the gathered weight), so it is neither sharded nor gathered.
+    quant_state = {
+        id(linear.w): _quant_state_bytes(linear.w, step)
+        for linear in _linears(model)
+        if linear.quantized
+    }
+
+    def gathered_bytes(tensors) -> int:
+        """The tensors' storage as it is all-gathered: their buffers before
+        sharding (NF4 weights in their packed size, without the quant_state),
+        not their shapes in the compute dtype."""
+        return sum(t.buffer.nbytes - quant_state.get(id(t), 0) for t in tensors)
+
+    def elements(tensors) -> int:
+        """The elements DeepSpeed counts for the tensors (``ds_numel``: of a
+        4-bit weight, its packed data)."""
+        return sum(gathered_bytes([t]) // ITEMSIZE[t.dtype] for t in tensors)
+
+    persisted = set()
+    if plan.module_gather:
+        # DeepSpeed never partitions a parameter of fewer elements than
+        # stage3_param_persistence_threshold (ds_persist): it stays whole on every
+        # rank and is not gathered (its optimizer partition is still 1/N)
+        threshold = ds_sizes.persistence_threshold
+        persisted = {id(p) for p in model.parameters() if elements([p]) < threshold}
+    unit = [t for t in model.layers[0].tensors() if id(t) not in persisted]
+    unit_bytes = gathered_bytes(unit)
+    # every parameter is sharded, frozen ones too: FSDP flattens whatever a unit
+    # holds (embeddings, norms and lm_head included) and DeepSpeed partitions
+    # every parameter
+    in_layers = {id(t) for layer in model.layers for t in layer.tensors()}
+    root = [t for t in model.parameters() if id(t) not in in_layers]
+    # the root unit (what no decoder layer holds: the embeddings, the final norm,
+    # lm_head) as it is all-gathered, measured before sharding
+    root_bytes = gathered_bytes(t for t in root if t.buffer.category == "weights")
+    if plan.module_gather:
+        live = _deepspeed_gathered(
+            model, step, unit_bytes, gathered_bytes, elements, persisted, ds_sizes
+        )
+        sharded.kept_bytes = _deepspeed_kept(
+            model, step, gathered_bytes, elements, persisted, ds_sizes, live
+        )
+        # what DeepSpeed gathers of the embeddings and lm_head, one module at a
+        # time: the embeddings and lm_head are gathered when their module runs and
+        # released after it unless reused soon (max_reuse_distance): the
+        # embedding for its forward, lm_head from its forward to its backward
+        # (llama_loss gathers them)
+        sharded.gathered_modules = {
+            id(p): gathered_bytes([p])
+            for p in (model.embed, model.lm_head)
+            if id(p) not in persisted
+        }
+    for p in model.parameters():
+        if p.buffer.category == "weights" and id(p) not in persisted:
+            kept = quant_state.get(id(p), 0)
+            packed = p.buffer.nbytes - kept
+            resize(sim, p.buffer, math.ceil(packed * shard) + kept)
+    if plan.module_gather:
+        gathered_layer = sim.alloc(live, "weights")
+    else:
+        # the unit being computed is all-gathered, and on more than one GPU so is
+        # the next one: FSDP issues the next unit's all-gather while this one
+        # computes (forward: torch/distributed/fsdp/_runtime_utils.py
+        # _pre_forward_unshard and the rate limiter of _limit_all_gathers, which
+        # lets two all-gathers be in flight; backward: the default
+        # BackwardPrefetch.BACKWARD_PRE prefetches the previous unit before this
+        # one's gradient is computed; FSDP2's all-gather stream overlaps the same
+        # way, fully_shard in torch/distributed/fsdp/_fully_shard/
+        # _fsdp_param_group.py; torch 2.4-2.13). With one GPU FSDP runs
+        # NO_SHARD: no gathered copy beyond the one unit.
+        units = 2 if step.gpus > 1 else 1
+        gathered_layer = sim.alloc(units * unit_bytes, "weights")
+    if plan.keeps_root and step.gpus > 1 and root_bytes:
+        # The root unit is not resharded after the forward: FSDP keeps the
+        # root's parameters all-gathered "with the intention that they are
+        # immediately used for backward computation" (FSDP1:
+        # torch/distributed/fsdp/_runtime_utils.py _post_forward_reshard,
+        # free_unsharded_flat_param = not state._is_root and ...; FSDP2: the
+        # root's param group gets post_forward_mesh_info = None in
+        # FSDPState._lazy_init). Its frozen parameters have no post-backward
+        # hook that reshards them earlier (the reshard-only hook waits for
+        # gradients of the root's inputs, token ids that need none), so they
+        # stay gathered until the backward's final callback (_catch_all_reshard)
+        # at the end of backward: the whole forward and backward, on top of
+        # their shard.
+        gathered_root = sim.alloc(root_bytes, "weights")
+    sharded.param_cast_scale = shard
+    return gathered_layer, gathered_root
+
+
 def _shard_for_zero(sim: Simulator, model: Model, params: list, d):
     """ZeRO partitioning over ``step.gpus``: the optimizer's fp32 master copies
     (DeepSpeed layout) and the master weights from stage 1, gradients from 2, weights
@@ -58,98 +162,7 @@ def _shard_for_zero(sim: Simulator, model: Model, params: list, d):
             if p.buffer.category == "master_weights":
                 shrink(sim, p.buffer, shard)
     if step.zero >= 3:
-        # A 4-bit weight is two things: its packed data (4 bits a weight, the
-        # parameter FSDP/DeepSpeed shard and all-gather) and its quant_state (the
-        # absmax constants), which bitsandbytes keeps whole on every rank as an
-        # attribute of the Linear4bit module (bitsandbytes/nn/modules.py,
-        # fix_4bit_weight_quant_state_from_module, 0.43.0+: the state is put back on
-        # the gathered weight), so it is neither sharded nor gathered.
-        quant_state = {
-            id(linear.w): _quant_state_bytes(linear.w, step)
-            for linear in _linears(model)
-            if linear.quantized
-        }
-
-        def gathered_bytes(tensors) -> int:
-            """The tensors' storage as it is all-gathered: their buffers before
-            sharding (NF4 weights in their packed size, without the quant_state),
-            not their shapes in the compute dtype."""
-            return sum(t.buffer.nbytes - quant_state.get(id(t), 0) for t in tensors)
-
-        def elements(tensors) -> int:
-            """The elements DeepSpeed counts for the tensors (``ds_numel``: of a
-            4-bit weight, its packed data)."""
-            return sum(gathered_bytes([t]) // ITEMSIZE[t.dtype] for t in tensors)
-
-        persisted = set()
-        if plan.module_gather:
-            # DeepSpeed never partitions a parameter of fewer elements than
-            # stage3_param_persistence_threshold (ds_persist): it stays whole on every
-            # rank and is not gathered (its optimizer partition is still 1/N)
-            threshold = ds_sizes.persistence_threshold
-            persisted = {id(p) for p in model.parameters() if elements([p]) < threshold}
-        unit = [t for t in model.layers[0].tensors() if id(t) not in persisted]
-        unit_bytes = gathered_bytes(unit)
-        # every parameter is sharded, frozen ones too: FSDP flattens whatever a unit
-        # holds (embeddings, norms and lm_head included) and DeepSpeed partitions
-        # every parameter
-        in_layers = {id(t) for layer in model.layers for t in layer.tensors()}
-        root = [t for t in model.parameters() if id(t) not in in_layers]
-        # the root unit (what no decoder layer holds: the embeddings, the final norm,
-        # lm_head) as it is all-gathered, measured before sharding
-        root_bytes = gathered_bytes(t for t in root if t.buffer.category == "weights")
-        if plan.module_gather:
-            live = _deepspeed_gathered(
-                model, step, unit_bytes, gathered_bytes, elements, persisted, ds_sizes
-            )
-            sharded.kept_bytes = _deepspeed_kept(
-                model, step, gathered_bytes, elements, persisted, ds_sizes, live
-            )
-            # what DeepSpeed gathers of the embeddings and lm_head, one module at a
-            # time: the embeddings and lm_head are gathered when their module runs and
-            # released after it unless reused soon (max_reuse_distance): the
-            # embedding for its forward, lm_head from its forward to its backward
-            # (llama_loss gathers them)
-            sharded.gathered_modules = {
-                id(p): gathered_bytes([p])
-                for p in (model.embed, model.lm_head)
-                if id(p) not in persisted
-            }
-        for p in model.parameters():
-            if p.buffer.category == "weights" and id(p) not in persisted:
-                kept = quant_state.get(id(p), 0)
-                packed = p.buffer.nbytes - kept
-                resize(sim, p.buffer, math.ceil(packed * shard) + kept)
-        if plan.module_gather:
-            gathered_layer = sim.alloc(live, "weights")
-        else:
-            # the unit being computed is all-gathered, and on more than one GPU so is
-            # the next one: FSDP issues the next unit's all-gather while this one
-            # computes (forward: torch/distributed/fsdp/_runtime_utils.py
-            # _pre_forward_unshard and the rate limiter of _limit_all_gathers, which
-            # lets two all-gathers be in flight; backward: the default
-            # BackwardPrefetch.BACKWARD_PRE prefetches the previous unit before this
-            # one's gradient is computed; FSDP2's all-gather stream overlaps the same
-            # way, fully_shard in torch/distributed/fsdp/_fully_shard/
-            # _fsdp_param_group.py; torch 2.4-2.13). With one GPU FSDP runs
-            # NO_SHARD: no gathered copy beyond the one unit.
-            units = 2 if step.gpus > 1 else 1
-            gathered_layer = sim.alloc(units * unit_bytes, "weights")
-        if plan.keeps_root and step.gpus > 1 and root_bytes:
-            # The root unit is not resharded after the forward: FSDP keeps the
-            # root's parameters all-gathered "with the intention that they are
-            # immediately used for backward computation" (FSDP1:
-            # torch/distributed/fsdp/_runtime_utils.py _post_forward_reshard,
-            # free_unsharded_flat_param = not state._is_root and ...; FSDP2: the
-            # root's param group gets post_forward_mesh_info = None in
-            # FSDPState._lazy_init). Its frozen parameters have no post-backward
-            # hook that reshards them earlier (the reshard-only hook waits for
-            # gradients of the root's inputs, token ids that need none), so they
-            # stay gathered until the backward's final callback (_catch_all_reshard)
-            # at the end of backward: the whole forward and backward, on top of
-            # their shard.
-            gathered_root = sim.alloc(root_bytes, "weights")
-        sharded.param_cast_scale = shard
+        gathered_layer, gathered_root = _shard_weights(sim, model, d, shard, ds_sizes)
     sharded.grad_scale = shard if step.zero >= 2 else 1.0
     bucket = None
     if plan.gradient_bucket:
