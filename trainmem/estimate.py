@@ -154,10 +154,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import os
-from dataclasses import dataclass, field
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from .config import (
     ATTN_IMPLS,
@@ -170,17 +169,24 @@ from .config import (
     OptionError,
     Shape,
     StepConfig,
-    check_choice,
     load_model_config,
-    optimizer_entry,
     model_shape,
     split_targets,
     step_signature,
 )
-from .decisions import Decisions, decide, sdpa_falls_back_to_math
-from .dtypes import GB, GiB, nf4_bytes_per_weight
-from .precisions import precision as precision_entry
-from .families import FAMILIES, lora_adapter_params
+from .closed_form import (
+    _gpt2_estimate,
+    _trainable,
+    accelerate_rule_bytes,
+    bytes_per_param,
+    count_params,
+    lora_trainable_params,
+)
+from .decisions import Decisions, decide
+from .dtypes import GB, GiB
+from .families import FAMILIES
+from .gpu_notes import _gpu_notes as _gpu_notes
+from .result import MemoryEstimate, format_table
 from .from_hf import (
     ALL_LINEAR,
     HF_OPTIMS,
@@ -188,7 +194,6 @@ from .from_hf import (
     hf_options,
     load_dtype_reason,
 )
-from .memory.accounting import ITEMSIZE
 from .versions import parse_versions
 
 __all__ = [
@@ -224,297 +229,9 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------
-# parameter counts and bytes per parameter
+# the estimate (parameter counts and the closed forms: trainmem.closed_form; the result
+# and its table: trainmem.result; the card's notes: trainmem.gpu_notes)
 # --------------------------------------------------------------------------------------
-def count_params(model: Any) -> int:
-    """Number of parameters of the base model (no adapters), exactly as ``transformers``
-    builds it."""
-    shape = model_shape(model)
-    return shape.family.count_params(shape)
-
-
-def lora_trainable_params(
-    model: Any, rank: int = 8, targets: Iterable[str] = ("q_proj", "v_proj")
-) -> int:
-    """Trainable LoRA parameters: ``rank * (d_in + d_out)`` per targeted Linear, in
-    every layer."""
-    shape = model_shape(model)
-    step = StepConfig(
-        method="lora", precision="fp32", lora_rank=rank, lora_targets=targets
-    )
-    step.check_model(shape)
-    linears = shape.linear_shapes()
-    return shape.layers * sum(
-        lora_adapter_params(*linears[t], rank) for t in step.lora_targets
-    )
-
-
-def _trainable(shape: Shape, step: StepConfig) -> int:
-    """Trainable parameters of the step; LitGPT's ``lora_head`` adapts ``lm_head``
-    once (LitGPT's fused ``LoRAQKVLinear`` holds exactly the q/k/v adapters' count:
-    A ``r·n × d`` and B ``(q + k + v widths) × r``)."""
-    if step.method == "full":
-        return count_params(shape)
-    targets = tuple(t for t in step.lora_targets if t != "lm_head")
-    n = lora_trainable_params(shape, step.lora_rank, targets) if targets else 0
-    if "lm_head" in step.lora_targets:
-        n += lora_adapter_params(shape.hidden, shape.vocab, step.lora_rank)
-    return n
-
-
-def bytes_per_param(
-    precision: str = "bf16-amp", optimizer: str = "adamw", convention: str = "torch-amp"
-) -> float:
-    """Bytes of model state per *trainable* parameter (no activations).
-
-    ``convention``:
-
-    * ``"torch-amp"`` — what PyTorch actually holds: fp32 parameters (master) 4 + fp32
-      grads 4 + optimizer states, plus 2 for the low-precision weight copies autocast
-      keeps for backward under ``fp16-amp``/``bf16-amp``: AdamW → 4 + 2 + 4 + 8 = **18**
-      (Hugging Face's count); fp32 → 4 + 4 + 8 = 16; pure ``bf16`` → 2 + 2 + 4 = 8.
-    * ``"zero-paper"`` — the ZeRO paper's mixed-precision Adam: fp16 params 2 + fp16
-      grads 2 + fp32 master 4 + fp32 m 4 + fp32 v 4 = **16** (the transient copies are
-      not counted because the fp16 parameters *are* the working copy).
-    * ``"accelerate"`` — ``accelerate estimate-memory``: 4 x the dtype size (16 fp32, 8
-      half).
-
-    Optimizer states (``nominal_bytes`` of each :mod:`trainmem.optimizers` entry): AdamW
-    8 (two fp32 moments; 4 in pure bf16), 8-bit AdamW ≈ 2, SGD with momentum and Lion 4
-    (2 in bf16), plain SGD 0; Adafactor has no per-parameter figure."""
-    check_choice("precision", precision, PRECISIONS)
-    spec = optimizer_entry(optimizer)
-    check_choice("convention", convention, ("torch-amp", "zero-paper", "accelerate"))
-    prec = precision_entry(precision)
-    if convention == "accelerate":
-        return 4.0 * ITEMSIZE[prec.compute]
-    p = ITEMSIZE[prec.params]
-    if convention == "zero-paper" and prec.zero_half:
-        half = ITEMSIZE[prec.zero_half]
-        return half + half + 4 + _nominal_state_bytes(spec, 4)
-    states = _nominal_state_bytes(spec, p)
-    if convention == "zero-paper":
-        return p + p + states
-    copy = ITEMSIZE[prec.autocast] if prec.autocast else 0
-    return p + copy + p + states
-
-
-def _nominal_state_bytes(spec, itemsize: int) -> float:
-    """State bytes per parameter of ``spec`` (an optimizer entry) for the closed forms;
-    an optimizer whose states depend on each tensor's shape has none."""
-    if spec.nominal_bytes is None:
-        raise OptionError(
-            "optimizer",
-            f"optimizer {spec.name!r} keeps states whose size depends on each "
-            "parameter's shape: no bytes-per-parameter figure (the Llama replay "
-            "counts them)",
-        )
-    return spec.nominal_bytes(itemsize)
-
-
-def accelerate_rule_bytes(n_params: int, precision: str) -> int:
-    """``accelerate estimate-memory``'s training figure: 16 B/param (fp32) or 8 B/param
-    (half / mixed precision), Adam, no activations. Implemented here for comparison
-    (bytes)."""
-    return int(n_params * bytes_per_param(precision, "adamw", convention="accelerate"))
-
-
-# --------------------------------------------------------------------------------------
-# the estimate
-# --------------------------------------------------------------------------------------
-@dataclass
-class MemoryEstimate:
-    """Peak memory of one training step (all sizes in bytes, per GPU)."""
-
-    total_bytes: int
-    breakdown: dict[str, int]
-    activation_bytes: int
-    n_params: int
-    n_trainable: int
-    peak_phase: str
-    phase_peaks: dict[str, int]
-    exact: bool = True
-    options: dict[str, Any] = field(default_factory=dict)
-    #: weights + gradients + optimizer states + master weights held per GPU when the
-    #: optimizer step starts (bytes; not in ``to_dict``). Unlike ``breakdown`` (taken at
-    #: the peak, which may fall in backward before every gradient exists) this is the
-    #: resident model state that :func:`trainmem.zero.per_gpu_memory` counts.
-    model_state_bytes: int = 0
-    #: with ``gpu``: trainmem.gpus.device_report's numbers (reserved_bytes,
-    #: device_bytes, fits, headroom_bytes, ...) and the step's memory timeline
-    device: dict[str, Any] | None = None
-    #: with ``timeline=True``: bytes by category sampled over the step's allocation
-    #: events (about 200 points: ``event``, ``phase``, ``reserved`` and the categories)
-    timeline: list[dict[str, Any]] | None = None
-
-    @property
-    def reserved_bytes(self) -> int | None:
-        return None if self.device is None else self.device["reserved_bytes"]
-
-    @property
-    def device_bytes(self) -> int | None:
-        return None if self.device is None else self.device["device_bytes"]
-
-    @property
-    def fits(self) -> bool | None:
-        return None if self.device is None else self.device["fits"]
-
-    def to_dict(self) -> dict[str, Any]:
-        out = self._base_dict()
-        if self.device is not None:
-            out.update(self.device)
-        if self.timeline is not None:
-            out["timeline"] = self.timeline
-        return out
-
-    def _base_dict(self) -> dict[str, Any]:
-        return {
-            "total_bytes": int(self.total_bytes),
-            "breakdown": {k: int(self.breakdown[k]) for k in CATEGORIES},
-            "activation_bytes": int(self.activation_bytes),
-            "n_params": int(self.n_params),
-            "n_trainable": int(self.n_trainable),
-            "peak_phase": self.peak_phase,
-            "phase_peaks": {k: int(v) for k, v in self.phase_peaks.items()},
-            "exact": self.exact,
-            "options": self.options,
-        }
-
-    def to_json(self, **kw) -> str:
-        return json.dumps(self.to_dict(), **kw)
-
-    @property
-    def total_gib(self) -> float:
-        return self.total_bytes / GiB
-
-    def table(self) -> str:
-        title = f"estimated peak (peak in {self.peak_phase})"
-        extra = {"activations at end of forward": self.activation_bytes}
-        if self.device is not None:
-            d = self.device
-            extra["reserved (max_memory_reserved)"] = d["reserved_bytes"]
-            extra["+ CUDA context"] = d["context_bytes"]
-            if d["nccl_bytes"]:
-                comms, channels = d["nccl_communicators"], d["nccl_channels"]
-                extra[f"+ NCCL ({comms} comm x {channels} channels)"] = d["nccl_bytes"]
-            extra["device (nvidia-smi, lower bound)"] = d["device_bytes"]
-            extra[f"{d['gpu']} memory"] = d["capacity_bytes"]
-        text = format_table(
-            title,
-            self.breakdown,
-            self.total_bytes,
-            extra,
-            params=(self.n_params, self.n_trainable),
-        )
-        if self.device is not None:
-            d = self.device
-            verdict = "fits" if d["fits"] else "does NOT fit"
-            text += (
-                f"\n{d['gpu']}: {verdict}; headroom {d['headroom_bytes'] / GiB:.2f} GiB"
-            )
-            text += "".join(f"\nnote: {n['message']}" for n in d.get("notes", ()))
-        if "load_dtype_reason" in self.options:
-            text += f"\nrecipe: {self.options['load_dtype_reason']}"
-        return text
-
-
-def format_table(
-    title: str,
-    rows: dict[str, int],
-    total: int,
-    extra: dict[str, int] | None = None,
-    params: tuple[int, int] | None = None,
-) -> str:
-    """A plain-text table of byte counts in GiB (2**30) and GB (10**9)."""
-    lines = [title, f"{'term':<32}{'GiB':>12}{'GB':>12}{'bytes':>18}"]
-    for k in CATEGORIES:
-        v = int(rows.get(k, 0))
-        lines.append(f"{k:<32}{v / GiB:>12.3f}{v / GB:>12.3f}{v:>18,}")
-    lines.append(
-        f"{'total (peak)':<32}{total / GiB:>12.3f}{total / GB:>12.3f}{int(total):>18,}"
-    )
-    for k, v in (extra or {}).items():
-        lines.append(f"{k:<32}{v / GiB:>12.3f}{v / GB:>12.3f}{int(v):>18,}")
-    if params:
-        lines.append(f"parameters: {params[0]:,} total, {params[1]:,} trainable")
-    return "\n".join(lines)
-
-
-def _qlora_weights(shape: Shape, step: StepConfig) -> int:
-    """Bytes of a QLoRA base model in the closed form: the decoder blocks' Linear
-    weights in NF4 (:func:`trainmem.dtypes.nf4_bytes_per_weight`, with or without
-    double quantisation), everything else (embeddings, biases, norms) in 16 bit — the
-    layout the replay holds."""
-    n_linear = shape.layers * sum(i * o for i, o in shape.linear_shapes().values())
-    nf4 = nf4_bytes_per_weight(step.qlora_double_quant)
-    return int(n_linear * nf4) + 2 * (count_params(shape) - n_linear)
-
-
-def _gpt2_estimate(shape: Shape, d: Decisions) -> dict:
-    """Closed-form estimate (not replayed): model states exact, activations after
-    Korthikanti et al. 2022 (34·s·b·h + 5·a·s²·b bytes per layer in 16-bit, the s² term
-    only for eager)."""
-    step, prec = d.options, d.precision
-    method, optimizer = step.method, step.optimizer
-    n_params = count_params(shape)
-    param_bytes = ITEMSIZE[prec.params]
-    amp = prec.autocast is not None
-    if method == "full":
-        n_trainable = n_params
-    else:
-        n_trainable = lora_trainable_params(shape, step.lora_rank, step.lora_targets)
-    lora_bytes = 4 if (step.lora_dtype in (None, "fp32")) else 2
-    trainable_bytes = param_bytes if method == "full" else lora_bytes
-    qlora = method == "qlora"
-    weights = _qlora_weights(shape, step) if qlora else n_params * param_bytes
-    master = n_trainable * 4 if amp and method == "full" else 0
-    if amp and method == "full":
-        weights = 2 * n_params  # low-precision working copies
-    grads = n_trainable * trainable_bytes
-    spec = optimizer_entry(optimizer)
-    states = int(n_trainable * _nominal_state_bytes(spec, trainable_bytes))
-    if d.zero_layout:  # ZeRO/DeepSpeed: 16-bit module, fp32 master + states
-        weights = _qlora_weights(shape, step) if qlora else 2 * n_params
-        grads, master = 2 * n_trainable, 4 * n_trainable
-        states = int(n_trainable * _nominal_state_bytes(spec, 4))
-    act_scale = ITEMSIZE[prec.compute] / 2.0
-    batch, seq, hidden, heads = step.batch, step.seq, shape.hidden, shape.heads
-    eager = d.attention == "eager"
-    per_layer = 34 * seq * batch * hidden + (
-        5 * heads * seq * seq * batch if eager else 0
-    )
-    per_layer = int(per_layer * act_scale / 2) * 2
-    if step.checkpointing:
-        acts = shape.layers * seq * batch * hidden * 2 * act_scale + per_layer
-    else:
-        acts = shape.layers * per_layer
-    acts += batch * seq * shape.vocab * 4 * 2
-    temps = batch * seq * shape.vocab * 4
-    gpus = step.gpus
-    if step.zero >= 1:
-        states //= gpus
-        master //= gpus
-    if step.zero >= 2:
-        grads //= gpus
-    if step.zero >= 3:
-        weights //= gpus
-    breakdown = {
-        "weights": int(weights),
-        "gradients": int(grads),
-        "optimizer_states": int(states),
-        "master_weights": int(master),
-        "activations": int(acts),
-        "temporaries": int(temps),
-    }
-    return {
-        "peak": sum(breakdown.values()),
-        "breakdown": breakdown,
-        "activations": int(acts),
-        "model_states": int(weights + grads + states + master),
-        "phase_peaks": {"backward": sum(breakdown.values())},
-        "n_params": n_params,
-        "n_trainable": n_trainable,
-    }
 
 
 def _options_record(shape: Shape, step: StepConfig) -> dict[str, Any]:
@@ -640,74 +357,6 @@ def _device(result: dict, d: Decisions, timeline: bool):
     points = device.pop("timeline")
     device["notes"] = _gpu_notes(d)
     return device, (points if timeline else None)
-
-
-def _gpu_notes(d: Decisions) -> list[dict]:
-    """What the card changes besides memory, as ``{"code", "message"}`` (front ends
-    word them by ``code``): bf16 on a card without bf16 units runs, but emulated
-    (torch.cuda.is_bf16_supported() answers True through emulation below compute
-    capability 8.0, so Trainer(bf16=True) accepts it); bf16 SDPA there runs the
-    math path (:func:`trainmem.decisions.decide`); a DeepSpeed ZeRO-3 LoRA step
-    with non-reentrant checkpointing, which DeepSpeed before its fix stops with a
-    CheckpointError (seen on CPU with 0.16.4, ``benchmarks/deepspeed_cpu_check.py``);
-    and on more than 2 NVSwitch-connected sm_90+ GPUs NCCL's NVLS buffers, which the
-    estimate leaves out (:mod:`trainmem.gpus`)."""
-    step, gpu = d.options, d.gpu
-    notes = []
-    major, minor = gpu.capability
-    uses_bf16 = d.bf16_compute or step.lora_dtype == "bf16"
-    if uses_bf16 and not gpu.bf16:
-        notes.append(
-            {
-                "code": "bf16-emulated",
-                "message": f"{gpu.name} (sm_{major}{minor}) has no bf16 units: torch "
-                "emulates bf16 there and the step is slow; fp16-amp is the native "
-                "choice",
-            }
-        )
-    if sdpa_falls_back_to_math(step, d.precision, gpu):
-        replayed = d.attention_reason is not None  # decisions._attention
-        notes.append(
-            {
-                "code": "sdpa-math" if replayed else "sdpa-math-not-modelled",
-                "message": "no fused SDPA kernel takes bf16 below sm_80, so attention "
-                "runs SDPA's math path (fp32 scores and softmax): "
-                + (
-                    "replayed on that path"
-                    if replayed
-                    else "this estimate does not include it"
-                ),
-            }
-        )
-    if (
-        d.sharding.checkpoint_error
-        and step.zero >= 3
-        and step.method in ("lora", "qlora")
-        and step.checkpointing
-        and step.checkpointing_mode == "non-reentrant"
-    ):
-        notes.append(
-            {
-                "code": "deepspeed-checkpoint-error",
-                "message": "DeepSpeed ZeRO-3 with LoRA and non-reentrant checkpointing "
-                "stops in the backward with torch's CheckpointError in DeepSpeed "
-                "releases without deepspeedai/DeepSpeed#8148 (seen with 0.16.4; "
-                "huggingface/transformers#47254); gradient_checkpointing_kwargs="
-                "{'use_reentrant': True} runs (--checkpointing-mode reentrant)",
-            }
-        )
-    if gpu.nvlink and gpu.capability >= (9, 0) and step.gpus > 2:
-        notes.append(
-            {
-                "code": "nvls-not-modelled",
-                "message": "NCCL's NVLS (NVLink SHARP) buffers are not in this "
-                "estimate: on more than 2 NVSwitch-connected GPUs of compute "
-                "capability 9.0 or newer NCCL maps channels x 2 buffers per local GPU "
-                "into each GPU, for every communicator (up to gigabytes per GPU, "
-                "depending on the NCCL version); NCCL_NVLS_ENABLE=0 turns them off",
-            }
-        )
-    return notes
 
 
 def estimate(

@@ -7,7 +7,7 @@ for their reduction (one unit's unsharded gradient, or a contiguous bucket), the
 stages and frameworks it is modelled for and how many NCCL communicators it holds.
 Nothing else in the package tests a sharding's name (``tests/test_structure.py``
 counts). The rules themselves, each with its source line, are in
-:mod:`trainmem.memory.step` (``_shard_for_zero``) and :mod:`trainmem.deepspeed`.
+:mod:`trainmem.memory.shard_plan` and :mod:`trainmem.deepspeed`.
 
 Standard library only (the book's in-page calculator runs it in Pyodide).
 """

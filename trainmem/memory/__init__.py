@@ -17,7 +17,7 @@ gradients of tensors used twice, and freeing the saved tensors of each node afte
 ran. Non-reentrant activation checkpointing keeps only each layer's inputs and
 recomputes the layer's forward when its backward starts (with PyTorch's early stop once
 the last saved tensor is recomputed).  The optimizer step allocates what the chosen
-torch implementation allocates (``step.SCRATCH_RULES``, named by the optimizer
+torch implementation allocates (``optimizer_step.SCRATCH_RULES``, named by the optimizer
 registry :mod:`trainmem.optimizers`).
 
 The running total of live bytes, split into the six categories of the estimator, gives
