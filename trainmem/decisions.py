@@ -76,6 +76,11 @@ class Decisions:
     attention: str
     #: why ``attention`` differs from the option asked (``None``: it does not)
     attention_reason: str | None
+    #: the card runs this step's SDPA on its math path (bf16 below sm_80), whether or
+    #: not the framework's replay models it (``attention_reason`` says it does)
+    sdpa_math_fallback: bool
+    #: the step computes in bf16 (autocast or pure bf16 parameters)
+    bf16_compute: bool
     #: the decoder the replay builds (``memory.step.DECODERS``), ``None``: closed form
     layout: str | None
     #: the causal-LM loss form of the transformers version (:func:`versions.loss_form`)
@@ -93,11 +98,6 @@ class Decisions:
     @property
     def autocast(self) -> str | None:
         return self.dtypes.autocast
-
-    @property
-    def bf16_compute(self) -> bool:
-        """The step computes in bf16 (autocast or pure bf16 parameters)."""
-        return self.precision.compute == "bf16"
 
 
 def _dtypes(
@@ -190,6 +190,8 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
         dtypes=_dtypes(shape, step, prec, frame),
         attention=attention,
         attention_reason=reason,
+        sdpa_math_fallback=gpu is not None and sdpa_falls_back_to_math(step, prec, gpu),
+        bf16_compute=prec.compute == "bf16",
         layout=frame.layout or shape.family.replay,
         loss_form=loss_form(versions),
         zero_layout=bool(prec.zero_half) and step.zero >= 1,

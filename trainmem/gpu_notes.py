@@ -4,7 +4,7 @@ that front ends word by ``code`` (the calculator's ``GPU_NOTES``), read from the
 
 from __future__ import annotations
 
-from .decisions import Decisions, sdpa_falls_back_to_math
+from .decisions import Decisions
 
 
 def _gpu_notes(d: Decisions) -> list[dict]:
@@ -30,7 +30,7 @@ def _gpu_notes(d: Decisions) -> list[dict]:
                 "choice",
             }
         )
-    if sdpa_falls_back_to_math(step, d.precision, gpu):
+    if d.sdpa_math_fallback:
         replayed = d.attention_reason is not None  # decisions._attention
         notes.append(
             {
