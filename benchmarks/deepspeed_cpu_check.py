@@ -161,7 +161,8 @@ def predicted(case: dict) -> dict:
     from trainmem.dtypes import DTYPES
     from trainmem.estimate import model_shape
     from trainmem.memory.accounting import ITEMSIZE, Simulator
-    from trainmem.memory.step import _build_model, deepspeed_kept_params
+    from trainmem.decisions import decide
+    from trainmem.memory.step import DECODERS, deepspeed_kept_params
 
     lora = dict(lora_targets=case["targets"]) if case["targets"] else {}
     step = StepConfig(
@@ -178,7 +179,7 @@ def predicted(case: dict) -> dict:
         case["reduce"], case["prefetch"], case["persist"], case["reuse"]
     )
     shape = model_shape("tiny")
-    model, params = _build_model(Simulator(), shape, step, "bf16")
+    model, params = DECODERS["llama"].build(Simulator(), shape, decide(shape, step))
 
     def elements(tensors) -> int:
         return sum(t.buffer.nbytes // ITEMSIZE[t.dtype] for t in tensors)

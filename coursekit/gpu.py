@@ -33,6 +33,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, TypeVar, overload
 
+from trainmem.gpus import SM80 as SM80
+
 ENV_VAR = "COURSE_GPU"
 ALLOWED = ("auto", "cpu", "on", "off", "1", "0")
 # : First line of a GPU cell's output when it ran on the CPU at small size (``auto``
@@ -201,7 +203,7 @@ def bf16_supported(
         capability = compute_capability()
         if capability is None:
             return False
-    return tuple(capability) >= (8, 0)
+    return tuple(capability) >= SM80
 
 
 def amp_dtype(device: str, capability: tuple[int, int] | None = None):
@@ -239,8 +241,6 @@ def describe() -> str:
 # sm_90 (H100/H200) on a CPU-only machine. ``capability=None`` on CUDA reads the real
 # device.
 # --------------------------------------------------------------------------------------
-
-SM80 = (8, 0)
 
 
 def _cap(

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from trainmem.estimate import estimate
 from trainmem.families import model_shape
-from trainmem.from_hf import ALL_LINEAR
+from trainmem.from_hf import run_options
 
 #: the rows and their sources, shipped inside the package
 DATA = resources.files("coursekit") / "data" / "published_gpu.json"
@@ -129,65 +129,9 @@ def _supported() -> set[str]:
 
 def row_options(row: dict) -> dict:
     """The estimator's options for one published run, each read from a condition the
-    source states (see the JSON's ``conditions``)."""
-    c = row["conditions"]
-    framework = c["framework"]
-    opts: dict = {
-        "method": c["method"],
-        "batch": c["micro_batch"],
-        "seq": c["seq"] or c["seq_bound"],
-        "checkpointing": bool(c.get("checkpointing")),
-        "grad_accum": c.get("grad_accum") or 1,
-        "attn": "sdpa",
-        "optimizer": "adamw",
-        "optimizer_impl": "foreach",  # torch.optim.AdamW(params) on CUDA
-    }
-    if c["precision"].startswith("bf16-amp"):
-        # Trainer's bf16=True under FSDP/DeepSpeed: 16-bit compute copies, fp32 master
-        # weights (the estimator's ZeRO layout)
-        opts["precision"] = "bf16-amp"
-    elif framework in ("litgpt", "torchtune") or c["precision"].startswith("bf16"):
-        # bf16-true / model loaded in bf16, no autocast: pure bf16 parameters
-        opts["precision"] = "bf16"
-    if c.get("global_batch"):
-        # the run's gradient accumulation (LitGPT: global_batch_size // (micro_batch
-        # * devices)); the gradients stay allocated through the next forward
-        opts["grad_accum"] = max(
-            1, c["global_batch"] // (c["micro_batch"] * row.get("devices", 1))
-        )
-    if c["method"] != "full":
-        opts["lora_rank"] = c["lora_r"]
-        opts["lora_alpha"] = c.get("lora_alpha") or 2 * c["lora_r"]
-        targets = c["lora_targets"]
-        opts["lora_targets"] = tuple(ALL_LINEAR if targets == "all-linear" else targets)
-        if c.get("lora_head"):
-            opts["lora_targets"] += ("lm_head",)  # LitGPT's lora_head
-        # LitGPT's LoRA weights follow the bf16-true module; peft upcasts adapters to
-        # fp32 unless autocast_adapter_dtype=False
-        opts["lora_dtype"] = "bf16" if framework == "litgpt" else None
-        opts["lora_dropout"] = c.get("lora_dropout") or 0.0
-    if c.get("quantize"):
-        opts["qlora_double_quant"] = c["quantize"].endswith("-dq")
-        # LitGPT quantizes through Fabric's BitsandbytesPrecision, without peft's
-        # prepare_model_for_kbit_training: the rest of the model stays bf16
-        opts["kbit_prepare"] = c.get("kbit_prepare") or (
-            "peft" if framework == "hf" else "none"
-        )
-    if c.get("checkpointing") == "reentrant":
-        opts["checkpointing_mode"] = "reentrant"
-    if row.get("devices", 1) > 1 and (c["method"] == "full" or c.get("zero")):
-        # FSDP full sharding
-        opts["zero"], opts["gpus"] = c.get("zero") or 3, row["devices"]
-        if c.get("zero_impl"):
-            opts["zero_impl"] = c["zero_impl"]
-            if c.get("deepspeed_sizes"):
-                opts["deepspeed_sizes"] = c["deepspeed_sizes"]
-    if framework == "litgpt":  # the frameworks the estimator models: hf, litgpt
-        opts["framework"] = framework
-        if c.get("optimizer", "").startswith("bnb.optim.PagedAdamW"):
-            opts["optimizer"] = "paged_adamw"
-    if c.get("versions"):
-        opts["versions"] = c["versions"]
+    source states (see the JSON's ``conditions``; :func:`trainmem.from_hf.run_options`
+    reads them), with the row's GPU."""
+    opts = run_options(row["conditions"], row.get("devices", 1))
     opts["gpu"] = row["gpu"]
     supported = _supported()
     return {k: v for k, v in opts.items() if k in supported}

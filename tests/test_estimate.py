@@ -846,3 +846,128 @@ def test_gpt2_qlora_counts_nf4_on_the_decoder_linears(double_quant):
     )
     assert est.n_params == 124_439_808
     assert est.breakdown["weights"] == want
+
+
+# --------------------------------------------------------------------------------------
+# the load dtype: a 16-bit base from a 16-bit checkpoint, fp32 adapters, autocast
+# --------------------------------------------------------------------------------------
+_GQA_BF16_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 352,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        # Trainer(bf16=True) + LoRA q,v on a bf16 checkpoint (transformers 5)
+        dict(
+            method="lora",
+            precision="bf16-amp",
+            load_dtype="bf16",
+            lora_rank=16,
+            batch=4,
+            seq=64,
+            optimizer_impl="fused",
+        ),
+        dict(
+            method="lora",
+            precision="bf16-amp",
+            load_dtype="bf16",
+            lora_rank=8,
+            lora_targets=(
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ),
+            batch=2,
+            seq=48,
+            checkpointing=True,
+        ),
+        dict(
+            method="full",
+            precision="bf16-amp",
+            load_dtype="bf16",
+            batch=2,
+            seq=32,
+            optimizer_impl="for-loop",
+        ),
+        dict(method="lora", precision="fp16-amp", load_dtype="fp16", batch=2, seq=32),
+        dict(method="lora", precision="fp32", load_dtype="bf16", batch=2, seq=32),
+    ],
+)
+def test_load_dtype_agrees_with_cpu_measurement(tmp_path, kw):
+    """Autocast over weights loaded in 16 bit (no weight copies, a 16-bit residual
+    stream, peft's fp32 adapters with their input cast to fp32) replays to the byte
+    in every category but the optimizer's 0-d scratch, as the fp32-load recipe
+    does."""
+    from trainmem.measure import measure
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_GQA_BF16_CONFIG))
+    est = estimate(str(path), use_cache="off", **kw)
+    meas = measure(str(path), device="cpu", use_cache="off", **kw)
+    assert est.peak_phase == meas.peak_phase
+    for k in CATEGORIES:
+        if k != "temporaries":
+            assert est.breakdown[k] == meas.breakdown[k], k
+    assert abs(est.total_bytes - meas.total_bytes) <= 16
+
+
+def test_load_dtype_is_the_weights_dtype_not_autocasts():
+    """bf16-amp over a bf16 load holds the 16-bit weights once (no autocast copies),
+    the fp32 adapters as master weights; over the fp32 default, fp32 weights and
+    their bf16 copies."""
+    kw = dict(method="lora", precision="bf16-amp", batch=1, seq=64)
+    fp32 = estimate("tiny", **kw)
+    bf16 = estimate("tiny", load_dtype="bf16", **kw)
+    assert bf16.options["load_dtype"] == "bf16" and "load_dtype" not in fp32.options
+    assert bf16.breakdown["master_weights"] == fp32.breakdown["master_weights"] > 0
+    assert bf16.breakdown["weights"] < fp32.breakdown["weights"] / 2
+    assert bf16.total_bytes < fp32.total_bytes
+    assert estimate("tiny", load_dtype="fp32", **kw).to_dict()["breakdown"] == (
+        fp32.breakdown
+    )
+    with pytest.raises(ValueError, match="load_dtype must be one of"):
+        estimate("tiny", load_dtype="int8")
+
+
+@pytest.mark.parametrize(
+    "transformers,field,want",
+    [
+        ("5.24.0", "dtype", "bf16"),
+        ("5.24.0", "torch_dtype", "bf16"),
+        ("5.0.0", "torch_dtype", "bf16"),
+        ("4.57.1", "torch_dtype", None),  # 4.x loads fp32: the precision's default
+    ],
+)
+def test_hf_load_dtype_follows_the_config_and_transformers(transformers, field, want):
+    """``from_pretrained`` without ``dtype`` loads the stored dtype from transformers
+    5.0 (dtype="auto"), fp32 before; the config says what is stored."""
+    from trainmem.from_hf import hf_options
+
+    config = dict(_GQA_BF16_CONFIG)
+    config.pop("torch_dtype")
+    config[field] = "bfloat16"
+    opts = hf_options(
+        config,
+        {"bf16": True},
+        {"r": 8},
+        seq=64,
+        versions=f"transformers={transformers}",
+    )
+    assert opts.get("load_dtype") == want
+    plain = dict(_GQA_BF16_CONFIG)
+    plain.pop("torch_dtype")
+    assert "load_dtype" not in hf_options(plain, {"bf16": True}, {"r": 8}, seq=64)

@@ -540,7 +540,7 @@ def test_nvls_is_named_where_nccl_sets_it_up():
 
     def codes(gpu, gpus):
         step = StepConfig(method="full", zero=3, gpus=gpus)
-        return [n["code"] for n in _gpu_notes(step, GPUS[gpu])]
+        return [n["code"] for n in _gpu_notes(_decided(step, GPUS[gpu]))]
 
     assert codes("H100-80GB", 8) == codes("H100-80GB", 3) == ["nvls-not-modelled"]
     assert codes("H100-80GB", 2) == codes("A100-80GB", 8) == codes("L40S", 8) == []
@@ -569,7 +569,9 @@ def test_every_gpu_note_has_the_calculators_wording():
         ),
     ]
     made = {
-        n["code"] for kw, gpu in cases for n in _gpu_notes(StepConfig(**kw), GPUS[gpu])
+        n["code"]
+        for kw, gpu in cases
+        for n in _gpu_notes(_decided(StepConfig(**kw), GPUS[gpu]))
     }
     js = (ROOT / "_ext/calculator_static/calculator/calculator.js").read_text()
     block = js[js.index("const GPU_NOTES = {") :]
@@ -598,8 +600,16 @@ def test_deepspeed_lora_with_non_reentrant_checkpointing_is_flagged():
     def codes(**kw):
         base = dict(method="lora", zero=3, gpus=2, zero_impl="deepspeed")
         step = StepConfig(**{**base, "checkpointing": True, **kw})
-        return [n["code"] for n in _gpu_notes(step, GPUS["A100-40GB"])]
+        return [n["code"] for n in _gpu_notes(_decided(step, GPUS["A100-40GB"]))]
 
     assert codes() == codes(method="qlora") == ["deepspeed-checkpoint-error"]
     assert codes(checkpointing_mode="reentrant") == codes(checkpointing=False) == []
     assert codes(method="full") == codes(zero_impl="fsdp") == []
+
+
+def _decided(step, gpu):
+    """The decisions of ``step`` for the tiny preset on the card ``gpu``."""
+    from trainmem.config import model_shape
+    from trainmem.decisions import decide
+
+    return decide(model_shape("tiny"), step, gpu)

@@ -148,3 +148,91 @@ def test_an_unknown_option_is_an_option_error():
     with pytest.raises(OptionError, match="batch_size is not an option") as e:
         estimate("tiny", batch_size=2)
     assert e.value.option == "batch_size"
+
+
+# --------------------------------------------------------------------------------------
+# precision, sharding and framework are registries: no string test over their names
+# --------------------------------------------------------------------------------------
+#: the option fields whose values are registry names
+REGISTRY_FIELDS = {"precision", "zero_impl", "framework"}
+#: where those names may be tested: the registries themselves
+REGISTRY_MODULES = {
+    "trainmem/precisions.py",
+    "trainmem/sharding.py",
+    "trainmem/frameworks.py",
+}
+
+
+def _strings(node):
+    """The string constants of ``node`` (a constant or a tuple/list/set of them),
+    ``None`` when it is something else."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        found = [_strings(e) for e in node.elts]
+        return None if None in found else set().union(*found)
+    return None
+
+
+def _names_a_field(node) -> bool:
+    """``step.precision``, ``precision`` or ``c["precision"]`` (any of the fields)."""
+    if isinstance(node, ast.Attribute):
+        return node.attr in REGISTRY_FIELDS
+    if isinstance(node, ast.Name):
+        return node.id in REGISTRY_FIELDS
+    if isinstance(node, ast.Subscript):
+        return _strings(node.slice) is not None and bool(
+            _strings(node.slice) & REGISTRY_FIELDS
+        )
+    return False
+
+
+def registry_name_tests(source: str) -> list[int]:
+    """Lines that test a precision, sharding or framework name: a comparison of one
+    of :data:`REGISTRY_FIELDS` with strings (``step.precision == "bf16"``,
+    ``framework in ("hf", "litgpt")``), or its ``startswith``/``endswith``."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(_names_a_field(o) for o in operands) and any(
+                _strings(o) for o in operands
+            ):
+                lines.append(node.lineno)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("startswith", "endswith")
+            and _names_a_field(node.func.value)
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_registry_name_counter_finds_string_tests():
+    src = (
+        'a = step.precision == "bf16"\n'
+        'b = framework in ("hf", "litgpt")\n'
+        'c = cond["precision"].startswith("bf16")\n'
+        'd = step.zero_impl != "deepspeed"\n'
+        "e = entry.autocast is not None\n"
+        'f = lib == "litgpt"\n'
+    )
+    assert registry_name_tests(src) == [1, 2, 3, 4]
+
+
+def test_no_string_test_over_registry_names_outside_the_registries():
+    found = {}
+    for package in ("trainmem", "coursekit"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel in REGISTRY_MODULES or rel.startswith("coursekit/grading/"):
+                continue
+            lines = registry_name_tests(path.read_text(encoding="utf-8"))
+            if lines:
+                found[rel] = lines
+    assert found == {}, (
+        "precision/zero_impl/framework names tested outside their registries "
+        "(trainmem/precisions.py, sharding.py, frameworks.py): read the entry's "
+        f"attributes instead: {found}"
+    )

@@ -184,10 +184,12 @@ def test_ddp_keeps_a_second_copy_of_the_gradients():
 def _step_events(**kw):
     from trainmem.config import StepConfig
     from trainmem.estimate import model_shape
+    from trainmem.decisions import decide
     from trainmem.memory.step import simulate_step
 
     step = StepConfig(batch=1, seq=8, **kw)
-    return simulate_step(model_shape("tiny"), step, record_events=True)["events"]
+    shape = model_shape("tiny")
+    return simulate_step(shape, decide(shape, step), record_events=True)["events"]
 
 
 def _tiny_layer():
@@ -563,6 +565,8 @@ def test_deepspeed_keeps_layers_within_the_reuse_distance():
     benchmarks/deepspeed_cpu_check.py."""
     from trainmem.config import StepConfig
     from trainmem.estimate import model_shape
+    from trainmem.decisions import decide
+    from trainmem.memory import shard_plan as plan
     from trainmem.memory import step as st
 
     sizes = _hf_auto(64)
@@ -599,7 +603,7 @@ def test_deepspeed_keeps_layers_within_the_reuse_distance():
         seen["extra"] = original(*args)
         return seen["extra"]
 
-    original, st._deepspeed_kept = st._deepspeed_kept, spy
+    original, plan._deepspeed_kept = plan._deepspeed_kept, spy
     try:
         step = StepConfig(
             method="qlora",
@@ -612,7 +616,8 @@ def test_deepspeed_keeps_layers_within_the_reuse_distance():
             zero_impl="deepspeed",
             kbit_prepare="none",
         )
-        st.simulate_step(model_shape("llama2-70b"), step)
+        shape = model_shape("llama2-70b")
+        st.simulate_step(shape, decide(shape, step))
     finally:
-        st._deepspeed_kept = original
+        plan._deepspeed_kept = original
     assert seen["extra"] == 0

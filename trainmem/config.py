@@ -28,15 +28,22 @@ from .errors import read_json_object as read_json_object
 from .families import Shape as Shape
 from .families import load_model_config as load_model_config
 from .families import model_shape as model_shape
+from .frameworks import FRAMEWORKS as _FRAMEWORKS
+from .frameworks import framework as framework_entry
 
 # the six byte categories every result uses (re-exported)
 from .memory.accounting import CATEGORIES as CATEGORIES
 from .optimizers import IMPLS
 from .optimizers import OPTIMIZERS as _OPTIMIZERS
 from .optimizers import optimizer as optimizer_entry
+from .precisions import PRECISIONS as _PRECISIONS
+from .precisions import precision as precision_entry
+from .sharding import SHARDINGS as _SHARDINGS
+from .sharding import sharding as sharding_entry
 
 METHODS = ("full", "lora", "qlora")
-PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16")
+#: the precision names (:data:`trainmem.precisions.PRECISIONS`, one entry each)
+PRECISIONS = tuple(_PRECISIONS)
 #: the optimizer names (:data:`trainmem.optimizers.OPTIMIZERS`, one entry each)
 OPTIMIZERS = tuple(_OPTIMIZERS)
 ATTN_IMPLS = ("sdpa", "eager", "flash", "math")
@@ -49,16 +56,13 @@ OPTIMIZER_IMPLS = IMPLS
 LORA_DTYPES = (None, *FLOAT_DTYPES)
 ZERO_STAGES = (0, 1, 2, 3)
 #: who shards the model at ``zero`` >= 2 (torch FSDP, or DeepSpeed ZeRO)
-ZERO_IMPLS = ("fsdp", "deepspeed")
+ZERO_IMPLS = tuple(_SHARDINGS)
 USE_CACHE = (None, "on", "off")
 KBIT_PREPARE = ("peft", "none")
 KERNELS = ("cuda", "cpu")
 #: whose training step is modelled: Hugging Face (transformers + peft + Trainer's
 #: loop) or LitGPT (its own GPT module, LoRA layers and finetune loop)
-FRAMEWORKS = ("hf", "litgpt")
-#: LitGPT's LoRA switches by the module names the targets use (litgpt/lora.py Config:
-#: lora_query, lora_key, lora_value, lora_projection, lora_mlp, lora_head)
-LITGPT_MLP = ("gate_proj", "up_proj", "down_proj")
+FRAMEWORKS = tuple(_FRAMEWORKS)
 
 
 def split_targets(lora_targets) -> tuple[str, ...]:
@@ -137,6 +141,15 @@ class StepConfig:
     )
     lora_dtype: str | None = _option(
         None, "adapter dtype; default: peft's (fp32 adapters)", choices=FLOAT_DTYPES
+    )
+    load_dtype: str | None = _option(
+        None,
+        "the dtype the weights are loaded in (from_pretrained's dtype), independent "
+        "of autocast: bf16 with --precision bf16-amp is a 16-bit base loaded from a "
+        "16-bit checkpoint, autocast bf16, fp32 adapters (Trainer(bf16=True) on "
+        "transformers 5); default: the precision's (fp32 under autocast, bf16 for "
+        "pure bf16)",
+        choices=FLOAT_DTYPES,
     )
     qlora_double_quant: bool = _option(
         True,
@@ -266,12 +279,13 @@ class StepConfig:
     def __post_init__(self):
         object.__setattr__(self, "lora_targets", split_targets(self.lora_targets))
         check_choice("method", self.method, METHODS)
-        check_choice("precision", self.precision, PRECISIONS)
+        precision_entry(self.precision)
         spec = optimizer_entry(self.optimizer)
         if self.optimizer_impl is None:
             object.__setattr__(self, "optimizer_impl", spec.default_impl)
         check_choice("attn", self.attn, ATTN_IMPLS)
         check_choice("lora_dtype", self.lora_dtype, LORA_DTYPES)
+        check_choice("load_dtype", self.load_dtype, LORA_DTYPES)
         check_choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         spec.impl(self.optimizer_impl)
         check_positive_int("batch", self.batch)
@@ -285,23 +299,25 @@ class StepConfig:
         check_choice("kbit_prepare", self.kbit_prepare, KBIT_PREPARE)
         check_choice("kernels", self.kernels, KERNELS)
         check_choice("framework", self.framework, FRAMEWORKS)
-        if self.zero_impl == "deepspeed" and self.zero not in (2, 3):
+        shard, frame = sharding_entry(self.zero_impl), framework_entry(self.framework)
+        if self.zero not in shard.stages:
+            stages = " and ".join(str(s) for s in shard.stages)
             raise OptionError(
                 "zero_impl",
-                f"zero_impl 'deepspeed' is modelled for ZeRO stages 2 and 3, got zero="
-                f"{self.zero} (stage 1 with bf16 runs DeepSpeed's BF16_Optimizer, "
-                "whose whole-model fp32 gradient buffers are not modelled)",
+                f"zero_impl {shard.name!r} is modelled for ZeRO stages {stages}, got "
+                f"zero={self.zero} {shard.stages_refused}",
             )
-        if self.zero_impl == "deepspeed" and self.framework != "hf":
+        if shard.frameworks and self.framework not in shard.frameworks:
             raise OptionError(
                 "zero_impl",
-                "zero_impl 'deepspeed' is modelled for the hf framework (LitGPT "
-                "shards with FSDP through Fabric)",
+                f"zero_impl {shard.name!r} is modelled for the "
+                f"{', '.join(shard.frameworks)} framework {shard.frameworks_refused}",
             )
-        if self.deepspeed_sizes != "defaults" and self.zero_impl != "deepspeed":
+        if self.deepspeed_sizes != "defaults" and not shard.sizes:
+            with_sizes = [s.name for s in _SHARDINGS.values() if s.sizes]
             raise OptionError(
                 "deepspeed_sizes",
-                "deepspeed_sizes applies to zero_impl 'deepspeed' only",
+                f"deepspeed_sizes applies to zero_impl {with_sizes[0]!r} only",
             )
         if self.previous_seq is not None:
             p = self.previous_seq
@@ -310,24 +326,16 @@ class StepConfig:
                     "previous_seq",
                     f"previous_seq must be an integer >= 0, got {p!r}",
                 )
-            if self.framework != "litgpt":
+            if not frame.previous_seq:
+                keeps = [f.name for f in _FRAMEWORKS.values() if f.previous_seq]
                 raise OptionError(
                     "previous_seq",
-                    "previous_seq is a litgpt option (its loop keeps the previous "
-                    "micro-batch's logits); the hf replay drops them",
+                    f"previous_seq is a {'/'.join(keeps)} option (its loop keeps the "
+                    f"previous micro-batch's logits); the {frame.name} replay drops "
+                    "them",
                 )
-        if self.framework == "litgpt" and self.attn == "eager":
-            raise OptionError(
-                "attn",
-                "attn 'eager' is not a LitGPT option: its CausalSelfAttention always "
-                "calls F.scaled_dot_product_attention (allowed: sdpa, flash)",
-            )
-        if self.framework == "litgpt" and self.attn == "math":
-            raise OptionError(
-                "attn",
-                "attn 'math' is modelled for the hf framework only (LitGPT's replay "
-                "has the fused SDPA kernels: sdpa, flash)",
-            )
+        if self.attn in frame.attn_refused:
+            raise OptionError("attn", frame.attn_refused[self.attn])
         check_choice(
             "checkpointing_mode",
             self.checkpointing_mode,
@@ -341,6 +349,29 @@ class StepConfig:
         from .versions import parse_versions
 
         parse_versions(self.versions)  # raises OptionError for a bad entry
+
+    def record(self, names, **given) -> dict[str, Any]:
+        """The options ``names``, in that order, as a result reports them
+        (``.options`` of an estimate or a measurement): ``lora_targets`` as a list,
+        ``use_cache`` as ``"on"``/``"off"`` (:attr:`cache_on`), ``versions`` as the
+        text of every library's version; ``given`` supplies names that are not
+        fields (``model``, ``device``) or overrides one (``attn``)."""
+        from .versions import version_text
+
+        forms = {
+            "lora_targets": lambda v: list(v),
+            "use_cache": lambda v: "on" if self.cache_on else "off",
+            "versions": lambda v: {
+                k: version_text(k, t) for k, t in self.library_versions.items()
+            },
+        }
+        out = {}
+        for name in names:
+            if name in given:
+                out[name] = given[name]
+            else:
+                out[name] = forms.get(name, lambda v: v)(getattr(self, name))
+        return out
 
     @property
     def library_versions(self) -> dict:
@@ -371,18 +402,20 @@ class StepConfig:
     def check_model(self, shape: Shape) -> None:
         """Check the LoRA targets and rank against the Linear layers of ``shape``
         (and that the framework models the model's family)."""
-        if self.zero_impl == "deepspeed" and shape.family.replay != "llama":
+        shard, frame = sharding_entry(self.zero_impl), framework_entry(self.framework)
+        if shard.replayed_only and shape.family.replay is None:
             raise OptionError(
                 "zero_impl",
-                "zero_impl 'deepspeed' is modelled for the replayed Llama-family "
+                f"zero_impl {shard.name!r} is modelled for the replayed Llama-family "
                 f"decoders, got {shape.arch}",
             )
-        if self.framework == "litgpt" and shape.family.replay != "llama":
+        if frame.families and shape.family.replay not in frame.families:
             raise OptionError(
                 "framework",
-                f"framework 'litgpt' models Llama-family decoders, got {shape.arch}",
+                f"framework {frame.name!r} models Llama-family decoders, got "
+                f"{shape.arch}",
             )
-        if self.framework == "litgpt" and shape.kv_heads == 1 < shape.heads:
+        if frame.mqa_by_version and shape.kv_heads == 1 < shape.heads:
             from .versions import litgpt_mqa_expanded
 
             if not litgpt_mqa_expanded(self.library_versions):
@@ -396,17 +429,18 @@ class StepConfig:
         if not self.uses_lora:
             return
         shapes = dict(shape.linear_shapes())
-        if self.framework == "litgpt":
+        if frame.lora_head:
             # LitGPT's lora_head adapts the output head too
             shapes["lm_head"] = (shape.hidden, shape.vocab)
-            mlp = [t for t in LITGPT_MLP if t in self.lora_targets]
-            if mlp and len(mlp) != len(LITGPT_MLP):
-                raise OptionError(
-                    "lora_targets",
-                    "lora_targets: LitGPT's lora_mlp adapts fc_1, fc_2 and proj "
-                    f"together: name all of {', '.join(LITGPT_MLP)} or none, got "
-                    f"{', '.join(mlp)}",
-                )
+        together = frame.lora_together
+        mlp = [t for t in together if t in self.lora_targets]
+        if mlp and len(mlp) != len(together):
+            raise OptionError(
+                "lora_targets",
+                "lora_targets: LitGPT's lora_mlp adapts fc_1, fc_2 and proj "
+                f"together: name all of {', '.join(together)} or none, got "
+                f"{', '.join(mlp)}",
+            )
         if not self.lora_targets:
             raise OptionError(
                 "lora_targets",

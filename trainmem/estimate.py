@@ -44,6 +44,12 @@ grad_accum, optimizer_impl)``:
   forward).
 * ``lora_rank`` (r), ``lora_alpha``, ``lora_targets`` (module names), ``lora_dtype``
   (``None`` = peft's default: fp32 adapters), ``qlora_double_quant``.
+* ``load_dtype``: the dtype the weights are loaded in, independent of autocast
+  (``None``: the precision's, fp32 under ``*-amp``). ``precision="bf16-amp",
+  load_dtype="bf16"`` is ``Trainer(bf16=True)`` over a bf16 checkpoint loaded by
+  transformers 5's ``from_pretrained`` (``dtype="auto"``): the 16-bit base held once
+  (autocast casts only fp32 tensors), a 16-bit residual stream, peft's fp32 adapters.
+  :func:`estimate_from_hf` derives it (:func:`trainmem.from_hf.load_dtype`).
 * ``checkpointing``: non-reentrant activation checkpointing of every decoder layer.
 * ``attn``: ``"sdpa"`` (also ``"flash"``: the same memory) | ``"eager"`` (materialises
   the ``b x heads x s x s`` scores) | ``"math"`` (SDPA's math path: fp32 copies of q,
@@ -148,10 +154,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import os
-from dataclasses import dataclass, field
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from .config import (
     ATTN_IMPLS,
@@ -164,17 +169,32 @@ from .config import (
     OptionError,
     Shape,
     StepConfig,
-    check_choice,
     load_model_config,
-    optimizer_entry,
     model_shape,
     split_targets,
     step_signature,
 )
-from .dtypes import GB, GiB, nf4_bytes_per_weight
-from .families import FAMILIES, lora_adapter_params
-from .from_hf import ALL_LINEAR, HF_OPTIMS, hf_field_error, hf_options
-from .versions import version_text
+from .closed_form import (
+    _gpt2_estimate,
+    _trainable,
+    accelerate_rule_bytes,
+    bytes_per_param,
+    count_params,
+    lora_trainable_params,
+)
+from .decisions import Decisions, decide
+from .dtypes import GB, GiB
+from .families import FAMILIES
+from .gpu_notes import _gpu_notes as _gpu_notes
+from .result import MemoryEstimate, format_table
+from .from_hf import (
+    ALL_LINEAR,
+    HF_OPTIMS,
+    hf_field_error,
+    hf_options,
+    load_dtype_reason,
+)
+from .versions import parse_versions
 
 __all__ = [
     "ATTN_IMPLS",
@@ -209,323 +229,46 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------
-# parameter counts and bytes per parameter
+# the estimate (parameter counts and the closed forms: trainmem.closed_form; the result
+# and its table: trainmem.result; the card's notes: trainmem.gpu_notes)
 # --------------------------------------------------------------------------------------
-def count_params(model: Any) -> int:
-    """Number of parameters of the base model (no adapters), exactly as ``transformers``
-    builds it."""
-    shape = model_shape(model)
-    return shape.family.count_params(shape)
-
-
-def lora_trainable_params(
-    model: Any, rank: int = 8, targets: Iterable[str] = ("q_proj", "v_proj")
-) -> int:
-    """Trainable LoRA parameters: ``rank * (d_in + d_out)`` per targeted Linear, in
-    every layer."""
-    shape = model_shape(model)
-    step = StepConfig(
-        method="lora", precision="fp32", lora_rank=rank, lora_targets=targets
-    )
-    step.check_model(shape)
-    linears = shape.linear_shapes()
-    return shape.layers * sum(
-        lora_adapter_params(*linears[t], rank) for t in step.lora_targets
-    )
-
-
-def _trainable(shape: Shape, step: StepConfig) -> int:
-    """Trainable parameters of the step; LitGPT's ``lora_head`` adapts ``lm_head``
-    once (LitGPT's fused ``LoRAQKVLinear`` holds exactly the q/k/v adapters' count:
-    A ``r·n × d`` and B ``(q + k + v widths) × r``)."""
-    if step.method == "full":
-        return count_params(shape)
-    targets = tuple(t for t in step.lora_targets if t != "lm_head")
-    n = lora_trainable_params(shape, step.lora_rank, targets) if targets else 0
-    if "lm_head" in step.lora_targets:
-        n += lora_adapter_params(shape.hidden, shape.vocab, step.lora_rank)
-    return n
-
-
-def bytes_per_param(
-    precision: str = "bf16-amp", optimizer: str = "adamw", convention: str = "torch-amp"
-) -> float:
-    """Bytes of model state per *trainable* parameter (no activations).
-
-    ``convention``:
-
-    * ``"torch-amp"`` — what PyTorch actually holds: fp32 parameters (master) 4 + fp32
-      grads 4 + optimizer states, plus 2 for the low-precision weight copies autocast
-      keeps for backward under ``fp16-amp``/``bf16-amp``: AdamW → 4 + 2 + 4 + 8 = **18**
-      (Hugging Face's count); fp32 → 4 + 4 + 8 = 16; pure ``bf16`` → 2 + 2 + 4 = 8.
-    * ``"zero-paper"`` — the ZeRO paper's mixed-precision Adam: fp16 params 2 + fp16
-      grads 2 + fp32 master 4 + fp32 m 4 + fp32 v 4 = **16** (the transient copies are
-      not counted because the fp16 parameters *are* the working copy).
-    * ``"accelerate"`` — ``accelerate estimate-memory``: 4 x the dtype size (16 fp32, 8
-      half).
-
-    Optimizer states (``nominal_bytes`` of each :mod:`trainmem.optimizers` entry): AdamW
-    8 (two fp32 moments; 4 in pure bf16), 8-bit AdamW ≈ 2, SGD with momentum and Lion 4
-    (2 in bf16), plain SGD 0; Adafactor has no per-parameter figure."""
-    check_choice("precision", precision, PRECISIONS)
-    spec = optimizer_entry(optimizer)
-    check_choice("convention", convention, ("torch-amp", "zero-paper", "accelerate"))
-    if convention == "accelerate":
-        return 16.0 if precision == "fp32" else 8.0
-    p = 2 if precision == "bf16" else 4
-    if convention == "zero-paper" and precision in ("fp16-amp", "bf16-amp"):
-        return 2 + 2 + 4 + _nominal_state_bytes(spec, 4)
-    states = _nominal_state_bytes(spec, p)
-    if convention == "zero-paper":
-        return p + p + states
-    copy = 2 if precision in ("fp16-amp", "bf16-amp") else 0
-    return p + copy + p + states
-
-
-def _nominal_state_bytes(spec, itemsize: int) -> float:
-    """State bytes per parameter of ``spec`` (an optimizer entry) for the closed forms;
-    an optimizer whose states depend on each tensor's shape has none."""
-    if spec.nominal_bytes is None:
-        raise OptionError(
-            "optimizer",
-            f"optimizer {spec.name!r} keeps states whose size depends on each "
-            "parameter's shape: no bytes-per-parameter figure (the Llama replay "
-            "counts them)",
-        )
-    return spec.nominal_bytes(itemsize)
-
-
-def accelerate_rule_bytes(n_params: int, precision: str) -> int:
-    """``accelerate estimate-memory``'s training figure: 16 B/param (fp32) or 8 B/param
-    (half / mixed precision), Adam, no activations. Implemented here for comparison
-    (bytes)."""
-    return int(n_params * bytes_per_param(precision, "adamw", convention="accelerate"))
-
-
-# --------------------------------------------------------------------------------------
-# the estimate
-# --------------------------------------------------------------------------------------
-@dataclass
-class MemoryEstimate:
-    """Peak memory of one training step (all sizes in bytes, per GPU)."""
-
-    total_bytes: int
-    breakdown: dict[str, int]
-    activation_bytes: int
-    n_params: int
-    n_trainable: int
-    peak_phase: str
-    phase_peaks: dict[str, int]
-    exact: bool = True
-    options: dict[str, Any] = field(default_factory=dict)
-    #: weights + gradients + optimizer states + master weights held per GPU when the
-    #: optimizer step starts (bytes; not in ``to_dict``). Unlike ``breakdown`` (taken at
-    #: the peak, which may fall in backward before every gradient exists) this is the
-    #: resident model state that :func:`trainmem.zero.per_gpu_memory` counts.
-    model_state_bytes: int = 0
-    #: with ``gpu``: trainmem.gpus.device_report's numbers (reserved_bytes,
-    #: device_bytes, fits, headroom_bytes, ...) and the step's memory timeline
-    device: dict[str, Any] | None = None
-    #: with ``timeline=True``: bytes by category sampled over the step's allocation
-    #: events (about 200 points: ``event``, ``phase``, ``reserved`` and the categories)
-    timeline: list[dict[str, Any]] | None = None
-
-    @property
-    def reserved_bytes(self) -> int | None:
-        return None if self.device is None else self.device["reserved_bytes"]
-
-    @property
-    def device_bytes(self) -> int | None:
-        return None if self.device is None else self.device["device_bytes"]
-
-    @property
-    def fits(self) -> bool | None:
-        return None if self.device is None else self.device["fits"]
-
-    def to_dict(self) -> dict[str, Any]:
-        out = self._base_dict()
-        if self.device is not None:
-            out.update(self.device)
-        if self.timeline is not None:
-            out["timeline"] = self.timeline
-        return out
-
-    def _base_dict(self) -> dict[str, Any]:
-        return {
-            "total_bytes": int(self.total_bytes),
-            "breakdown": {k: int(self.breakdown[k]) for k in CATEGORIES},
-            "activation_bytes": int(self.activation_bytes),
-            "n_params": int(self.n_params),
-            "n_trainable": int(self.n_trainable),
-            "peak_phase": self.peak_phase,
-            "phase_peaks": {k: int(v) for k, v in self.phase_peaks.items()},
-            "exact": self.exact,
-            "options": self.options,
-        }
-
-    def to_json(self, **kw) -> str:
-        return json.dumps(self.to_dict(), **kw)
-
-    @property
-    def total_gib(self) -> float:
-        return self.total_bytes / GiB
-
-    def table(self) -> str:
-        title = f"estimated peak (peak in {self.peak_phase})"
-        extra = {"activations at end of forward": self.activation_bytes}
-        if self.device is not None:
-            d = self.device
-            extra["reserved (max_memory_reserved)"] = d["reserved_bytes"]
-            extra["+ CUDA context"] = d["context_bytes"]
-            if d["nccl_bytes"]:
-                comms, channels = d["nccl_communicators"], d["nccl_channels"]
-                extra[f"+ NCCL ({comms} comm x {channels} channels)"] = d["nccl_bytes"]
-            extra["device (nvidia-smi, lower bound)"] = d["device_bytes"]
-            extra[f"{d['gpu']} memory"] = d["capacity_bytes"]
-        text = format_table(
-            title,
-            self.breakdown,
-            self.total_bytes,
-            extra,
-            params=(self.n_params, self.n_trainable),
-        )
-        if self.device is not None:
-            d = self.device
-            verdict = "fits" if d["fits"] else "does NOT fit"
-            text += (
-                f"\n{d['gpu']}: {verdict}; headroom {d['headroom_bytes'] / GiB:.2f} GiB"
-            )
-            text += "".join(f"\nnote: {n['message']}" for n in d.get("notes", ()))
-        return text
-
-
-def format_table(
-    title: str,
-    rows: dict[str, int],
-    total: int,
-    extra: dict[str, int] | None = None,
-    params: tuple[int, int] | None = None,
-) -> str:
-    """A plain-text table of byte counts in GiB (2**30) and GB (10**9)."""
-    lines = [title, f"{'term':<32}{'GiB':>12}{'GB':>12}{'bytes':>18}"]
-    for k in CATEGORIES:
-        v = int(rows.get(k, 0))
-        lines.append(f"{k:<32}{v / GiB:>12.3f}{v / GB:>12.3f}{v:>18,}")
-    lines.append(
-        f"{'total (peak)':<32}{total / GiB:>12.3f}{total / GB:>12.3f}{int(total):>18,}"
-    )
-    for k, v in (extra or {}).items():
-        lines.append(f"{k:<32}{v / GiB:>12.3f}{v / GB:>12.3f}{int(v):>18,}")
-    if params:
-        lines.append(f"parameters: {params[0]:,} total, {params[1]:,} trainable")
-    return "\n".join(lines)
-
-
-def _qlora_weights(shape: Shape, step: StepConfig) -> int:
-    """Bytes of a QLoRA base model in the closed form: the decoder blocks' Linear
-    weights in NF4 (:func:`trainmem.dtypes.nf4_bytes_per_weight`, with or without
-    double quantisation), everything else (embeddings, biases, norms) in 16 bit — the
-    layout the replay holds."""
-    n_linear = shape.layers * sum(i * o for i, o in shape.linear_shapes().values())
-    nf4 = nf4_bytes_per_weight(step.qlora_double_quant)
-    return int(n_linear * nf4) + 2 * (count_params(shape) - n_linear)
-
-
-def _gpt2_estimate(shape: Shape, step: StepConfig) -> dict:
-    """Closed-form estimate (not replayed): model states exact, activations after
-    Korthikanti et al. 2022 (34·s·b·h + 5·a·s²·b bytes per layer in 16-bit, the s² term
-    only for eager)."""
-    method, precision, optimizer = step.method, step.precision, step.optimizer
-    n_params = count_params(shape)
-    param_bytes = 2 if precision == "bf16" else 4
-    amp = precision in ("fp16-amp", "bf16-amp")
-    if method == "full":
-        n_trainable = n_params
-    else:
-        n_trainable = lora_trainable_params(shape, step.lora_rank, step.lora_targets)
-    lora_bytes = 4 if (step.lora_dtype in (None, "fp32")) else 2
-    trainable_bytes = param_bytes if method == "full" else lora_bytes
-    qlora = method == "qlora"
-    weights = _qlora_weights(shape, step) if qlora else n_params * param_bytes
-    master = n_trainable * 4 if amp and method == "full" else 0
-    if amp and method == "full":
-        weights = 2 * n_params  # low-precision working copies
-    grads = n_trainable * trainable_bytes
-    spec = optimizer_entry(optimizer)
-    states = int(n_trainable * _nominal_state_bytes(spec, trainable_bytes))
-    if amp and step.zero >= 1:  # ZeRO/DeepSpeed: 16-bit module, fp32 master + states
-        weights = _qlora_weights(shape, step) if qlora else 2 * n_params
-        grads, master = 2 * n_trainable, 4 * n_trainable
-        states = int(n_trainable * _nominal_state_bytes(spec, 4))
-    act_scale = 1.0 if precision != "fp32" else 2.0
-    batch, seq, hidden, heads = step.batch, step.seq, shape.hidden, shape.heads
-    eager = step.attn_memory == "eager"
-    per_layer = 34 * seq * batch * hidden + (
-        5 * heads * seq * seq * batch if eager else 0
-    )
-    per_layer = int(per_layer * act_scale / 2) * 2
-    if step.checkpointing:
-        acts = shape.layers * seq * batch * hidden * 2 * act_scale + per_layer
-    else:
-        acts = shape.layers * per_layer
-    acts += batch * seq * shape.vocab * 4 * 2
-    temps = batch * seq * shape.vocab * 4
-    gpus = step.gpus
-    if step.zero >= 1:
-        states //= gpus
-        master //= gpus
-    if step.zero >= 2:
-        grads //= gpus
-    if step.zero >= 3:
-        weights //= gpus
-    breakdown = {
-        "weights": int(weights),
-        "gradients": int(grads),
-        "optimizer_states": int(states),
-        "master_weights": int(master),
-        "activations": int(acts),
-        "temporaries": int(temps),
-    }
-    return {
-        "peak": sum(breakdown.values()),
-        "breakdown": breakdown,
-        "activations": int(acts),
-        "model_states": int(weights + grads + states + master),
-        "phase_peaks": {"backward": sum(breakdown.values())},
-        "n_params": n_params,
-        "n_trainable": n_trainable,
-    }
 
 
 def _options_record(shape: Shape, step: StepConfig) -> dict[str, Any]:
     """The options of an estimate as its result reports them (``.options``)."""
-    return dict(
-        model=shape.name,
-        method=step.method,
-        precision=step.precision,
-        optimizer=step.optimizer,
-        batch=step.batch,
-        seq=step.seq,
-        lora_rank=step.lora_rank,
-        lora_alpha=step.lora_alpha,
-        lora_targets=list(step.lora_targets),
-        lora_dtype=step.lora_dtype,
-        qlora_double_quant=step.qlora_double_quant,
-        checkpointing=step.checkpointing,
-        attn=step.attn_memory,
-        zero=step.zero,
-        gpus=step.gpus,
-        zero_impl=step.zero_impl,
-        deepspeed_sizes=step.deepspeed_sizes,
-        grad_accum=step.grad_accum,
-        optimizer_impl=step.optimizer_impl,
-        checkpointing_mode=step.checkpointing_mode,
-        lora_dropout=step.lora_dropout,
-        use_cache="on" if step.cache_on else "off",
-        versions={k: version_text(k, v) for k, v in step.library_versions.items()},
-        kbit_prepare=step.kbit_prepare,
-        framework=step.framework,
-    )
+    names = ESTIMATE_RECORD + (("load_dtype",) if step.load_dtype else ())
+    # load_dtype only when given, so records of the recipes' own stay as they were
+    return step.record(names, model=shape.name, attn=step.attn_memory)
+
+
+#: the options an estimate's result reports, in order (:meth:`StepConfig.record`)
+ESTIMATE_RECORD = (
+    "model",
+    "method",
+    "precision",
+    "optimizer",
+    "batch",
+    "seq",
+    "lora_rank",
+    "lora_alpha",
+    "lora_targets",
+    "lora_dtype",
+    "qlora_double_quant",
+    "checkpointing",
+    "attn",
+    "zero",
+    "gpus",
+    "zero_impl",
+    "deepspeed_sizes",
+    "grad_accum",
+    "optimizer_impl",
+    "checkpointing_mode",
+    "lora_dropout",
+    "use_cache",
+    "versions",
+    "kbit_prepare",
+    "framework",
+)
 
 
 def estimate_step(
@@ -535,11 +278,14 @@ def estimate_step(
     ``model`` (a preset name, config .json path, config or :class:`Shape`)."""
     shape = model_shape(model)
     step.check_model(shape)
-    asked = step
-    step = _on_gpu(step, gpu)
+    if gpu is not None:
+        from .gpus import get_gpu
+
+        get_gpu(gpu)  # a bad name raises OptionError("gpu") before anything else
+    d = decide(shape, step, gpu)
     n_params = count_params(shape)
-    if shape.family.replay is None:
-        result = _gpt2_estimate(shape, step)
+    if d.layout is None:
+        result = _gpt2_estimate(shape, d)
         exact = False
         n_trainable = result["n_trainable"]
     else:
@@ -549,12 +295,10 @@ def estimate_step(
 
         result = simulate_step(
             shape,
-            step,
+            d,
             record_events=gpu is not None or timeline,
             replay_as=(
-                replay_setup(
-                    gpu, step.library_versions, step.gpus, nccl_communicators(step)
-                )
+                replay_setup(gpu, d.versions, step.gpus, d.communicators)
                 if gpu
                 else None
             ),
@@ -572,71 +316,26 @@ def estimate_step(
         peak_phase,
         phase_peaks,
         exact,
-        _options_record(shape, asked),
+        _options_record(shape, step),
         int(result["model_states"]),
-        *_device(result, asked, gpu, timeline),
+        *_device(result, d, timeline),
     )
-
-
-#: compute capability from which SDPA's fused kernels take bf16 (flash: sm_80 and up;
-#: memory-efficient: fp16/fp32 below sm_80, ``less_than_sm80_mem_efficient_dtypes``
-#: in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp)
-SDPA_BF16_FROM = (8, 0)
-
-
-def _bf16_activations(step: StepConfig) -> bool:
-    return step.precision in ("bf16", "bf16-amp")
-
-
-def _sdpa_falls_back_to_math(step: StepConfig, card) -> bool:
-    """Whether ``card`` runs this step's SDPA on the math path: bf16 activations below
-    :data:`SDPA_BF16_FROM`."""
-    return (
-        step.attn == "sdpa"
-        and _bf16_activations(step)
-        and card.capability < SDPA_BF16_FROM
-    )
-
-
-def _on_gpu(step: StepConfig, gpu: str | None) -> StepConfig:
-    """The step as it runs on ``gpu``. Below compute capability 8.0 no fused SDPA
-    kernel takes bf16, so ``scaled_dot_product_attention`` dispatches to its math
-    path, which materialises the ``b x heads x s x s`` scores in fp32; the step is
-    replayed on that path (``attn="math"``). FlashAttention-2 does not run there at
-    all."""
-    if gpu is None:
-        return step
-    from .gpus import get_gpu
-
-    card = get_gpu(gpu)
-    if card.capability >= SDPA_BF16_FROM:
-        return step
-    major, minor = card.capability
-    if step.attn == "flash":
-        raise OptionError(
-            "attn",
-            f"attn 'flash' (FlashAttention-2) needs compute capability 8.0 or "
-            f"newer; {card.name} is sm_{major}{minor}: use attn 'sdpa'",
-        )
-    if _sdpa_falls_back_to_math(step, card) and step.framework == "hf":
-        return dataclasses.replace(step, attn="math")
-    return step
 
 
 def nccl_communicators(step: StepConfig) -> int:
     """The NCCL communicators a step's process holds on ``step.gpus`` > 1 GPUs: torch's
     FSDP/DDP run on the default group, DeepSpeed adds a clone of it for its optimizer
-    (:mod:`trainmem.gpus`, "Communicators")."""
-    return 2 if step.zero_impl == "deepspeed" else 1
+    (:mod:`trainmem.gpus`, "Communicators"; the sharding entry's ``communicators``)."""
+    from .sharding import sharding
+
+    return sharding(step.zero_impl).communicators
 
 
-def _device(result: dict, step: StepConfig, gpu: str | None, timeline: bool):
-    """trainmem.gpus.device_report of the replayed step on ``gpu`` (None without) and
-    the step's timeline (None unless asked for)."""
-    if gpu is not None:
-        from .gpus import get_gpu
-
-        get_gpu(gpu)  # a bad name raises OptionError("gpu") also for gpt2
+def _device(result: dict, d: Decisions, timeline: bool):
+    """trainmem.gpus.device_report of the replayed step on ``d.gpu`` (None without)
+    and the step's timeline (None unless asked for)."""
+    step = d.options
+    gpu = None if d.gpu is None else d.gpu.name
     events = result.get("events")
     if not events:
         return None, None
@@ -649,82 +348,15 @@ def _device(result: dict, step: StepConfig, gpu: str | None, timeline: bool):
     device = device_report(
         events,
         gpu,
-        step.library_versions,
+        d.versions,
         200 if timeline else 0,
         gpus=step.gpus,
         replays=result.get("replays"),
-        communicators=nccl_communicators(step),
+        communicators=d.communicators,
     )
     points = device.pop("timeline")
-    device["notes"] = _gpu_notes(step, get_gpu(gpu))
+    device["notes"] = _gpu_notes(d)
     return device, (points if timeline else None)
-
-
-def _gpu_notes(step: StepConfig, gpu) -> list[dict]:
-    """What the card changes besides memory, as ``{"code", "message"}`` (front ends
-    word them by ``code``): bf16 on a card without bf16 units runs, but emulated
-    (torch.cuda.is_bf16_supported() answers True through emulation below compute
-    capability 8.0, so Trainer(bf16=True) accepts it); bf16 SDPA there runs the
-    math path (:func:`_on_gpu`); a DeepSpeed ZeRO-3 LoRA step with non-reentrant
-    checkpointing, which DeepSpeed before its fix stops with a CheckpointError (seen on
-    CPU with 0.16.4, ``benchmarks/deepspeed_cpu_check.py``); and on more than 2
-    NVSwitch-connected sm_90+ GPUs NCCL's NVLS buffers, which the estimate leaves out
-    (:mod:`trainmem.gpus`)."""
-    notes = []
-    major, minor = gpu.capability
-    uses_bf16 = _bf16_activations(step) or step.lora_dtype == "bf16"
-    if uses_bf16 and not gpu.bf16:
-        notes.append(
-            {
-                "code": "bf16-emulated",
-                "message": f"{gpu.name} (sm_{major}{minor}) has no bf16 units: torch "
-                "emulates bf16 there and the step is slow; fp16-amp is the native "
-                "choice",
-            }
-        )
-    if _sdpa_falls_back_to_math(step, gpu):
-        replayed = step.framework == "hf"  # as _on_gpu decides
-        notes.append(
-            {
-                "code": "sdpa-math" if replayed else "sdpa-math-not-modelled",
-                "message": "no fused SDPA kernel takes bf16 below sm_80, so attention "
-                "runs SDPA's math path (fp32 scores and softmax): "
-                + (
-                    "replayed on that path"
-                    if replayed
-                    else "this estimate does not include it"
-                ),
-            }
-        )
-    if (
-        step.zero_impl == "deepspeed"
-        and step.zero >= 3
-        and step.method in ("lora", "qlora")
-        and step.checkpointing
-        and step.checkpointing_mode == "non-reentrant"
-    ):
-        notes.append(
-            {
-                "code": "deepspeed-checkpoint-error",
-                "message": "DeepSpeed ZeRO-3 with LoRA and non-reentrant checkpointing "
-                "stops in the backward with torch's CheckpointError in DeepSpeed "
-                "releases without deepspeedai/DeepSpeed#8148 (seen with 0.16.4; "
-                "huggingface/transformers#47254); gradient_checkpointing_kwargs="
-                "{'use_reentrant': True} runs (--checkpointing-mode reentrant)",
-            }
-        )
-    if gpu.nvlink and gpu.capability >= (9, 0) and step.gpus > 2:
-        notes.append(
-            {
-                "code": "nvls-not-modelled",
-                "message": "NCCL's NVLS (NVLink SHARP) buffers are not in this "
-                "estimate: on more than 2 NVSwitch-connected GPUs of compute "
-                "capability 9.0 or newer NCCL maps channels x 2 buffers per local GPU "
-                "into each GPU, for every communicator (up to gigabytes per GPU, "
-                "depending on the NCCL version); NCCL_NVLS_ENABLE=0 turns them off",
-            }
-        )
-    return notes
 
 
 def estimate(
@@ -786,10 +418,10 @@ def activation_bytes_per_layer(
         checkpointing=checkpointing,
         attn=attn,
     )
-    held = [
-        simulate_step(dataclasses.replace(shape, layers=layers), step)["activations"]
-        for layers in (2, 3)
-    ]
+    held = []
+    for layers in (2, 3):
+        deeper = dataclasses.replace(shape, layers=layers)
+        held.append(simulate_step(deeper, decide(deeper, step))["activations"])
     return held[1] - held[0]
 
 
@@ -838,6 +470,9 @@ def estimate_from_hf(
             raise
         raise renamed from None
     est.options["source"] = "hf"
+    est.options["load_dtype_reason"] = load_dtype_reason(
+        model, parse_versions(overrides.get("versions"))
+    )
     return est
 
 

@@ -155,17 +155,24 @@ def _llama_shape(get, name: str, model_type: str) -> "Shape":
     )
 
 
+#: a Llama-family decoder layer's Linear modules, in torch's module order (peft's
+#: ``target_modules="all-linear"`` for these families: lm_head is left out)
+LLAMA_LINEARS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
 def _llama_linears(s: "Shape") -> dict[str, tuple[int, int]]:
-    hidden, inner = s.hidden, s.intermediate
-    return {
-        "q_proj": (hidden, s.q_dim),
-        "k_proj": (hidden, s.kv_dim),
-        "v_proj": (hidden, s.kv_dim),
-        "o_proj": (s.q_dim, hidden),
-        "gate_proj": (hidden, inner),
-        "up_proj": (hidden, inner),
-        "down_proj": (inner, hidden),
-    }
+    hidden, inner, q, kv = s.hidden, s.intermediate, s.q_dim, s.kv_dim
+    widths = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden)]
+    widths += [(hidden, inner), (hidden, inner), (inner, hidden)]
+    return dict(zip(LLAMA_LINEARS, widths))
 
 
 def _llama_layer_params(s: "Shape") -> int:

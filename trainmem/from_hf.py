@@ -8,12 +8,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from . import deepspeed
 from .config import ATTN_IMPLS, OptionError
+from .dtypes import DTYPES, FLOAT_DTYPES
+from .families import LLAMA_LINEARS
 from .optimizers import hf_optims
-from .versions import hf_checkpointing_reentrant, hf_default_optim, parse_versions
+from .precisions import precision as precision_entry
+from .versions import (
+    hf_checkpointing_reentrant,
+    hf_default_optim,
+    hf_loads_stored_dtype,
+    parse_versions,
+    version_text,
+)
 
 #: ``TrainingArguments.optim`` -> (optimizer, optimizer_impl), from the ``hf_optims`` of
 #: every :mod:`trainmem.optimizers` entry. Trainer builds ``torch.optim.AdamW`` with
@@ -23,15 +33,7 @@ from .versions import hf_checkpointing_reentrant, hf_default_optim, parse_versio
 HF_OPTIMS = hf_optims()
 #: target_modules="all-linear": every Linear of the decoder blocks (peft leaves lm_head
 #: out)
-ALL_LINEAR = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
+ALL_LINEAR = LLAMA_LINEARS
 
 
 _HF_NAMES = {
@@ -85,7 +87,11 @@ def hf_options(
 
     Raises ``ValueError`` naming the field and the allowed values.
     """
-    opts = _training_options(training_args, seq, parse_versions(versions))
+    versions = parse_versions(versions)
+    opts = _training_options(training_args, seq, versions)
+    load = load_dtype(model, versions)
+    if load != precision_entry(opts["precision"]).params:
+        opts["load_dtype"] = load
     attn = hf_field(model, "_attn_implementation", None) or hf_field(
         model, "attn_implementation", None
     )
@@ -113,6 +119,56 @@ def hf_options(
             "of 4-bit weights is not possible",
         )
     return opts
+
+
+def config_dtype(model: Any) -> str | None:
+    """The dtype a model config says its checkpoint is stored in: ``dtype``
+    (transformers 5's name) or ``torch_dtype`` (4.x configs), as a
+    :data:`trainmem.dtypes.DTYPES` name (``"bfloat16"`` and ``torch.bfloat16`` ->
+    ``"bf16"``); ``None`` when neither is set or ``"auto"``."""
+    value = hf_field(model, "dtype", None)
+    if value is None:
+        value = hf_field(model, "torch_dtype", None)
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.")
+    for d in DTYPES.values():
+        if d.torch == name and d.name in FLOAT_DTYPES:
+            return d.name
+    if name == "auto":
+        return None
+    raise OptionError(
+        "model",
+        f"model config: dtype must be one of "
+        f"{', '.join(DTYPES[d].torch for d in FLOAT_DTYPES)}, got {value!r}",
+    )
+
+
+def load_dtype_reason(model: Any, versions: dict) -> str:
+    """Why :func:`load_dtype` answers what it does, in one sentence."""
+    stored = config_dtype(model)
+    t = version_text("transformers", versions["transformers"])
+    if hf_loads_stored_dtype(versions):
+        rule = f"transformers {t} loads the stored dtype (dtype='auto', from 5.0)"
+        if stored:
+            return f"weights loaded in {stored}: {rule}, the config's dtype"
+        return f"weights loaded in fp32: {rule} and the config names none"
+    said = f" although the config stores {stored}" if stored else ""
+    return (
+        f"weights loaded in fp32: transformers {t} loads fp32 unless dtype/"
+        f"torch_dtype is passed (before 5.0){said}"
+    )
+
+
+def load_dtype(model: Any, versions: dict) -> str:
+    """The dtype ``from_pretrained(path)`` without ``dtype`` loads the model in, for
+    the transformers of ``versions``: from 5.0 the stored dtype (the config's,
+    :func:`config_dtype`; a config without one: fp32 assumed), before 5.0 fp32
+    (:func:`trainmem.versions.hf_loads_stored_dtype`)."""
+    stored = config_dtype(model)
+    if stored and hf_loads_stored_dtype(versions):
+        return stored
+    return "fp32"
 
 
 def _training_options(
@@ -303,3 +359,92 @@ def hf_field_error(e: OptionError, overrides) -> OptionError:
         rest = str(e)[len(e.option) :] if str(e).startswith(e.option) else f": {e}"
         return OptionError(source, f"{source} {field_name}{rest}")
     return e
+
+
+# --------------------------------------------------------------------------------------
+# a published run's conditions -> options
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunFramework:
+    """How the estimator replays a run of one framework a published source names:
+    the :mod:`trainmem.frameworks` entry it runs as, whether its recipes train
+    bf16-true (parameters in bf16, no autocast), its LoRA adapters' dtype (``None``:
+    peft's fp32 unless ``autocast_adapter_dtype=False``; LitGPT's follow the bf16-true
+    module) and QLoRA's k-bit preparation when the run does not say (LitGPT quantizes
+    through Fabric's BitsandbytesPrecision, without peft's
+    ``prepare_model_for_kbit_training``: the rest of the model stays bf16)."""
+
+    framework: str
+    bf16_true: bool
+    lora_dtype: str | None
+    kbit_prepare: str
+    #: the run's ``optimizer`` condition names bitsandbytes' paged AdamW
+    reads_optimizer: bool = False
+
+
+RUN_FRAMEWORKS = {
+    "hf": RunFramework("hf", False, None, "peft"),
+    "litgpt": RunFramework("litgpt", True, "bf16", "none", reads_optimizer=True),
+    "torchtune": RunFramework("hf", True, None, "none"),
+}
+#: the first word of a run's ``precision`` condition -> the estimator's precision.
+#: Trainer's bf16=True under FSDP/DeepSpeed is ``bf16-amp`` (16-bit compute copies,
+#: fp32 master weights: the estimator's ZeRO layout); bf16-true / a model loaded in
+#: bf16 without autocast is pure ``bf16``
+RUN_PRECISIONS = {"bf16-amp": "bf16-amp", "bf16": "bf16", "bf16-true": "bf16"}
+
+
+def run_options(conditions: dict, devices: int = 1) -> dict[str, Any]:
+    """The estimator's options for one published run on ``devices`` GPUs, each read
+    from a condition the source states (``coursekit/data/published_gpu.json``'s
+    ``conditions``)."""
+    c = conditions
+    run = RUN_FRAMEWORKS[c["framework"]]
+    opts: dict = {
+        "method": c["method"],
+        "batch": c["micro_batch"],
+        "seq": c["seq"] or c["seq_bound"],
+        "checkpointing": bool(c.get("checkpointing")),
+        "grad_accum": c.get("grad_accum") or 1,
+        "attn": "sdpa",
+        "optimizer": "adamw",
+        "optimizer_impl": "foreach",  # torch.optim.AdamW(params) on CUDA
+    }
+    precision = RUN_PRECISIONS.get(c["precision"].split()[0])
+    if precision is None and run.bf16_true:
+        precision = RUN_PRECISIONS["bf16-true"]
+    if precision:
+        opts["precision"] = precision
+    if c.get("global_batch"):
+        # the run's gradient accumulation (LitGPT: global_batch_size // (micro_batch
+        # * devices)); the gradients stay allocated through the next forward
+        opts["grad_accum"] = max(1, c["global_batch"] // (c["micro_batch"] * devices))
+    if c["method"] != "full":
+        opts["lora_rank"] = c["lora_r"]
+        opts["lora_alpha"] = c.get("lora_alpha") or 2 * c["lora_r"]
+        targets = c["lora_targets"]
+        opts["lora_targets"] = tuple(ALL_LINEAR if targets == "all-linear" else targets)
+        if c.get("lora_head"):
+            opts["lora_targets"] += ("lm_head",)  # LitGPT's lora_head
+        opts["lora_dtype"] = run.lora_dtype
+        opts["lora_dropout"] = c.get("lora_dropout") or 0.0
+    if c.get("quantize"):
+        opts["qlora_double_quant"] = c["quantize"].endswith("-dq")
+        opts["kbit_prepare"] = c.get("kbit_prepare") or run.kbit_prepare
+    if c.get("checkpointing") == "reentrant":
+        opts["checkpointing_mode"] = "reentrant"
+    if devices > 1 and (c["method"] == "full" or c.get("zero")):
+        # FSDP full sharding
+        opts["zero"], opts["gpus"] = c.get("zero") or 3, devices
+        if c.get("zero_impl"):
+            opts["zero_impl"] = c["zero_impl"]
+            if c.get("deepspeed_sizes"):
+                opts["deepspeed_sizes"] = c["deepspeed_sizes"]
+    opts["framework"] = run.framework
+    if run.reads_optimizer and c.get("optimizer", "").startswith(
+        "bnb.optim.PagedAdamW"
+    ):
+        opts["optimizer"] = "paged_adamw"
+    if c.get("versions"):
+        opts["versions"] = c["versions"]
+    return opts

@@ -96,9 +96,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .dtypes import MiB
 from .errors import OptionError
 
-MiB = 1 << 20
 
 #: CUDA context bytes by source (see the module docstring)
 CONTEXT_LAZY = 287_047_680 - 20 * MiB  # pytorch/pytorch#86509, lazy loading
@@ -122,14 +122,26 @@ NCCL_MIN_RING_CHANNELS = 2
 NCCL_NVLINK_CHANNELS = 24
 
 
+#: compute capability 8.0 (Ampere), the one threshold the course's GPU rules share:
+#: native bf16 (below it torch emulates bf16; ``coursekit.gpu.bf16_supported``), TF32
+#: matmuls, FlashAttention-2, and SDPA's fused kernels for bf16 (flash: sm_80 and up;
+#: memory-efficient: fp16/fp32 below sm_80, ``less_than_sm80_mem_efficient_dtypes`` in
+#: aten/src/ATen/native/transformers/cuda/sdp_utils.cpp)
+SM80 = (8, 0)
+
+
 @dataclass(frozen=True)
 class GPU:
     name: str
     memory_mib: int  # nvidia-smi memory.total
     capability: tuple[int, int]
-    bf16: bool
     #: the SXM board, every GPU on NVSwitch (NCCL's channel count, module docstring)
     nvlink: bool = False
+
+    @property
+    def bf16(self) -> bool:
+        """bf16 units (native bf16): from :data:`SM80` on."""
+        return self.capability >= SM80
 
     @property
     def capacity_bytes(self) -> int:
@@ -139,16 +151,16 @@ class GPU:
 GPUS = {
     g.name: g
     for g in (
-        GPU("T4", 15360, (7, 5), False),
-        GPU("V100-16GB", 16384, (7, 0), False),
-        GPU("A10G", 23028, (8, 6), True),
-        GPU("L4", 23034, (8, 9), True),
-        GPU("L40S", 46068, (8, 9), True),
-        GPU("RTX3090", 24576, (8, 6), True),
-        GPU("RTX4090", 24564, (8, 9), True),
-        GPU("A100-40GB", 40960, (8, 0), True, nvlink=True),
-        GPU("A100-80GB", 81920, (8, 0), True, nvlink=True),
-        GPU("H100-80GB", 81559, (9, 0), True, nvlink=True),
+        GPU("T4", 15360, (7, 5)),
+        GPU("V100-16GB", 16384, (7, 0)),
+        GPU("A10G", 23028, (8, 6)),
+        GPU("L4", 23034, (8, 9)),
+        GPU("L40S", 46068, (8, 9)),
+        GPU("RTX3090", 24576, (8, 6)),
+        GPU("RTX4090", 24564, (8, 9)),
+        GPU("A100-40GB", 40960, (8, 0), nvlink=True),
+        GPU("A100-80GB", 81920, (8, 0), nvlink=True),
+        GPU("H100-80GB", 81559, (9, 0), nvlink=True),
     )
 }
 

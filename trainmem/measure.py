@@ -70,12 +70,15 @@ from .config import (
     model_shape,
     step_signature,
 )
+from .decisions import Decisions, decide
+from .frameworks import framework as framework_entry
 from .tracker import MemoryTracker
 from .training_setup import (
     build_training_setup,
     make_optimizer,
     real_mask_decisions,
     to_fake,
+    torch_dtype,
     until_states_exist,
 )
 
@@ -162,16 +165,16 @@ class _TrackedTraining:
     goes; with ``track`` it records in ``marks`` the event at the end of the forward
     pass, the gradients and the optimizer states."""
 
-    def __init__(self, model, opt, inputs, step: StepConfig, device: str, fake: bool):
-        self.model, self.opt, self.step = model, opt, step
+    def __init__(self, model, opt, inputs, d: Decisions, device: str, fake: bool):
+        self.model, self.opt, self.step = model, opt, d.options
         self.inputs, self.labels = inputs, inputs.clone()
         self.device = "cuda" if device == "cuda" else "cpu"
-        self.amp = step.precision in ("fp16-amp", "bf16-amp")
-        fp16 = step.precision == "fp16-amp"
-        self.amp_dtype = torch.float16 if fp16 else torch.bfloat16
+        self.amp = d.dtypes.autocast is not None
+        self.amp_dtype = torch_dtype(d.dtypes.autocast) if self.amp else None
         self.loss_scale = 2.0**16
+        self.scaling = d.precision.loss_scaling
         self.scaler = None
-        if fp16 and not fake:
+        if self.scaling and not fake:
             self.scaler = torch.amp.GradScaler(self.device, init_scale=self.loss_scale)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.marks: dict[str, Any] = {}
@@ -207,9 +210,7 @@ class _TrackedTraining:
         tracker.set_phase("backward")
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
-        elif (
-            step.precision == "fp16-amp"
-        ):  # fake mode: the scaler's arithmetic, no .item()
+        elif self.scaling:  # fake mode: the scaler's arithmetic, no .item()
             (loss * self.loss_scale).backward()
         else:
             loss.backward()
@@ -230,7 +231,7 @@ class _TrackedTraining:
             self.scaler.step(opt)
             self.scaler.update()
         else:
-            if self.step.precision == "fp16-amp":
+            if self.scaling:
                 grads = [p.grad for p in self.trainable if p.grad is not None]
                 torch._foreach_mul_(grads, 1.0 / self.loss_scale)
             opt.step()
@@ -355,7 +356,8 @@ def _one_run(config, step: StepConfig, *, device: str, seed: int = 0) -> dict:
             generator = torch.Generator(device="cpu").manual_seed(seed)
             inputs = torch.randint(0, config.vocab_size, shape, generator=generator)
             inputs = inputs.to(real_device)
-        training = _TrackedTraining(model, opt, inputs, step, device, fake)
+        d = decide(model_shape(config), step)
+        training = _TrackedTraining(model, opt, inputs, d, device, fake)
         cuda_stats = training.measure_second_step(device)
         result = training.collect()
         result["cuda"] = cuda_stats
@@ -431,24 +433,30 @@ step_signature(
 
 def _options_record(config, step: StepConfig, device: str, seed: int) -> dict:
     """The options of a measurement as its result reports them (``.options``)."""
-    return dict(
-        method=step.method,
-        precision=step.precision,
-        optimizer=step.optimizer,
-        batch=step.batch,
-        seq=step.seq,
-        grad_accum=step.grad_accum,
-        lora_rank=step.lora_rank,
-        lora_alpha=step.lora_alpha,
-        lora_targets=list(step.lora_targets),
-        lora_dtype=step.lora_dtype,
-        checkpointing=step.checkpointing,
-        attn=step.attn,
-        seed=seed,
-        optimizer_impl=step.optimizer_impl,
-        device=device,
-        model=getattr(config, "name_or_path", None) or "config",
-    )
+    names = MEASURE_RECORD + (("load_dtype",) if step.load_dtype else ())
+    model = getattr(config, "name_or_path", None) or "config"
+    return step.record(names, seed=seed, device=device, model=model)
+
+
+#: the options a measurement's result reports, in order (:meth:`StepConfig.record`)
+MEASURE_RECORD = (
+    "method",
+    "precision",
+    "optimizer",
+    "batch",
+    "seq",
+    "grad_accum",
+    "lora_rank",
+    "lora_alpha",
+    "lora_targets",
+    "lora_dtype",
+    "checkpointing",
+    "attn",
+    "seed",
+    "optimizer_impl",
+    "device",
+    "model",
+)
 
 
 def _from_run(run: dict, device: str, started: float, options: dict) -> Measurement:
@@ -482,7 +490,7 @@ def measure_step(
     _check_device(device)
     if step.zero != 0 or step.gpus != 1:
         raise OptionError("zero", "zero must be 0 and gpus 1 for a measurement")
-    if step.framework != "hf":
+    if not framework_entry(step.framework).measurable:
         # the measurement builds a transformers model; LitGPT's GPT is not built here
         raise OptionError(
             "framework",

@@ -11,8 +11,9 @@ An :class:`Optimizer` entry says everything the rest of the package needs:
   ``None`` when no such number exists (Adafactor).
 * ``impls`` — torch's implementations it has (``foreach``, ``fused``, ``for-loop``),
   each with its :class:`Impl`: the keyword arguments that select it and the scratch
-  rule of ``step()`` (a name of :data:`trainmem.memory.step.SCRATCH_RULES`, ``None``
-  for none); ``default_impl`` is the one an unspecified ``optimizer_impl`` means.
+  rule of ``step()`` (a name of
+  :data:`trainmem.memory.optimizer_step.SCRATCH_RULES`, ``None`` for none);
+  ``default_impl`` is the one an unspecified ``optimizer_impl`` means.
 * ``torch`` — where its torch class lives (``"torch.optim:AdamW"``) and the keyword
   arguments it is built with (:func:`trainmem.training_setup.make_optimizer`);
   ``None`` with ``unmeasurable`` saying why ``measure`` cannot run it.
@@ -20,8 +21,8 @@ An :class:`Optimizer` entry says everything the rest of the package needs:
   implementation (:func:`trainmem.from_hf.hf_options`).
 
 Adding an optimizer is one entry in :data:`OPTIMIZERS` (and a scratch rule in
-:mod:`trainmem.memory.step` when its ``step()`` allocates a new pattern). Standard
-library only (the book's in-page calculator runs it in Pyodide).
+:mod:`trainmem.memory.optimizer_step` when its ``step()`` allocates a new pattern).
+Standard library only (the book's in-page calculator runs it in Pyodide).
 """
 
 from __future__ import annotations

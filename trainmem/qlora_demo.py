@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .families import LLAMA_LINEARS
+
 #: The capstone's model (lab 6).
 NAME = "Qwen/Qwen2.5-0.5B"
 #: LoRA on all seven projections of a decoder layer.
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = LLAMA_LINEARS
 #: Non-reentrant activation checkpointing (the variant LoRA's gradients flow through).
 CKPT = {"use_reentrant": False}
 # peft calls a transformers API that transformers 5 renamed (a FutureWarning per call)

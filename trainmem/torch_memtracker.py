@@ -18,7 +18,8 @@ from .config import (
     model_shape,
     step_signature,
 )
-from .training_setup import build_training_setup, until_states_exist
+from .decisions import decide
+from .training_setup import build_training_setup, torch_dtype, until_states_exist
 
 
 @contextlib.contextmanager
@@ -82,12 +83,7 @@ def measure_memtracker(model: Any = "tiny", *, seed: int = 0, **options: Any) ->
     step = StepConfig.from_options(options)
     if step.zero != 0 or step.gpus != 1:
         raise OptionError("zero", "zero must be 0 and gpus 1 for a measurement")
-    batch, seq, grad_accum, precision = (
-        step.batch,
-        step.seq,
-        step.grad_accum,
-        step.precision,
-    )
+    batch, seq, grad_accum = step.batch, step.seq, step.grad_accum
     config = load_model_config(model)
     step.check_model(model_shape(config))
     torch.manual_seed(seed)
@@ -95,11 +91,12 @@ def measure_memtracker(model: Any = "tiny", *, seed: int = 0, **options: Any) ->
     generator = torch.Generator(device="cpu").manual_seed(seed)
     inputs = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
     labels = inputs.clone()
-    amp = precision in ("fp16-amp", "bf16-amp")
-    amp_dtype = torch.float16 if precision == "fp16-amp" else torch.bfloat16
+    d = decide(model_shape(config), step)
+    amp = d.dtypes.autocast is not None
+    amp_dtype = torch_dtype(d.dtypes.autocast) if amp else None
     scaler = (
         torch.amp.GradScaler("cpu", init_scale=2.0**16)
-        if precision == "fp16-amp"
+        if d.precision.loss_scaling
         else None
     )
 

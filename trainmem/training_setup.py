@@ -8,7 +8,8 @@ import importlib
 
 import torch
 
-from .config import OptionError, StepConfig
+from .config import OptionError, StepConfig, model_shape
+from .decisions import decide
 from .dtypes import dtype as dtype_entry
 from .models import build_model
 from .optimizers import OPTIMIZERS
@@ -28,9 +29,12 @@ def build_training_setup(
     # attn "math": transformers' SDPA attention, run under sdpa_kernel(MATH) by the
     # measured step (trainmem.measure)
     impl = "sdpa" if step.attn == "math" else step.attn
-    model = build_model(config, device=device, attn_implementation=impl)
-    if step.precision == "bf16":
-        model = model.to(torch.bfloat16)
+    # the weights in the step's load dtype (from_pretrained's dtype; from_config
+    # would follow the config's own dtype)
+    load = decide(model_shape(config), step).dtypes.load
+    model = build_model(
+        config, device=device, dtype=torch_dtype(load), attn_implementation=impl
+    )
     if step.method == "lora":
         from peft import LoraConfig, get_peft_model
 

@@ -185,6 +185,16 @@ def hf_checkpointing_reentrant(v: dict) -> bool:
     return v["transformers"] < (5, 0)
 
 
+def hf_loads_stored_dtype(v: dict) -> bool:
+    """What ``from_pretrained`` loads a checkpoint in when no ``dtype`` is given:
+    from transformers 5.0.0 the dtype it was stored in (``if dtype is None: dtype =
+    "auto"`` in ``PreTrainedModel.from_pretrained``, modeling_utils.py; ``"auto"``
+    reads the config's ``dtype``, else the checkpoint's first floating weight); up
+    to 4.x fp32 (``_get_dtype``'s ``else`` branch: "set fp32 as the default dtype
+    for BC", ``torch.get_default_dtype()``, in 4.57.1's modeling_utils.py)."""
+    return v["transformers"] >= (5, 0)
+
+
 def hf_default_optim(v: dict) -> str:
     """``TrainingArguments.optim``'s default: ``"adamw_torch_fused"`` when torch is
     2.8 or newer, from transformers 4.54.0 (``default_optim`` in training_args.py);

@@ -17,7 +17,7 @@ gradients of tensors used twice, and freeing the saved tensors of each node afte
 ran. Non-reentrant activation checkpointing keeps only each layer's inputs and
 recomputes the layer's forward when its backward starts (with PyTorch's early stop once
 the last saved tensor is recomputed).  The optimizer step allocates what the chosen
-torch implementation allocates (``step.SCRATCH_RULES``, named by the optimizer
+torch implementation allocates (``optimizer_step.SCRATCH_RULES``, named by the optimizer
 registry :mod:`trainmem.optimizers`).
 
 The running total of live bytes, split into the six categories of the estimator, gives
@@ -27,8 +27,11 @@ tensors.
 
 Parts (imports go one way): :mod:`.accounting` (tensors, buffers, bytes by category) <-
 :mod:`.autograd` (nodes, backward, checkpointing) <- :mod:`.ops` (the ops and their
-autograd rules) <- :mod:`.llama` (the decoder and its parameters) <- :mod:`.step` (one
-training step: layouts, optimizer). The entry point is ``step.simulate_step(shape,
-step)``: a :class:`trainmem.config.Shape` and a :class:`trainmem.config.StepConfig`.
+autograd rules) <- :mod:`.sharded` (what sharding does to the step, behind hooks) <-
+:mod:`.llama`, :mod:`.litgpt` (the decoder layouts and their parameters) <- :mod:`.step`
+(one training step: the decoder table ``DECODERS``, sharding, optimizer). The entry
+point is ``step.simulate_step(shape, decisions)``: a :class:`trainmem.config.Shape` and
+the step's :class:`trainmem.decisions.Decisions` (:func:`trainmem.decisions.decide`),
+which say every dtype, the attention backend, the sharding plan and the layout.
 :mod:`.allocator` replays the step's recorded allocations through a model of PyTorch's
 CUDA caching allocator. Standard library only."""

@@ -44,19 +44,9 @@ class Simulator:
         # the active CheckpointRegion while recording a checkpointed region
         self.checkpoint_region = None
         self.marks: dict[str, dict] = {}
-        self.grad_scale = 1.0  # ZeRO >= 2: the fraction of each gradient kept locally
-        self.reduce_scatter_bytes = 0  # ZeRO >= 2 on N > 1: one unsharded unit grad
-        # DeepSpeed ZeRO-2: its gradient bucket, allocated for each backward
-        self.backward_bucket_bytes = 0
-        # DeepSpeed ZeRO-3: bytes each root module (embeddings, lm_head) gathers to
-        # when it runs, by the parameter's id
-        self.gathered_modules: dict[int, int] = {}
-        # DeepSpeed ZeRO-3: layers' parameters kept gathered from the forward into the
-        # backward (max_reuse_distance), beyond the module being computed
-        self.ds_kept_bytes = 0
-        self.param_cast_scale = (
-            1.0  # ZeRO-3: the fraction of each weight autocast casts
-        )
+        # what sharding does to the step (a .sharded.Sharded, set by the sharding
+        # plan; None: nothing sharded)
+        self.sharded = None
         # autocast's casts of trainable leaves, kept until the autocast region exits
         self.autocast_cache: list = []
         # (buffer, peak, peak by category, phase peak) before the last allocation

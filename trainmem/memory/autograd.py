@@ -233,8 +233,8 @@ def _accumulate(sim: Simulator, node: AccumulateGrad, grad: SimTensor) -> None:
     if p.buffer is not None and p.grad_accumulator is node and node.grad is None:
         if grad.buffer.category != "gradients":
             sim.recategorize(grad.buffer, "gradients")
-            if sim.grad_scale != 1.0:
-                shrink(sim, grad.buffer, sim.grad_scale)
+            if sim.sharded and sim.sharded.grad_scale != 1.0:
+                shrink(sim, grad.buffer, sim.sharded.grad_scale)
         node.grad = grad
 
 

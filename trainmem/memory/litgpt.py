@@ -138,18 +138,17 @@ class LitGPT:
         return [lin for b in self.blocks for lin in b.linears.values()] + [self.lm_head]
 
 
-def build_params(sim: Simulator, shape, step, param_dtype: str | None = None):
+def build_params(sim: Simulator, shape, dec):
     """LitGPT's parameters (and RoPE buffers) for ``step``: the base in the module's
     dtype (``bf16`` for ``bf16``-true, fp32 otherwise), the adapters in the same dtype
     unless ``lora_dtype`` says otherwise (LitGPT creates them inside the module), and
     only ``lora_`` parameters trainable (``mark_only_lora_as_trainable``)."""
+    step, dtypes = dec.options, dec.dtypes
     full = step.method == "full"
-    amp = step.precision in ("fp16-amp", "bf16-amp") and param_dtype is None
-    base_dtype = param_dtype or ("bf16" if step.precision == "bf16" else "fp32")
-    if step.method == "qlora" and not param_dtype:
-        # BitsandbytesPrecision builds the module under its dtype context
-        base_dtype = "fp16" if step.precision == "fp16-amp" else "bf16"
-    adapter_dtype = param_dtype or step.lora_dtype or base_dtype
+    amp = dtypes.autocast is not None
+    # under QLoRA BitsandbytesPrecision builds the module under its dtype context
+    base_dtype = dtypes.base
+    adapter_dtype = dtypes.adapters or base_dtype
     targets = set(step.lora_targets) if not full else set()
     r = step.lora_rank
 
@@ -201,7 +200,7 @@ def build_params(sim: Simulator, shape, step, param_dtype: str | None = None):
     # GPT.max_seq_length = min(longest, max_seq_length) rebuilds the RoPE cache after
     # setup: build_rope_cache returns fp32 cos and sin of (max_seq_length, rope_n_elem)
     # (fp16 before 6178c7cc: trainmem.versions.litgpt_rope_fp32)
-    rope_dtype = "fp32" if litgpt_rope_fp32(step.library_versions) else "fp16"
+    rope_dtype = "fp32" if litgpt_rope_fp32(dec.versions) else "fp16"
     buffers = [
         new(sim, (step.seq, d), rope_dtype, category="weights") for _ in ("cos", "sin")
     ]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from .accounting import SimTensor, Simulator, new, view
 from .autograd import AccumulateGrad, checkpoint, param
+from .sharded import gathered
 from .ops import (
     _promote,
     add,
@@ -239,18 +240,6 @@ def decoder_layer(
     return add(sim, residual, x)
 
 
-def gathered(sim: Simulator, p: SimTensor) -> SimTensor:
-    """``p`` as its module uses it: under DeepSpeed ZeRO-3 (``sim.gathered_modules``)
-    a gathered copy that lives as long as the ops keep it (the embedding's forward
-    keeps nothing; lm_head's keeps it for its backward), else ``p`` itself."""
-    nbytes = sim.gathered_modules.get(id(p))
-    if nbytes is None:
-        return p
-    g = SimTensor(sim.alloc(nbytes, "weights"), p.shape, p.dtype, p.requires_grad)
-    g.grad_accumulator = p.grad_accumulator
-    return g
-
-
 def llama_loss(
     sim: Simulator, model: Model, ids: SimTensor, labels: SimTensor, cfg: dict
 ) -> SimTensor:
@@ -301,10 +290,10 @@ def llama_loss(
     del cos, sin
     if cfg["checkpointing"]:
         del pos
-    if sim.ds_kept_bytes:
-        # DeepSpeed ZeRO-3: the layers whose parameters it keeps gathered from their
-        # forward until their backward (step._deepspeed_kept), held from here
-        cfg["ds_kept"] = sim.alloc(sim.ds_kept_bytes, "weights")
+    if sim.sharded:
+        # the layers a sharding keeps gathered from their forward until their
+        # backward (DeepSpeed ZeRO-3: step._deepspeed_kept), held from here
+        sim.sharded.after_layers(sim, cfg)
     h = rmsnorm(sim, h, model.norm)
     del mask  # LlamaModel.forward returns here
     logits = linear(sim, h, gathered(sim, model.lm_head))
@@ -348,27 +337,22 @@ def build_params(
     shape,
     *,
     method: str,
-    precision: str,
     lora_rank: int,
     lora_targets,
-    lora_dtype: str | None,
-    param_dtype: str | None = None,
-    base_dtype: str | None = None,
+    dtypes,
 ) -> Model:
     """Parameters (and buffers) as the measured model holds them.
 
-    ``param_dtype`` (``"bf16"``/``"fp16"``) overrides the dtype of every parameter,
-    buffer and LoRA adapter: the ZeRO/DeepSpeed mixed-precision layout, where the module
-    itself is cast to the low precision (``model.bfloat16()``) and the fp32 master copy
-    lives in the optimizer (added by :func:`simulate_step`, category
-    ``master_weights``); all parameters are then ``weights``. ``base_dtype`` overrides
-    the dtype of the (frozen) base model only, not of the adapters: QLoRA's 16-bit
-    embeddings, norms and ``lm_head`` (the decoder Linear weights are then quantized by
-    :func:`simulate_step`)."""
-    base_param_dtype = (
-        param_dtype or base_dtype or ("bf16" if precision == "bf16" else "fp32")
-    )
-    amp = precision in ("fp16-amp", "bf16-amp") and param_dtype is None
+    ``dtypes``: the step's :class:`trainmem.decisions.Dtypes` — ``base`` for the base
+    parameters (under the ZeRO/DeepSpeed mixed-precision layout every parameter,
+    buffer and adapter is in ``module``'s 16-bit dtype, ``model.bfloat16()``, and the
+    fp32 master copy lives in the optimizer, added by :func:`simulate_step`; under
+    QLoRA the 16-bit or fp32 embeddings, norms and ``lm_head``, the decoder Linear
+    weights quantized afterwards by :func:`simulate_step`), ``buffers``, ``adapters``.
+    Under autocast a trainable fp32 parameter is also the master copy (category
+    ``master_weights``)."""
+    base_param_dtype = dtypes.base
+    amp = dtypes.autocast is not None
     full = method == "full"
 
     def make_param(param_shape, trainable, dtype=base_param_dtype):
@@ -380,14 +364,12 @@ def build_params(
     h = shape.hidden
     embed = make_param((shape.vocab, h), full)
     # rotary buffers: inv_freq and original_inv_freq (head_dim/2 floats each)
-    buffer_dtype = param_dtype or ("bf16" if precision == "bf16" else "fp32")
+    buffer_dtype = dtypes.buffers
     buffers = [
         new(sim, (shape.head_dim // 2,), buffer_dtype, category="weights")
         for _ in range(2)
     ]
-    adapter_dtype = (
-        param_dtype or lora_dtype or "fp32"
-    )  # peft upcasts adapters to fp32 by default
+    adapter_dtype = dtypes.adapters
     adapter_category = (
         "master_weights" if (amp and adapter_dtype == "fp32") else "weights"
     )

@@ -29,10 +29,10 @@ def cast(sim: Simulator, x: SimTensor, dtype: str, cached_param=None) -> SimTens
         return x
     category = "weights" if cached_param is not None else None
     out = new(sim, x.shape, dtype, category=category, layout=x.layout)
-    if cached_param is not None and sim.param_cast_scale != 1.0:
-        shrink(
-            sim, out.buffer, sim.param_cast_scale
-        )  # ZeRO-3: only the local shard is cast
+    sharded = sim.sharded
+    if cached_param is not None and sharded and sharded.param_cast_scale != 1.0:
+        # ZeRO-3: only the local shard is cast
+        shrink(sim, out.buffer, sharded.param_cast_scale)
     if cached_param is not None and x.requires_grad and x.grad_fn is None:
         # autocast caches the cast of a leaf that requires grad until the autocast
         # region exits, whether or not autograd saves it (e.g. LoRA's A when its input
