@@ -552,3 +552,96 @@ def test_environment_under_tmp_stays_visible(tmp_path, monkeypatch):
         assert not (repo / "evil").exists() and (work / "out").read_text() == "ok\n"
     finally:
         shutil.rmtree(repo)
+
+
+PROBE_IDENTITY = r"""
+import ctypes, errno, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+def call(f, *a):
+    return "ok" if f(*a) == 0 else errno.errorcode[ctypes.get_errno()]
+status = dict(ln.split(":", 1) for ln in open("/proc/self/status") if ":" in ln)
+def write(p):
+    try:
+        open(p, "w").write("1")
+        return "ok"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+print(json.dumps({
+    "uid": [os.getuid(), os.geteuid(), os.getgid()],
+    "caps": [int(status[k], 16) for k in ("CapEff", "CapPrm", "CapBnd")],
+    "nnp": status["NoNewPrivs"].strip(), "seccomp": status["Seccomp"].strip(),
+    "mount": call(libc.mount, b"none", b"/tmp", b"tmpfs", 0, None),
+    "remount": call(libc.mount, None, os.path.dirname(json.__file__).encode(), None,
+                    0x20 | 0x1000, None),
+    "unshare_user": call(libc.unshare, 0x10000000),
+    "ptrace": call(libc.ptrace, 16, 1, None, None),
+    "keyctl": call(libc.syscall, 250, 0, 0, 0, 0, 0),
+    "etc": sorted(os.listdir("/etc")), "sys": os.path.exists("/sys"),
+    "proc_sys": write("/proc/sys/kernel/hostname"),
+    "pid": os.getpid(),
+}))
+"""
+
+
+def test_kernel_is_never_host_root():
+    """What every kernel runs as, launched exactly as the worker launches it: uid 65534
+    inside, no capabilities, no new privileges, under the seccomp filter (mount,
+    remount, unshare, ptrace, keyctl: EPERM); /etc without shadow, sudoers or ssh; no
+    /sys; /proc/sys read-only. Started as root, every process of the sandbox is host
+    uid 65534 (the host's own view of it), never 0."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    require_sandbox()
+    work = Path(tempfile.mkdtemp(prefix="coursekit-identity-"))  # reachable by 65534
+    sandbox.prepare_workdir(str(work))
+    argv = sandbox.command(str(work), {"PATH": "/usr/bin:/bin"}, "off", 16)
+    code = PROBE_IDENTITY + "\nimport time, sys; sys.stdout.flush(); time.sleep(3)"
+    proc = subprocess.Popen(
+        argv + [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
+    )
+    line = proc.stdout.readline()
+    import psutil
+
+    host_uids = set()
+    for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]:
+        host_uids |= set(p.uids()) | set(p.gids())
+    proc.kill()
+    proc.wait()
+    import shutil
+
+    shutil.rmtree(work)
+    seen = json.loads(line)
+    assert seen["uid"] == [65534, 65534, 65534]
+    assert seen["caps"] == [0, 0, 0] and seen["nnp"] == "1"
+    if sandbox.seccomp.program() is not None:
+        assert seen["seccomp"] == "2"
+        for call in ("mount", "remount", "unshare_user", "ptrace", "keyctl"):
+            assert seen[call] == "EPERM", (call, seen)
+    assert not {"shadow", "gshadow", "sudoers", "ssh", "shadow-"} & set(seen["etc"])
+    assert "passwd" in seen["etc"] and "ld.so.cache" in seen["etc"]
+    assert seen["sys"] is False and seen["proc_sys"] in ("EACCES", "EROFS", "EPERM")
+    if os.geteuid() == 0:
+        assert host_uids == {65534}, host_uids
+    else:
+        assert 0 not in host_uids
+
+
+def test_seccomp_program_shape():
+    """The BPF program: whole instructions, an architecture check first, every denied
+    call of the table present; None where there is no table."""
+    from coursekit.grading import seccomp
+
+    prog = seccomp.program("x86_64")
+    assert prog and len(prog) % 8 == 0
+    import struct
+
+    ins = [struct.unpack("=HBBI", prog[i : i + 8]) for i in range(0, len(prog), 8)]
+    assert ins[0] == (seccomp.LD_ABS, 0, 0, seccomp.ARCH)
+    assert ins[1][3] == 0xC000003E
+    ks = {k for op, _, _, k in ins if op == seccomp.JEQ}
+    table = seccomp.TABLES["x86_64"][1]
+    assert {table[n] for n in seccomp.DENIED if n in table} <= ks
+    assert seccomp.program("aarch64") and seccomp.program("riscv64") is None

@@ -4,7 +4,9 @@ calls it); ``--shard i/n`` grades a deterministic share, :func:`merge` joins the
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -13,9 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+import jinja2  # noqa: F401  (the feedback pages': imported before any kernel runs)
+
+from ..labs import find_root
 from . import cache, sandbox
 from .api import load_tests
-from .report import SHARD_NAME, total, write_outputs
+from .report import SHARD_NAME, atomic_write, total, write_outputs
 from .runner import grade_one, new_record
 from .scoring import prepare
 from .submissions import discover
@@ -121,8 +126,6 @@ def grade(
     if sandboxed and (why := sandbox.unavailable()):
         raise SandboxUnavailable(why)
     if tests_dir is None:
-        from ..labs import find_root
-
         tests_dir = find_root() / "tests" / "grading"
     shard = parse_shard(shard) if isinstance(shard, str) or shard is None else shard
     _check_layout(Path(submissions), Path(out), Path(tests_dir), sandboxed)
@@ -245,8 +248,6 @@ def merge(lab: str, shard_dirs: list[str | Path], out: str | Path) -> dict:
         if len({json.dumps(i[key]) for _, i in infos}) != 1:
             raise ValueError(f"shards were graded with different {key}s")
     headers, rows, max_row = set(), {}, None
-    import csv
-
     for d, info in infos:
         with (d / "grades.csv").open(encoding="utf-8", newline="") as f:
             table = list(csv.reader(f))
@@ -269,18 +270,13 @@ def merge(lab: str, shard_dirs: list[str | Path], out: str | Path) -> dict:
         for page in sorted((d / "feedback").glob("*.html")):
             shutil.copyfile(page, out / "feedback" / page.name)
         merged_cache.update(cache.load(d))
-    import csv as _csv
-    import io
-
     buf = io.StringIO()
-    w = _csv.writer(buf, lineterminator="\n")
+    w = csv.writer(buf, lineterminator="\n")
     w.writerow(headers.pop())
     for student in sorted(rows):
         w.writerow(rows[student])
     if max_row:
         w.writerow(max_row)
-    from .report import atomic_write
-
     atomic_write(out / "grades.csv", buf.getvalue())
     atomic_write(
         out / cache.CACHE_NAME,

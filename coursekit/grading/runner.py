@@ -18,8 +18,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import nbformat
+import psutil
+
 from .scoring import Prepared, probe_spec, score
 from .submissions import Submission
+from .worker import kill_tree
+
+# Everything the grader's own process runs is imported above, before any kernel runs:
+# nothing a submission could have touched is ever imported later (the kernel cannot
+# write the grader's code anyway: it sees it read-only, as another user).
 
 STATUSES = ("ok", "timeout", "kernel_died", "memory_limit", "invalid", "grader_error")
 TOKEN_ENV = "COURSEKIT_GRADE_TOKEN"
@@ -29,8 +37,6 @@ MAX_CELL_OUTPUT = 200_000
 def kill_token(token: str) -> None:
     """SIGKILL every process whose environment carries ``token`` (escapees from the
     groups)."""
-    import psutil
-
     for proc in psutil.process_iter():
         if proc.pid == os.getpid():
             continue
@@ -44,8 +50,6 @@ def kill_token(token: str) -> None:
 def read_notebook(path: Path):
     """The submission as an nbformat 4 notebook, or ValueError saying why it is not
     one."""
-    import nbformat
-
     nb = nbformat.reads(path.read_bytes().decode("utf-8"), as_version=4)
     cells = nb.get("cells")
     if not isinstance(cells, list) or any(
@@ -80,8 +84,6 @@ def run_worker(spec: dict, token: str, hard_timeout: float, cwd: str) -> dict:
     """Run the worker on ``spec``; its whole tree is killed before this returns (and,
     unsandboxed, every process carrying the token: inside the sandbox no process can
     leave the PID namespace, which dies with the kernel)."""
-    import psutil
-
     env = dict(os.environ)
     env[TOKEN_ENV] = token
     proc = psutil.Popen(
@@ -111,8 +113,6 @@ def run_worker(spec: dict, token: str, hard_timeout: float, cwd: str) -> dict:
             "message": f"评分子进程没有返回结果（{type(e).__name__}: {e}）",
         }
     finally:
-        from .worker import kill_tree
-
         kill_tree(proc.pid)
         proc.wait()
         if not spec.get("sandbox"):
@@ -143,8 +143,6 @@ def grade_one(sub: Submission, prepared: list[Prepared], settings: dict) -> dict
         rec.update(status="invalid", message=sub.problem)
         return rec
     try:
-        import nbformat
-
         nb = read_notebook(sub.path)
     except Exception as e:
         rec.update(

@@ -449,11 +449,17 @@ class Session:
         os.makedirs(tmp, exist_ok=True) if not sandboxed else None
         self.env = sandbox.kernel_env(self.spec.get("env", {}), work, gpu, tmp)
         launch = [sys.executable, "-m", "coursekit.grading.kernel_main"]
+        owner = None
         if sandboxed:
             tmp_mb = int(self.spec.get("disk_mb", DISK_MB))
-            prefix = sandbox.command(work, self.env, gpu, tmp_mb)
+            sandbox.prepare_workdir(work)
+            prefix = sandbox.command(
+                work, self.env, gpu, tmp_mb, self.spec.get("cgroup_procs", [])
+            )
             if sandbox.nproc_counted_per_namespace():
                 launch += ["--nproc", str(sandbox.NPROC)]
+            if sandbox.drops_root():
+                owner = (sandbox.SANDBOX_UID, sandbox.SANDBOX_GID)
         else:
             prefix = []
 
@@ -461,6 +467,11 @@ class Session:
             def format_kernel_cmd(self, extra_arguments=None):
                 cmd = [*launch, "-f", self.connection_file, *(extra_arguments or [])]
                 return [*prefix, *cmd]
+
+            def write_connection_file(self, **kwargs):
+                super().write_connection_file(**kwargs)
+                if owner:  # the kernel (uid 65534) reads it; mode stays 0600
+                    os.chown(self.connection_file, *owner)
 
         km = Manager(
             kernel_name="python3",
