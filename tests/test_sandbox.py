@@ -19,14 +19,16 @@ from __future__ import annotations
 import csv
 import hashlib
 import os
+import shutil
 import signal
 import socket
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 
-from coursekit.grading import grade, sandbox
+from coursekit.grading import files, grade, sandbox
 from coursekit.grading.core import SandboxUnavailable, merge, shard_of
 from coursekit.grading.worker import MAX_PROCS
 from tests.test_grader import ADD, CHECK, HIDDEN, MEAN, STUB_ADD, STUB_MEAN, nb
@@ -43,6 +45,9 @@ SETTINGS = dict(
     disk_mb=DISK_MB,
 )
 FORKS = 400  # the bounded fork bomb: this many processes that would sleep 30 s
+GRADING_DIR = ROOT / "coursekit" / "grading"
+SITE_PACKAGES = Path(__import__("jupyter_client").__file__).resolve().parents[1]
+OUTLIVE = "coursekit-outlive-" + os.urandom(4).hex()
 
 
 def require_sandbox() -> None:
@@ -232,6 +237,56 @@ assert seen, 'no grader process in sight'
 """,
         ),
         "fork_bomb": attack("fork_bomb", FORK_BOMB),
+        # the reported escape: remount the read-only course code writable and append
+        # to a module the grader imports; plant a .pth in the environment; read
+        # root-only files; write host sysctls; act as root at all
+        "escape_to_grader": attack(
+            "escape_to_grader",
+            f"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+d = {str(GRADING_DIR)!r}.encode()
+assert libc.mount(None, d, None, 0x20 | 0x1000, None) == 0, ctypes.get_errno()
+""",
+            f"open({str(GRADING_DIR / 'worker.py')!r}, 'a').write('# pwned')",
+            f"open({str(SITE_PACKAGES / 'zz_pwn.pth')!r}, 'w').write('import os')",
+            "open('/etc/shadow').read()",
+            "open('/proc/sys/kernel/hostname', 'w').write('pwned')",
+            "assert __import__('os').getuid() == 0, 'not root'",
+            "import ctypes; assert ctypes.CDLL(None).unshare(0x10000000) == 0",
+            "assert open('/proc/self/status').read().split('CapEff:')[1].split()[0]"
+            " != '0000000000000000', 'no capabilities'",
+        ),
+        # a double-forked, setsid'd process that would outlive the kernel and
+        # rewrite the grader's output afterwards
+        "outlive_grading": attack(
+            "outlive_grading",
+            f"""
+import os, subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)  # {OUTLIVE}"],
+                 start_new_session=True, stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL)
+raise RuntimeError('started; the host checks whether it survives')
+""",
+        ),
+        # folders nested past PATH_MAX, written through descriptors, to hide data
+        # from the size watch and make cleanup fail
+        "deep_paths": attack(
+            "deep_paths",
+            f"""
+import os, time
+fd = os.open('.', os.O_RDONLY)
+for i in range(300):
+    os.mkdir('d' * 200, dir_fd=fd)
+    nfd = os.open('d' * 200, os.O_RDONLY, dir_fd=fd)
+    os.close(fd)
+    fd = nfd
+w = os.open('big', os.O_WRONLY | os.O_CREAT, dir_fd=fd)
+for _ in range({DISK_MB}):
+    os.write(w, bytes(2**20))
+time.sleep(3)
+""",
+        ),
         "fill_disk": attack(
             "fill_disk",
             fill("big.bin"),
@@ -283,7 +338,28 @@ def suite(tmp_path_factory):
             "blocks = []\nfor _ in range(40):\n    blocks.append(b'x' * 2**26)",
         )
     )
-    before = {p.name: digest(p) for p in subs.iterdir()}
+    # files that are not regular files: a notebook symlinked to the reference
+    # solution, to a classmate, to /dev/zero; a FIFO named like a notebook; a folder
+    # holding an honest notebook beside a FIFO and a /dev/zero symlink
+    (base / "solutions").mkdir()
+    (base / "solutions" / "ref.ipynb").write_text(nb(ADD, MEAN, CHECK))
+    (subs / "symlink_solution.ipynb").symlink_to("../solutions/ref.ipynb")
+    (subs / "symlink_classmate.ipynb").symlink_to("honest_a.ipynb")
+    (subs / "devzero.ipynb").symlink_to("/dev/zero")
+    os.mkfifo(subs / "fifo_nb.ipynb")
+    odd = subs / "odd_folder"
+    odd.mkdir()
+    (odd / "lab99_toy.ipynb").write_text(nb(ADD, MEAN, CHECK))
+    os.mkfifo(odd / "data.fifo")
+    (odd / "zero").symlink_to("/dev/zero")
+    before = files.snapshot(subs)
+    # the kernels' work directories go to a folder of this test's own (reachable by
+    # the sandbox's uid), so leftovers can be counted
+    import tempfile
+
+    work_root = Path(tempfile.mkdtemp(prefix="coursekit-suite-"))
+    work_root.chmod(0o711)
+    old_tempdir, tempfile.tempdir = tempfile.tempdir, str(work_root)
     received = []
     old_handler = signal.signal(signal.SIGUSR1, lambda *a: received.append(a[0]))
     os.environ[SECRET_NAME] = "s3cret-" + os.urandom(8).hex()
@@ -291,6 +367,13 @@ def suite(tmp_path_factory):
         records = grade(
             "lab99", subs, out, jobs=2, tests_dir=hidden_dir, log=None, **SETTINGS
         )
+        tempfile.tempdir = old_tempdir
+        leftovers = sorted(os.listdir(work_root))
+        outlived = [
+            p.pid
+            for p in psutil.process_iter(["cmdline"])
+            if OUTLIVE in " ".join(p.info["cmdline"] or [])
+        ]
         accepted, signals = server.accepted, list(received)
         # control: the same attacks without the sandbox do succeed (aimed at the
         # control run's own folders)
@@ -312,6 +395,8 @@ def suite(tmp_path_factory):
             **SETTINGS,
         )
     finally:
+        tempfile.tempdir = old_tempdir
+        shutil.rmtree(work_root, ignore_errors=True)
         del os.environ[SECRET_NAME]
         signal.signal(signal.SIGUSR1, old_handler)
         server.close()
@@ -330,6 +415,8 @@ def suite(tmp_path_factory):
         control_out=ctrl_out,
         control_logs=logs,
         names=sorted(cells),
+        leftovers=leftovers,
+        outlived=outlived,
     )
 
 
@@ -356,6 +443,7 @@ ATTACK_NAMES = [
     "signal_grader",
     "fork_bomb",
     "fill_disk",
+    "escape_to_grader",
 ]
 
 
@@ -374,13 +462,15 @@ def test_host_side_untouched(suite):
     """Nothing the attacks aimed at changed: the submissions byte for byte, the output
     folder (only the grader's files), no file outside, no connection, no signal."""
     subs, out = suite["subs"], suite["out"]
-    assert {p.name: digest(p) for p in subs.iterdir()} == suite["before"]
+    assert files.snapshot(subs) == suite["before"]
     for name in HONEST:
         rec = suite["records"][name]
         assert (rec["status"], sum(rec["scores"].values())) == ("ok", 5), rec
         assert "hacked" not in (out / "feedback" / f"{name}.html").read_text()
     assert not (suite["base"] / "outside.txt").exists()
     assert not (ROOT / "sandbox_attack.txt").exists()
+    assert "# pwned" not in (GRADING_DIR / "worker.py").read_text()
+    assert not (SITE_PACKAGES / "zz_pwn.pth").exists()
     assert sorted(p.name for p in out.iterdir()) == [
         ".grade_cache.json",
         "feedback",
@@ -391,6 +481,54 @@ def test_host_side_untouched(suite):
     assert {r["sandbox"] for r in suite["rows"].values() if r["student"] != "MAX"} == {
         "yes"
     }
+
+
+def test_process_cannot_outlive_grading(suite):
+    """A setsid'd process the kernel started is gone when grade() returns (the PID
+    namespace dies with the kernel); the attacker keeps its honest score."""
+    assert suite["outlived"] == []
+    rec = suite["records"]["outlive_grading"]
+    assert (rec["status"], rec["scores"]) == ("ok", {"add": 2, "mean": 3}), rec
+
+
+def test_deep_paths_are_measured_and_removed(suite):
+    """Folders nested past PATH_MAX stop the kernel (the size walk goes by
+    descriptors and refuses depth), and cleanup removes them: no work directory is
+    left behind by any submission of the run."""
+    rec = suite["records"]["deep_paths"]
+    assert rec["status"] == "kernel_died" and "嵌套" in rec["message"], rec
+    assert suite["leftovers"] == []
+
+
+@pytest.mark.parametrize(
+    "name, what",
+    [
+        ("symlink_solution", "符号链接"),
+        ("symlink_classmate", "符号链接"),
+        ("devzero", "符号链接"),
+        ("fifo_nb", "FIFO"),
+    ],
+)
+def test_only_regular_files_are_graded(suite, name, what):
+    """A notebook that is a symlink (to the reference solution, to a classmate's
+    notebook, to /dev/zero) or a FIFO is never followed or opened: that student's
+    submission is invalid, scores 0, and the feedback says what the file is; the run
+    neither hangs nor crashes, and the classmate keeps full marks."""
+    rec = suite["records"][name]
+    assert rec["status"] == "invalid" and sum(rec["scores"].values()) == 0, rec
+    assert what in rec["message"], rec
+    page = (suite["out"] / "feedback" / f"{name}.html").read_text()
+    assert what in page
+    honest = suite["records"]["honest_a"]
+    assert (honest["status"], sum(honest["scores"].values())) == ("ok", 5)
+
+
+def test_folder_with_fifo_and_devzero_is_graded(suite):
+    """A folder holding the notebook beside a FIFO and a /dev/zero symlink: the
+    notebook is graded (full marks), the odd files are named, not opened."""
+    rec = suite["records"]["odd_folder"]
+    assert (rec["status"], sum(rec["scores"].values())) == ("ok", 5), rec
+    assert "data.fifo" in rec["note"] and "zero" in rec["note"], rec
 
 
 def test_memory_cap_is_resident_memory(suite):
@@ -537,17 +675,18 @@ def test_environment_under_tmp_stays_visible(tmp_path, monkeypatch):
         (repo / "secret").write_text("x")
         paths = sandbox.python_paths()
         monkeypatch.setattr(sandbox, "python_paths", lambda: paths + [str(env_dir)])
-        work = tmp_path / "work"
+        work = repo / "work"  # reachable by the sandbox's uid 65534
         work.mkdir()
+        sandbox.prepare_workdir(str(work))
         argv = sandbox.command(str(work), {"PATH": "/usr/bin:/bin"}, "off", 16)
         script = (
-            f"cat {env_dir / 'marker'}; echo; ls {repo}; "
+            f"cat {env_dir / 'marker'}; echo; echo $(ls {repo}); "
             f"echo x > {repo / 'evil'} && echo WROTE; echo ok > {work / 'out'}"
         )
         out = subprocess.run(
             argv + ["/bin/sh", "-c", script], capture_output=True, text=True
         )
-        assert out.stdout.splitlines() == ["visible", "venv"], out
+        assert out.stdout.splitlines() == ["visible", "venv work"], out
         assert "Read-only file system" in out.stderr
         assert not (repo / "evil").exists() and (work / "out").read_text() == "ok\n"
     finally:

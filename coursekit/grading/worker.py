@@ -33,6 +33,8 @@ import sys
 import threading
 import time
 
+from .files import dir_bytes
+
 # The probe cell: runs the hidden test's source in a copy of the student's namespace and
 # prints its result as JSON between two nonces. A per-case probe defines CASE(x); every
 # input is tried on its own, so one exception or one non-JSON value fails that case
@@ -210,19 +212,6 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def _dir_bytes(path: str, stop: int) -> int:
-    total = 0
-    for root, dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except OSError:
-                pass
-            if total > stop:
-                return total
-    return total
-
-
 class Watchdog(threading.Thread):
     """Every WATCH_EVERY seconds: the resident memory (sum of RSS) of the kernel's
     process tree, the number of processes in it, and (every second) the size of its
@@ -311,13 +300,17 @@ class Watchdog(threading.Thread):
                 )
                 kill_tree(self.pid)
                 return
-            if n % 10 == 0 and _dir_bytes(work, disk) > disk:
-                self.session.note(
-                    "kernel_died",
-                    f"工作目录里的文件超过 {disk // 2**20} MiB，kernel 已被终止",
-                )
-                kill_tree(self.pid)
-                return
+            if n % 10 == 0:
+                used, problem = dir_bytes(work, disk)
+                if used > disk or problem:
+                    self.session.note(
+                        "kernel_died",
+                        f"工作目录里的文件超过 {disk // 2**20} MiB，kernel 已被终止"
+                        if used > disk
+                        else f"{problem}，kernel 已被终止",
+                    )
+                    kill_tree(self.pid)
+                    return
 
 
 def _error_text(cell) -> str | None:
