@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -97,6 +98,22 @@ for k in kids:
     except OSError:
         pass
 assert alive > {MAX_PROCS}, f"only {{alive}} of {{len(kids)}} forks alive"
+"""
+
+
+CPU_HOG = """
+import os, time
+kids = []
+for _ in range(48):
+    pid = os.fork()
+    if pid == 0:
+        end = time.time() + 8
+        while time.time() < end:
+            pass
+        os._exit(0)
+    kids.append(pid)
+for k in kids:
+    os.waitpid(k, 0)
 """
 
 
@@ -352,6 +369,24 @@ def suite(tmp_path_factory):
     (odd / "lab99_toy.ipynb").write_text(nb(ADD, MEAN, CHECK))
     os.mkfifo(odd / "data.fifo")
     (odd / "zero").symlink_to("/dev/zero")
+    # memory a resident-set sampler does not see: memfd, tmpfs (/dev/shm), SysV
+    # shared memory; 1.2 GiB against a 768 MiB cap (each memfd under the file-size cap)
+    (subs / "hidden_memory.ipynb").write_text(
+        nb(
+            ADD,
+            MEAN,
+            "import os\nfds = []\nfor _ in range(3):\n"
+            "    fds.append(os.memfd_create('x'))\n"
+            "    for _ in range(400):\n        os.write(fds[-1], bytes(2**20))",
+        )
+    )
+    # 48 spinning processes for 8 s: with a CPU weight per submission the
+    # classmates graded beside it keep their time; it keeps its own marks
+    (subs / "cpu_hog.ipynb").write_text(nb(ADD, MEAN, CPU_HOG))
+    # one 100 MiB output message: the worker never receives (decodes) it
+    (subs / "huge_message.ipynb").write_text(
+        nb(ADD, MEAN, "import sys\nsys.stdout.write('x' * (100 * 2**20))")
+    )
     before = files.snapshot(subs)
     # the kernels' work directories go to a folder of this test's own (reachable by
     # the sandbox's uid), so leftovers can be counted
@@ -473,6 +508,7 @@ def test_host_side_untouched(suite):
     assert not (SITE_PACKAGES / "zz_pwn.pth").exists()
     assert sorted(p.name for p in out.iterdir()) == [
         ".grade_cache.json",
+        ".grade_seed",
         "feedback",
         "grades.csv",
     ]
@@ -529,6 +565,29 @@ def test_folder_with_fifo_and_devzero_is_graded(suite):
     rec = suite["records"]["odd_folder"]
     assert (rec["status"], sum(rec["scores"].values())) == ("ok", 5), rec
     assert "data.fifo" in rec["note"] and "zero" in rec["note"], rec
+
+
+def test_memory_cap_counts_memfd_tmpfs_and_shm(suite):
+    """With a cgroup per submission, memory outside the resident set (memfd, tmpfs,
+    shared memory) counts: 1.2 GiB in memfds against 768 MiB stops that kernel
+    (memory_limit); grades.csv says which limits held."""
+    limits = suite["rows"]["honest_a"]["limits"]
+    if not limits.startswith("cgroup"):
+        pytest.skip(f"no cgroups here (limits: {limits}): only the sampler holds")
+    rec = suite["records"]["hidden_memory"]
+    assert rec["status"] == "memory_limit" and "768 MiB" in rec["message"], rec
+
+
+def test_cpu_hog_and_huge_message_hurt_only_themselves(suite):
+    """48 spinning processes keep their own marks and no classmate times out; a 100
+    MiB output message is never decoded by the worker (it costs only its sender)."""
+    hog = suite["records"]["cpu_hog"]
+    assert (hog["status"], sum(hog["scores"].values())) == ("ok", 5), hog
+    for name in HONEST:
+        assert suite["records"][name]["status"] == "ok"
+    huge = suite["records"]["huge_message"]
+    assert huge["status"] in ("ok", "timeout", "kernel_died"), huge
+    assert "x" * 1000 not in json.dumps(huge)
 
 
 def test_memory_cap_is_resident_memory(suite):
@@ -640,6 +699,7 @@ def test_shard_and_merge(tmp_path):
         o = tmp_path / f"shard{i}"
         args = ["grade", "--lab", "lab99", str(subs), "--out", str(o), "--jobs", "2"]
         args += ["--shard", f"{i}/2", "--tests", str(hidden), "--memory-mb", "768"]
+        args += ["--seed", "12345"]  # shards share one seed: given, kept secret
         assert main(args) == 0
         rows = list(csv.DictReader((o / "grades.csv").open()))
         assert {r["student"] for r in rows[:-1]} == {
