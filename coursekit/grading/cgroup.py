@@ -89,6 +89,7 @@ def _v2_parent() -> Parent | None:
         parent = own / name
         parent.mkdir()
     _write(parent / "cgroup.subtree_control", enable)
+    _write(parent / "cpu.weight", str(min(10000, WEIGHT * _cpus())))
     return Parent("v2", {c: parent for c in CONTROLLERS}, parent)
 
 
@@ -107,6 +108,8 @@ def _v1_parent() -> Parent | None:
         d = base / (own or "/").lstrip("/") / name
         d.mkdir(exist_ok=True)
         dirs[c] = d
+        if c == "cpu":
+            _write(d / "cpu.shares", str(1024 * _cpus()))
     unified = None
     for u in (ROOT / "unified",):
         if (u / "cgroup.procs").exists():
@@ -117,6 +120,12 @@ def _v1_parent() -> Parent | None:
             except OSError:
                 pass
     return Parent("v1", dirs, unified)
+
+
+def _cpus() -> int:
+    """The run's CPU weight, in tasks: its parent cgroup competes with the machine's
+    other processes as this many busy ones would (one cgroup weighs like one task)."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
 
 
 _parent: Parent | None = None
