@@ -125,7 +125,9 @@ def _v1_parent() -> Parent | None:
 def _cpus() -> int:
     """The run's CPU weight, in tasks: its parent cgroup competes with the machine's
     other processes as this many busy ones would (one cgroup weighs like one task)."""
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    return max(
+        1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    )
 
 
 _parent: Parent | None = None

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+import encodings.unicode_escape  # noqa: F401  (a codec found lazily while grading)
 import jinja2  # noqa: F401  (the feedback pages': imported before any kernel runs)
 
 from ..labs import find_root
@@ -36,9 +37,7 @@ CGROUP_WARNING = (
 def shown(text: str) -> str:
     """A name as the terminal may print it: control characters (escape sequences,
     carriage returns) written as escapes, never sent raw."""
-    return "".join(
-        ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text)
-    )
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text))
 
 
 def class_seed(out: Path, seed: int | None) -> int:
@@ -66,6 +65,7 @@ def class_seed(out: Path, seed: int | None) -> int:
     with os.fdopen(fd, "w") as f:
         f.write(f"{value}\n")
     return value
+
 
 NO_SANDBOX_WARNING = (
     "WARNING: grading WITHOUT a sandbox (--no-sandbox): every submission runs with "
@@ -242,9 +242,7 @@ def grade(
         who = who[:-6] if who.endswith(".ipynb") else who
         msg = f"警告：提交的文件 {f} 在评分过程中被改动或删除（评分器从不写提交文件夹）"
         if log:
-            log(
-                f"WARNING: submission file {shown(f)} changed during the grading run"
-            )
+            log(f"WARNING: submission file {shown(f)} changed during the grading run")
         for rec in records.values():
             if rec["student"] == who or Path(rec.get("file") or "/").name == f:
                 rec["message"] = (msg + " " + rec.get("message", "")).strip()

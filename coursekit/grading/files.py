@@ -99,7 +99,9 @@ def snapshot(root: str | os.PathLike) -> dict[str, str]:
     out = {}
     root = os.fspath(root)
     for dirpath, dirs, files in os.walk(root):  # followlinks=False
-        for name in files + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]:
+        for name in files + [
+            d for d in dirs if os.path.islink(os.path.join(dirpath, d))
+        ]:
             p = os.path.join(dirpath, name)
             out[os.path.relpath(p, root)] = digest(p)
     return out

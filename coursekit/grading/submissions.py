@@ -78,17 +78,18 @@ def _walk(folder: Path) -> tuple[list[Path], list[str]]:
 
 def pick_notebook(folder: Path, notebook_name: str, student: str) -> Submission:
     nbs, odd = _walk(folder)
-    skipped = (
-        "；文件夹里的非普通文件没有打开：" + "、".join(odd[:6]) if odd else ""
-    )
+    skipped = "；文件夹里的非普通文件没有打开：" + "、".join(odd[:6]) if odd else ""
     bad = [o for o in odd if o.split("（")[0].endswith(".ipynb")]
-    if bad and notebook_name and any(
-        colab_base(Path(o.split("（")[0]).name) == notebook_name for o in bad
+    if (
+        bad
+        and notebook_name
+        and any(colab_base(Path(o.split("（")[0]).name) == notebook_name for o in bad)
     ):
         return Submission(
             student,
             None,
-            "要评的 notebook 不是普通文件：" + "、".join(bad[:6])
+            "要评的 notebook 不是普通文件："
+            + "、".join(bad[:6])
             + "；评分器只评普通文件，不跟随符号链接",
         )
     if not nbs:
