@@ -24,6 +24,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from coursekit.grading import grade, sandbox
+from coursekit.grading.report import seed_id
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -341,7 +342,7 @@ def test_escaped_processes_are_killed(graded):
 def test_csv_and_feedback_content(graded):
     out = graded["out"]
     header = (out / "grades.csv").read_text().splitlines()[0]
-    assert header == "student,add,mean,total,status,seed,file,sandbox"
+    assert header == "student,add,mean,total,status,seed,file,sandbox,limits"
     assert {r["sandbox"] for r in graded["rows"].values() if r["student"] != "MAX"} == {
         "yes" if SANDBOXED else "no"
     }
@@ -362,7 +363,8 @@ def test_feedback_names_cells_by_heading_and_shows_seed_and_policy(graded):
     line."""
     page = (graded["out"] / "feedback" / "deleted_cell.html").read_text()
     assert "「3. 检查平均数」下以 assert add(1, 2) == 3" in page and "NameError" in page
-    assert f"<code>{graded['records']['good']['seed']}</code>" in page
+    seed = graded["records"]["good"]["seed"]  # the class's secret: never shown
+    assert f"<code>{seed_id(seed)}</code>" in page and str(seed) not in page
     assert "怎么给分" in page and "常数答案" in page and "10%" in page
 
 
@@ -480,7 +482,7 @@ def test_colab_base_and_pick(tmp_path):
 def test_rerun_grades_only_changed(graded):
     subs, out = graded["subs"], graded["out"]
     logs: list[str] = []
-    grade(
+    first = grade(
         "lab99",
         subs,
         out,
@@ -489,7 +491,11 @@ def test_rerun_grades_only_changed(graded):
         log=logs.append,
         **SETTINGS,
     )
-    assert "0 to grade" in logs[0], logs
+    # only time limits hit while the kernel waited for a CPU (a busy machine) were
+    # kept out of the cache and are graded again
+    busy = [r for r in graded["records"].values() if r.get("no_cache")]
+    assert all(r["status"] == "timeout" for r in busy)
+    assert f"{len(busy)} to grade" in logs[0], logs
     (subs / "deleted_cell.ipynb").write_text(nb(ADD, MEAN))  # the student fixed it
     shutil.copy(subs / "good.ipynb", subs / "newcomer.ipynb")
     logs.clear()
@@ -505,7 +511,7 @@ def test_rerun_grades_only_changed(graded):
             **SETTINGS,
         )
     }
-    assert "2 to grade" in logs[0], logs
+    assert f"{2 + sum(bool(r.get('no_cache')) for r in first)} to grade" in logs[0]
     assert (
         records["deleted_cell"]["status"] == "ok"
         and sum(records["deleted_cell"]["scores"].values()) == 5
@@ -778,12 +784,85 @@ def test_lab01_feedback_shows_both_numbers_in_hex():
     )
 
 
-def test_seed_is_fixed_by_lab_and_hidden_tests(tmp_path):
+def test_default_seed_is_a_secret_kept_with_the_class(tmp_path):
+    """No seed given: the first run into an output folder draws a secret one
+    (nothing in the repository determines it) and keeps it there (0600), later runs
+    reuse it; another class draws another; --seed overrides; a damaged seed file is
+    an error naming it; --shard without --seed is refused."""
+    from coursekit.grading.cache import SEED_NAME
+    from coursekit.grading.core import class_seed
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    first = class_seed(a, None)
+    assert class_seed(a, None) == first and 0 <= first < 2**63
+    assert (a / SEED_NAME).stat().st_mode & 0o077 == 0
+    assert class_seed(b, None) != first
+    assert class_seed(a, 7) == 7 and class_seed(a, None) == first
+    (b / SEED_NAME).write_text("=1+1")
+    with pytest.raises(ValueError, match=SEED_NAME):
+        class_seed(b, None)
+    (tmp_path / "lab99.py").write_text(HIDDEN)
+    with pytest.raises(ValueError, match="--shard needs --seed"):
+        grade("lab99", a, tmp_path / "o", tests_dir=tmp_path, log=None, shard="1/2",
+              sandboxed=False)  # fmt: skip
+
+
+def test_name_collisions_are_refused_naming_both(tmp_path):
+    """``Li Lei.ipynb`` and ``Li_Lei.ipynb`` give one student name: refused, both
+    files named, neither silently dropped."""
+    from coursekit.grading.submissions import NameCollision, discover
+
+    (tmp_path / "Li Lei.ipynb").write_text(nb(ADD, MEAN))
+    (tmp_path / "Li_Lei.ipynb").write_text(nb(ADD, MEAN))
+    with pytest.raises(NameCollision) as e:
+        discover(tmp_path)
+    assert "'Li Lei.ipynb'" in str(e.value) and "'Li_Lei.ipynb'" in str(e.value)
+
+
+def test_csv_cells_and_console_names_are_neutralised():
+    """A student or file name that a spreadsheet would run as a formula gets a
+    leading apostrophe in grades.csv; control characters never reach the terminal."""
+    from coursekit.grading.core import shown
+    from coursekit.grading.report import csv_cell, grades_csv
+
+    for lead in "=+-@\t\r":
+        assert csv_cell(lead + "HYPERLINK(1)") == "'" + lead + "HYPERLINK(1)"
+    assert csv_cell("Li_Lei") == "Li_Lei"
+    tests = sandbox_free_tests()
+    rec = {
+        "student": "=cmd|' /C calc'!A0",
+        "scores": {"add": 2.0, "mean": 3.0},
+        "status": "ok",
+        "seed": 1,
+        "file": "/x/@SUM(1).ipynb",
+        "limits": "cgroup v1",
+    }
+    rows = list(csv.reader(grades_csv([rec], tests).splitlines()))
+    assert rows[1][0] == "'=cmd|' /C calc'!A0" and rows[1][-3] == "'@SUM(1).ipynb"
+    assert rows[1][-1] == "cgroup v1"
+    text = shown("evil\x1b]0;pwned\x07\x1b[2J\rname")
+    assert "\x1b" not in text and "\r" not in text and "\\x1b" in text
+
+
+def sandbox_free_tests():
     from coursekit.grading import load_tests
 
-    a = load_tests("lab01", ROOT / "tests" / "grading")
-    assert (
-        a.default_seed == load_tests("lab01", ROOT / "tests" / "grading").default_seed
-    )
-    (tmp_path / "lab01.py").write_text(a.path.read_text() + "\n# changed\n")
-    assert load_tests("lab01", tmp_path).default_seed != a.default_seed
+    d = Path(__import__("tempfile").mkdtemp())
+    (d / "lab99.py").write_text(HIDDEN)
+    return load_tests("lab99", d)
+
+
+def test_machine_failures_are_never_cached():
+    """grader_error, or a time limit hit while the kernel waited for a CPU (the
+    machine's doing), is kept out of the cache: the next run grades it again."""
+    from coursekit.grading import cache
+
+    recs = {
+        "a": {"status": "ok"},
+        "b": {"status": "grader_error"},
+        "c": {"status": "timeout", "no_cache": True},
+        "d": {"status": "timeout"},
+    }
+    kept = json.loads(cache.dumps({k: k for k in recs}, recs))
+    assert sorted(kept) == ["a", "d"]

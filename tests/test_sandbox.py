@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import json
 import os
+import shutil
 import signal
 import socket
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 
-from coursekit.grading import grade, sandbox
+from coursekit.grading import files, grade, sandbox
 from coursekit.grading.core import SandboxUnavailable, merge, shard_of
 from coursekit.grading.worker import MAX_PROCS
 from tests.test_grader import ADD, CHECK, HIDDEN, MEAN, STUB_ADD, STUB_MEAN, nb
@@ -43,6 +46,9 @@ SETTINGS = dict(
     disk_mb=DISK_MB,
 )
 FORKS = 400  # the bounded fork bomb: this many processes that would sleep 30 s
+GRADING_DIR = ROOT / "coursekit" / "grading"
+SITE_PACKAGES = Path(__import__("jupyter_client").__file__).resolve().parents[1]
+OUTLIVE = "coursekit-outlive-" + os.urandom(4).hex()
 
 
 def require_sandbox() -> None:
@@ -92,6 +98,22 @@ for k in kids:
     except OSError:
         pass
 assert alive > {MAX_PROCS}, f"only {{alive}} of {{len(kids)}} forks alive"
+"""
+
+
+CPU_HOG = """
+import os, time
+kids = []
+for _ in range(48):
+    pid = os.fork()
+    if pid == 0:
+        end = time.time() + 8
+        while time.time() < end:
+            pass
+        os._exit(0)
+    kids.append(pid)
+for k in kids:
+    os.waitpid(k, 0)
 """
 
 
@@ -232,6 +254,56 @@ assert seen, 'no grader process in sight'
 """,
         ),
         "fork_bomb": attack("fork_bomb", FORK_BOMB),
+        # the reported escape: remount the read-only course code writable and append
+        # to a module the grader imports; plant a .pth in the environment; read
+        # root-only files; write host sysctls; act as root at all
+        "escape_to_grader": attack(
+            "escape_to_grader",
+            f"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+d = {str(GRADING_DIR)!r}.encode()
+assert libc.mount(None, d, None, 0x20 | 0x1000, None) == 0, ctypes.get_errno()
+""",
+            f"open({str(GRADING_DIR / 'worker.py')!r}, 'a').write('# pwned')",
+            f"open({str(SITE_PACKAGES / 'zz_pwn.pth')!r}, 'w').write('import os')",
+            "open('/etc/shadow').read()",
+            "open('/proc/sys/kernel/hostname', 'w').write('pwned')",
+            "assert __import__('os').getuid() == 0, 'not root'",
+            "import ctypes; assert ctypes.CDLL(None).unshare(0x10000000) == 0",
+            "assert open('/proc/self/status').read().split('CapEff:')[1].split()[0]"
+            " != '0000000000000000', 'no capabilities'",
+        ),
+        # a double-forked, setsid'd process that would outlive the kernel and
+        # rewrite the grader's output afterwards
+        "outlive_grading": attack(
+            "outlive_grading",
+            f"""
+import os, subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)  # {OUTLIVE}"],
+                 start_new_session=True, stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL)
+raise RuntimeError('started; the host checks whether it survives')
+""",
+        ),
+        # folders nested past PATH_MAX, written through descriptors, to hide data
+        # from the size watch and make cleanup fail
+        "deep_paths": attack(
+            "deep_paths",
+            f"""
+import os, time
+fd = os.open('.', os.O_RDONLY)
+for i in range(300):
+    os.mkdir('d' * 200, dir_fd=fd)
+    nfd = os.open('d' * 200, os.O_RDONLY, dir_fd=fd)
+    os.close(fd)
+    fd = nfd
+w = os.open('big', os.O_WRONLY | os.O_CREAT, dir_fd=fd)
+for _ in range({DISK_MB}):
+    os.write(w, bytes(2**20))
+time.sleep(3)
+""",
+        ),
         "fill_disk": attack(
             "fill_disk",
             fill("big.bin"),
@@ -283,7 +355,47 @@ def suite(tmp_path_factory):
             "blocks = []\nfor _ in range(40):\n    blocks.append(b'x' * 2**26)",
         )
     )
-    before = {p.name: digest(p) for p in subs.iterdir()}
+    # files that are not regular files: a notebook symlinked to the reference
+    # solution, to a classmate, to /dev/zero; a FIFO named like a notebook; a folder
+    # holding an honest notebook beside a FIFO and a /dev/zero symlink
+    (base / "solutions").mkdir()
+    (base / "solutions" / "ref.ipynb").write_text(nb(ADD, MEAN, CHECK))
+    (subs / "symlink_solution.ipynb").symlink_to("../solutions/ref.ipynb")
+    (subs / "symlink_classmate.ipynb").symlink_to("honest_a.ipynb")
+    (subs / "devzero.ipynb").symlink_to("/dev/zero")
+    os.mkfifo(subs / "fifo_nb.ipynb")
+    odd = subs / "odd_folder"
+    odd.mkdir()
+    (odd / "lab99_toy.ipynb").write_text(nb(ADD, MEAN, CHECK))
+    os.mkfifo(odd / "data.fifo")
+    (odd / "zero").symlink_to("/dev/zero")
+    # memory a resident-set sampler does not see: memfd, tmpfs (/dev/shm), SysV
+    # shared memory; 1.2 GiB in 30 memfds against a 768 MiB cap (each memfd under
+    # the file-size cap)
+    (subs / "hidden_memory.ipynb").write_text(
+        nb(
+            ADD,
+            MEAN,
+            "import os\nfds = []\nfor _ in range(30):\n"
+            "    fds.append(os.memfd_create('x'))\n"
+            "    for _ in range(40):\n        os.write(fds[-1], bytes(2**20))",
+        )
+    )
+    # 48 spinning processes for 8 s: with a CPU weight per submission the
+    # classmates graded beside it keep their time; it keeps its own marks
+    (subs / "cpu_hog.ipynb").write_text(nb(ADD, MEAN, CPU_HOG))
+    # one 100 MiB output message: the worker never receives (decodes) it
+    (subs / "huge_message.ipynb").write_text(
+        nb(ADD, MEAN, "import sys\nsys.stdout.write('x' * (100 * 2**20))")
+    )
+    before = files.snapshot(subs)
+    # the kernels' work directories go to a folder of this test's own (reachable by
+    # the sandbox's uid), so leftovers can be counted
+    import tempfile
+
+    work_root = Path(tempfile.mkdtemp(prefix="coursekit-suite-"))
+    work_root.chmod(0o711)
+    old_tempdir, tempfile.tempdir = tempfile.tempdir, str(work_root)
     received = []
     old_handler = signal.signal(signal.SIGUSR1, lambda *a: received.append(a[0]))
     os.environ[SECRET_NAME] = "s3cret-" + os.urandom(8).hex()
@@ -291,6 +403,13 @@ def suite(tmp_path_factory):
         records = grade(
             "lab99", subs, out, jobs=2, tests_dir=hidden_dir, log=None, **SETTINGS
         )
+        tempfile.tempdir = old_tempdir
+        leftovers = sorted(os.listdir(work_root))
+        outlived = [
+            p.pid
+            for p in psutil.process_iter(["cmdline"])
+            if OUTLIVE in " ".join(p.info["cmdline"] or [])
+        ]
         accepted, signals = server.accepted, list(received)
         # control: the same attacks without the sandbox do succeed (aimed at the
         # control run's own folders)
@@ -312,6 +431,8 @@ def suite(tmp_path_factory):
             **SETTINGS,
         )
     finally:
+        tempfile.tempdir = old_tempdir
+        shutil.rmtree(work_root, ignore_errors=True)
         del os.environ[SECRET_NAME]
         signal.signal(signal.SIGUSR1, old_handler)
         server.close()
@@ -330,6 +451,8 @@ def suite(tmp_path_factory):
         control_out=ctrl_out,
         control_logs=logs,
         names=sorted(cells),
+        leftovers=leftovers,
+        outlived=outlived,
     )
 
 
@@ -356,6 +479,7 @@ ATTACK_NAMES = [
     "signal_grader",
     "fork_bomb",
     "fill_disk",
+    "escape_to_grader",
 ]
 
 
@@ -374,15 +498,18 @@ def test_host_side_untouched(suite):
     """Nothing the attacks aimed at changed: the submissions byte for byte, the output
     folder (only the grader's files), no file outside, no connection, no signal."""
     subs, out = suite["subs"], suite["out"]
-    assert {p.name: digest(p) for p in subs.iterdir()} == suite["before"]
+    assert files.snapshot(subs) == suite["before"]
     for name in HONEST:
         rec = suite["records"][name]
         assert (rec["status"], sum(rec["scores"].values())) == ("ok", 5), rec
         assert "hacked" not in (out / "feedback" / f"{name}.html").read_text()
     assert not (suite["base"] / "outside.txt").exists()
     assert not (ROOT / "sandbox_attack.txt").exists()
+    assert "# pwned" not in (GRADING_DIR / "worker.py").read_text()
+    assert not (SITE_PACKAGES / "zz_pwn.pth").exists()
     assert sorted(p.name for p in out.iterdir()) == [
         ".grade_cache.json",
+        ".grade_seed",
         "feedback",
         "grades.csv",
     ]
@@ -391,6 +518,77 @@ def test_host_side_untouched(suite):
     assert {r["sandbox"] for r in suite["rows"].values() if r["student"] != "MAX"} == {
         "yes"
     }
+
+
+def test_process_cannot_outlive_grading(suite):
+    """A setsid'd process the kernel started is gone when grade() returns (the PID
+    namespace dies with the kernel); the attacker keeps its honest score."""
+    assert suite["outlived"] == []
+    rec = suite["records"]["outlive_grading"]
+    assert (rec["status"], rec["scores"]) == ("ok", {"add": 2, "mean": 3}), rec
+
+
+def test_deep_paths_are_measured_and_removed(suite):
+    """Folders nested past PATH_MAX stop the kernel (the size walk goes by
+    descriptors and refuses depth), and cleanup removes them: no work directory is
+    left behind by any submission of the run."""
+    rec = suite["records"]["deep_paths"]
+    assert rec["status"] == "kernel_died" and "嵌套" in rec["message"], rec
+    assert suite["leftovers"] == []
+
+
+@pytest.mark.parametrize(
+    "name, what",
+    [
+        ("symlink_solution", "符号链接"),
+        ("symlink_classmate", "符号链接"),
+        ("devzero", "符号链接"),
+        ("fifo_nb", "FIFO"),
+    ],
+)
+def test_only_regular_files_are_graded(suite, name, what):
+    """A notebook that is a symlink (to the reference solution, to a classmate's
+    notebook, to /dev/zero) or a FIFO is never followed or opened: that student's
+    submission is invalid, scores 0, and the feedback says what the file is; the run
+    neither hangs nor crashes, and the classmate keeps full marks."""
+    rec = suite["records"][name]
+    assert rec["status"] == "invalid" and sum(rec["scores"].values()) == 0, rec
+    assert what in rec["message"], rec
+    page = (suite["out"] / "feedback" / f"{name}.html").read_text()
+    assert what in page
+    honest = suite["records"]["honest_a"]
+    assert (honest["status"], sum(honest["scores"].values())) == ("ok", 5)
+
+
+def test_folder_with_fifo_and_devzero_is_graded(suite):
+    """A folder holding the notebook beside a FIFO and a /dev/zero symlink: the
+    notebook is graded (full marks), the odd files are named, not opened."""
+    rec = suite["records"]["odd_folder"]
+    assert (rec["status"], sum(rec["scores"].values())) == ("ok", 5), rec
+    assert "data.fifo" in rec["note"] and "zero" in rec["note"], rec
+
+
+def test_memory_cap_counts_memfd_tmpfs_and_shm(suite):
+    """With a cgroup per submission, memory outside the resident set (memfd, tmpfs,
+    shared memory) counts: 1.2 GiB in memfds against 768 MiB stops that kernel
+    (memory_limit); grades.csv says which limits held."""
+    limits = suite["rows"]["honest_a"]["limits"]
+    if not limits.startswith("cgroup"):
+        pytest.skip(f"no cgroups here (limits: {limits}): only the sampler holds")
+    rec = suite["records"]["hidden_memory"]
+    assert rec["status"] == "memory_limit" and "768 MiB" in rec["message"], rec
+
+
+def test_cpu_hog_and_huge_message_hurt_only_themselves(suite):
+    """48 spinning processes keep their own marks, no classmate times out; a 100
+    MiB output message is never decoded by the worker (it costs only its sender)."""
+    hog = suite["records"]["cpu_hog"]  # on a loaded machine its own cell may time out
+    assert hog["status"] in ("ok", "timeout") and sum(hog["scores"].values()) == 5
+    for name in HONEST:
+        assert suite["records"][name]["status"] == "ok"
+    huge = suite["records"]["huge_message"]
+    assert huge["status"] in ("ok", "timeout", "kernel_died"), huge
+    assert "x" * 1000 not in json.dumps(huge)
 
 
 def test_memory_cap_is_resident_memory(suite):
@@ -502,6 +700,7 @@ def test_shard_and_merge(tmp_path):
         o = tmp_path / f"shard{i}"
         args = ["grade", "--lab", "lab99", str(subs), "--out", str(o), "--jobs", "2"]
         args += ["--shard", f"{i}/2", "--tests", str(hidden), "--memory-mb", "768"]
+        args += ["--seed", "12345"]  # shards share one seed: given, kept secret
         assert main(args) == 0
         rows = list(csv.DictReader((o / "grades.csv").open()))
         assert {r["student"] for r in rows[:-1]} == {
@@ -537,18 +736,231 @@ def test_environment_under_tmp_stays_visible(tmp_path, monkeypatch):
         (repo / "secret").write_text("x")
         paths = sandbox.python_paths()
         monkeypatch.setattr(sandbox, "python_paths", lambda: paths + [str(env_dir)])
-        work = tmp_path / "work"
+        work = repo / "work"  # reachable by the sandbox's uid 65534
         work.mkdir()
+        sandbox.prepare_workdir(str(work))
         argv = sandbox.command(str(work), {"PATH": "/usr/bin:/bin"}, "off", 16)
         script = (
-            f"cat {env_dir / 'marker'}; echo; ls {repo}; "
+            f"cat {env_dir / 'marker'}; echo; echo $(ls {repo}); "
             f"echo x > {repo / 'evil'} && echo WROTE; echo ok > {work / 'out'}"
         )
         out = subprocess.run(
             argv + ["/bin/sh", "-c", script], capture_output=True, text=True
         )
-        assert out.stdout.splitlines() == ["visible", "venv"], out
+        assert out.stdout.splitlines() == ["visible", "venv work"], out
         assert "Read-only file system" in out.stderr
         assert not (repo / "evil").exists() and (work / "out").read_text() == "ok\n"
     finally:
         shutil.rmtree(repo)
+
+
+PROBE_IDENTITY = r"""
+import ctypes, errno, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+def call(f, *a):
+    return "ok" if f(*a) == 0 else errno.errorcode[ctypes.get_errno()]
+status = dict(ln.split(":", 1) for ln in open("/proc/self/status") if ":" in ln)
+def write(p):
+    try:
+        open(p, "w").write("1")
+        return "ok"
+    except OSError as e:
+        return errno.errorcode[e.errno]
+print(json.dumps({
+    "uid": [os.getuid(), os.geteuid(), os.getgid()],
+    "caps": [int(status[k], 16) for k in ("CapEff", "CapPrm", "CapBnd")],
+    "nnp": status["NoNewPrivs"].strip(), "seccomp": status["Seccomp"].strip(),
+    "mount": call(libc.mount, b"none", b"/tmp", b"tmpfs", 0, None),
+    "remount": call(libc.mount, None, os.path.dirname(json.__file__).encode(), None,
+                    0x20 | 0x1000, None),
+    "unshare_user": call(libc.unshare, 0x10000000),
+    "ptrace": call(libc.ptrace, 16, 1, None, None),
+    "keyctl": call(libc.syscall, 250, 0, 0, 0, 0, 0),
+    "etc": sorted(os.listdir("/etc")), "sys": os.path.exists("/sys"),
+    "proc_sys": write("/proc/sys/kernel/hostname"),
+    "pid": os.getpid(),
+}))
+"""
+
+
+def test_kernel_is_never_host_root():
+    """What every kernel runs as, launched exactly as the worker launches it: uid 65534
+    inside, no capabilities, no new privileges, under the seccomp filter (mount,
+    remount, unshare, ptrace, keyctl: EPERM); /etc without shadow, sudoers or ssh; no
+    /sys; /proc/sys read-only. Started as root, every process of the sandbox is host
+    uid 65534 (the host's own view of it), never 0."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    require_sandbox()
+    work = Path(tempfile.mkdtemp(prefix="coursekit-identity-"))  # reachable by 65534
+    sandbox.prepare_workdir(str(work))
+    argv = sandbox.command(str(work), {"PATH": "/usr/bin:/bin"}, "off", 16)
+    code = PROBE_IDENTITY + "\nimport time, sys; sys.stdout.flush(); time.sleep(3)"
+    proc = subprocess.Popen(
+        argv + [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
+    )
+    line = proc.stdout.readline()
+    import psutil
+
+    host_uids = set()
+    for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]:
+        host_uids |= set(p.uids()) | set(p.gids())
+    proc.kill()
+    proc.wait()
+    import shutil
+
+    shutil.rmtree(work)
+    seen = json.loads(line)
+    assert seen["uid"] == [65534, 65534, 65534]
+    assert seen["caps"] == [0, 0, 0] and seen["nnp"] == "1"
+    if sandbox.seccomp.program() is not None:
+        assert seen["seccomp"] == "2"
+        for call in ("mount", "remount", "unshare_user", "ptrace", "keyctl"):
+            assert seen[call] == "EPERM", (call, seen)
+    assert not {"shadow", "gshadow", "sudoers", "ssh", "shadow-"} & set(seen["etc"])
+    assert "passwd" in seen["etc"] and "ld.so.cache" in seen["etc"]
+    assert seen["sys"] is False and seen["proc_sys"] in ("EACCES", "EROFS", "EPERM")
+    if os.geteuid() == 0:
+        assert host_uids == {65534}, host_uids
+    else:
+        assert 0 not in host_uids
+
+
+def test_seccomp_program_shape():
+    """The BPF program: whole instructions, an architecture check first, every denied
+    call of the table present; None where there is no table."""
+    from coursekit.grading import seccomp
+
+    prog = seccomp.program("x86_64")
+    assert prog and len(prog) % 8 == 0
+    import struct
+
+    ins = [struct.unpack("=HBBI", prog[i : i + 8]) for i in range(0, len(prog), 8)]
+    assert ins[0] == (seccomp.LD_ABS, 0, 0, seccomp.ARCH)
+    assert ins[1][3] == 0xC000003E
+    ks = {k for op, _, _, k in ins if op == seccomp.JEQ}
+    table = seccomp.TABLES["x86_64"][1]
+    assert {table[n] for n in seccomp.DENIED if n in table} <= ks
+    assert seccomp.program("aarch64") and seccomp.program("riscv64") is None
+
+
+USER_UID = 12345  # an ordinary user with no name, no home and no groups
+USER_ATTACKS = (
+    "escape_to_grader",
+    "read_hidden_tests",
+    "write_output_folder",
+    "outlive_grading",
+    "deep_paths",
+)
+USER_SCRIPT = r"""
+import json, os, sys
+from pathlib import Path
+import psutil
+from coursekit.grading import grade
+base = Path(sys.argv[1])
+settings = json.loads(sys.argv[2])
+before = set(sys.modules)
+recs = grade("lab99", base / "subs", base / "out", jobs=2,
+             tests_dir=base / "hidden", log=None, **settings)
+new = sorted(set(sys.modules) - before)
+outlived = [p.pid for p in psutil.process_iter(["cmdline"])
+            if sys.argv[3] in " ".join(p.info["cmdline"] or [])
+            and p.pid != os.getpid()]
+print(json.dumps({"records": recs, "new_modules": new, "outlived": outlived,
+                  "uid": os.getuid(), "left": os.listdir(os.environ["TMPDIR"])}))
+"""
+
+
+@pytest.fixture(scope="module")
+def user_run():
+    """The attacks whose defence does not depend on root, graded by an ordinary user
+    (uid 12345): when the tests run as root, the grader itself runs as that user
+    (the interpreter staged for it the way the sandbox launcher stages it); as
+    another user the main suite is already this run."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    require_sandbox()
+    if os.geteuid() != 0:
+        pytest.skip("not root: the main suite already runs as an ordinary user")
+    base = Path(tempfile.mkdtemp(prefix="coursekit-user-"))
+    try:
+        hidden, subs, tmp = base / "hidden", base / "subs", base / "tmp"
+        for d in (hidden, subs, tmp):
+            d.mkdir()
+        (hidden / "lab99.py").write_text(HIDDEN)
+        cells = attacks(base, subs, base / "out", hidden / "lab99.py", 1)
+        for name in USER_ATTACKS:
+            (subs / f"{name}.ipynb").write_text(nb(ADD, MEAN, cells[name]))
+        (subs / "honest_a.ipynb").write_text(nb(ADD, MEAN, CHECK))
+        (subs / "symlink_classmate.ipynb").symlink_to("honest_a.ipynb")
+        os.mkfifo(subs / "fifo_nb.ipynb")
+        before = files.snapshot(subs)
+        for dirpath, dirs, names in os.walk(base):
+            for n in [*dirs, *names]:
+                os.lchown(os.path.join(dirpath, n), USER_UID, USER_UID)
+        os.chown(base, USER_UID, USER_UID)
+        base.chmod(0o755)
+        paths = sandbox.python_paths()
+        plan = sandbox.stage_plan(paths, str(base))
+        cfg = {"procs": [], "stage": plan, "uid": USER_UID, "gid": USER_UID,
+               "seccomp": ""}  # fmt: skip
+        env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(base),
+            "TMPDIR": str(tmp),
+            "LANG": "C.UTF-8",
+        }
+        argv = [sys.executable, "-I", "-S", "-c", sandbox.LAUNCHER, json.dumps(cfg)]
+        argv += ["--", sys.executable, "-c", USER_SCRIPT, str(base)]
+        argv += [json.dumps(SETTINGS), OUTLIVE]
+        done = subprocess.run(
+            argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        data = json.loads(done.stdout.strip().splitlines()[-1])
+        data["records"] = {r["student"]: r for r in data["records"]}
+        data["unchanged"] = files.snapshot(subs) == before
+        data["out"] = sorted(os.listdir(base / "out"))
+        return data
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_attacks_fail_as_an_ordinary_user(user_run):
+    """Graded by uid 12345: the same attacks fail, the attackers keep their honest
+    score (the deep-path one is stopped), the symlink and the FIFO are refused, the
+    classmate keeps full marks and its file, nothing outlives the run, no work
+    directory is left, and the grader imported nothing but the hidden tests while
+    grading."""
+    recs = user_run["records"]
+    assert user_run["uid"] == USER_UID
+    for name in USER_ATTACKS:
+        rec = recs[name]
+        if name == "deep_paths":
+            assert rec["status"] == "kernel_died" and "嵌套" in rec["message"], rec
+            continue
+        if name != "outlive_grading":
+            verdict = outcome(rec, name)
+            assert "SUCCEEDED" not in verdict and verdict.startswith("blocked"), verdict
+        assert (rec["status"], rec["scores"]) == ("ok", {"add": 2, "mean": 3}), rec
+    for name, what in (("symlink_classmate", "符号链接"), ("fifo_nb", "FIFO")):
+        assert recs[name]["status"] == "invalid" and what in recs[name]["message"]
+    assert (recs["honest_a"]["status"], sum(recs["honest_a"]["scores"].values())) == (
+        "ok",
+        5,
+    )
+    assert recs["honest_a"]["limits"] == "sampled"  # no cgroups for this user here
+    assert user_run["unchanged"] and user_run["outlived"] == []
+    assert user_run["left"] == []
+    assert user_run["out"] == sorted(
+        [".grade_cache.json", ".grade_seed", "feedback", "grades.csv"]
+    )
+    assert set(user_run["new_modules"]) <= {"_hidden_tests_lab99"}, user_run[
+        "new_modules"
+    ]

@@ -139,8 +139,9 @@ class LabTests:
 
     @property
     def default_seed(self) -> int:
-        """The seed used when none is given: fixed by the lab and its hidden tests, so a
-        re-run grades every submission on the same inputs and gives the same grades."""
+        """A seed fixed by the lab and its hidden tests, for tests and benchmarks.
+        ``grade`` never uses it: anyone with the repository could derive it, so a class
+        gets a secret seed of its own (:func:`coursekit.grading.core.class_seed`)."""
         return int(
             hashlib.sha256(f"{self.lab}:{self.digest}".encode()).hexdigest()[:8], 16
         )

@@ -11,9 +11,11 @@ import hashlib
 import json
 from pathlib import Path
 
+from .files import read_regular
 from .submissions import Submission
 
 CACHE_NAME = ".grade_cache.json"
+SEED_NAME = ".grade_seed"  # the class's secret default seed (core.class_seed)
 GRADER_VERSION = "2"
 
 
@@ -34,7 +36,7 @@ def key(sub: Submission, tests_digest: str, settings: dict) -> str:
         f"{json.dumps(settings, sort_keys=True)}|{sub.note}|".encode()
     )
     try:
-        h.update(sub.path.read_bytes() if sub.path else sub.problem.encode())
+        h.update(read_regular(sub.path) if sub.path else sub.problem.encode())
     except OSError as e:
         h.update(repr(e).encode())
     return h.hexdigest()
@@ -60,9 +62,19 @@ def hit(cache: dict, student: str, k: str) -> dict | None:
     return None
 
 
+def cacheable(rec: dict) -> bool:
+    """A record the next run may reuse: never one the grader or the machine failed
+    (grader_error, or a time limit hit while the submission waited for a CPU)."""
+    return rec.get("status") != "grader_error" and not rec.get("no_cache")
+
+
 def dumps(keys: dict[str, str], records: dict[str, dict]) -> str:
     return json.dumps(
-        {s: {"key": keys[s], "record": records[s]} for s in records},
+        {
+            s: {"key": keys[s], "record": records[s]}
+            for s in records
+            if cacheable(records[s])
+        },
         ensure_ascii=False,
         indent=1,
     )

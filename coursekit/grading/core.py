@@ -4,21 +4,68 @@ calls it); ``--shard i/n`` grades a deterministic share, :func:`merge` joins the
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 import os
+import secrets
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from . import cache, sandbox
+import encodings.unicode_escape  # noqa: F401  (a codec found lazily while grading)
+import jinja2  # noqa: F401  (the feedback pages': imported before any kernel runs)
+
+from ..labs import find_root
+from . import cache, cgroup, files, sandbox
 from .api import load_tests
-from .report import SHARD_NAME, total, write_outputs
+from .report import SHARD_NAME, atomic_write, total, write_outputs
 from .runner import grade_one, new_record
 from .scoring import prepare
 from .submissions import discover
+
+CGROUP_WARNING = (
+    "WARNING: {why}; each kernel's memory and processes are sampled by a watchdog "
+    "instead (tmpfs and shared memory are not counted; a busy machine can make a "
+    "classmate time out); grades.csv's limits column says 'sampled'"
+)
+
+
+def shown(text: str) -> str:
+    """A name as the terminal may print it: control characters (escape sequences,
+    carriage returns) written as escapes, never sent raw."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text))
+
+
+def class_seed(out: Path, seed: int | None) -> int:
+    """``seed`` when given; else the class's secret: drawn (``secrets``) on the first
+    run into ``out`` and kept there (``.grade_seed``), so a regrade uses the same
+    hidden inputs; nothing in the repository determines it."""
+    path = out / cache.SEED_NAME
+    if seed is not None:
+        return seed
+    try:
+        text = files.read_regular(path, 100).decode().strip()
+        value = int(text)
+        if 0 <= value < 2**63:
+            return value
+        raise ValueError(text)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"{path} does not hold a seed ({e}); delete it to draw a new one (every "
+            "submission is then graded again) or pass --seed"
+        ) from None
+    value = secrets.randbelow(2**63)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{value}\n")
+    return value
+
 
 NO_SANDBOX_WARNING = (
     "WARNING: grading WITHOUT a sandbox (--no-sandbox): every submission runs with "
@@ -51,18 +98,9 @@ def shard_of(student: str, n: int) -> int:
 
 
 def snapshot(root: Path) -> dict[str, str]:
-    """sha256 of every file under the submissions folder (relative path → digest)."""
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            p = Path(dirpath) / name
-            try:
-                out[str(p.relative_to(root))] = hashlib.sha256(
-                    p.read_bytes()
-                ).hexdigest()
-            except OSError as e:
-                out[str(p.relative_to(root))] = f"unreadable: {e}"
-    return out
+    """sha256 of every regular file under the submissions folder (relative path →
+    digest); a symlink, FIFO, device or socket is named, never opened or followed."""
+    return files.snapshot(root)
 
 
 def changed_files(before: dict[str, str], after: dict[str, str]) -> list[str]:
@@ -114,15 +152,14 @@ def grade(
     log: Callable[[str], None] | None = print,
 ) -> list[dict]:
     """Grade every submission of ``lab``; write grades.csv + feedback/; return the
-    records (sorted by student). ``seed`` defaults to :attr:`LabTests.default_seed`.
+    records (sorted by student). ``seed`` defaults to the class's secret
+    (:func:`class_seed`: drawn on the first run into ``out``, reused after).
     ``sandboxed=False`` runs the kernels without bubblewrap (a warning everywhere);
     ``shard=(i, n)`` grades only the students of shard i (see :func:`merge`).
     ``disk_mb``: the largest file a kernel may write and the size of its /tmp."""
     if sandboxed and (why := sandbox.unavailable()):
         raise SandboxUnavailable(why)
     if tests_dir is None:
-        from ..labs import find_root
-
         tests_dir = find_root() / "tests" / "grading"
     shard = parse_shard(shard) if isinstance(shard, str) or shard is None else shard
     _check_layout(Path(submissions), Path(out), Path(tests_dir), sandboxed)
@@ -138,13 +175,24 @@ def grade(
         "memory_mb": memory_mb or tests.memory_mb,
         "disk_mb": int(disk_mb),
         "gpu": gpu,
-        "seed": tests.default_seed if seed is None else seed,
         "sandbox": bool(sandboxed),
     }
+    if shard is not None and seed is None:
+        raise ValueError(
+            "--shard needs --seed: every shard must draw the same hidden inputs "
+            "(keep the number secret, e.g. a CI secret)"
+        )
     if not sandboxed and log:
         log(NO_SANDBOX_WARNING)
+    if sandboxed and not (why := cgroup.available()):
+        settings["limits"] = f"cgroup {cgroup.parent().kind}"
+    else:
+        settings["limits"] = "sampled"
+        if sandboxed and log:
+            log(CGROUP_WARNING.format(why=why))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    settings["seed"] = class_seed(out, seed)
     subs = discover(submissions, tests.notebook)
     if shard is not None:
         subs = [s for s in subs if shard_of(s.student, shard[1]) == shard[0]]
@@ -162,7 +210,9 @@ def grade(
     if log:
         log(
             f"{lab}: {len(subs)} submissions, {len(todo)} to grade, "
-            f"{len(subs) - len(todo)} unchanged (cached); seed {settings['seed']}"
+            f"{len(subs) - len(todo)} unchanged (cached); "
+            + ("secret seed of this class" if seed is None else f"seed {seed}")
+            + f"; limits: {settings['limits']}"
         )
     prepared = prepare(tests, settings["seed"]) if todo else []
 
@@ -175,21 +225,24 @@ def grade(
             rec.update(status="grader_error", message=repr(e)[:3000])
         if log:
             log(
-                f"  {sub.student:<24} {total(rec):>6g} / {tests.max_points:g}  "
+                f"  {shown(sub.student):<24} {total(rec):>6g} / {tests.max_points:g}  "
                 f"{rec['status']:<12} {time.perf_counter() - t0:5.1f} s"
             )
         return sub.student, rec
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for student, rec in pool.map(work, todo):
-            records[student] = rec
+    try:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            for student, rec in pool.map(work, todo):
+                records[student] = rec
+    finally:
+        cgroup.cleanup_parent()
     changed = changed_files(before, snapshot(Path(submissions)))
     for f in changed:
         who = Path(f).parts[0]
         who = who[:-6] if who.endswith(".ipynb") else who
         msg = f"警告：提交的文件 {f} 在评分过程中被改动或删除（评分器从不写提交文件夹）"
         if log:
-            log(f"WARNING: submission file {f} changed during the grading run")
+            log(f"WARNING: submission file {shown(f)} changed during the grading run")
         for rec in records.values():
             if rec["student"] == who or Path(rec.get("file") or "/").name == f:
                 rec["message"] = (msg + " " + rec.get("message", "")).strip()
@@ -245,8 +298,6 @@ def merge(lab: str, shard_dirs: list[str | Path], out: str | Path) -> dict:
         if len({json.dumps(i[key]) for _, i in infos}) != 1:
             raise ValueError(f"shards were graded with different {key}s")
     headers, rows, max_row = set(), {}, None
-    import csv
-
     for d, info in infos:
         with (d / "grades.csv").open(encoding="utf-8", newline="") as f:
             table = list(csv.reader(f))
@@ -269,18 +320,13 @@ def merge(lab: str, shard_dirs: list[str | Path], out: str | Path) -> dict:
         for page in sorted((d / "feedback").glob("*.html")):
             shutil.copyfile(page, out / "feedback" / page.name)
         merged_cache.update(cache.load(d))
-    import csv as _csv
-    import io
-
     buf = io.StringIO()
-    w = _csv.writer(buf, lineterminator="\n")
+    w = csv.writer(buf, lineterminator="\n")
     w.writerow(headers.pop())
     for student in sorted(rows):
         w.writerow(rows[student])
     if max_row:
         w.writerow(max_row)
-    from .report import atomic_write
-
     atomic_write(out / "grades.csv", buf.getvalue())
     atomic_write(
         out / cache.CACHE_NAME,

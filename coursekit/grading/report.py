@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
@@ -11,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from .api import STUB_LIMIT, LabTests
-from .cache import GRADER_VERSION
+from .cache import GRADER_VERSION, SEED_NAME
 
 STATUS_TEXT = {
     "ok": "notebook 已运行完，隐藏测试已运行",
@@ -32,6 +33,11 @@ SANDBOX_TEXT = {
     ),
     False: ("注意：这次评分没有使用沙箱（--no-sandbox），提交以评分者的用户权限运行。"),
 }
+
+
+def seed_id(seed) -> str:
+    """What a student may see of a seed: 12 hex digits of its sha256."""
+    return hashlib.sha256(str(seed).encode()).hexdigest()[:12]
 
 
 def total(rec: dict) -> float:
@@ -79,7 +85,9 @@ def feedback_html(
         .get_template("feedback.html")
         .render(
             lab=tests.lab,
-            rec=rec,
+            # the seed is the class's secret (it fixes every hidden input): the page
+            # shows a digest of it, which tells runs apart and gives nothing away
+            rec=dict(rec, seed=seed_id(rec.get("seed"))),
             total=total(rec),
             max_points=tests.max_points,
             status_text=STATUS_TEXT.get(rec["status"], rec["status"]),
@@ -90,6 +98,16 @@ def feedback_html(
             sandbox_text=SANDBOX_TEXT[bool(rec.get("sandbox", True))],
         )
     )
+
+
+FORMULA_LEAD = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value) -> str:
+    """A text cell a spreadsheet will not run: one starting like a formula (= + - @,
+    tab, carriage return) gets a leading apostrophe."""
+    text = str(value)
+    return "'" + text if text.startswith(FORMULA_LEAD) else text
 
 
 def grades_csv(records: list[dict], tests: LabTests) -> str:
@@ -104,18 +122,20 @@ def grades_csv(records: list[dict], tests: LabTests) -> str:
             "seed",
             "file",
             "sandbox",
+            "limits",
         ]
     )
     for rec in records:
         w.writerow(
             [
-                rec["student"],
+                csv_cell(rec["student"]),
                 *[f"{rec['scores'].get(q.name, 0.0):g}" for q in tests.questions],
                 f"{total(rec):g}",
-                rec["status"],
+                csv_cell(rec["status"]),
                 rec.get("seed", ""),
-                Path(rec["file"]).name if rec.get("file") else "",
+                csv_cell(Path(rec["file"]).name) if rec.get("file") else "",
                 "yes" if rec.get("sandbox", True) else "no",
+                csv_cell(rec.get("limits", "")),
             ]
         )
     w.writerow(
@@ -123,6 +143,7 @@ def grades_csv(records: list[dict], tests: LabTests) -> str:
             "MAX",
             *[f"{q.points:g}" for q in tests.questions],
             f"{tests.max_points:g}",
+            "",
             "",
             "",
             "",
@@ -173,7 +194,7 @@ def write_outputs(
     for (
         p
     ) in out.iterdir():  # stray files a submission may have dropped next to grades.csv
-        keep = ("grades.csv", "feedback", cache_name)
+        keep = ("grades.csv", "feedback", cache_name, SEED_NAME)
         if shard_info is not None:
             keep += (SHARD_NAME,)
         if p.name not in keep and p.is_file():

@@ -18,19 +18,28 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import nbformat
+import psutil
+
+from . import cgroup
+from .files import read_regular, remove_tree
 from .scoring import Prepared, probe_spec, score
 from .submissions import Submission
+from .worker import kill_tree
+
+# Everything the grader's own process runs is imported above, before any kernel runs:
+# nothing a submission could have touched is ever imported later (the kernel cannot
+# write the grader's code anyway: it sees it read-only, as another user).
 
 STATUSES = ("ok", "timeout", "kernel_died", "memory_limit", "invalid", "grader_error")
 TOKEN_ENV = "COURSEKIT_GRADE_TOKEN"
 MAX_CELL_OUTPUT = 200_000
+TASKS_MAX = 384  # pids.max of a submission's cgroup: processes and threads
 
 
 def kill_token(token: str) -> None:
     """SIGKILL every process whose environment carries ``token`` (escapees from the
     groups)."""
-    import psutil
-
     for proc in psutil.process_iter():
         if proc.pid == os.getpid():
             continue
@@ -44,9 +53,7 @@ def kill_token(token: str) -> None:
 def read_notebook(path: Path):
     """The submission as an nbformat 4 notebook, or ValueError saying why it is not
     one."""
-    import nbformat
-
-    nb = nbformat.reads(path.read_bytes().decode("utf-8"), as_version=4)
+    nb = nbformat.reads(read_regular(path).decode("utf-8"), as_version=4)
     cells = nb.get("cells")
     if not isinstance(cells, list) or any(
         not isinstance(c, dict) or "cell_type" not in c for c in cells
@@ -80,8 +87,6 @@ def run_worker(spec: dict, token: str, hard_timeout: float, cwd: str) -> dict:
     """Run the worker on ``spec``; its whole tree is killed before this returns (and,
     unsandboxed, every process carrying the token: inside the sandbox no process can
     leave the PID namespace, which dies with the kernel)."""
-    import psutil
-
     env = dict(os.environ)
     env[TOKEN_ENV] = token
     proc = psutil.Popen(
@@ -111,8 +116,6 @@ def run_worker(spec: dict, token: str, hard_timeout: float, cwd: str) -> dict:
             "message": f"评分子进程没有返回结果（{type(e).__name__}: {e}）",
         }
     finally:
-        from .worker import kill_tree
-
         kill_tree(proc.pid)
         proc.wait()
         if not spec.get("sandbox"):
@@ -129,6 +132,7 @@ def new_record(sub: Submission, prepared: list[Prepared], seed: int) -> dict[str
         "seed": seed,
         "seconds": 0.0,
         "sandbox": True,
+        "limits": "",
         "cells": [],
         "scores": {p.question.name: 0.0 for p in prepared},
         "details": {},
@@ -143,8 +147,6 @@ def grade_one(sub: Submission, prepared: list[Prepared], settings: dict) -> dict
         rec.update(status="invalid", message=sub.problem)
         return rec
     try:
-        import nbformat
-
         nb = read_notebook(sub.path)
     except Exception as e:
         rec.update(
@@ -154,9 +156,19 @@ def grade_one(sub: Submission, prepared: list[Prepared], settings: dict) -> dict
         return rec
     probes = [probe_spec(p, settings["probe_timeout"]) for p in prepared]
     token = secrets.token_hex(16)
-    with tempfile.TemporaryDirectory(
-        prefix="coursekit-grade-", ignore_cleanup_errors=True
-    ) as work:
+    # removed by descriptor, however deep the kernel nested folders in it
+    work, leftover = tempfile.mkdtemp(prefix="coursekit-grade-"), ""
+    rec["limits"] = settings.get("limits", "sampled")
+    cg = None
+    if rec["limits"].startswith("cgroup"):
+        try:
+            cg = cgroup.Cgroup.create(
+                cgroup.parent(), int(settings["memory_mb"]) * 2**20, TASKS_MAX
+            )
+        except (OSError, TypeError, AttributeError) as e:
+            rec["limits"] = "sampled"
+            leftover = f" 没能为这份提交建立 cgroup（{e}），内存与进程数由采样监视"
+    try:
         nb_path = Path(work) / "submission.ipynb"
         nb_path.write_text(nbformat.writes(nb), encoding="utf-8")
         spec = {
@@ -171,6 +183,8 @@ def grade_one(sub: Submission, prepared: list[Prepared], settings: dict) -> dict
             "max_output": MAX_CELL_OUTPUT,
             "probes": probes,
             "labels": cell_labels(nb),
+            "cgroup": cg.spec() if cg else None,
+            "cgroup_procs": cg.procs if cg else [],
             "env": {
                 "COURSE_GPU": settings["gpu"],
                 "PYTHONHASHSEED": "0",
@@ -180,10 +194,19 @@ def grade_one(sub: Submission, prepared: list[Prepared], settings: dict) -> dict
         }
         hard = settings["notebook_timeout"] + 90  # kernel start-up and shutdown on top
         result = run_worker(spec, token, hard, work)
+    finally:
+        if cg is not None:
+            cg.remove()
+        try:
+            remove_tree(work)
+        except OSError as e:
+            leftover = f" 评分器没能删除工作目录 {work}（{e}）"
     status = result.get("status")
     rec["status"] = status if status in STATUSES else "grader_error"
-    rec["message"] = str(result.get("message", ""))[:3000]
+    rec["message"] = (str(result.get("message", ""))[:3000] + leftover).strip()
     rec["seconds"] = result.get("seconds", 0.0)
+    if result.get("machine_busy"):  # not the submission's doing: graded again next run
+        rec["no_cache"] = True
     labels = cell_labels(nb)
     for c in result.get("cells", []):
         if isinstance(c, dict) and c.get("error") and len(rec["cells"]) < 200:

@@ -33,6 +33,9 @@ import sys
 import threading
 import time
 
+from .cgroup import Cgroup
+from .files import dir_bytes
+
 # The probe cell: runs the hidden test's source in a copy of the student's namespace and
 # prints its result as JSON between two nonces. A per-case probe defines CASE(x); every
 # input is tried on its own, so one exception or one non-JSON value fails that case
@@ -73,12 +76,15 @@ _grader_probe_{fid}()
 """
 
 PROBE_OUTPUT_CAP = 20_000_000  # characters kept from a probe cell (its result is JSON)
+MAX_MESSAGE = 64 * 2**20  # bytes: the largest message frame the worker accepts
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 STATUS_ORDER = ["ok", "timeout", "kernel_died", "memory_limit"]
 DISK_MB = 512  # default of spec["disk_mb"]: the largest file the kernel may write
 # (RLIMIT_FSIZE) and the size of its private /tmp; its work directory may hold twice
 # that in all (the watchdog)
 MAX_PROCS = 256  # processes in the kernel's tree; the extra ones are killed
+BUSY_SHARE = 0.25  # a timed-out cell that waited for a CPU this share of its limit
+# or more was starved by the machine: its result is not cached
 WATCH_EVERY = 0.1  # seconds between two looks of the watchdog
 IOPUB_TIMEOUT = 20  # s for a cell's last output after its reply (a loaded machine)
 IOPUB_AFTER_TIMEOUT = 3  # s for it after the cell hit its time limit (interrupted)
@@ -210,19 +216,6 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def _dir_bytes(path: str, stop: int) -> int:
-    total = 0
-    for root, dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except OSError:
-                pass
-            if total > stop:
-                return total
-    return total
-
-
 class Watchdog(threading.Thread):
     """Every WATCH_EVERY seconds: the resident memory (sum of RSS) of the kernel's
     process tree, the number of processes in it, and (every second) the size of its
@@ -301,8 +294,11 @@ class Watchdog(threading.Thread):
                     except OSError:
                         pass
                 tree = process_tree(self.pid)
-            rss = self.resident(tree)
-            self.peak = max(self.peak, rss)
+            if self.session.cg is not None:  # the cgroup counts and caps memory
+                rss = 0
+            else:
+                rss = self.resident(tree)
+                self.peak = max(self.peak, rss)
             if rss > self.cap:
                 self.session.note(
                     "memory_limit",
@@ -311,13 +307,17 @@ class Watchdog(threading.Thread):
                 )
                 kill_tree(self.pid)
                 return
-            if n % 10 == 0 and _dir_bytes(work, disk) > disk:
-                self.session.note(
-                    "kernel_died",
-                    f"工作目录里的文件超过 {disk // 2**20} MiB，kernel 已被终止",
-                )
-                kill_tree(self.pid)
-                return
+            if n % 10 == 0:
+                used, problem = dir_bytes(work, disk)
+                if used > disk or problem:
+                    self.session.note(
+                        "kernel_died",
+                        f"工作目录里的文件超过 {disk // 2**20} MiB，kernel 已被终止"
+                        if used > disk
+                        else f"{problem}，kernel 已被终止",
+                    )
+                    kill_tree(self.pid)
+                    return
 
 
 def _error_text(cell) -> str | None:
@@ -380,6 +380,7 @@ class Session:
         ]
         self.n_student = len(self.nb.cells)
         self.watchdog: Watchdog | None = None
+        self.cg = Cgroup.from_spec(spec.get("cgroup"))
         self.env: dict = {}
         self.client = self._client()
         self.kernel_pid: int | None = None
@@ -449,11 +450,17 @@ class Session:
         os.makedirs(tmp, exist_ok=True) if not sandboxed else None
         self.env = sandbox.kernel_env(self.spec.get("env", {}), work, gpu, tmp)
         launch = [sys.executable, "-m", "coursekit.grading.kernel_main"]
+        owner = None
         if sandboxed:
             tmp_mb = int(self.spec.get("disk_mb", DISK_MB))
-            prefix = sandbox.command(work, self.env, gpu, tmp_mb)
+            sandbox.prepare_workdir(work)
+            prefix = sandbox.command(
+                work, self.env, gpu, tmp_mb, self.spec.get("cgroup_procs", [])
+            )
             if sandbox.nproc_counted_per_namespace():
                 launch += ["--nproc", str(sandbox.NPROC)]
+            if sandbox.drops_root():
+                owner = (sandbox.SANDBOX_UID, sandbox.SANDBOX_GID)
         else:
             prefix = []
 
@@ -462,12 +469,26 @@ class Session:
                 cmd = [*launch, "-f", self.connection_file, *(extra_arguments or [])]
                 return [*prefix, *cmd]
 
+            def client(self, **kwargs):  # on the context capped below
+                kwargs.setdefault("context", self.context)
+                return super().client(**kwargs)
+
+            def write_connection_file(self, **kwargs):
+                super().write_connection_file(**kwargs)
+                if owner:  # the kernel (uid 65534) reads it; mode stays 0600
+                    os.chown(self.connection_file, *owner)
+
         km = Manager(
             kernel_name="python3",
             transport="ipc",
             ip=os.path.join(work, "kernel"),
             connection_file=os.path.join(work, "kernel.json"),
         )
+        # no message from the kernel larger than this is ever received (decoded) by
+        # the worker: ZMQ disconnects a peer that sends one
+        import zmq
+
+        km.context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
         # interrupts travel as a control message: the kernel signals itself inside
         # its namespace (a SIGINT to the sandbox's process group would reach bwrap)
         km.kernel_spec.interrupt_mode = "message"
@@ -490,6 +511,7 @@ class Session:
         self.client.timeout = max(1, int(min(limit, self.deadline - time.monotonic())))
         self.client.iopub_timeout = IOPUB_TIMEOUT
         t0 = time.monotonic()
+        wait0 = self.cg.cpu_wait_seconds() if self.cg else None
         try:
             self.client.execute_cell(cell, idx)
         except DeadKernelError:
@@ -513,6 +535,16 @@ class Session:
         )
         if timed_out:
             self.note("timeout", "")
+            wait1 = self.cg.cpu_wait_seconds() if self.cg else None
+            if wait0 is not None and wait1 is not None:
+                waited = wait1 - wait0
+                if waited >= BUSY_SHARE * self.client.timeout:
+                    self.result["machine_busy"] = True
+                    self.note(
+                        "timeout",
+                        f"（超时的单元有 {waited:.0f} 秒在等 CPU：机器太忙，"
+                        "这个结果不缓存，下次评分会重评）",
+                    )
         return "ran", err, timed_out
 
     def kernel_stuck(self, idx: int) -> bool:
@@ -632,6 +664,16 @@ class Session:
                 self.watchdog.stop.set()
                 self.result["peak_rss_mb"] = round(self.watchdog.peak / 2**20, 1)
             kill_tree(self.kernel_pid)
+        if self.cg is not None:
+            peak = self.cg.memory_peak()
+            if peak is not None:
+                self.result["peak_rss_mb"] = round(peak / 2**20, 1)
+            if self.cg.oom_kills() > 0:
+                self.note(
+                    "memory_limit",
+                    "kernel 的内存（常驻内存加 tmpfs、共享内存、memfd）超过上限 "
+                    f"{int(self.spec['memory_mb'])} MiB，已被 cgroup 终止",
+                )
         why = self.result["message"] or "kernel 死了"
         for p in self.spec["probes"]:
             self.result["probes"].setdefault(
