@@ -342,9 +342,12 @@ def test_csv_and_feedback_content(graded):
     out = graded["out"]
     header = (out / "grades.csv").read_text().splitlines()[0]
     assert header == "student,add,mean,total,status,seed,file,sandbox"
-    assert {r["sandbox"] for r in graded["rows"].values() if r["student"] != "MAX"} == {
-        "yes" if SANDBOXED else "no"
-    }
+    ran = [
+        r
+        for r in graded["rows"].values()
+        if r["student"] != "MAX" and r["status"] != "invalid"
+    ]
+    assert {r["sandbox"] for r in ran} == {"yes" if SANDBOXED else "no"}
     assert graded["rows"]["MAX"]["total"] == "5"
     page = (out / "feedback" / "renamed_function.html").read_text()
     hidden = page.split("<h2>隐藏测试")[1].split("<h2>")[0]
@@ -357,6 +360,26 @@ def test_csv_and_feedback_content(graded):
     )
 
 
+@pytest.mark.parametrize(
+    "case, why",
+    [
+        ("malformed_json", "不是完整的 JSON"),
+        ("not_a_notebook", "不是 UTF-8 文本"),
+        ("json_not_notebook", "不是 Jupyter notebook 第 4 版"),
+    ],
+)
+def test_unreadable_file_reported_in_chinese_and_not_run(graded, case, why):
+    """A corrupt file: a Chinese sentence naming the problem and the fix, no raw
+    exception name, and an empty sandbox column (nothing ran, in a sandbox or not)."""
+    rec, row = graded["records"][case], graded["rows"][case]
+    assert rec["status"] == row["status"] == "invalid" and row["sandbox"] == ""
+    assert why in rec["message"] and "下载 .ipynb" in rec["message"], rec["message"]
+    page = (graded["out"] / "feedback" / f"{case}.html").read_text()
+    for raw in ("UnicodeDecodeError", "NotJSONError", "ValidationError", "Error:"):
+        assert raw not in page, raw
+    assert "没有运行" in page and "bubblewrap" not in page
+
+
 def test_feedback_names_cells_by_heading_and_shows_seed_and_policy(graded):
     """Colab shows no cell numbers: an erroring cell is named by its heading and first
     line."""
@@ -366,20 +389,28 @@ def test_feedback_names_cells_by_heading_and_shows_seed_and_policy(graded):
     assert "怎么给分" in page and "常数答案" in page and "10%" in page
 
 
-def test_feedback_first_failing_input_per_type_and_fix(graded):
-    """partial_a adds only small numbers: the big-number type reports its first failing
-    input, what was expected and what to fix; the passing type reports none."""
+def test_feedback_says_what_was_wrong_never_the_hidden_input(graded):
+    """partial_a adds only small numbers: the big-number type says what was wrong with
+    its first failing input (by category) and what to fix; the passing type reports
+    none. No hidden input and no expected answer appears on the page (the whole class
+    gets the same inputs: one page would give them all away)."""
+    from coursekit.grading import load_tests, prepare
+
     rec = graded["records"]["partial_a"]
     types = {t["name"]: t for t in rec["details"]["add"]["types"]}
     assert (
         types["small"]["passed"] == types["small"]["total"] == 10
         and types["small"]["first"] is None
     )
-    first = types["big"]["first"]
-    a, b = json.loads(first["input"])
-    assert first["got"] == "0" and first["want"] == repr(a + b)
+    assert types["big"]["first"] == {"what": "与正确值之比为 0"}, types["big"]
     page = (graded["out"] / "feedback" / "partial_a.html").read_text()
-    assert "大数也要相加" in page and "第一个没通过的输入" in page
+    assert "大数也要相加" in page and "错在哪里" in page
+    tests = load_tests("lab99", graded["tests_dir"])
+    for p in prepare(tests, rec["seed"]):
+        for (_, x), want in zip(p.drawn, p.wants):
+            for v in (x if p.question.name == "add" else []) + [want]:
+                if abs(v) >= 1000:  # the big inputs and their sums
+                    assert str(v) not in page, v
 
 
 def test_identical_submissions_get_identical_scores(graded):
@@ -756,26 +787,54 @@ def test_lab02_answers_are_type_checked():
     ] == pytest.approx(0.5)
 
 
-def test_lab01_feedback_shows_both_numbers_in_hex():
+def _lab01_bf16(round_nan: bool, truncate: bool = False):
+    """fp32_to_bf16_bits as a student may write it, called the way the probe calls it
+    (NaN payloads arrive as their fp32 bit pattern)."""
+    import math
+    import struct
+
+    def f(x):
+        if isinstance(x, dict):
+            x = struct.unpack("<f", struct.pack("<I", x["fp32_bits"]))[0]
+        bits = struct.unpack("<I", struct.pack("<f", x))[0]
+        if math.isnan(x) and not round_nan:
+            return ((bits >> 16) & 0x8000) | 0x7FC0
+        if truncate:
+            return bits >> 16
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+    return f
+
+
+def _lab01_detail(fn) -> dict:
     from coursekit.grading import score
 
     p = next(p for p in _prepared("lab01") if p.question.name == "fp32_to_bf16_bits")
-    import struct
+    return score(p, {"ok": True, "value": _entries(fn, p.inputs)})
 
-    detail = score(
-        p,
-        {
-            "ok": True,
-            "value": _entries(
-                lambda x: struct.unpack("<I", struct.pack("<f", x))[0] >> 16, p.inputs
-            ),
-        },
-    )
-    first = next(t["first"] for t in detail["types"] if t["name"] == "round_up")
-    assert first["got"].startswith("0x") and first["want"].startswith("0x"), first
-    assert "就近舍入" in next(
-        t["fix"] for t in detail["types"] if t["name"] == "round_up"
-    )
+
+def test_lab01_feedback_says_what_was_wrong_by_category():
+    """Truncation: the page says the result is one below the right pattern (rounded the
+    wrong way), with the fix; no hidden pattern is printed."""
+    detail = _lab01_detail(_lab01_bf16(round_nan=False, truncate=True))
+    row = next(t for t in detail["types"] if t["name"] == "round_up")
+    assert "小 1" in row["first"]["what"] and "0x" not in row["first"]["what"], row
+    assert "就近舍入" in row["fix"]
+    tie = next(t for t in detail["types"] if t["name"] == "tie")
+    assert "0x3f818000" in tie["fix"]  # the example comes from the lab's self-check
+
+
+def test_lab01_nan_rule_is_weighed():
+    """The lab requires NaN to be special-cased: rounding NaN like a number turns the
+    quiet NaN 0x7FFFFFFF into -0.0 (0x8000). That solution loses the NaN type (all but
+    the plain NaN), and the page says what happened."""
+    ok = _lab01_detail(_lab01_bf16(round_nan=False))
+    bad = _lab01_detail(_lab01_bf16(round_nan=True))
+    assert ok["points"] == 3
+    nan = next(t for t in bad["types"] if t["name"] == "nan")
+    assert nan["passed"] == 1 and nan["total"] >= 5, nan
+    assert bad["points"] <= 2.5, bad["points"]
+    assert "NaN 的输入得到了" in nan["first"]["what"], nan
 
 
 def test_seed_is_fixed_by_lab_and_hidden_tests(tmp_path):

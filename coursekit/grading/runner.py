@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .report import unreadable_text
 from .scoring import Prepared, probe_spec, score
 from .submissions import Submission
 
@@ -149,7 +150,7 @@ def grade_one(sub: Submission, prepared: list[Prepared], settings: dict) -> dict
     except Exception as e:
         rec.update(
             status="invalid",
-            message=f"不是可读的 notebook：{type(e).__name__}: {str(e)[:300]}",
+            message=unreadable_text(e),
         )
         return rec
     probes = [probe_spec(p, settings["probe_timeout"]) for p in prepared]
