@@ -138,6 +138,35 @@ def test_chapter_gpu_cells_need_only_the_setup_cell(path):
             )
 
 
+@pytest.mark.parametrize(
+    "path",
+    [p for p in _gpu_notebooks() if p.parent.name == "solutions"],
+    ids=lambda p: p.name,
+)
+def test_lab_gpu_cells_need_only_setup_and_gpu_setup_cells(path):
+    """A lab's GPU cell runs the student's functions: the cells it needs are tagged
+    ``gpu-setup``, and the GPU pass of ``coursekit execute`` runs exactly the setup,
+    gpu-setup and GPU cells in a fresh kernel. Every name the GPU cell (and the
+    gpu-setup cells) read must be bound there."""
+    from coursekit.execute import GPU_SETUP_TAG, SETUP_TAGS
+
+    nb = nbformat.read(path, as_version=4)
+    bound: set[str] = set()
+    for i, c in enumerate(nb.cells):
+        if c.cell_type != "code":
+            continue
+        t = set(tags(c))
+        if t & (SETUP_TAGS | {GPU_SETUP_TAG, "gpu"}):
+            if t & {GPU_SETUP_TAG, "gpu"}:
+                missing = sorted(free_names(c.source) - bound)
+                assert not missing, (
+                    f"{path.name} cell {i} ({c.get('id')}): reads {missing}, which no "
+                    f"setup or {GPU_SETUP_TAG} cell before it binds; tag the cell that "
+                    f"defines them {GPU_SETUP_TAG!r}"
+                )
+            bound |= bound_names(c.source)
+
+
 def test_free_names_finds_what_a_cell_borrows():
     setup = "import torch\nfrom coursekit import gpu_cell\nN = 3"
     cell = (
