@@ -402,7 +402,7 @@ def test_feedback_says_what_was_wrong_never_the_hidden_input(graded):
         types["small"]["passed"] == types["small"]["total"] == 10
         and types["small"]["first"] is None
     )
-    assert types["big"]["first"] == {"what": "与正确值之比为 0"}, types["big"]
+    assert types["big"]["first"] == {"what": "得到 0"}, types["big"]
     page = (graded["out"] / "feedback" / "partial_a.html").read_text()
     assert "大数也要相加" in page and "错在哪里" in page
     tests = load_tests("lab99", graded["tests_dir"])
@@ -846,3 +846,182 @@ def test_seed_is_fixed_by_lab_and_hidden_tests(tmp_path):
     )
     (tmp_path / "lab01.py").write_text(a.path.read_text() + "\n# changed\n")
     assert load_tests("lab01", tmp_path).default_seed != a.default_seed
+
+
+# ---------------------------------------------------------------- each function graded
+# on its own; stated requirements weighed (in-process: the probe's source runs here)
+def _probe_detail(lab: str, question: str, student: dict) -> dict:
+    """Score of ``question`` when the probe runs on the functions in ``student`` (what
+    the kernel would do, without a kernel)."""
+    from coursekit.grading import score
+
+    p = next(p for p in _prepared(lab) if p.question.name == question)
+    ns = dict(student)
+    exec(p.question.probe, ns)
+    return score(p, {"ok": True, "value": _entries(ns["CASE"], p.inputs)})
+
+
+def _lab03_count(cfg, tied_ok=True, gqa_ok=True):
+    h, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    n = cfg["num_attention_heads"]
+    k = cfg.get("num_key_value_heads", n) if gqa_ok else n
+    d, inter = h // n, cfg["intermediate_size"]
+    per_layer = 2 * h * n * d + 2 * h * k * d + 3 * h * inter + 2 * h
+    tied = cfg.get("tie_word_embeddings", False) and tied_ok
+    return V * h + L * per_layer + h + (0 if tied else V * h)
+
+
+def test_lab03_each_mistake_fails_only_its_own_type():
+    """Forgetting GQA fails the GQA type only (the tied type draws multi-head configs,
+    so its fix, about the embeddings, is never shown for a GQA bug); forgetting tied
+    embeddings fails the tied type only."""
+    for kw, bad in (({"gqa_ok": False}, "gqa"), ({"tied_ok": False}, "tied")):
+        detail = _probe_detail(
+            "lab03", "count_params", {"count_params": lambda c: _lab03_count(c, **kw)}
+        )
+        failing = {t["name"] for t in detail["types"] if t["passed"] < t["total"]}
+        assert failing == {bad}, (kw, detail["types"])
+
+
+LAB05_LORA = """
+import math
+import torch
+from torch import nn
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base, r, alpha):
+        super().__init__()
+        if not 1 <= r <= min(base.in_features, base.out_features):
+            raise ValueError(r)
+        self.base, self.r, self.alpha = base, r, alpha
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.scaling = alpha / r
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_A.T @ self.lora_B.T) * SCALE(self)
+
+
+def inject_lora(model, targets, r, alpha):
+    names = [
+        n for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and n.split(".")[-1] in targets
+    ]
+    if not names:
+        raise ValueError(targets)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for n in names:
+        parent, _, leaf = n.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, leaf, LoRALinear(model.get_submodule(n), r, alpha))
+    return names
+"""
+
+
+def test_lab05_forward_bug_costs_forward_not_inject_lora():
+    """A forward without the alpha/r scaling loses lora_forward; inject_lora, right,
+    keeps its full marks (its probe runs the reference forward on the student's
+    modules), so the page never points at the function that is right."""
+    full = {}
+    for name, scale in (
+        ("right", "lambda m: m.scaling"),
+        ("no_scaling", "lambda m: 1"),
+    ):
+        ns: dict = {}
+        exec(LAB05_LORA, ns)
+        ns["SCALE"] = eval(scale)
+        full[name] = {
+            q: _probe_detail("lab05", q, ns)["points"]
+            for q in ("lora_forward", "inject_lora")
+        }
+    assert full["right"] == {"lora_forward": 3, "inject_lora": 3}, full
+    assert full["no_scaling"]["inject_lora"] == 3, full
+    assert full["no_scaling"]["lora_forward"] < 1, full
+
+
+def test_lab06_reentrant_checkpointing_loses_the_question():
+    """Lab 6 requires non-reentrant checkpointing. With use_reentrant=True the LoRA
+    weights get no gradient once the embedding's input-grad hook is gone (older
+    transformers): that solution scores 0 of 2, and the page says why."""
+
+    def make(reentrant):
+        def enable_checkpointing(model):
+            kw = {"use_reentrant": reentrant}
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(
+                    activation_checkpointing_kwargs=kw
+                )
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+            model.config.use_cache = False
+            return model
+
+        return enable_checkpointing
+
+    right = _probe_detail(
+        "lab06", "enable_checkpointing", {"enable_checkpointing": make(False)}
+    )
+    wrong = _probe_detail(
+        "lab06", "enable_checkpointing", {"enable_checkpointing": make(True)}
+    )
+    assert right["points"] == 2 and wrong["points"] == 0, (right, wrong)
+    assert all("reentrant" in t["first"]["what"] for t in wrong["types"]), wrong
+
+
+def _lab06_plan(**kw):
+    targets = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
+    return (
+        dict(
+            precision="bf16",
+            batch=4,
+            grad_accum=4,
+            checkpointing=True,
+            lora_rank=8,
+            lora_targets=targets,
+        )
+        | kw
+    )
+
+
+def test_lab06_prediction_is_the_students_own_and_budget_weighs():
+    """The student's own prediction earns by closeness to the plan's peak: a hand-
+    written 900,000 for an 818,548 B plan earns full marks, 2x earns nothing; a plan
+    over budget earns nothing for itself or its prediction."""
+    import importlib.util
+
+    from trainmem.synthetic_task import task_config
+
+    spec = importlib.util.spec_from_file_location(
+        "_lab06_hidden", ROOT / "tests" / "grading" / "lab06.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    gpu = _lab06_plan(batch=8, lora_rank=16)
+    cpu = _lab06_plan()
+    peak = mod._plan_estimate(task_config(), cpu, 12)[0]
+    gpu_peak = mod._plan_estimate("qwen2.5-0.5b", gpu, 512)[0]
+
+    def share(**res):
+        return mod.plan_check(
+            mod.BUDGETS, dict(cpu_plan=cpu, gpu_plan=gpu, gpu_pred=gpu_peak) | res
+        )
+
+    assert share(cpu_pred=peak)[0] == 1
+    assert share(cpu_pred=900_000)[0] == 1  # about 10% off: the student's own number
+    assert share(cpu_pred=2 * peak)[0] == pytest.approx(1 - mod.PRED_SHARE)
+    over, msg = share(cpu_plan=_lab06_plan(batch=8, grad_accum=2), cpu_pred=1_100_000)
+    assert over == pytest.approx(1 - mod.FIT_SHARE - mod.PRED_SHARE), msg
+    assert "预测不计分" in msg

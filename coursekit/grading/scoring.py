@@ -118,9 +118,13 @@ def _kind(v: Any) -> str:
         if v == 0:
             return "+0.0" if math.copysign(1.0, v) > 0 else "−0.0"
         return "有限的 float"
-    return {int: "int", str: "字符串", list: "列表", dict: "字典", type(None): "None"}.get(
-        type(v), type(v).__name__
-    )
+    return {
+        int: "int",
+        str: "字符串",
+        list: "列表",
+        dict: "字典",
+        type(None): "None",
+    }.get(type(v), type(v).__name__)
 
 
 def what_went_wrong(entry: Any, want: Any, why: str) -> str:
@@ -142,8 +146,12 @@ def what_went_wrong(entry: Any, want: Any, why: str) -> str:
         return f"应返回 {kw}，得到 {kg}"
     if isinstance(got, (int, float)) and not isinstance(got, bool) and want:
         rel = got / want
+        if got == 0:
+            return "得到 0"
+        if math.isfinite(rel) and rel > 0 and abs(rel - 1) < 0.1:
+            return f"比正确值{'大' if rel > 1 else '小'} {abs(rel - 1):.2%}"
         if math.isfinite(rel):
-            return f"与正确值之比为 {rel:.3g}"
+            return f"是正确值的 {rel:.3g} 倍"
     if isinstance(got, (list, dict)) and len(got) != len(want):
         return f"{kg}的长度不对"
     return "返回值与参考实现不同"

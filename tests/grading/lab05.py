@@ -260,10 +260,8 @@ def init_compare(got, want):
         ) == "ValueError", f"应抛出 ValueError，得到 {got.get('raised')}"
     bound = want["bound"]
     checks = {
-        "lora_A 的形状应为 (r, d_in)": got.get("A_shape")
-        == want["A_shape"],
-        "lora_B 的形状应为 (d_out, r)": got.get("B_shape")
-        == want["B_shape"],
+        "lora_A 的形状应为 (r, d_in)": got.get("A_shape") == want["A_shape"],
+        "lora_B 的形状应为 (d_out, r)": got.get("B_shape") == want["B_shape"],
         "lora_B 应全为 0": got.get("B_zero") is True,
         "|lora_A| ≤ 1/sqrt(d_in) 且不全为 0": _num(got.get("A_absmax"))
         and 0 < got["A_absmax"] <= bound * (1 + 1e-6),
@@ -496,9 +494,18 @@ def CASE(_case):
         except Exception as _e:
             return {"raised": type(_e).__name__}
     _names = list(inject_lora(_model, _case["targets"], _case["r"], _case["alpha"]))
+    _scaling = _case["alpha"] / _case["r"]
+
+    def _reference_forward(x, _m):
+        return _m.base(x) + (x @ _m.lora_A.T @ _m.lora_B.T) * _scaling
+
     for _n in _names:
         _mod = _model.get_submodule(_n)
         _lab05_fill_adapter(_n, _mod.lora_A, _mod.lora_B, _case["seed"])
+        # inject_lora is graded on its own: the student's LoRALinear.forward (graded by
+        # lora_forward) is replaced by the reference one, so a bug there costs points
+        # in lora_forward only
+        _mod.forward = lambda x, _m=_mod: _reference_forward(x, _m)
     _ids = _lab05_ids(_case)
     _out = _model(input_ids=_ids, labels=_ids)
     _out.loss.backward()
@@ -581,12 +588,8 @@ def inject_compare(got, want):
     )
     return _verdict(
         {
-            "替换的模块（个数与顺序应与 peft 相同）": got.get(
-                "names"
-            )
-            == want["names"],
-            "可训练参数量（应与 peft 相同）": got.get("trainable")
-            == want["trainable"],
+            "替换的模块（个数与顺序应与 peft 相同）": got.get("names") == want["names"],
+            "可训练参数量（应与 peft 相同）": got.get("trainable") == want["trainable"],
             "logits": _close(got.get("logits"), want["logits"], 1e-4, 1e-5),
             "LoRA 的梯度": grads_ok,
         }
@@ -654,7 +657,6 @@ QUESTIONS = [
         compare=forward_compare,
         probe=FORWARD_PROBE,
         show_input=_show_layer,
-        show_value=lambda v: "（数值见上面的说明）",
         description="LoRALinear.forward：输出与 A、B 的梯度与 peft 的 lora.Linear 一致",
     ),
     Question(
@@ -665,7 +667,6 @@ QUESTIONS = [
         compare=merge_compare,
         probe=MERGE_PROBE,
         show_input=_show_layer,
-        show_value=lambda v: "（数值见上面的说明）",
         description="LoRALinear.merge：新的 nn.Linear，权重与 peft merge_and_unload() "
         "一致，不改 base",
     ),

@@ -243,7 +243,9 @@ def make_compare(got, want):
     return _verdict(
         {
             "应返回 PeftModelForCausalLM": got.get("class") == "PeftModelForCausalLM",
-            "可训练参数量应为 Σ r·(d_in + d_out)（只在目标模块上）": got.get("trainable")
+            "可训练参数量应为 Σ r·(d_in + d_out)（只在目标模块上）": got.get(
+                "trainable"
+            )
             == want["trainable"],
             "只有 lora_ 参数可训练": got.get("trainable_names_ok") is True,
             "r / lora_alpha / lora_dropout": got.get("r") == want["r"]
@@ -365,9 +367,7 @@ def ckpt_compare(got, want):
         if _num(saved)
         else ""
     )
-    no_grad = set(grads) == set(want["grads"]) and all(
-        grads[n] is None for n in grads
-    )
+    no_grad = set(grads) == set(want["grads"]) and all(grads[n] is None for n in grads)
     grads_label = (
         "LoRA 参数一个梯度都没有：reentrant 检查点在冻结的嵌入层之后断开了计算图"
         "（旧版 transformers 不会替你挂输入求导的钩子）"
