@@ -552,25 +552,53 @@ LAB_IDS = sorted(
 )
 
 
-# A mistake the self-checks must catch (they did not before): (lab, name, solution text,
-# replacement)
+# Mistakes the self-checks must catch (they did not before), each a requirement the
+# lab states: (name, solution text, replacement, graded question, what the failing
+# self-check says). All of a lab's mistakes are graded in the lab's one grading run.
 MISTAKES = {
-    "lab01": (
-        "ulp_without_zero",
-        "    if x == 0:\n        return math.ldexp(1.0, 1 - bias - m)\n",
-        "",
-    ),
-    "lab03": (
-        "forgets_tied",
-        'tied = cfg.get("tie_word_embeddings", False)',
-        "tied = False",
-    ),
-    "lab06": (
-        "loss_over_k",  # the classic accumulation, wrong once micro-batches differ
-        "loss = mean * (n_valid(labels) / n_tokens)",
-        "loss = mean / len(micro_batches)",
-    ),
+    "lab01": [
+        (
+            "ulp_without_zero",
+            "    if x == 0:\n        return math.ldexp(1.0, 1 - bias - m)\n",
+            "",
+            "ulp",
+            "ulp(0.0, 'fp16') 应为",
+        ),
+        (
+            "nan_rounded_like_a_number",  # 0x7FFFFFFF rounds to 0x8000 (-0.0)
+            "    if math.isnan(x):\n        return ((bits >> 16) & 0x8000) | 0x7FC0\n",
+            "",
+            "fp32_to_bf16_bits",
+            "必须仍是 NaN",
+        ),
+    ],
+    "lab03": [
+        (
+            "forgets_tied",
+            'tied = cfg.get("tie_word_embeddings", False)',
+            "tied = False",
+            "count_params",
+            "transformers 建出的模型有",
+        ),
+    ],
+    "lab06": [
+        (
+            "loss_over_k",  # the classic accumulation, wrong once micro-batches differ
+            "loss = mean * (n_valid(labels) / n_tokens)",
+            "loss = mean / len(micro_batches)",
+            "train_step",
+            "train_step 的梯度应与整批相同",
+        ),
+        (
+            "reentrant_checkpointing",
+            'kwargs = {"use_reentrant": False}',
+            'kwargs = {"use_reentrant": True}',
+            "enable_checkpointing",
+            "检查点应以非 reentrant 方式打开",
+        ),
+    ],
 }
+MISTAKE_CASES = [(lab, m[0]) for lab, ms in sorted(MISTAKES.items()) for m in ms]
 
 
 def _with_mistake(sol: Path, old: str, new: str) -> str:
@@ -583,8 +611,8 @@ def _with_mistake(sol: Path, old: str, new: str) -> str:
 
 @pytest.fixture(scope="session")
 def lab_runs(tmp_path_factory):
-    """Each lab's solution, untouched lab (and known mistake), graded once per test
-    session."""
+    """Each lab's solution, untouched lab (and its known mistakes), graded in one run
+    per lab, once per test session."""
     cache: dict[str, dict] = {}
 
     def run(lab: str) -> dict:
@@ -595,8 +623,7 @@ def lab_runs(tmp_path_factory):
             subs.mkdir()
             shutil.copy(sol, subs / "solution.ipynb")
             shutil.copy(ROOT / "labs" / sol.name, subs / "untouched_lab.ipynb")
-            if lab in MISTAKES:
-                name, old, new = MISTAKES[lab]
+            for name, old, new, *_ in MISTAKES.get(lab, []):
                 (subs / f"{name}.ipynb").write_text(_with_mistake(sol, old, new))
             records = {
                 r["student"]: r
@@ -610,24 +637,19 @@ def lab_runs(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("lab", sorted(MISTAKES))
-def test_self_check_catches_what_the_hidden_tests_grade(lab, lab_runs):
-    """A forgotten special case fails a self-check with a message saying what was
+@pytest.mark.parametrize("lab, name", MISTAKE_CASES)
+def test_self_check_catches_what_the_hidden_tests_grade(lab, name, lab_runs):
+    """A stated requirement left out fails a self-check with a message saying what was
     expected, and costs points in the hidden tests."""
-    name = MISTAKES[lab][0]
+    _, _, _, question, expected_text = next(m for m in MISTAKES[lab] if m[0] == name)
     runs = lab_runs(lab)
     rec = runs["records"][name]
-    question, expected_text = {
-        "lab01": ("ulp", "ulp(0.0, 'fp16') 应为"),
-        "lab03": ("count_params", "transformers 建出的模型有"),
-        "lab06": ("train_step", "train_step 的梯度应与整批相同"),
-    }[lab]
     assert (
         rec["status"] == "ok"
         and 0
-        < rec["scores"][question]
+        <= rec["scores"][question]
         < runs["records"]["solution"]["scores"][question]
-    )
+    ), rec["details"].get(question)
     errors = [c for c in rec["cells"] if "AssertionError" in c["error"]]
     assert errors and expected_text in errors[0]["error"], rec["cells"]
     assert "「" in errors[0]["where"]  # named by its heading, not by a number

@@ -294,8 +294,8 @@ INIT_TYPES = [
         "lora_A 的初始化分布（256 维输入）",
         1,
         _init_type("stats"),
-        fix="nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))，与 nn.Linear "
-        "的默认初始化相同",
+        fix="lora_A 用与 nn.Linear 默认相同的 Kaiming 均匀初始化（本实验第 1 节；"
+        "自检检查它的标准差）",
     ),
     CaseType(
         "bad",
@@ -358,14 +358,15 @@ FORWARD_TYPES = [
         "base 有偏置",
         1,
         _layers(2, bias=True),
-        fix="输出 = base(x) + (x @ A.T @ B.T) * scaling（base 的偏置只加一次）",
+        fix="输出是 base 的输出加上 LoRA 分支乘以缩放 alpha / r；base 的偏置只加一次"
+        "（自检的 peft_and_ours(32, 24, r=4, alpha=8) 是同一类输入）",
     ),
     CaseType(
         "no_bias",
         "base 无偏置",
         1,
         _layers(2, bias=False),
-        fix="输出 = base(x) + (x @ A.T @ B.T) * scaling",
+        fix="没有偏置的 base 也一样：base 的输出加上乘了缩放的 LoRA 分支",
     ),
     CaseType(
         "rank_one",
@@ -436,7 +437,8 @@ MERGE_TYPES = [
         "base 有偏置",
         1,
         _layers(2, bias=True),
-        fix="新层的权重 = W + scaling · B @ A，偏置照抄；不要原地改 self.base",
+        fix="新层的权重是 W 加上乘了缩放的 B·A（注意相乘的顺序与形状），偏置照抄；"
+        "不要原地改 self.base",
     ),
     CaseType(
         "no_bias",

@@ -263,9 +263,8 @@ MAKE_TYPES = [
         "只有注意力投影",
         1,
         _make_type(TARGET_SETS[:2]),
-        fix="LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, "
-        "lora_dropout=dropout, "
-        'bias="none", task_type="CAUSAL_LM")，再 get_peft_model(model, config)',
+        fix="把秩、缩放分子、目标模块与 dropout 都交给 LoRA 配置（字段名见第 6 章），"
+        "不训练偏置、任务类型是因果语言模型，再用 peft 包装",
     ),
     CaseType(
         "mlp",
@@ -648,16 +647,16 @@ STEP_TYPES = [
         "bf16 autocast",
         1,
         _step_type("bf16"),
-        fix="with torch.autocast(device_type, dtype=amp_dtype)：只包前向与 loss；"
-        "参数保持 fp32",
+        fix="amp_dtype 给出时前向（含损失）在 autocast 里算，反向不必；参数不要转成 "
+        "16 位，它们是主权重",
     ),
     CaseType(
         "fp16_scaler",
         "fp16 autocast + GradScaler、裁剪生效",
         1,
         _step_type("fp16"),
-        fix="scaler.scale(loss).backward()；累积完先 scaler.unscale_(optimizer) "
-        "再裁剪，然后 scaler.step(optimizer) 与 scaler.update()",
+        fix="有 scaler 时反向缩放后的损失；累积完先反缩放再裁剪（误区 3），更新与"
+        "更新缩放因子都经由 scaler",
     ),
 ]
 
