@@ -455,3 +455,32 @@ def test_describe_names_the_capability_decisions(monkeypatch):
         "COURSE_GPU=auto; CUDA: Tesla T4 (sm_75), bf16 native: False, TF32: False, "
         "memory 14.30 of 14.75 GiB free"
     )
+
+
+def test_gpu_pass_runs_setup_gpu_setup_and_gpu_cells_in_order(monkeypatch, tmp_path):
+    """With a GPU, make nb's second kernel gets the setup, gpu-setup and GPU cells (in
+    notebook order) and nothing else; the GPU cell's output is stored back."""
+    from coursekit import execute
+
+    def code(src, *tags):
+        return nbformat.v4.new_code_cell(src, metadata={"tags": list(tags)})
+
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            code("a = 1", "setup"),
+            code("b = 2"),
+            code("c = 3", "gpu-setup"),
+            nbformat.v4.new_markdown_cell("text"),
+            code("print(a + c)", "gpu"),
+        ]
+    )
+    ran = []
+
+    def fake_run(sub, path, timeout, env):
+        ran.append([c.source for c in sub.cells])
+        sub.cells[-1].outputs = [nbformat.v4.new_output("stream", text="4\n")]
+
+    monkeypatch.setattr(execute, "_run", fake_run)
+    assert execute.run_gpu_cells_on_cuda(nb, tmp_path / "x.ipynb", 10) == 1
+    assert ran == [["a = 1", "c = 3", "print(a + c)"]]
+    assert nb.cells[-1].outputs[0]["text"] == "4\n"

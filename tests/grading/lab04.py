@@ -527,7 +527,8 @@ BLOCKS_TYPES = [
         "检查点：同样的输出与梯度，只保存每个 block 的输入、每个 block 重算一次",
         3,
         _blocks_type(True, True),
-        fix="h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)",
+        fix="checkpointing=True 时每个 block 都交给 torch.utils.checkpoint 的非 "
+        "reentrant 检查点去调用（本实验第 4 节）",
     ),
     CaseType(
         "input_no_grad",
