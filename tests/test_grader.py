@@ -433,9 +433,16 @@ def test_identical_submissions_get_identical_scores(graded):
 
 def test_rerun_reproduces_every_grade(graded, tmp_path):
     """A second run, given the first run's (default) seed explicitly, reproduces its
-    grades and feedback exactly; another seed draws other inputs, and a right answer
-    keeps full marks."""
+    grades and feedback exactly; another seed draws other inputs, a right answer keeps
+    full marks, and partial_a's page says what was wrong in the same words (categories,
+    never inputs)."""
+    from coursekit.grading import load_tests, prepare
+
     seed = graded["records"]["good"]["seed"]
+    tests = load_tests("lab99", graded["tests_dir"])
+    assert [p.inputs for p in prepare(tests, seed)] != [
+        p.inputs for p in prepare(tests, seed + 1)
+    ]
     for i, (names, s) in enumerate(
         ((("partial_a", "good"), seed), (("partial_a", "good"), seed + 1))
     ):
@@ -463,8 +470,10 @@ def test_rerun_reproduces_every_grade(graded, tmp_path):
                 )
             elif rec["student"] == "again_good":
                 assert sum(rec["scores"].values()) == 5
-            else:  # the first failing input shown is another draw
-                assert rec["details"] != old["details"]
+            else:  # other inputs, the same mistake: the page says the same thing
+                assert [t["first"] for t in rec["details"]["add"]["types"]] == [
+                    t["first"] for t in old["details"]["add"]["types"]
+                ]
 
 
 def test_colab_download_names_pick_newest_and_say_which(graded):
