@@ -34,7 +34,7 @@ NBVAL_OPTS = --nbval-sanitize-with tests/nbval_sanitize.cfg -p tests.nbval_plugi
 STAGE_LOG := $(VENV)/test-stages.jsonl
 export PYTHONHASHSEED := 0
 
-.PHONY: book test unit nbval browser venv nb labs labs-check clean browser-deps bench tidy floor floor-venv \
+.PHONY: book test unit nbval browser venv nb labs labs-check lab clean browser-deps bench tidy floor floor-venv \
         kernel-path sandbox-deps
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
@@ -156,6 +156,25 @@ labs: $(STAMP)
 
 labs-check: $(STAMP)
 	$(PY) -m coursekit labs --check
+
+## make lab — the labs in JupyterLab on the course's .venv, for a student without Colab.
+## JupyterLab (the optional extra `lab` in pyproject.toml) is installed on first use, with
+## the same constraints as .venv; the default install (and CI) never pulls it. The labs are
+## copied once into $(LAB_DIR)/ (not tracked by git), where the student's work lives: a
+## later `git pull` or `make labs` never touches it, and only labs not there yet are added.
+LAB_DIR   ?= my-labs
+LAB_STAMP := $(VENV)/.lab-installed
+LAB_ARGS  ?=
+$(LAB_STAMP): $(STAMP) pyproject.toml
+	{ test -x $(UV) && $(UV) pip install -q --compile-bytecode --python $(PY) -e ".[lab]" \
+	    "$(TORCH_PIN)" $(if $(CONSTRAINTS),-c $(CONSTRAINTS)); } \
+	  || $(PY) -m pip install -q -e ".[lab]" "$(TORCH_PIN)" $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	touch $(LAB_STAMP)
+
+lab: $(LAB_STAMP)
+	mkdir -p $(LAB_DIR)
+	cp -n labs/*.ipynb $(LAB_DIR)/
+	$(VENV)/bin/jupyter lab --notebook-dir="$(CURDIR)/$(LAB_DIR)" $(LAB_ARGS)
 
 ## Chromium and a CJK font for the browser tests (Debian packages; needs root or sudo). Skipped
 ## if present. Under CI=true a failed install is an error: the browser tests never skip there.

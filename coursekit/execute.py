@@ -16,9 +16,10 @@ GPU cells (tag ``gpu``) store a result either way:
   the run, labelled, never a skip line);
 * with one (``gpu="auto"`` finds it, ``gpu="on"`` requires it), the notebook's setup
   cells and GPU cells run once more in a second kernel that sees the GPU
-  (``COURSE_GPU=on``), and their outputs replace the GPU cells' outputs. GPU cells are
-  self-contained (setup imports and library code only), so that second kernel needs
-  nothing else.
+  (``COURSE_GPU=on``), and their outputs replace the GPU cells' outputs. A chapter's
+  GPU cells are self-contained (setup imports and library code only), so that second
+  kernel needs nothing else; a lab's GPU cell runs the student's own functions, so the
+  cells it needs are tagged ``gpu-setup`` and run there too, in order.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def clean_metadata(nb: nbformat.NotebookNode) -> None:
 
 GPU_CHOICES = ("auto", "on", "off")
 SETUP_TAGS = {"setup", "colab-setup"}
+# Cells a lab's GPU cell needs (the student's functions, the plan): run by the GPU pass.
+GPU_SETUP_TAG = "gpu-setup"
 
 
 def _tags(cell) -> set:
@@ -130,7 +133,7 @@ def run_gpu_cells_on_cuda(
     keep = [
         i
         for i, c in enumerate(nb.cells)
-        if c.cell_type == "code" and (SETUP_TAGS | {"gpu"}) & _tags(c)
+        if c.cell_type == "code" and (SETUP_TAGS | {GPU_SETUP_TAG, "gpu"}) & _tags(c)
     ]
     gpu_ix = gpu_cell_indices(nb)
     if not gpu_ix:

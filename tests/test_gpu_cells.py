@@ -138,6 +138,35 @@ def test_chapter_gpu_cells_need_only_the_setup_cell(path):
             )
 
 
+@pytest.mark.parametrize(
+    "path",
+    [p for p in _gpu_notebooks() if p.parent.name == "solutions"],
+    ids=lambda p: p.name,
+)
+def test_lab_gpu_cells_need_only_setup_and_gpu_setup_cells(path):
+    """A lab's GPU cell runs the student's functions: the cells it needs are tagged
+    ``gpu-setup``, and the GPU pass of ``coursekit execute`` runs exactly the setup,
+    gpu-setup and GPU cells in a fresh kernel. Every name the GPU cell (and the
+    gpu-setup cells) read must be bound there."""
+    from coursekit.execute import GPU_SETUP_TAG, SETUP_TAGS
+
+    nb = nbformat.read(path, as_version=4)
+    bound: set[str] = set()
+    for i, c in enumerate(nb.cells):
+        if c.cell_type != "code":
+            continue
+        t = set(tags(c))
+        if t & (SETUP_TAGS | {GPU_SETUP_TAG, "gpu"}):
+            if t & {GPU_SETUP_TAG, "gpu"}:
+                missing = sorted(free_names(c.source) - bound)
+                assert not missing, (
+                    f"{path.name} cell {i} ({c.get('id')}): reads {missing}, which no "
+                    f"setup or {GPU_SETUP_TAG} cell before it binds; tag the cell that "
+                    f"defines them {GPU_SETUP_TAG!r}"
+                )
+            bound |= bound_names(c.source)
+
+
 def test_free_names_finds_what_a_cell_borrows():
     setup = "import torch\nfrom coursekit import gpu_cell\nN = 3"
     cell = (
@@ -426,3 +455,32 @@ def test_describe_names_the_capability_decisions(monkeypatch):
         "COURSE_GPU=auto; CUDA: Tesla T4 (sm_75), bf16 native: False, TF32: False, "
         "memory 14.30 of 14.75 GiB free"
     )
+
+
+def test_gpu_pass_runs_setup_gpu_setup_and_gpu_cells_in_order(monkeypatch, tmp_path):
+    """With a GPU, make nb's second kernel gets the setup, gpu-setup and GPU cells (in
+    notebook order) and nothing else; the GPU cell's output is stored back."""
+    from coursekit import execute
+
+    def code(src, *tags):
+        return nbformat.v4.new_code_cell(src, metadata={"tags": list(tags)})
+
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            code("a = 1", "setup"),
+            code("b = 2"),
+            code("c = 3", "gpu-setup"),
+            nbformat.v4.new_markdown_cell("text"),
+            code("print(a + c)", "gpu"),
+        ]
+    )
+    ran = []
+
+    def fake_run(sub, path, timeout, env):
+        ran.append([c.source for c in sub.cells])
+        sub.cells[-1].outputs = [nbformat.v4.new_output("stream", text="4\n")]
+
+    monkeypatch.setattr(execute, "_run", fake_run)
+    assert execute.run_gpu_cells_on_cuda(nb, tmp_path / "x.ipynb", 10) == 1
+    assert ran == [["a = 1", "c = 3", "print(a + c)"]]
+    assert nb.cells[-1].outputs[0]["text"] == "4\n"

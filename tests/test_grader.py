@@ -343,9 +343,12 @@ def test_csv_and_feedback_content(graded):
     out = graded["out"]
     header = (out / "grades.csv").read_text().splitlines()[0]
     assert header == "student,add,mean,total,status,seed,file,sandbox,limits"
-    assert {r["sandbox"] for r in graded["rows"].values() if r["student"] != "MAX"} == {
-        "yes" if SANDBOXED else "no"
-    }
+    ran = [
+        r
+        for r in graded["rows"].values()
+        if r["student"] != "MAX" and r["status"] != "invalid"
+    ]
+    assert {r["sandbox"] for r in ran} == {"yes" if SANDBOXED else "no"}
     assert graded["rows"]["MAX"]["total"] == "5"
     page = (out / "feedback" / "renamed_function.html").read_text()
     hidden = page.split("<h2>隐藏测试")[1].split("<h2>")[0]
@@ -358,6 +361,26 @@ def test_csv_and_feedback_content(graded):
     )
 
 
+@pytest.mark.parametrize(
+    "case, why",
+    [
+        ("malformed_json", "不是完整的 JSON"),
+        ("not_a_notebook", "不是 UTF-8 文本"),
+        ("json_not_notebook", "不是 Jupyter notebook 第 4 版"),
+    ],
+)
+def test_unreadable_file_reported_in_chinese_and_not_run(graded, case, why):
+    """A corrupt file: a Chinese sentence naming the problem and the fix, no raw
+    exception name, and an empty sandbox column (nothing ran, in a sandbox or not)."""
+    rec, row = graded["records"][case], graded["rows"][case]
+    assert rec["status"] == row["status"] == "invalid" and row["sandbox"] == ""
+    assert why in rec["message"] and "下载 .ipynb" in rec["message"], rec["message"]
+    page = (graded["out"] / "feedback" / f"{case}.html").read_text()
+    for raw in ("UnicodeDecodeError", "NotJSONError", "ValidationError", "Error:"):
+        assert raw not in page, raw
+    assert "没有运行" in page and "bubblewrap" not in page
+
+
 def test_feedback_names_cells_by_heading_and_shows_seed_and_policy(graded):
     """Colab shows no cell numbers: an erroring cell is named by its heading and first
     line."""
@@ -368,20 +391,28 @@ def test_feedback_names_cells_by_heading_and_shows_seed_and_policy(graded):
     assert "怎么给分" in page and "常数答案" in page and "10%" in page
 
 
-def test_feedback_first_failing_input_per_type_and_fix(graded):
-    """partial_a adds only small numbers: the big-number type reports its first failing
-    input, what was expected and what to fix; the passing type reports none."""
+def test_feedback_says_what_was_wrong_never_the_hidden_input(graded):
+    """partial_a adds only small numbers: the big-number type says what was wrong with
+    its first failing input (by category) and what to fix; the passing type reports
+    none. No hidden input and no expected answer appears on the page (the whole class
+    gets the same inputs: one page would give them all away)."""
+    from coursekit.grading import load_tests, prepare
+
     rec = graded["records"]["partial_a"]
     types = {t["name"]: t for t in rec["details"]["add"]["types"]}
     assert (
         types["small"]["passed"] == types["small"]["total"] == 10
         and types["small"]["first"] is None
     )
-    first = types["big"]["first"]
-    a, b = json.loads(first["input"])
-    assert first["got"] == "0" and first["want"] == repr(a + b)
+    assert types["big"]["first"] == {"what": "得到 0"}, types["big"]
     page = (graded["out"] / "feedback" / "partial_a.html").read_text()
-    assert "大数也要相加" in page and "第一个没通过的输入" in page
+    assert "大数也要相加" in page and "错在哪里" in page
+    tests = load_tests("lab99", graded["tests_dir"])
+    for p in prepare(tests, rec["seed"]):
+        for (_, x), want in zip(p.drawn, p.wants):
+            for v in (x if p.question.name == "add" else []) + [want]:
+                if abs(v) >= 1000:  # the big inputs and their sums
+                    assert str(v) not in page, v
 
 
 def test_identical_submissions_get_identical_scores(graded):
@@ -404,9 +435,16 @@ def test_identical_submissions_get_identical_scores(graded):
 
 def test_rerun_reproduces_every_grade(graded, tmp_path):
     """A second run, given the first run's (default) seed explicitly, reproduces its
-    grades and feedback exactly; another seed draws other inputs, and a right answer
-    keeps full marks."""
+    grades and feedback exactly; another seed draws other inputs, a right answer keeps
+    full marks, and partial_a's page says what was wrong in the same words (categories,
+    never inputs)."""
+    from coursekit.grading import load_tests, prepare
+
     seed = graded["records"]["good"]["seed"]
+    tests = load_tests("lab99", graded["tests_dir"])
+    assert [p.inputs for p in prepare(tests, seed)] != [
+        p.inputs for p in prepare(tests, seed + 1)
+    ]
     for i, (names, s) in enumerate(
         ((("partial_a", "good"), seed), (("partial_a", "good"), seed + 1))
     ):
@@ -434,8 +472,10 @@ def test_rerun_reproduces_every_grade(graded, tmp_path):
                 )
             elif rec["student"] == "again_good":
                 assert sum(rec["scores"].values()) == 5
-            else:  # the first failing input shown is another draw
-                assert rec["details"] != old["details"]
+            else:  # other inputs, the same mistake: the page says the same thing
+                assert [t["first"] for t in rec["details"]["add"]["types"]] == [
+                    t["first"] for t in old["details"]["add"]["types"]
+                ]
 
 
 def test_colab_download_names_pick_newest_and_say_which(graded):
@@ -527,25 +567,53 @@ LAB_IDS = sorted(
 )
 
 
-# A mistake the self-checks must catch (they did not before): (lab, name, solution text,
-# replacement)
+# Mistakes the self-checks must catch (they did not before), each a requirement the
+# lab states: (name, solution text, replacement, graded question, what the failing
+# self-check says). All of a lab's mistakes are graded in the lab's one grading run.
 MISTAKES = {
-    "lab01": (
-        "ulp_without_zero",
-        "    if x == 0:\n        return math.ldexp(1.0, 1 - bias - m)\n",
-        "",
-    ),
-    "lab03": (
-        "forgets_tied",
-        'tied = cfg.get("tie_word_embeddings", False)',
-        "tied = False",
-    ),
-    "lab06": (
-        "loss_over_k",  # the classic accumulation, wrong once micro-batches differ
-        "loss = mean * (n_valid(labels) / n_tokens)",
-        "loss = mean / len(micro_batches)",
-    ),
+    "lab01": [
+        (
+            "ulp_without_zero",
+            "    if x == 0:\n        return math.ldexp(1.0, 1 - bias - m)\n",
+            "",
+            "ulp",
+            "ulp(0.0, 'fp16') 应为",
+        ),
+        (
+            "nan_rounded_like_a_number",  # 0x7FFFFFFF rounds to 0x8000 (-0.0)
+            "    if math.isnan(x):\n        return ((bits >> 16) & 0x8000) | 0x7FC0\n",
+            "",
+            "fp32_to_bf16_bits",
+            "必须仍是 NaN",
+        ),
+    ],
+    "lab03": [
+        (
+            "forgets_tied",
+            'tied = cfg.get("tie_word_embeddings", False)',
+            "tied = False",
+            "count_params",
+            "transformers 建出的模型有",
+        ),
+    ],
+    "lab06": [
+        (
+            "loss_over_k",  # the classic accumulation, wrong once micro-batches differ
+            "loss = mean * (n_valid(labels) / n_tokens)",
+            "loss = mean / len(micro_batches)",
+            "train_step",
+            "train_step 的梯度应与整批相同",
+        ),
+        (
+            "reentrant_checkpointing",
+            'kwargs = {"use_reentrant": False}',
+            'kwargs = {"use_reentrant": True}',
+            "enable_checkpointing",
+            "检查点应以非 reentrant 方式打开",
+        ),
+    ],
 }
+MISTAKE_CASES = [(lab, m[0]) for lab, ms in sorted(MISTAKES.items()) for m in ms]
 
 
 def _with_mistake(sol: Path, old: str, new: str) -> str:
@@ -558,8 +626,8 @@ def _with_mistake(sol: Path, old: str, new: str) -> str:
 
 @pytest.fixture(scope="session")
 def lab_runs(tmp_path_factory):
-    """Each lab's solution, untouched lab (and known mistake), graded once per test
-    session."""
+    """Each lab's solution, untouched lab (and its known mistakes), graded in one run
+    per lab, once per test session."""
     cache: dict[str, dict] = {}
 
     def run(lab: str) -> dict:
@@ -570,8 +638,7 @@ def lab_runs(tmp_path_factory):
             subs.mkdir()
             shutil.copy(sol, subs / "solution.ipynb")
             shutil.copy(ROOT / "labs" / sol.name, subs / "untouched_lab.ipynb")
-            if lab in MISTAKES:
-                name, old, new = MISTAKES[lab]
+            for name, old, new, *_ in MISTAKES.get(lab, []):
                 (subs / f"{name}.ipynb").write_text(_with_mistake(sol, old, new))
             records = {
                 r["student"]: r
@@ -585,24 +652,19 @@ def lab_runs(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("lab", sorted(MISTAKES))
-def test_self_check_catches_what_the_hidden_tests_grade(lab, lab_runs):
-    """A forgotten special case fails a self-check with a message saying what was
+@pytest.mark.parametrize("lab, name", MISTAKE_CASES)
+def test_self_check_catches_what_the_hidden_tests_grade(lab, name, lab_runs):
+    """A stated requirement left out fails a self-check with a message saying what was
     expected, and costs points in the hidden tests."""
-    name = MISTAKES[lab][0]
+    _, _, _, question, expected_text = next(m for m in MISTAKES[lab] if m[0] == name)
     runs = lab_runs(lab)
     rec = runs["records"][name]
-    question, expected_text = {
-        "lab01": ("ulp", "ulp(0.0, 'fp16') 应为"),
-        "lab03": ("count_params", "transformers 建出的模型有"),
-        "lab06": ("train_step", "train_step 的梯度应与整批相同"),
-    }[lab]
     assert (
         rec["status"] == "ok"
         and 0
-        < rec["scores"][question]
+        <= rec["scores"][question]
         < runs["records"]["solution"]["scores"][question]
-    )
+    ), rec["details"].get(question)
     errors = [c for c in rec["cells"] if "AssertionError" in c["error"]]
     assert errors and expected_text in errors[0]["error"], rec["cells"]
     assert "「" in errors[0]["where"]  # named by its heading, not by a number
@@ -762,26 +824,54 @@ def test_lab02_answers_are_type_checked():
     ] == pytest.approx(0.5)
 
 
-def test_lab01_feedback_shows_both_numbers_in_hex():
+def _lab01_bf16(round_nan: bool, truncate: bool = False):
+    """fp32_to_bf16_bits as a student may write it, called the way the probe calls it
+    (NaN payloads arrive as their fp32 bit pattern)."""
+    import math
+    import struct
+
+    def f(x):
+        if isinstance(x, dict):
+            x = struct.unpack("<f", struct.pack("<I", x["fp32_bits"]))[0]
+        bits = struct.unpack("<I", struct.pack("<f", x))[0]
+        if math.isnan(x) and not round_nan:
+            return ((bits >> 16) & 0x8000) | 0x7FC0
+        if truncate:
+            return bits >> 16
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+    return f
+
+
+def _lab01_detail(fn) -> dict:
     from coursekit.grading import score
 
     p = next(p for p in _prepared("lab01") if p.question.name == "fp32_to_bf16_bits")
-    import struct
+    return score(p, {"ok": True, "value": _entries(fn, p.inputs)})
 
-    detail = score(
-        p,
-        {
-            "ok": True,
-            "value": _entries(
-                lambda x: struct.unpack("<I", struct.pack("<f", x))[0] >> 16, p.inputs
-            ),
-        },
-    )
-    first = next(t["first"] for t in detail["types"] if t["name"] == "round_up")
-    assert first["got"].startswith("0x") and first["want"].startswith("0x"), first
-    assert "就近舍入" in next(
-        t["fix"] for t in detail["types"] if t["name"] == "round_up"
-    )
+
+def test_lab01_feedback_says_what_was_wrong_by_category():
+    """Truncation: the page says the result is one below the right pattern (rounded the
+    wrong way), with the fix; no hidden pattern is printed."""
+    detail = _lab01_detail(_lab01_bf16(round_nan=False, truncate=True))
+    row = next(t for t in detail["types"] if t["name"] == "round_up")
+    assert "小 1" in row["first"]["what"] and "0x" not in row["first"]["what"], row
+    assert "就近舍入" in row["fix"]
+    tie = next(t for t in detail["types"] if t["name"] == "tie")
+    assert "0x3f818000" in tie["fix"]  # the example comes from the lab's self-check
+
+
+def test_lab01_nan_rule_is_weighed():
+    """The lab requires NaN to be special-cased: rounding NaN like a number turns the
+    quiet NaN 0x7FFFFFFF into -0.0 (0x8000). That solution loses the NaN type (all but
+    the plain NaN), and the page says what happened."""
+    ok = _lab01_detail(_lab01_bf16(round_nan=False))
+    bad = _lab01_detail(_lab01_bf16(round_nan=True))
+    assert ok["points"] == 3
+    nan = next(t for t in bad["types"] if t["name"] == "nan")
+    assert nan["passed"] == 1 and nan["total"] >= 5, nan
+    assert bad["points"] <= 2.5, bad["points"]
+    assert "NaN 的输入得到了" in nan["first"]["what"], nan
 
 
 def test_default_seed_is_a_secret_kept_with_the_class(tmp_path):
@@ -866,3 +956,182 @@ def test_machine_failures_are_never_cached():
     }
     kept = json.loads(cache.dumps({k: k for k in recs}, recs))
     assert sorted(kept) == ["a", "d"]
+
+
+# ---------------------------------------------------------------- each function graded
+# on its own; stated requirements weighed (in-process: the probe's source runs here)
+def _probe_detail(lab: str, question: str, student: dict) -> dict:
+    """Score of ``question`` when the probe runs on the functions in ``student`` (what
+    the kernel would do, without a kernel)."""
+    from coursekit.grading import score
+
+    p = next(p for p in _prepared(lab) if p.question.name == question)
+    ns = dict(student)
+    exec(p.question.probe, ns)
+    return score(p, {"ok": True, "value": _entries(ns["CASE"], p.inputs)})
+
+
+def _lab03_count(cfg, tied_ok=True, gqa_ok=True):
+    h, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    n = cfg["num_attention_heads"]
+    k = cfg.get("num_key_value_heads", n) if gqa_ok else n
+    d, inter = h // n, cfg["intermediate_size"]
+    per_layer = 2 * h * n * d + 2 * h * k * d + 3 * h * inter + 2 * h
+    tied = cfg.get("tie_word_embeddings", False) and tied_ok
+    return V * h + L * per_layer + h + (0 if tied else V * h)
+
+
+def test_lab03_each_mistake_fails_only_its_own_type():
+    """Forgetting GQA fails the GQA type only (the tied type draws multi-head configs,
+    so its fix, about the embeddings, is never shown for a GQA bug); forgetting tied
+    embeddings fails the tied type only."""
+    for kw, bad in (({"gqa_ok": False}, "gqa"), ({"tied_ok": False}, "tied")):
+        detail = _probe_detail(
+            "lab03", "count_params", {"count_params": lambda c: _lab03_count(c, **kw)}
+        )
+        failing = {t["name"] for t in detail["types"] if t["passed"] < t["total"]}
+        assert failing == {bad}, (kw, detail["types"])
+
+
+LAB05_LORA = """
+import math
+import torch
+from torch import nn
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base, r, alpha):
+        super().__init__()
+        if not 1 <= r <= min(base.in_features, base.out_features):
+            raise ValueError(r)
+        self.base, self.r, self.alpha = base, r, alpha
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.scaling = alpha / r
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_A.T @ self.lora_B.T) * SCALE(self)
+
+
+def inject_lora(model, targets, r, alpha):
+    names = [
+        n for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and n.split(".")[-1] in targets
+    ]
+    if not names:
+        raise ValueError(targets)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for n in names:
+        parent, _, leaf = n.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, leaf, LoRALinear(model.get_submodule(n), r, alpha))
+    return names
+"""
+
+
+def test_lab05_forward_bug_costs_forward_not_inject_lora():
+    """A forward without the alpha/r scaling loses lora_forward; inject_lora, right,
+    keeps its full marks (its probe runs the reference forward on the student's
+    modules), so the page never points at the function that is right."""
+    full = {}
+    for name, scale in (
+        ("right", "lambda m: m.scaling"),
+        ("no_scaling", "lambda m: 1"),
+    ):
+        ns: dict = {}
+        exec(LAB05_LORA, ns)
+        ns["SCALE"] = eval(scale)
+        full[name] = {
+            q: _probe_detail("lab05", q, ns)["points"]
+            for q in ("lora_forward", "inject_lora")
+        }
+    assert full["right"] == {"lora_forward": 3, "inject_lora": 3}, full
+    assert full["no_scaling"]["inject_lora"] == 3, full
+    assert full["no_scaling"]["lora_forward"] < 1, full
+
+
+def test_lab06_reentrant_checkpointing_loses_the_question():
+    """Lab 6 requires non-reentrant checkpointing. With use_reentrant=True the LoRA
+    weights get no gradient once the embedding's input-grad hook is gone (older
+    transformers): that solution scores 0 of 2, and the page says why."""
+
+    def make(reentrant):
+        def enable_checkpointing(model):
+            kw = {"use_reentrant": reentrant}
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(
+                    activation_checkpointing_kwargs=kw
+                )
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+            model.config.use_cache = False
+            return model
+
+        return enable_checkpointing
+
+    right = _probe_detail(
+        "lab06", "enable_checkpointing", {"enable_checkpointing": make(False)}
+    )
+    wrong = _probe_detail(
+        "lab06", "enable_checkpointing", {"enable_checkpointing": make(True)}
+    )
+    assert right["points"] == 2 and wrong["points"] == 0, (right, wrong)
+    assert all("reentrant" in t["first"]["what"] for t in wrong["types"]), wrong
+
+
+def _lab06_plan(**kw):
+    targets = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
+    return (
+        dict(
+            precision="bf16",
+            batch=4,
+            grad_accum=4,
+            checkpointing=True,
+            lora_rank=8,
+            lora_targets=targets,
+        )
+        | kw
+    )
+
+
+def test_lab06_prediction_is_the_students_own_and_budget_weighs():
+    """The student's own prediction earns by closeness to the plan's peak: a hand-
+    written 900,000 for an 818,548 B plan earns full marks, 2x earns nothing; a plan
+    over budget earns nothing for itself or its prediction."""
+    import importlib.util
+
+    from trainmem.synthetic_task import task_config
+
+    spec = importlib.util.spec_from_file_location(
+        "_lab06_hidden", ROOT / "tests" / "grading" / "lab06.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    gpu = _lab06_plan(batch=8, lora_rank=16)
+    cpu = _lab06_plan()
+    peak = mod._plan_estimate(task_config(), cpu, 12)[0]
+    gpu_peak = mod._plan_estimate("qwen2.5-0.5b", gpu, 512)[0]
+
+    def share(**res):
+        return mod.plan_check(
+            mod.BUDGETS, dict(cpu_plan=cpu, gpu_plan=gpu, gpu_pred=gpu_peak) | res
+        )
+
+    assert share(cpu_pred=peak)[0] == 1
+    assert share(cpu_pred=900_000)[0] == 1  # about 10% off: the student's own number
+    assert share(cpu_pred=2 * peak)[0] == pytest.approx(1 - mod.PRED_SHARE)
+    over, msg = share(cpu_plan=_lab06_plan(batch=8, grad_accum=2), cpu_pred=1_100_000)
+    assert over == pytest.approx(1 - mod.FIT_SHARE - mod.PRED_SHARE), msg
+    assert "预测不计分" in msg

@@ -40,6 +40,31 @@ def seed_id(seed) -> str:
     return hashlib.sha256(str(seed).encode()).hexdigest()[:12]
 
 
+NOT_RUN_TEXT = "这份提交没有运行（文件读不出来），所以也没有进沙箱。"
+
+
+def unreadable_text(e: BaseException) -> str:
+    """Why a submission file is not a notebook, in Chinese (no raw exception name)."""
+    name = type(e).__name__
+    if isinstance(e, UnicodeDecodeError):
+        why = "文件不是 UTF-8 文本（可能是图片、压缩包或别的二进制文件，而不是 .ipynb）"
+    elif name in ("NotJSONError", "JSONDecodeError"):
+        why = "文件不是完整的 JSON（下载或复制时被截断了，或者用别的程序改坏了）"
+    elif name == "ValidationError" or "nbformat" in str(e):
+        why = "JSON 的结构不是 Jupyter notebook 第 4 版（nbformat 4）"
+    else:
+        why = "文件里没有 notebook 的单元列表"
+    return (
+        f"不是可读的 notebook：{why}。请在 Colab 里用 文件 → 下载 → 下载 .ipynb "
+        "重新下载后再交。"
+    )
+
+
+def ran(rec: dict) -> bool:
+    """Whether the submission's code ran at all (an unreadable file never does)."""
+    return rec.get("status") != "invalid"
+
+
 def total(rec: dict) -> float:
     return round(sum(rec["scores"].values()), 2)
 
@@ -95,7 +120,12 @@ def feedback_html(
             graded=graded,
             stub_limit=STUB_LIMIT,
             version=GRADER_VERSION,
-            sandbox_text=SANDBOX_TEXT[bool(rec.get("sandbox", True))],
+            sandbox_text=(
+                SANDBOX_TEXT[bool(rec.get("sandbox", True))]
+                if ran(rec)
+                else NOT_RUN_TEXT
+            ),
+            type_examples=type_examples(tests),
         )
     )
 
@@ -108,6 +138,19 @@ def csv_cell(value) -> str:
     tab, carriage return) gets a leading apostrophe."""
     text = str(value)
     return "'" + text if text.startswith(FORMULA_LEAD) else text
+
+
+def type_examples(tests: LabTests, n: int = 4) -> str:
+    """A few of this lab's own case-type labels, for the scoring policy's example."""
+    labels: list[str] = []
+    for q in tests.questions:
+        for ct in q.cases or ():
+            if ct.label not in labels:
+                labels.append(ct.label)
+    # one per question first, so the example spans the lab
+    firsts = [q.cases[0].label for q in tests.questions if q.cases]
+    picked = list(dict.fromkeys(firsts + labels))[:n]
+    return "“" + "”、“".join(picked) + "”" if picked else "按输入的特征分的几类"
 
 
 def grades_csv(records: list[dict], tests: LabTests) -> str:
@@ -134,7 +177,7 @@ def grades_csv(records: list[dict], tests: LabTests) -> str:
                 csv_cell(rec["status"]),
                 rec.get("seed", ""),
                 csv_cell(Path(rec["file"]).name) if rec.get("file") else "",
-                "yes" if rec.get("sandbox", True) else "no",
+                ("yes" if rec.get("sandbox", True) else "no") if ran(rec) else "",
                 csv_cell(rec.get("limits", "")),
             ]
         )

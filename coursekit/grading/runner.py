@@ -23,6 +23,7 @@ import psutil
 
 from . import cgroup
 from .files import read_regular, remove_tree
+from .report import unreadable_text
 from .scoring import Prepared, probe_spec, score
 from .submissions import Submission
 from .worker import kill_tree
@@ -151,7 +152,7 @@ def grade_one(sub: Submission, prepared: list[Prepared], settings: dict) -> dict
     except Exception as e:
         rec.update(
             status="invalid",
-            message=f"不是可读的 notebook：{type(e).__name__}: {str(e)[:300]}",
+            message=unreadable_text(e),
         )
         return rec
     probes = [probe_spec(p, settings["probe_timeout"]) for p in prepared]

@@ -106,17 +106,55 @@ def probe_spec(p: Prepared, default_timeout: float) -> dict:
     }
 
 
-def _got_text(q: Question, entry: Any) -> str:
-    if not isinstance(entry, dict):
-        return f"无法识别的结果 {entry!r:.80}"
+def _kind(v: Any) -> str:
+    """A value's category, in Chinese, without the value itself."""
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "NaN"
+        if math.isinf(v):
+            return "+inf" if v > 0 else "−inf"
+        if v == 0:
+            return "+0.0" if math.copysign(1.0, v) > 0 else "−0.0"
+        return "有限的 float"
+    return {
+        int: "int",
+        str: "字符串",
+        list: "列表",
+        dict: "字典",
+        type(None): "None",
+    }.get(type(v), type(v).__name__)
+
+
+def what_went_wrong(entry: Any, want: Any, why: str) -> str:
+    """What a failing input got wrong, by category: never the hidden input, never the
+    expected value (a feedback page is shared; the inputs are the same for the whole
+    class). ``why`` is the question's own description from ``compare``."""
+    if not isinstance(entry, dict) or not any(k in entry for k in "etv"):
+        return "没有得到结果"
     if "e" in entry:
-        return f"抛出 {str(entry['e'])[:300]}"
+        name = str(entry["e"]).split(":", 1)[0].strip()[:60] or "异常"
+        return f"抛出了 {name}"
     if "t" in entry:
-        return (
-            f"返回了不是纯数据的 {str(entry['t'])[:200]}"
-            "（请返回 Python 的 int/float/bool/list/dict）"
-        )
-    return q.show_value(entry.get("v"))
+        return "返回了不是纯数据的值（请返回 Python 的 int/float/bool/list/dict）"
+    if why:
+        return why
+    got = entry["v"]
+    kg, kw = _kind(got), _kind(want)
+    if kg != kw:
+        return f"应返回 {kw}，得到 {kg}"
+    if isinstance(got, (int, float)) and not isinstance(got, bool) and want:
+        rel = got / want
+        if got == 0:
+            return "得到 0"
+        if math.isfinite(rel) and rel > 0 and abs(rel - 1) < 0.1:
+            return f"比正确值{'大' if rel > 1 else '小'} {abs(rel - 1):.2%}"
+        if math.isfinite(rel):
+            return f"是正确值的 {rel:.3g} 倍"
+    if isinstance(got, (list, dict)) and len(got) != len(want):
+        return f"{kg}的长度不对"
+    return "返回值与参考实现不同"
 
 
 def _share(raw: float, baseline: float) -> float:
@@ -142,12 +180,11 @@ def score_typed(p: Prepared, entries: list) -> dict:
             "fix": ct.fix,
             "first": None,
         }
-        if first is not None:
+        if first is not None:  # what was wrong, not the hidden input or its answer
             row["first"] = {
-                "input": q.show_input(p.drawn[first][1]),
-                "got": _got_text(q, entries[first]),
-                "want": q.show_value(p.wants[first]),
-                "why": results[first][1],
+                "what": what_went_wrong(
+                    entries[first], p.wants[first], results[first][1]
+                )[:600],
             }
         types.append(row)
     raw = _raw_share(q, p.drawn, [r[0] for r in results])

@@ -193,10 +193,33 @@ def _fp32_special(rng):
     return [0.0, -0.0, math.inf, -math.inf]
 
 
+def _nan_payloads(rng):
+    """NaN inputs as fp32 bit patterns (JSON would turn every NaN into one): quiet NaNs
+    whose upper half is 0x7FFF / 0xFFFF, where the rounding carry runs out of the
+    mantissa (into -0.0 or +0.0) unless NaN is special-cased, and one plain NaN."""
+    pats = [0x7FFFFFFF, 0xFFFFFFFF, 0x7FFF8000, 0xFFFF8000]
+    pats += [
+        (rng.getrandbits(1) << 31) | 0x7FFF0000 | rng.randrange(0x8001, 0x10000)
+        for _ in range(3)
+    ]
+    return [{"fp32_bits": p} for p in pats] + [math.nan]
+
+
+FP32_TO_BF16_PROBE = """
+import struct as _struct
+
+
+def CASE(x):
+    if isinstance(x, dict):  # a NaN with its payload, handed over as its bit pattern
+        x = _struct.unpack("<f", _struct.pack("<I", x["fp32_bits"]))[0]
+    return fp32_to_bf16_bits(x)
+"""
+
+
 def expect_fp32_to_bf16(x: float):
     import torch
 
-    if math.isnan(x):
+    if isinstance(x, dict) or math.isnan(x):
         return "NaN"
     return (
         int(
@@ -208,19 +231,50 @@ def expect_fp32_to_bf16(x: float):
     )
 
 
-def compare_bf16_bits(got, want) -> bool:
+def _bf16_kind(bits: int) -> str:
+    exponent, mantissa = (bits >> 7) & 0xFF, bits & 0x7F
+    sign = "−" if bits >> 15 else "+"
+    if exponent == 0xFF:
+        return "NaN" if mantissa else f"{sign}inf"
+    if exponent == 0:
+        return f"{sign}0.0" if not mantissa else "次正规数"
+    return "正规数"
+
+
+def compare_bf16_bits(got, want):
+    """Exact bit pattern (any NaN for NaN). ``why`` describes what came back by
+    category and by its distance from the right pattern, never the pattern itself."""
     if not isinstance(got, int) or isinstance(got, bool) or not 0 <= got < 2**16:
-        return False
+        return False, f"应返回 0 到 0xFFFF 的 int，得到 {type(got).__name__}"
     if want == "NaN":
-        return (got >> 7) & 0xFF == 0xFF and bool(got & 0x7F)
-    return got == want
+        ok = (got >> 7) & 0xFF == 0xFF and bool(got & 0x7F)
+        return ok, "" if ok else (
+            f"NaN 的输入得到了 {_bf16_kind(got)} 的位模式：进位从尾数段一路进到了"
+            "指数段之外（自检里的 0x7fffffff 就是这样的 NaN）"
+        )
+    if got == want:
+        return True, ""
+    if (got ^ want) & 0x8000:
+        return False, "符号位不对"
+    diff = got - want
+    if abs(diff) == 1:
+        return False, (
+            f"比正确的位模式{'大' if diff > 0 else '小'} 1：舍入的方向不对"
+            + ("（像是直接截断）" if diff < 0 else "")
+        )
+    return False, (
+        f"得到的是 {_bf16_kind(got)}，应为 {_bf16_kind(want)}；"
+        f"与正确的位模式相差 {abs(diff)}"
+    )
 
 
 def show_bf16_bits(v) -> str:
     return "任一 NaN 位模式（指数全 1、尾数不为 0）" if v == "NaN" else hex16(v)
 
 
-def _show_fp32(x: float) -> str:
+def _show_fp32(x) -> str:
+    if isinstance(x, dict):
+        return f"NaN（fp32 位模式 {x['fp32_bits']:#010x}）"
     return f"{x!r}（fp32 位模式 {struct.unpack('<I', struct.pack('<f', x))[0]:#010x}）"
 
 
@@ -338,7 +392,7 @@ QUESTIONS = [
     Question(
         "fp32_to_bf16_bits",
         points=3,
-        probe="CASE = fp32_to_bf16_bits",
+        probe=FP32_TO_BF16_PROBE,
         cases=[
             CaseType(
                 "round_up",
@@ -360,8 +414,8 @@ QUESTIONS = [
                 "平局（低 16 位 = 0x8000）",
                 2,
                 _ties,
-                fix="平局取偶：结果最低位为 1 时进位，为 0 时舍去；"
-                "(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16",
+                fix="平局取偶：保留部分的最低位为 1 时进位，为 0 时舍去"
+                "（自检的 0x3f818000 → 0x3f82 进位，0x3f808000 → 0x3f80 舍去）",
             ),
             CaseType(
                 "carry",
@@ -388,11 +442,11 @@ QUESTIONS = [
             ),
             CaseType(
                 "nan",
-                "NaN",
-                1,
-                lambda rng: [math.nan],
-                fix="NaN 要单独返回一个 NaN 模式（例如 0x7FC0），"
-                "截断或进位可能把它变成 inf",
+                "NaN（含尾数高位全 1 的 NaN）",
+                2,
+                _nan_payloads,
+                fix="NaN 要先单独处理、返回一个 NaN 模式：舍入的进位会把尾数高位全 1 "
+                "的 NaN 变成 ±0 或 inf（本实验第 4 节）",
             ),
         ],
         expect=expect_fp32_to_bf16,

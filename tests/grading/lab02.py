@@ -199,14 +199,23 @@ def _scaler_expect(case):
 
 def _scaler_compare(got, want):
     if not isinstance(got, list) or len(got) != len(want):
-        return False, f"应得到 {len(want)} 个 scale（初值 + 每次 update 之后各一个）"
+        return False, "scale 的个数不对（应为初值 + 每次 update 之后各一个）"
     for i, (g, w) in enumerate(zip(got, want)):
         if not isinstance(g, float) or g != w:
-            return False, (
-                f"第 {i} 次 update 之后 scale 应为 {w!r}（float），得到 {g!r}"
+            where = f"第 {i} 次 update 之后的 scale" if i else "初始 scale"
+            if not isinstance(g, float):
+                return False, f"{where}应为 float，得到 {type(g).__name__}"
+            prev = want[i - 1] if i else None
+            what = (
+                "应减半（这一步发现了 inf/NaN）"
+                if i and w < prev
+                else "应翻倍（连续 growth_interval 步没有 inf/NaN）"
+                if i and w > prev
+                else "应不变"
                 if i
-                else f"初始 scale 应为 {w!r}（float），得到 {g!r}"
+                else "应等于 init_scale"
             )
+            return False, f"{where}{what}；你的是正确值的 {g / w:.3g} 倍"
     return True, ""
 
 
@@ -379,11 +388,11 @@ def _step_compare(got, want):
     checks = [
         (
             got.get("applied") is want["applied"],
-            f"返回值应为 {want['applied']}（bool）",
+            "返回值（这一步有没有真的更新参数，bool）不对",
         ),
         (
             got.get("calls") == want["calls"],
-            f"scaler.update 应恰好调用一次：update({want['calls'][0]})",
+            "scaler.update 应恰好调用一次（参数：这一步的梯度里有没有 inf/NaN）",
         ),
         (
             got.get("master_dtype") == ["torch.float32"] * len(want["master"]),

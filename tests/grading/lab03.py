@@ -112,9 +112,14 @@ COUNT_TYPES = [
     ),
     CaseType(
         "tied",
-        "共享嵌入（tie_word_embeddings=True）",
+        "共享嵌入（tie_word_embeddings=True，k = n）",
         1,
-        _configs("tied"),
+        # multi-head attention only: a GQA mistake must not show up here, under a fix
+        # that talks about the embeddings
+        lambda rng: [
+            dict(random_llama_cfg(rng, "mha"), tie_word_embeddings=True)
+            for _ in range(8)
+        ],
         fix="tie_word_embeddings 为真时 lm_head 与嵌入共享同一个矩阵，不另计 V·h",
     ),
 ]

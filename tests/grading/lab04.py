@@ -276,8 +276,8 @@ def accum_compare(got, want):
         wrong.append("参数的 .grad 与整批梯度不一致（第二次调用要先清零）")
     if got.get("sizes") != want["sizes"]:
         wrong.append(
-            f"两次调用中模型看到的 micro-batch 大小应为 {want['sizes']}，得到 "
-            f"{got.get('sizes')}"
+            "两次调用中模型看到的 micro-batch 大小不对（每个 micro-batch 的序列数应"
+            "不超过 micro_bs，合起来正好是整批）"
         )
     return not wrong, "；".join(wrong)
 
@@ -464,14 +464,21 @@ def blocks_expect(case):
     }
 
 
+def _ratio(got, want) -> str:
+    """``got`` relative to the reference, without the reference's value."""
+    if not isinstance(got, (int, float)) or isinstance(got, bool):
+        return "（没有得到数）"
+    if not want:
+        return "（应为 0）"
+    return f"（是参考的 {got / want:.0%}）"
+
+
 def blocks_compare(got, want):
     if not isinstance(got, dict):
         return False, "没有结果"
     xg, wxg = got.get("x_grad"), want["x_grad"]
-    saved_label = f"保存给反向的字节数（应为 {want['saved']}，得到 {got.get('saved')}）"
-    forwards_label = (
-        f"block 前向次数（应为 {want['forwards']}，得到 {got.get('forwards')}）"
-    )
+    saved_label = "保存给反向的字节数" + _ratio(got.get("saved"), want["saved"])
+    forwards_label = "block 前向次数" + _ratio(got.get("forwards"), want["forwards"])
     checks = {
         "输出": _close(got.get("out"), want["out"]),
         "参数梯度": _grads_match(got.get("grads"), want["grads"]),
@@ -520,7 +527,8 @@ BLOCKS_TYPES = [
         "检查点：同样的输出与梯度，只保存每个 block 的输入、每个 block 重算一次",
         3,
         _blocks_type(True, True),
-        fix="h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)",
+        fix="checkpointing=True 时每个 block 都交给 torch.utils.checkpoint 的非 "
+        "reentrant 检查点去调用（本实验第 4 节）",
     ),
     CaseType(
         "input_no_grad",
