@@ -515,9 +515,11 @@ def test_host_side_untouched(suite):
     ]
     assert "mallory" not in (out / "grades.csv").read_text()
     assert suite["accepted"] == 0 and suite["signals"] == []
-    assert {r["sandbox"] for r in suite["rows"].values() if r["student"] != "MAX"} == {
-        "yes"
-    }
+    rows = [r for r in suite["rows"].values() if r["student"] != "MAX"]
+    # every submission that ran, ran sandboxed; an invalid one (a symlink, a FIFO)
+    # never ran, and its sandbox cell says nothing
+    assert {r["sandbox"] for r in rows if r["status"] != "invalid"} == {"yes"}
+    assert {r["sandbox"] for r in rows if r["status"] == "invalid"} <= {""}
 
 
 def test_process_cannot_outlive_grading(suite):
