@@ -48,22 +48,32 @@ DENIED = (
     "open_by_handle_at iopl ioperm quotactl lookup_dcookie"
 ).split()
 
+# Calls added since Linux 5.1 share one number on every architecture (the kernel's
+# unified syscall table, scripts/syscall.tbl), so both tables below take them from here.
+UNIFIED = dict(
+    io_uring_setup=425,
+    io_uring_enter=426,
+    io_uring_register=427,
+    open_tree=428,
+    move_mount=429,
+    fsopen=430,
+    fsconfig=431,
+    fsmount=432,
+    fspick=433,
+    clone3=435,
+    mount_setattr=442,
+)
+
 # (AUDIT_ARCH_*, {name: number}) from the kernel's syscall tables
 TABLES = {
     "x86_64": (
         0xC000003E,
         dict(
+            **UNIFIED,
             mount=165,
             umount2=166,
             pivot_root=155,
             chroot=161,
-            open_tree=428,
-            move_mount=429,
-            fsopen=430,
-            fsconfig=431,
-            fsmount=432,
-            fspick=433,
-            mount_setattr=442,
             unshare=272,
             setns=308,
             ptrace=101,
@@ -75,9 +85,6 @@ TABLES = {
             bpf=321,
             perf_event_open=298,
             userfaultfd=323,
-            io_uring_setup=425,
-            io_uring_enter=426,
-            io_uring_register=427,
             init_module=175,
             finit_module=313,
             delete_module=176,
@@ -95,23 +102,16 @@ TABLES = {
             quotactl=179,
             lookup_dcookie=212,
             clone=56,
-            clone3=435,
         ),
     ),  # fmt: skip
     "aarch64": (
         0xC00000B7,
         dict(
+            **UNIFIED,
             mount=40,
             umount2=39,
             pivot_root=41,
             chroot=51,
-            open_tree=428,
-            move_mount=429,
-            fsopen=430,
-            fsconfig=431,
-            fsmount=432,
-            fspick=433,
-            mount_setattr=442,
             unshare=97,
             setns=268,
             ptrace=117,
@@ -123,9 +123,6 @@ TABLES = {
             bpf=280,
             perf_event_open=241,
             userfaultfd=282,
-            io_uring_setup=425,
-            io_uring_enter=426,
-            io_uring_register=427,
             init_module=105,
             finit_module=273,
             delete_module=106,
@@ -141,7 +138,6 @@ TABLES = {
             quotactl=60,
             lookup_dcookie=18,
             clone=220,
-            clone3=435,
         ),
     ),  # fmt: skip
 }
