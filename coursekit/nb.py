@@ -210,6 +210,10 @@ def _inline_figures() -> None:
     ip = get_ipython()
     if ip is not None and getattr(ip, "kernel", None) is not None:
         ip.run_line_magic("matplotlib", "inline")
+        from .figures import record_figures
+
+        # each PNG says what sizes its texts were drawn at (tests/page_audit.py)
+        record_figures(ip)
 
 
 def setup(
