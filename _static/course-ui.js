@@ -86,14 +86,54 @@ window.addEventListener("load", () => {
         if (pre.scrollWidth - pre.clientWidth <= 1) return;
         pre.style.removeProperty("font-size");
       }
-      pre.classList.remove("course-fit"); // too wide even so: wrap
+      // too wide even so. A printout in columns (two or more spaces between fields on at
+      // least two lines) keeps its columns and scrolls on a phone; other text wraps, and on
+      // a desktop everything wraps (nothing scrolls sideways there).
+      if (columns(pre) && window.innerWidth < DESKTOP_PX) return;
+      pre.classList.remove("course-fit");
     });
   };
+  const DESKTOP_PX = 960;
+  const columns = (pre) =>
+    pre.textContent.split("\n").filter((l) => /\S {2,}\S/.test(l)).length >= 2;
   // A table wider than the column (a row of long snake_case headers): a smaller font first,
-  // then headers and cells may break, at underscores (a zero-width space after each) or anywhere.
+  // then headers and cells may break at spaces and underscores (a zero-width space after each),
+  // never inside a number or a word: a token with a hyphen, slash or parenthesis ("ZeRO-2",
+  // "bytes/param", "fp16(bits)") is kept on one line. What still does not fit scrolls inside
+  // the table's own box.
   const TABLE_STEPS = [0.9, 0.8];
+  const TOKEN = /[A-Za-z0-9][A-Za-z0-9.,%+\-\u2212\u00d7\/:()']*[-\u2212\/(][A-Za-z0-9.,%+\-\u2212\u00d7\/:()']*/g;
+  const keepTokens = (cell) => {
+    const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+    const nodes = [];
+    for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+      if (!n.parentElement.closest(".course-nw")) nodes.push(n);
+    }
+    for (const n of nodes) {
+      const text = n.nodeValue;
+      TOKEN.lastIndex = 0;
+      if (!TOKEN.test(text)) continue;
+      TOKEN.lastIndex = 0;
+      const frag = document.createDocumentFragment();
+      let at = 0;
+      for (const m of text.matchAll(TOKEN)) {
+        frag.append(text.slice(at, m.index));
+        const span = document.createElement("span");
+        span.className = "course-nw";
+        span.textContent = m[0];
+        frag.append(span);
+        at = m.index + m[0].length;
+      }
+      frag.append(text.slice(at));
+      n.replaceWith(frag);
+    }
+  };
   const fitTables = () => {
     document.querySelectorAll("article table").forEach((table) => {
+      if (!table.dataset.courseTokens) {
+        table.dataset.courseTokens = "1";
+        table.querySelectorAll("th, td").forEach(keepTokens);
+      }
       const box = table.closest(".pst-scrollable-table-container") || table;
       const over = () => box.scrollWidth - box.clientWidth > 1 || table.scrollWidth - table.clientWidth > 1;
       if (!table.dataset.courseFit) {

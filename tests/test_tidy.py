@@ -211,6 +211,10 @@ def test_visible_source_hides_only_plumbing():
     )
     # not Python
     assert visible_source("%time f()\nglue('a', 1)") == "%time f()\nglue('a', 1)"
+    # the source material's cell-type line is the badge's job, not the code's
+    gpu = "# 类型：【Skeleton】需要 GPU\n@gpu_cell\ndef f(device, small):\n    pass"
+    assert visible_source(gpu) == "@gpu_cell\ndef f(device, small):\n    pass"
+    assert visible_source("x = 1  # 类型：【Skeleton】") == "x = 1  # 类型：【Skeleton】"
 
 
 def _cli(*args, cwd):
