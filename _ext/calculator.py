@@ -93,6 +93,107 @@ LABELS = {
     "checkpointing-mode": "检查点形式（checkpointing-mode）",
     "framework": "训练框架（framework）",
     "previous-seq": "上一个微批的 token 数（previous-seq，LitGPT）",
+    "load-dtype": "加载 dtype（load-dtype）",
+}
+# The tooltip of each option, in Chinese (the CLI's --help stays English): every option
+# the form shows has one (tests/test_calculator.py), so a new option needs a line here.
+TIPS = {
+    "model": (
+        "预设模型名，或选“粘贴 config.json”用 Hugging Face 格式的模型配置；默认 l"
+        "lama-7b"
+    ),
+    "method": "全参数微调（full）、LoRA，或 QLoRA（基座权重 4 位 NF4）；默认 full",
+    "precision": (
+        "fp32；fp16-amp / bf16-amp：fp32 参数上的自动混合精度（autocast），fp16 "
+        "配损失缩放；bf16：参数、梯度、优化器状态都是 bf16；默认 bf16-amp"
+    ),
+    "optimizer": (
+        "adamw：torch 的 AdamW，两个状态（exp_avg、exp_avg_sq）与参数同 dtype；ad"
+        "amw8bit：bitsandbytes 的 8 位 AdamW（分块量化的状态）；paged_adamw：bits"
+        "andbytes 的分页 AdamW（fp32 状态，大张量的状态放在分配器之外的统一内存）"
+        "；sgd：无状态；sgd-momentum：一个动量缓冲；lion：一个动量缓冲；adafactor"
+        "：按行、列分解的二阶矩"
+    ),
+    "optimizer-impl": (
+        "优化器 step() 的实现，决定这一步的临时显存：foreach（CUDA 上 torch 的默"
+        "认）、fused（Trainer 默认的 adamw_torch_fused）、for-loop（逐个参数）；"
+        "默认取该优化器自己的"
+    ),
+    "batch": "微批大小（micro-batch，≥ 1）；默认 1",
+    "seq": "序列长度（token 数，≥ 1）；默认 512",
+    "grad-accum": "每次优化器更新累积的微批数（梯度累积）；默认 1",
+    "lora-rank": "LoRA 的秩 r（1 ≤ r ≤ 目标模块最小的输入/输出宽度）；默认 8",
+    "lora-alpha": "LoRA 的 alpha（缩放 alpha/r，不影响显存）；默认 16",
+    "lora-targets": (
+        "加 LoRA 的模块名，逗号分隔，如 q_proj,k_proj,v_proj,o_proj,gate_proj,up_"
+        "proj,down_proj（gpt2：c_attn,attn.c_proj,c_fc,mlp.c_proj）；默认 q_proj,"
+        "v_proj"
+    ),
+    "lora-dtype": "适配器参数的 dtype；默认取 peft 的（fp32 适配器）",
+    "load-dtype": (
+        "加载权重的 dtype（from_pretrained 的 dtype），与 autocast 无关；默认取精"
+        "度的（autocast 下 fp32，纯 bf16 下 bf16）"
+    ),
+    "no-double-quant": "QLoRA 不对 NF4 的量化常数再做一次量化（双重量化）",
+    "checkpointing": (
+        "每个 decoder 层做激活检查点（activation / gradient checkpointing）"
+    ),
+    "attn": (
+        "注意力实现：sdpa（flash 显存相同）、eager（保存 b×头数×s×s 的分数）、mat"
+        "h（SDPA 的数学路径：fp32 分数与 softmax）；默认 sdpa"
+    ),
+    "zero": (
+        "ZeRO/FSDP 阶段：1 切分优化器状态与主权重，2 再切分梯度，3 再切分权重；0 "
+        "不切分；默认 0"
+    ),
+    "gpus": (
+        "数据并行的 GPU 数（≥ 1）；ZeRO 为 0 时是 torch DDP，它的梯度桶再存一份可"
+        "训练参数的梯度；默认 1"
+    ),
+    "zero-impl": (
+        "ZeRO 2/3 由谁切分：fsdp（torch FSDP，每个 decoder 层一个单元，预取下一个"
+        "）或 deepspeed（DeepSpeed ZeRO：梯度桶、逐模块收集、小参数不切分）；默认"
+        " fsdp"
+    ),
+    "deepspeed-sizes": (
+        "DeepSpeed 的桶大小：defaults（DeepSpeed 自己的默认值）或 hf-auto（Traine"
+        "r 的 “auto”，按 hidden 算）；默认 defaults"
+    ),
+    "checkpointing-mode": (
+        "检查点的形式：non-reentrant（transformers 5.0 起的默认）或 reentrant（us"
+        "e_reentrant=True，整层重算，输出保留到该层反向结束）；默认 non-reentrant"
+    ),
+    "lora-dropout": (
+        "peft 的 lora_dropout（0 ≤ p < 1；大于 0 时每个被适配模块的输入多一份掩码"
+        "与丢弃后的副本）；默认 0.0"
+    ),
+    "use-cache": (
+        "前向的 KV 缓存；默认按 transformers 的决定（配置里开启，检查点时关闭）"
+    ),
+    "versions": (
+        "行为随版本变化的库的版本，如 transformers=4.48.1,peft=0.13.2（可只写一部"
+        "分；默认是本课程固定的版本）"
+    ),
+    "kbit-prepare": (
+        "QLoRA：peft 表示 prepare_model_for_kbit_training（未量化的权重升为 fp32"
+        "），none 表示基座保持 16 位加载 dtype；默认 peft"
+    ),
+    "kernels": (
+        "这一步跑在谁的内核上：cuda（估算描述的情形）或 cpu（trainmem.measure 校"
+        "验的情形）；默认 cuda"
+    ),
+    "previous-seq": (
+        "LitGPT：这一步第一个微批之前那个微批的 token 数，它的 logits 在前向时仍"
+        "被引用；0 表示没有；默认等于序列长度"
+    ),
+    "framework": (
+        "谁的训练步：hf（transformers + peft，Trainer 的循环）或 litgpt（LitGPT "
+        "的 GPT）；默认 hf"
+    ),
+    "gpu": (
+        "GPU 型号：加上缓存分配器保留的显存（reserved）、nvidia-smi 显示的显存（"
+        "下限）、是否放得下与余量"
+    ),
 }
 SKIP = {"help", "json", "timeline"}  # the page always asks for --json --timeline
 CONFIG_CHOICE = "config.json"  # model value that means: the pasted config.json
@@ -259,7 +360,7 @@ def form_fields() -> list[dict]:
         f = {
             "name": name,
             "flag": flag,
-            "help": a.help or "",
+            "help": TIPS.get(name, a.help or ""),
             "label": LABELS.get(name, flag),
         }
         if isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction)):

@@ -51,8 +51,8 @@ SETUP_PROMPTS = {
     "code_prompt_hide": "隐藏准备代码",
 }
 _NBVAL_COMMENT = re.compile(r"^\s*#\s*nbval-ignore-output\b[\s:：,，;；.。-]*(.*?)\s*$")
-# the source material's cell-type line ("# 类型：【Skeleton】需要 GPU"): the page says what a
-# GPU cell is in its badge (_static/course.css), the notebook keeps the line
+# the source material's cell-type line ("# 类型：【Skeleton】需要 GPU"): the page says
+# what a GPU cell is in its badge (_static/course.css), the notebook keeps the line
 _CELL_TYPE = re.compile(r"^#\s*类型：【\w+】.*$")
 
 
@@ -382,7 +382,8 @@ def _is_glue_name(stmt: ast.Expr) -> bool:
 
 def visible_source(src: str, tol_names: frozenset[str] = frozenset()) -> str:
     """The code of a cell as the book shows it: without ``# nbval-ignore-output``
-    comment lines and the ``# 类型：【…】`` cell-type line, without statements that only feed the prose (glue calls, and loops
+    comment lines and the ``# 类型：【…】`` cell-type line, without statements that
+    only feed the prose (glue calls, and loops
     or ifs made only of them) when they stand on lines of their own, and without the
     measurement plumbing :func:`strip_measurement` removes (``tol_names``: see
     :func:`tolerance_names`). The rest is kept verbatim."""

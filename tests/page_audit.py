@@ -55,16 +55,16 @@ AUDIT_JS = r"""() => {
     const first = [...box.children].find(
       (c) => c !== title && c.tagName === 'P' && c.textContent.trim());
     const body = first ? first.textContent.trim() : '';
-    const lead = first && first.firstElementChild && first.firstElementChild.tagName
-      === 'STRONG' && body.startsWith(first.firstElementChild.textContent.trim())
-      ? first.firstElementChild.textContent.trim() : '';
+    const strong = first && first.firstElementChild;
+    const lead = strong && strong.tagName === 'STRONG'
+      && body.startsWith(strong.textContent.trim()) ? strong.textContent.trim() : '';
     const runs = (lead && body.length > lead.length + 1)
       || (/^误区\s*\d/.test(body) && !/^误区\s*\d+：\S/.test(head))
       || (/误区/.test(head) && !/^误区\s*\d+：\S/.test(head));
     if (runs) out.runon.push((head + ' | ' + body).slice(0, 90));
   }
   // numbers and words broken across lines in table cells
-  const TOKEN = /[A-Za-z0-9][A-Za-z0-9.,%+\-−×:\/()]*[A-Za-z0-9%)]|[A-Za-z0-9]/g;
+  const TOKEN = /[A-Za-z0-9][A-Za-z0-9.,%+\-−×:\/()]*[A-Za-z0-9%)]/g;
   for (const cell of art.querySelectorAll('td, th')) {
     if (!shown(cell)) continue;
     const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
@@ -95,15 +95,18 @@ AUDIT_JS = r"""() => {
     const tops = new Set([...r.getClientRects()].filter((q) => q.width > 0)
       .map((q) => Math.round(q.top)));
     const lh = parseFloat(getComputedStyle(pre).lineHeight) || 16;
-    const visual = Math.round((Math.max(...[...tops]) - Math.min(...[...tops])) / lh) + 1;
+    const span = Math.max(...tops) - Math.min(...tops);
+    const visual = Math.round(span / lh) + 1;
     if (visual > lines.length) out.printout.push(lines[0].slice(0, 70));
   }
   for (const m of art.querySelectorAll('mjx-container[display="true"]')) {
-    if (shown(m) && m.scrollWidth > m.clientWidth + 1) out.math.push(m.scrollWidth - m.clientWidth);
+    const over = m.scrollWidth - m.clientWidth;
+    if (shown(m) && over > 1) out.math.push(over);
   }
   for (const img of art.querySelectorAll('img')) {
     if (!img.naturalWidth || !shown(img)) continue;
-    out.figures.push({src: img.currentSrc || img.src, shown: img.getBoundingClientRect().width,
+    const width = img.getBoundingClientRect().width;
+    out.figures.push({src: img.currentSrc || img.src, shown: width,
       natural: img.naturalWidth});
   }
   for (const c of art.querySelectorAll('div.cell')) {
@@ -162,8 +165,8 @@ def english(text: str) -> bool:
 
 def english_phrase(text: str) -> list[str]:
     """English wording in a Chinese interface text: lowercase English words of three
-    or more letters outside parentheses and ``<code>``-like tokens (see :func:`english`),
-    e.g. ``forward`` in "峰值出现在 forward 阶段"."""
+    or more letters outside parentheses, quotes and code-like tokens (see
+    :func:`english`), e.g. ``forward`` in "峰值出现在 forward 阶段"."""
     t = re.sub(r"（[^）]*）|\([^)]*\)|“[^”]*”|`[^`]*`", " ", text)
     out = []
     for w in re.split(

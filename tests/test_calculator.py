@@ -25,6 +25,7 @@ import nbformat
 import pytest
 
 from tests.notebooks import ROOT
+from tests.page_audit import english_phrase
 from tests.site import (
     CHROMIUM_ARGS,
     DESKTOP,
@@ -522,10 +523,15 @@ def test_typing_recomputes_and_screenshots(calc_page, tmp_path):
         page.set_viewport_size({"width": vp[0], "height": vp[1]})
         _ask(page, {}, None)  # the form as a reader finds it
         assert page.locator(".tm-bar .tm-seg").count() >= 3
-        assert page.locator(".tm-calc-phase").inner_text() in (
+        assert page.locator(".tm-calc-phase").get_attribute("data-phase") in (
             "forward",
             "backward",
             "optimizer",
+        )
+        assert page.locator(".tm-calc-phase").inner_text() in (
+            "前向（forward）",
+            "反向（backward）",
+            "优化器更新（optimizer）",
         )
         head = page.locator(".tm-table thead").inner_text()
         assert "GB" in head and "GiB" in head
@@ -594,7 +600,8 @@ def test_gpu_numbers_timeline_and_fit(calc_page, tmp_path):
     text = out.inner_text()
     assert f"最大微批 {fit['max_batch']}" in text
     if "cheapest_change" in fit:
-        assert fit["cheapest_change"]["change"] in text
+        assert "最省事的改法" in text, text
+    assert not english_phrase(text), text
     assert not problems, "\n".join(problems)
 
 
@@ -661,7 +668,7 @@ def test_chapter1_format_explorer_is_live(site):
             want = (
                 describe_value(float(text))
                 if text != "abc"
-                else "not a number: 'abc' (try 0.1, 65504, 1e-8)"
+                else "这不是一个数：'abc'（可以试 0.1、65504、1e-8）"
             )
             assert out.inner_text().strip() == want, text
         assert not problems, "\n".join(problems)

@@ -214,7 +214,9 @@ def test_visible_source_hides_only_plumbing():
     # the source material's cell-type line is the badge's job, not the code's
     gpu = "# 类型：【Skeleton】需要 GPU\n@gpu_cell\ndef f(device, small):\n    pass"
     assert visible_source(gpu) == "@gpu_cell\ndef f(device, small):\n    pass"
-    assert visible_source("x = 1  # 类型：【Skeleton】") == "x = 1  # 类型：【Skeleton】"
+    assert (
+        visible_source("x = 1  # 类型：【Skeleton】") == "x = 1  # 类型：【Skeleton】"
+    )
 
 
 def _cli(*args, cwd):

@@ -12,6 +12,47 @@
     ["master_weights", "主权重"], ["activations", "激活"], ["temporaries", "临时张量"],
   ];
   const GiB = 2 ** 30, GB = 1e9;
+  // the replay's phases (trainmem.memory), in Chinese with the name the CLI prints
+  const PHASES = {
+    pre: "准备", forward: "前向", backward: "反向", optimizer: "优化器更新", idle: "步间",
+    generate: "生成", validate: "验证",
+  };
+  const phaseName = (p) => (PHASES[p] ? `${PHASES[p]}（${p}）` : p);
+  // why the CLI refused an input, in Chinese (its own one-line message is quoted below it)
+  const REASONS = [
+    [/must be an integer ≥ (\d+), got (.*)$/, (m) => `须为不小于 ${m[1]} 的整数，填的是 ${m[2]}`],
+    [/must be a number in \[0, 1\), got (.*)$/, (m) => `须为 0 到 1 之间（不含 1）的数，填的是 ${m[1]}`],
+    [/must be ≥ 1 and ≤ [^=]*=(\d+), got (.*)$/, (m) => `须在 1 到 ${m[1]} 之间，填的是 ${m[2]}`],
+    [/unknown target module '([^']*)'; allowed: (.*)$/, (m) => `没有名为 ${m[1]} 的模块，可选：${m[2]}`],
+    [/unknown library '([^']*)'; allowed: (.*)$/, (m) => `不认识的库 ${m[1]}，可选：${m[2]}`],
+    [/is not valid JSON/, () => "粘贴的 config.json 不是合法的 JSON"],
+    [/model_type must be one of ([^,]+(?:, [^,]+)*), got (.*)$/,
+      (m) => `model_type 只支持 ${m[1]}，填的是 ${m[2]}`],
+    [/must be one of|invalid choice/, () => "不是可选的取值"],
+    [/must be|got/, () => "取值不在允许的范围内"],
+  ];
+  function reason(msg) {
+    const text = msg.replace(/^.*?error:\s*/, "");
+    for (const [re, say] of REASONS) {
+      const m = re.exec(text);
+      if (m) return say(m);
+    }
+    return "命令行拒绝了这个取值";
+  }
+  // a change trainmem fit proposes (its options), in Chinese
+  function changeText(o) {
+    const parts = [];
+    if (o.batch !== undefined) {
+      parts.push(`微批改为 ${o.batch}` + (o.grad_accum !== undefined
+        ? `、梯度累积 ${o.grad_accum} 步（全局 batch 不变）` : ""));
+    }
+    if (o.optimizer === "adamw8bit") parts.push("改用 8 位 AdamW（adamw8bit）");
+    else if (o.optimizer !== undefined) parts.push(`优化器改为 ${o.optimizer}`);
+    if (o.checkpointing) parts.push("打开激活检查点（activation checkpointing）");
+    if (o.method === "qlora") parts.push("改用 QLoRA（4 位 NF4 基座）");
+    else if (o.method !== undefined) parts.push(`方法改为 ${o.method}`);
+    return parts.join("，再");
+  }
   const RUNNER = `
 import contextlib, io, json, os, sys
 sys.path.insert(0, ${JSON.stringify(LIB)})
@@ -44,7 +85,7 @@ def tm_formats(text):
     try:
         return describe_value(float(text))
     except ValueError:
-        return f"not a number: {text!r} (try 0.1, 65504, 1e-8)"
+        return f"这不是一个数：{text!r}（可以试 0.1、65504、1e-8）"
 `;
 
   let runtime = null;
@@ -117,6 +158,17 @@ def tm_formats(text):
     const result = root.querySelector(".tm-calc-result");
     const configBox = root.querySelector(".tm-calc-config");
     const fields = [...form.querySelectorAll("[data-flag]")];
+    // the answer is below a long form on a phone: a pointer above the form says the peak and
+    // jumps to the answer (course CSS keeps it in view while the form scrolls by)
+    result.id = result.id || `${root.id}-result`;
+    result.tabIndex = -1;
+    const jump = el("a", { class: "tm-calc-jump", href: `#${result.id}` }, "结果在表单下方 ↓");
+    jump.addEventListener("click", (event) => {
+      event.preventDefault();
+      result.scrollIntoView({ block: "start" });
+      result.focus({ preventScroll: true });
+    });
+    form.before(jump);
     let timer = null, answered = false, seq = 0;
 
     function argv(command = "estimate") {
@@ -173,7 +225,8 @@ def tm_formats(text):
       return el("p", { class: "tm-calc-headline" },
         "每张 GPU 的峰值显存：", el("strong", {}, `${fmt(total, GiB)} GiB`),
         `（${fmt(total, GB)} GB，${total.toLocaleString("en-US")} 字节），峰值出现在 `,
-        el("strong", { class: "tm-calc-phase" }, phase), " 阶段。");
+        el("strong", { class: "tm-calc-phase", "data-phase": phase }, phaseName(phase)),
+        " 阶段。");
     }
 
     function barAndLegend(breakdown, total) {
@@ -207,7 +260,7 @@ def tm_formats(text):
 
     function notes(d) {
       const phases = Object.entries(d.phase_peaks)
-        .map(([k, v]) => `${k} ${fmt(v, GiB)} GiB`).join("；");
+        .map(([k, v]) => `${phaseName(k)} ${fmt(v, GiB)} GiB`).join("；");
       const n = (x) => x.toLocaleString("en-US");
       const out = [`各阶段峰值：${phases}。`,
         `参数 ${n(d.n_params)} 个，其中可训练 ${n(d.n_trainable)} 个。`];
@@ -302,7 +355,7 @@ def tm_formats(text):
           t.setAttribute("x", String(x(i) + 2));
           t.setAttribute("y", "12");
           t.setAttribute("class", "tm-phase-label");
-          t.textContent = p.phase;
+          t.textContent = PHASES[p.phase] || p.phase;
           svg.append(t);
         }
         last = p.phase;
@@ -324,8 +377,10 @@ def tm_formats(text):
         const bad = markBad(msg);
         result.dataset.badField = bad || "";
         result.append(el("p", { class: "tm-calc-error", role: "alert" },
-          bad ? `输入有误：“${bad}”这一项不合法（已在表单中标红）。` : "输入有误。",
-          el("br"), "命令行的原话：", el("code", {}, msg)));
+          bad ? `输入有误：“${bad}”这一项不合法（已在表单中标红）：${reason(msg)}。`
+            : `输入有误：${reason(msg)}。`,
+          el("br"), "命令行的原话（英文）：", el("code", {}, msg)));
+        jump.textContent = "输入有误：跳到说明 ↓";
         status.textContent = "输入有误，请修改标红的选项；修改后自动重新计算。";
         return;
       }
@@ -336,6 +391,8 @@ def tm_formats(text):
       const d = JSON.parse(res.stdout);
       const total = d.total_bytes;
       result.dataset.totalBytes = m ? m[1] : String(total);
+      jump.textContent = `峰值 ${fmt(total, GiB, 2)} GiB`
+        + (d.gpu ? `，${d.gpu}${d.fits ? "放得下" : "放不下"}` : "") + "：看结果 ↓";
       result.append(headline(total, d.peak_phase), ...barAndLegend(d.breakdown, total),
         bytesTable(d.breakdown, total), gpuBlock(d), notes(d));
       if (d.timeline && d.timeline.length) result.append(timelineChart(d.timeline));
@@ -363,7 +420,8 @@ def tm_formats(text):
       if (res.rc !== 0) {
         const msg = res.stderr.trim().split("\n").pop();
         const bad = markBad(msg);
-        fitOut.textContent = `输入有误${bad ? `（“${bad}”）` : ""}：${msg}`;
+        fitOut.replaceChildren(`输入有误${bad ? `（“${bad}”）` : ""}：${reason(msg)}。命令行的原话（英文）：`,
+          el("code", {}, msg));
         return;
       }
       const r = JSON.parse(res.stdout);
@@ -373,7 +431,7 @@ def tm_formats(text):
         : `${r.gpu} 上连微批 1 也放不下。`];
       const c = r.cheapest_change;
       if (c) {
-        parts.push(c.change ? `当前设置放不下；最省事的改法：${c.change}`
+        parts.push(c.change ? `当前设置放不下；最省事的改法：${changeText(c.options || {})}`
           + `（约 ${fmt(c.device_bytes, GiB, 2)} GiB）。` : "试过的改法都放不下。");
       } else {
         parts.push("当前设置放得下。");
