@@ -115,7 +115,7 @@ TIPS = {
         "：按行、列分解的二阶矩"
     ),
     "optimizer-impl": (
-        "优化器 step() 的实现，决定这一步的临时显存：foreach（CUDA 上 torch 的默"
+        "优化器更新（step()）的实现，决定这一步的临时显存：foreach（CUDA 上 torch 的默"
         "认）、fused（Trainer 默认的 adamw_torch_fused）、for-loop（逐个参数）；"
         "默认取该优化器自己的"
     ),
@@ -131,8 +131,8 @@ TIPS = {
     ),
     "lora-dtype": "适配器参数的 dtype；默认取 peft 的（fp32 适配器）",
     "load-dtype": (
-        "加载权重的 dtype（from_pretrained 的 dtype），与 autocast 无关；默认取精"
-        "度的（autocast 下 fp32，纯 bf16 下 bf16）"
+        "加载权重的 dtype（from_pretrained 的 dtype），与自动混合精度（autocast）"
+        "无关；默认取精度的（混合精度下 fp32，纯 bf16 下 bf16）"
     ),
     "no-double-quant": "QLoRA 不对 NF4 的量化常数再做一次量化（双重量化）",
     "checkpointing": (

@@ -470,12 +470,29 @@ def prose_text(doctree) -> str:
     return "".join(parts)
 
 
-def search_data(docs: dict[str, tuple[str, str]], lang, root: str = "") -> dict:
+def heading_text(doctree) -> str:
+    """What a page names as its subjects: its section titles and the bold words that
+    open a paragraph (a definition: "**优化器状态。** AdamW 的 m、v …"), one per line.
+    The search page ranks a page whose headings name a word above one that only
+    mentions it (``course-search.js``)."""
+    out = []
+    for node in doctree.findall(nodes.title):
+        if isinstance(node.parent, nodes.section):
+            out.append(node.astext())
+    for node in doctree.findall(nodes.strong):
+        parent = node.parent
+        if isinstance(parent, nodes.paragraph) and parent.children[0] is node:
+            out.append(node.astext())
+    return "\n".join(out)
+
+
+def search_data(docs: dict[str, tuple[str, ...]], lang, root: str = "") -> dict:
     """Term counts per page for the search page's ranking: ``docs`` maps a docname to
-    (title, prose text); ``lang`` is the builder's search language. Words are cut and
-    stemmed as the search index cuts them (Sphinx's Chinese language: jieba's
-    ``cut_for_search`` plus Latin words, stemmed unless too short after stemming),
-    with the stems memoised (Sphinx's own ``stem`` scans a growing list per word).
+    (title, prose text[, heading text: :func:`heading_text`]); ``lang`` is the
+    builder's search language. Words are cut and stemmed as the search index cuts
+    them (Sphinx's Chinese language: jieba's ``cut_for_search`` plus Latin words,
+    stemmed unless too short after stemming), with the stems memoised (Sphinx's own
+    ``stem`` scans a growing list per word).
     ``root``: the root document (its title is the book's title)."""
     import functools
 
@@ -523,6 +540,7 @@ def search_data(docs: dict[str, tuple[str, str]], lang, root: str = "") -> dict:
         "docs": names,
         "root": root,
         "titles": [docs[n][0] for n in names],
+        "heads": [docs[n][2] if len(docs[n]) > 2 else "" for n in names],
         "len": lengths,
         "avg": avg or 1.0,
         "tf": tf,
@@ -547,6 +565,7 @@ def _write_search_data(app, exception):
         docs[name] = (
             title.astext() if title is not None else name,
             prose_text(doctree),
+            heading_text(doctree),
         )
     data = search_data(docs, indexer.lang, root=app.config.root_doc)
     out = Path(app.outdir) / "_static" / SEARCH_DATA

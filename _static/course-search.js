@@ -58,12 +58,13 @@
  * A page is listed once (its best entry: a matching section when there is one).
  *
  * Snippets come from the prose only: the article without code cells, outputs, the page header
- * (download/menu buttons, "目录"), navigation and permalinks; inline TeX (\(w\)) is shown as
+ * (download/menu buttons, "目录"), navigation, permalinks and the calculator's form; inline TeX (\(w\)) is shown as
  * text (w). */
 (() => {
   const K1 = 1.2;
   const B = 0.75;
   const TITLE_BONUS = 4;
+  const CJK_WORD = /^[\u2e80-\u9fff\uf900-\ufaff]+$/u;
   const data = () => window.COURSE_SEARCH;
 
   const bm25 = (d, word, doc) => {
@@ -78,22 +79,54 @@
     return (idf * tf * (K1 + 1)) / (tf + K1 * norm);
   };
 
-  // a word in a page's title: that page is about it; the first page in reading order whose
-  // title holds it (chapters come first in `docs`) is the one that introduces it. The root page's
-  // title is the book's and names everything: no bonus. A small prior for the earlier page
-  // decides near ties.
+  // a word in a page's title: that page is about it; in one of its section titles or the
+  // bold words opening a paragraph (a definition; `heads`, written by _ext/course_ui.py): it
+  // teaches it. The page that introduces a word gets a further bonus: the first chapter in
+  // reading order whose title holds it, else the first chapter whose headings do, else the
+  // first page whose title does (a lab practises what a chapter teaches: "损失缩放" is in
+  // lab 2's title, chapter 2 teaches it under a heading). The root page's title is the
+  // book's and names everything: no bonus. A small prior for the earlier page decides near
+  // ties.
+  // A compound query word the index also knows in parts ("梯度检查点": 梯度, 检查点; jieba
+  // indexes both) also scores its parts, at half weight: a chapter that says "激活检查点"
+  // sixty times is about the compound too.
   const FIRST_TITLE_BONUS = 2;
+  const SECTION_BONUS = 3;
+  const PART_WEIGHT = 0.5;
   const ORDER_PRIOR = 0.5;
   const titled = (d, i, q) => d.docs[i] !== d.root && d.titles[i].toLowerCase().includes(q);
+  const headed = (d, i, q) =>
+    d.docs[i] !== d.root && !!d.heads && d.heads[i].toLowerCase().includes(q);
+  const chapter = (d, i) => /^book\/\d/.test(d.docs[i]);
+  const introducer = (d, q) => {
+    const first = (test) => d.docs.findIndex((_, j) => test(j));
+    let i = first((j) => chapter(d, j) && titled(d, j, q));
+    if (i < 0) i = first((j) => chapter(d, j) && headed(d, j, q));
+    if (i < 0) i = first((j) => titled(d, j, q));
+    return i;
+  };
+  const parts = (d, w) => {
+    if (!w.match(CJK_WORD) || w.length < 3) return [];
+    const out = [];
+    let i = 0;
+    while (i < w.length) {
+      let j = Math.min(w.length, i + 8, i === 0 ? w.length - 1 : w.length);
+      while (j > i + 1 && !d.tf[w.slice(i, j)]) j -= 1;
+      if (j > i + 1) out.push(w.slice(i, j));
+      i = Math.max(j, i + 1);
+    }
+    return out;
+  };
   const rank = (d, doc, words) => {
     const i = d.docs.indexOf(doc);
     if (i < 0) return 0;
     let s = ORDER_PRIOR * (1 - i / d.docs.length);
     words.forEach((w) => {
       s += bm25(d, w, doc);
-      if (!titled(d, i, w)) return;
-      s += TITLE_BONUS;
-      if (d.docs.findIndex((_, j) => titled(d, j, w)) === i) s += FIRST_TITLE_BONUS;
+      parts(d, w).forEach((p) => { s += PART_WEIGHT * bm25(d, p, doc); });
+      if (titled(d, i, w)) s += TITLE_BONUS;
+      else if (headed(d, i, w)) s += SECTION_BONUS;
+      if (introducer(d, w) === i) s += FIRST_TITLE_BONUS;
     });
     return s;
   };
@@ -150,6 +183,7 @@
     ".headerlink", "script", "style", "div.cell", ".toctree-wrapper", "nav",
     ".bd-header-article", ".header-article-items", ".prev-next-area", ".prev-next-footer",
     "footer", "#searchbox", ".gpu-run-note", "mjx-assistive-mml",
+    ".tm-calc", // the calculator's form and answer: its options are not prose
   ].join(", ");
   const htmlToText = (htmlString, anchor) => {
     const doc = new DOMParser().parseFromString(htmlString, "text/html");

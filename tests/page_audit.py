@@ -144,6 +144,14 @@ NAMES = {
     "bitsandbytes",
     "nvidia",
     "smi",
+    "alpha",
+    "dtype",
+    "token",
+    "logits",
+    "softmax",
+    "decoder",
+    "transformers",
+    "deepspeed",
 }
 
 
@@ -163,7 +171,7 @@ def english(text: str) -> bool:
     )
 
 
-def english_phrase(text: str) -> list[str]:
+def english_phrase(text: str, allowed=frozenset()) -> list[str]:
     """English wording in a Chinese interface text: lowercase English words of three
     or more letters outside parentheses, quotes and code-like tokens (see
     :func:`english`), e.g. ``forward`` in "峰值出现在 forward 阶段"."""
@@ -173,7 +181,7 @@ def english_phrase(text: str) -> list[str]:
         r"[\s,;:/+×，。；：、]+|(?<=[\u3400-\u9fff])|(?=[\u3400-\u9fff])", t
     ):
         w = w.strip("'\".")
-        if re.fullmatch(r"[a-z]{3,}", w) and w not in NAMES:
+        if re.fullmatch(r"[a-z]{3,}", w) and w not in NAMES and w not in allowed:
             out.append(w)
     return out
 

@@ -710,3 +710,75 @@ def test_site_carries_the_runtime_not_a_cdn(site):
     assert "http://" not in js and "https://" not in js, (
         "the calculator must load nothing from another host"
     )
+
+
+def _option_values() -> set[str]:
+    """The option values and names a Chinese text may quote as they are."""
+    out = set()
+    for f in calc.form_fields():
+        out.add(f["name"])
+        out.update(f.get("choices") or [])
+    return out
+
+
+def test_every_option_has_a_chinese_tooltip():
+    """The form's tooltips are Chinese (the CLI's --help stays English): an option
+    added to the CLI without a line in calculator.TIPS fails here."""
+    values = _option_values()
+    for f in calc.form_fields():
+        assert f["name"] in calc.TIPS, f"no Chinese tooltip for --{f['name']}"
+        assert re.search(r"[\u4e00-\u9fff]", f["help"]), f["help"]
+        assert not english_phrase(f["help"], values), (f["name"], f["help"])
+        assert f["label"] != f["flag"], f"no Chinese label for {f['flag']}"
+
+
+_SHOWN_TEXT = """sel => [...document.querySelectorAll(sel)].map(e => {
+  const c = e.cloneNode(true);
+  c.querySelectorAll('code').forEach(x => x.remove());
+  return c.textContent;
+}).join('\\n')"""
+
+
+def test_answers_advice_and_errors_are_chinese(calc_page):
+    """What the calculator says (the answer, the phases, the fit's advice, a refused
+    input's reason) is Chinese with English terms in parentheses; only the CLI's own
+    message, quoted as code, stays English."""
+    page, problems = _fresh(calc_page)
+    values = _option_values()
+    _ask(page, {"model": "llama2-7b", "batch": "8", "gpu": "T4"}, None)
+    said = page.evaluate(_SHOWN_TEXT, ".tm-calc-result, .tm-calc-jump")
+    assert not english_phrase(said, values), english_phrase(said, values)
+    page.click(".tm-fit-button")
+    page.wait_for_function(
+        "() => document.querySelector('.tm-fit-out').dataset.maxBatch !== undefined",
+        timeout=120000,
+    )
+    fit = page.locator(".tm-fit-out").inner_text()
+    assert "最省事的改法" in fit and not english_phrase(fit, values), fit
+    for bad in ({"batch": "0"}, {"method": "lora", "lora-dropout": "1.5"}):
+        _ask(page, bad, None)
+        said = page.evaluate(_SHOWN_TEXT, ".tm-calc-error")
+        assert "须为" in said and not english_phrase(said, values), said
+    assert not problems, "\n".join(problems)
+
+
+def test_phone_reader_is_pointed_to_the_answer(calc_page):
+    """On a phone the answer is far below the form: a pointer above the form states the
+    peak and jumps to the answer."""
+    page, problems = _fresh(calc_page)
+    page.set_viewport_size({"width": 390, "height": 844})
+    _ask(page, {}, None)
+    jump = page.locator(".tm-calc-jump")
+    assert jump.is_visible() and "GiB" in jump.inner_text(), jump.inner_text()
+    below = page.evaluate(
+        "() => document.querySelector('.tm-calc-result').getBoundingClientRect().top"
+        " - document.querySelector('.tm-calc-jump').getBoundingClientRect().top"
+    )
+    assert below > 844, f"the answer is only {below}px below the pointer"
+    jump.click()
+    page.wait_for_function(
+        "() => Math.abs(document.querySelector('.tm-calc-result')"
+        ".getBoundingClientRect().top) < 120",
+        timeout=5000,
+    )
+    assert not problems, "\n".join(problems)

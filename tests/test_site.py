@@ -16,6 +16,7 @@ from urllib.parse import unquote, urlparse
 import nbformat
 import pytest
 
+from tests import page_audit
 from tests.notebooks import ROOT
 from tests.site import (
     CHROMIUM_ARGS,
@@ -223,6 +224,11 @@ SEARCHES = {
     "梯度累积": "book/04_accumulation_checkpointing",
     "混合精度": "book/02_mixed_precision",
     "混合精度的损失缩放": "book/02_mixed_precision",  # a phrase: cut into indexed words
+    # the chapter that teaches it, before the chapter that uses it and the lab that
+    # practises it
+    "优化器状态": "book/03_training_memory",
+    "梯度检查点": "book/04_accumulation_checkpointing",
+    "损失缩放": "book/02_mixed_precision",
 }
 SUMMARY = "book/10_summary.html"
 
@@ -251,11 +257,13 @@ SNIPPET_NOISE = [
     "from coursekit",
     "setup()",
     "COURSE_GPU=",
+    "hf-auto",  # the calculator's form
+    "默认",
 ]
 PAGE_TOC = re.compile(r"目录\s*\d+\.\d")  # the page-contents list: "目录 3.1 …"
 
 
-@pytest.mark.parametrize("term", ["显存", "LoRA"])
+@pytest.mark.parametrize("term", ["显存", "LoRA", "计算器"])
 def test_search_snippets_are_prose(browser, term):
     paths, texts, problems = _search(browser, term, snippets=True)
     assert not problems, "\n".join(problems)
@@ -725,6 +733,10 @@ def _visit(browser, doc: str, label: str) -> dict:
             seen = page.evaluate(PAGE_FACTS)
             seen["wide"] = page.evaluate(WIDE_BLOCKS) if size == "desktop" else []
             seen["phone_over"] = page.evaluate(PHONE_OVER)
+            if size == "phone":  # what a phone reader meets (tests/page_audit.py)
+                seen["audit"] = page_audit.counts(
+                    page.evaluate(page_audit.AUDIT_JS), HTML
+                )
             seen["problems"] = list(problems)
             _VISITS[(doc, size)] = seen
     finally:
@@ -854,3 +866,81 @@ def test_fast_chinese_stem_gives_sphinx_stems():
     # "ies" and "ers" stem to "ie" and "er": kept whole when the pages had it
     assert fast(lang, "ies") == "ies" and fast(lang, "ers") == original(lang, "ers")
     assert "ers" not in lang.latin_terms and fast(lang, "ers") == "er"
+
+
+# ------------------------------------------------------------- a phone reader's page
+# Each class of tests/page_audit.py, page by page at 390 px (the counts before and after
+# a change: `python -m tests.page_audit`).
+
+
+def _audit(browser, doc: str, what: str) -> list:
+    return _visit(browser, doc, "phone")["audit"][what]
+
+
+@pytest.mark.parametrize("doc", PAGES)
+def test_titled_boxes_keep_their_title_apart(browser, doc):
+    """A 误区 box is headed "误区 N：标题" and a note with a title of its own is headed
+    by it: no box is headed 警告/备注 with its title run into the text."""
+    runon = _audit(browser, doc, "runon")
+    assert not runon, f"{len(runon)} box(es) run their title into the text: {runon[:3]}"
+
+
+@pytest.mark.parametrize("doc", PAGES)
+def test_table_cells_keep_numbers_and_words_whole_on_a_phone(browser, doc):
+    broken = _audit(browser, doc, "broken")
+    assert not broken, (
+        f"{len(broken)} number(s)/word(s) drawn over two lines in table cells at "
+        f"{PHONE}: {broken[:8]}"
+    )
+
+
+@pytest.mark.parametrize("doc", PAGES)
+def test_column_printouts_keep_their_columns_on_a_phone(browser, doc):
+    wrapped = _audit(browser, doc, "printout")
+    assert not wrapped, f"{len(wrapped)} column printout(s) wrap: {wrapped[:3]}"
+
+
+@pytest.mark.parametrize("doc", PAGES)
+def test_figures_are_legible_and_chinese_on_a_phone(browser, doc):
+    """Every figure carries the sizes of its texts (coursekit.figures.record_figures,
+    run by setup()); at 390 px the smallest renders at 9 px or more, and no title,
+    label, legend or tick is English only."""
+    a = _visit(browser, doc, "phone")["audit"]
+    assert not a["fig_unrecorded"], (
+        f"figures without a size record (re-execute {source_of(doc).name} with "
+        f"make nb): {a['fig_unrecorded']}"
+    )
+    assert not a["fig_small"], f"figure text under 9 px at {PHONE}: {a['fig_small']}"
+    assert not a["fig_english"], f"English figure text: {a['fig_english']}"
+
+
+# the one page that documents the GPU switch for those who run the notebooks
+PLUMBING_ALLOWED = {"book/how_to_use": {"COURSE_GPU"}}
+
+
+@pytest.mark.parametrize("doc", PAGES)
+def test_no_plumbing_words_on_the_page(browser, doc):
+    """No test/CI talk, GPU switch or decorator, source-material cell types, pointers
+    to cells the page hides, magics or escaped TeX in the text a reader sees (the
+    GPU badge included)."""
+    found = [
+        w
+        for w in _audit(browser, doc, "plumbing")
+        if w not in PLUMBING_ALLOWED.get(doc, ())
+    ]
+    assert not found, f"plumbing on the page: {found[:6]}"
+
+
+def test_audit_classes_catch_what_they_name():
+    """The page-audit rules on known texts (the browser side is checked page by page
+    above)."""
+    assert page_audit.english("training step")
+    assert not page_audit.english("训练步数（step）")
+    assert not page_audit.english("fp16") and not page_audit.english("LoRA r=8")
+    assert not page_audit.english("$\\alpha/r$ = 2")
+    assert page_audit.english_phrase("峰值出现在 forward 阶段") == ["forward"]
+    assert page_audit.english_phrase("峰值出现在前向（forward）阶段") == []
+    assert page_audit.PLUMBING.search("这台（没有 GPU 的）机器")
+    assert page_audit.PLUMBING.search("由 tests/test_lora.py 检查")
+    assert page_audit.PLUMBING.search("ℓ\\*")
+    assert not page_audit.PLUMBING.search("CIFAR 与 CUDA")
