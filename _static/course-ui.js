@@ -158,9 +158,25 @@ window.addEventListener("load", () => {
       });
     });
   };
+  // A display equation a little wider than the column (a phone) is typeset a little smaller
+  // (MathJax's CHTML output scales with the font size), down to MATH_MIN of its size; a wider
+  // one keeps its size and scrolls inside its own box.
+  const MATH_MIN = 0.8;
+  const fitMath = () => {
+    document.querySelectorAll('article mjx-container[display="true"]').forEach((m) => {
+      m.style.removeProperty("font-size");
+      const over = m.scrollWidth - m.clientWidth;
+      if (over <= 1 || !m.clientWidth) return;
+      const want = Math.floor((m.clientWidth / m.scrollWidth) * 100) / 100;
+      if (want < MATH_MIN) return;
+      m.style.fontSize = `${want * 100}%`;
+      if (m.scrollWidth - m.clientWidth > 1) m.style.removeProperty("font-size");
+    });
+  };
   const fitAll = () => {
     fit();
     fitTables();
+    fitMath();
   };
   const init = () => {
     fitAll();

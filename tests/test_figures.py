@@ -61,3 +61,32 @@ def test_no_mathtext_in_chinese_labels():
                     path.stem,
                     zh_text,
                 )
+
+
+def test_png_carries_the_sizes_of_its_texts():
+    """The PNG the kernel stores for a figure records the dpi and each text drawn with
+    its size (tests/page_audit.py turns them into pixels on a phone); tick labels out
+    of view are not drawn, so not recorded."""
+    import base64
+    import io
+    import json
+
+    from PIL import Image
+
+    from coursekit.figures import PNG_KEY, png_with_record
+
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot([0, 1], [0, 1], label="训练（train）")
+    ax.set_xlim(0, 1)
+    ax.set_xticks([0, 0.5, 1, 5])
+    ax.set_title("标题", fontsize=13)
+    ax.annotate("小字", (0.5, 0.5), fontsize=7)
+    ax.legend()
+    png = base64.b64decode(png_with_record(fig))
+    plt.close(fig)
+    with Image.open(io.BytesIO(png)) as im:
+        rec = json.loads(im.info[PNG_KEY])
+    sizes = {t["text"]: t["pt"] for t in rec["texts"]}
+    assert rec["dpi"] == plt.rcParams["savefig.dpi"] or rec["dpi"] == fig.dpi
+    assert sizes["标题"] == 13 and sizes["小字"] == 7 and "训练（train）" in sizes
+    assert "0.5" in sizes and "5" not in sizes  # the tick at 5 is out of view

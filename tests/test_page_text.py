@@ -25,12 +25,29 @@ def _markdown(prefix):
     return [c.source for c in _nb(prefix).cells if c.cell_type == "markdown"]
 
 
-@pytest.mark.parametrize("prefix", ("06", "09"))
-def test_misconceptions_are_titled_boxes(prefix):
-    text = "\n".join(_markdown(prefix))
+SOLUTIONS = BOOK.parent / "solutions"
+
+
+def _all_markdown(path):
+    nb = nbformat.read(path, as_version=4)
+    return "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(BOOK.glob("0*.ipynb")) + sorted(SOLUTIONS.glob("lab*.ipynb")),
+    ids=lambda p: p.stem,
+)
+def test_misconceptions_are_titled_boxes(path):
+    """Every 误区 is a box headed "误区 N：标题" (the title apart from the text), in
+    every chapter and lab; a note with a title of its own is headed by it."""
+    text = _all_markdown(path)
     titled = re.findall(r":::\{admonition\} 误区 \d+：[^\n]+\n:class: warning\n", text)
-    assert len(titled) == len(re.findall(r"误区 \d+：", text)) >= 6
-    assert not re.search(r":::\{warning\}\s*误区", text)
+    assert len(titled) == len(re.findall(r"误区 \d+：", text))
+    assert not re.search(r":::\{warning\}\s*\**误区", text)
+    assert not re.search(r":{3,}\{(note|warning)\}\n\*\*[^\n]*\*\*", text), (
+        "a box whose title is its bold first words: write :::{admonition} 标题"
+    )
 
 
 def test_chapter9_misconceptions_come_after_the_code_before_the_questions():
