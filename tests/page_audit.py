@@ -88,7 +88,8 @@ AUDIT_JS = r"""() => {
   // column-aligned printouts that wrap
   for (const pre of art.querySelectorAll('div.cell_output pre')) {
     if (!shown(pre)) continue;
-    const lines = pre.textContent.split('\n').filter((l) => l.trim());
+    // every line, blank ones included (they take a line's height too)
+    const lines = pre.textContent.replace(/^\n+|\s+$/g, '').split('\n');
     if (lines.filter((l) => /\S {2,}\S/.test(l)).length < 2) continue;
     const r = document.createRange();
     r.selectNodeContents(pre);
