@@ -49,6 +49,18 @@ from sphinx.transforms.post_transforms import SphinxPostTransform
 
 HERE = Path(__file__).parent
 TERMS = HERE / "zh_terms.txt"
+SYNONYMS = HERE / "zh_synonyms.txt"
+
+
+def synonyms(path: Path = SYNONYMS) -> dict[str, list[str]]:
+    """Each word of a group in ``zh_synonyms.txt`` → the other words of its group."""
+    out: dict[str, list[str]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        group = line.split("#", 1)[0].split()
+        for w in group:
+            out[w] = [o for o in group if o != w]
+    return out
+
 
 # English strings the themes hard-code in attributes (title=, aria-label=, ...), and a
 # few Traditional-Chinese wordings of the zh_CN catalog.
@@ -481,7 +493,13 @@ def heading_text(doctree) -> str:
             out.append(node.astext())
     for node in doctree.findall(nodes.strong):
         parent = node.parent
-        if isinstance(parent, nodes.paragraph) and parent.children[0] is node:
+        if not isinstance(parent, nodes.paragraph):
+            continue
+        lead = next(
+            (c for c in parent.children if not isinstance(c, nodes.Text) or c.strip()),
+            None,
+        )
+        if lead is node:
             out.append(node.astext())
     return "\n".join(out)
 
@@ -541,6 +559,7 @@ def search_data(docs: dict[str, tuple[str, ...]], lang, root: str = "") -> dict:
         "root": root,
         "titles": [docs[n][0] for n in names],
         "heads": [docs[n][2] if len(docs[n]) > 2 else "" for n in names],
+        "synonyms": synonyms(),
         "len": lengths,
         "avg": avg or 1.0,
         "tf": tf,

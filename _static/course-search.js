@@ -117,16 +117,21 @@
     }
     return out;
   };
+  // a word and the book's other words for the same thing (_ext/zh_synonyms.txt: "梯度检查点"
+  // is what chapter 4 titles "激活检查点")
+  const forms = (d, w) => [w, ...((d.synonyms && d.synonyms[w]) || [])];
   const rank = (d, doc, words) => {
     const i = d.docs.indexOf(doc);
     if (i < 0) return 0;
     let s = ORDER_PRIOR * (1 - i / d.docs.length);
     words.forEach((w) => {
-      s += bm25(d, w, doc);
+      const all = forms(d, w);
+      s += Math.max(...all.map((f) => bm25(d, f, doc)));
       parts(d, w).forEach((p) => { s += PART_WEIGHT * bm25(d, p, doc); });
-      if (titled(d, i, w)) s += TITLE_BONUS;
-      else if (headed(d, i, w)) s += SECTION_BONUS;
-      if (introducer(d, w) === i) s += FIRST_TITLE_BONUS;
+      if (all.some((f) => titled(d, i, f))) s += TITLE_BONUS;
+      else if (all.some((f) => headed(d, i, f))) s += SECTION_BONUS;
+      const first = all.map((f) => introducer(d, f)).filter((j) => j >= 0);
+      if (first.length && Math.min(...first) === i) s += FIRST_TITLE_BONUS;
     });
     return s;
   };

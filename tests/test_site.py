@@ -258,7 +258,6 @@ SNIPPET_NOISE = [
     "setup()",
     "COURSE_GPU=",
     "hf-auto",  # the calculator's form
-    "默认",
 ]
 PAGE_TOC = re.compile(r"目录\s*\d+\.\d")  # the page-contents list: "目录 3.1 …"
 
@@ -579,6 +578,19 @@ def test_prose_text_leaves_code_math_and_outputs_out():
     assert "secret_code" not in text and "Psi" not in text and "x^2" not in text
 
 
+def test_heading_text_is_titles_and_opening_bold_words():
+    from docutils.core import publish_doctree
+
+    ui = _course_ui()
+    doctree = publish_doctree(
+        "Book\n====\n\nSection one\n-----------\n\n**优化器状态。** AdamW 的 m、v。\n\n"
+        "在句中的 **加粗** 不算。\n\nSection two\n-----------\n\nText.\n"
+    )
+    heads = ui.heading_text(doctree).splitlines()
+    assert "Section one" in heads and "优化器状态。" in heads
+    assert "加粗" not in heads
+
+
 def test_search_data_counts_prose_words(build):
     text = (HTML / "_static" / "course-search-data.js").read_text(encoding="utf-8")
     data = json.loads(text[text.index("=") + 1 : text.rindex(";")])
@@ -586,6 +598,12 @@ def test_search_data_counts_prose_words(build):
     ch3 = docs.index("book/03_training_memory")
     assert data["tf"]["显存"][str(ch3)] >= 10
     assert len(data["len"]) == len(docs) == len(data["titles"])
+    # headings and synonyms for the ranking; each synonym is a whole word of the index
+    assert len(data["heads"]) == len(docs)
+    assert "优化器状态。" in data["heads"][ch3].splitlines()
+    assert data["synonyms"]["梯度检查点"] == ["激活检查点"]
+    terms = (ROOT / "_ext" / "zh_terms.txt").read_text(encoding="utf-8").split()
+    assert all(w in terms for w in data["synonyms"])
     # words only in code (the setup cell's imports) are not counted
     assert "coursekit" not in data["tf"] or str(ch3) not in data["tf"]["coursekit"]
     # loaded by the search page only
