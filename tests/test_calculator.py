@@ -768,6 +768,7 @@ def test_phone_reader_is_pointed_to_the_answer(calc_page):
     page, problems = _fresh(calc_page)
     page.set_viewport_size({"width": 390, "height": 844})
     _ask(page, {}, None)
+    page.evaluate("() => document.querySelector('.tm-calc').scrollIntoView()")
     jump = page.locator(".tm-calc-jump")
     assert jump.is_visible() and "GiB" in jump.inner_text(), jump.inner_text()
     below = page.evaluate(

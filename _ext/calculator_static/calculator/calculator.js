@@ -272,9 +272,9 @@ def tm_formats(text):
     const GPU_NOTES = {
       "bf16-emulated": (g) => `${g} 没有 bf16 运算单元：PyTorch 在它上面模拟 bf16，训练很慢；`
         + "这张卡上该选 fp16-amp。",
-      "sdpa-math": () => "计算能力 8.0 以下，SDPA 的融合 kernel 都不接 bf16，注意力退回数学路径"
+      "sdpa-math": () => "计算能力 8.0 以下，SDPA 的融合内核（fused kernel）都不接 bf16，注意力退回数学路径"
         + "（fp32 的分数与 softmax）；上面的数字按这条路径重放。",
-      "sdpa-math-not-modelled": () => "计算能力 8.0 以下，SDPA 的融合 kernel 都不接 bf16，"
+      "sdpa-math-not-modelled": () => "计算能力 8.0 以下，SDPA 的融合内核（fused kernel）都不接 bf16，"
         + "注意力退回数学路径（fp32 的分数与 softmax）；这个估算没有计入它。",
       "deepspeed-checkpoint-error": () => "DeepSpeed ZeRO-3 下 LoRA 配非重入检查点：没有合入 "
         + "deepspeedai/DeepSpeed#8148 的 DeepSpeed 版本会在反向里报 torch 的 CheckpointError"
