@@ -596,6 +596,15 @@ MISTAKES = {
             "transformers 建出的模型有",
         ),
     ],
+    "lab04": [
+        (
+            "reentrant_checkpointing",  # same output and gradients through .backward()
+            "checkpoint(block, h, use_reentrant=False) if checkpointing",
+            "checkpoint(block, h, use_reentrant=True) if checkpointing",
+            "run_blocks",
+            "检查点应以非 reentrant 方式打开",
+        ),
+    ],
     "lab06": [
         (
             "loss_over_k",  # the classic accumulation, wrong once micro-batches differ
@@ -1081,6 +1090,38 @@ def test_lab06_reentrant_checkpointing_loses_the_question():
     )
     assert right["points"] == 2 and wrong["points"] == 0, (right, wrong)
     assert all("reentrant" in t["first"]["what"] for t in wrong["types"]), wrong
+
+
+def test_lab04_reentrant_checkpointing_loses_the_points():
+    """Lab 4 states non-reentrant checkpointing. A reentrant run_blocks gives the same
+    output and gradients through .backward() when the input needs a gradient; it
+    fails torch.autograd.grad (torch's CheckpointFunction raises in backward) and
+    leaves the parameters without gradients when the input needs none: it keeps only
+    the plain type's share (it scored 2.4 of 3 when only the second was weighed)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    def make(reentrant):
+        def run_blocks(blocks, x, checkpointing):
+            h = x
+            for block in blocks:
+                if checkpointing:
+                    h = checkpoint(block, h, use_reentrant=reentrant)
+                else:
+                    h = block(h)
+            return h
+
+        return run_blocks
+
+    student = {"torch": torch, "nn": torch.nn}
+    right = _probe_detail("lab04", "run_blocks", {**student, "run_blocks": make(False)})
+    wrong = _probe_detail("lab04", "run_blocks", {**student, "run_blocks": make(True)})
+    assert right["points"] == 3, right
+    failing = {t["name"] for t in wrong["types"] if t["passed"] < t["total"]}
+    assert failing == {"checkpointed", "input_no_grad"}, wrong["types"]
+    assert wrong["points"] <= 0.6, wrong
+    checkpointed = next(t for t in wrong["types"] if t["name"] == "checkpointed")
+    assert "torch.autograd.grad" in checkpointed["first"]["what"], checkpointed
 
 
 def _lab06_plan(**kw):

@@ -434,15 +434,35 @@ def CASE(_case):
     _out = _out_box[0]
     if _out.requires_grad:
         _out.pow(2).mean().backward()
+    _forwards = _count[0]
     return {
         "out": _out.detach().flatten().tolist(),
         "saved": _saved,
-        "forwards": _count[0],
+        "forwards": _forwards,
         "x_grad": _x.grad.flatten().tolist() if _x.grad is not None else None,
         "grads": _lab04_grads(_blocks),
+        "autograd_grad": _lab04_autograd_grad(_blocks, _case),
     }
 """
 )
+# torch.autograd.grad through the blocks (a fresh input that needs a gradient): the
+# non-reentrant checkpoint supports it; the reentrant one raises in backward ("When
+# use_reentrant=True, torch.utils.checkpoint is incompatible with .grad()", torch's
+# CheckpointFunction.backward). True when it gives every parameter a gradient.
+BLOCKS_PROBE += r"""
+def _lab04_autograd_grad(_blocks, _case):
+    import torch as _t
+    _x = _lab04_x(_case).requires_grad_(True)
+    _params = list(_blocks.parameters())
+    try:
+        _g = _t.autograd.grad(
+            run_blocks(_blocks, _x, _case["ck"]).pow(2).mean(), _params,
+            allow_unused=True,
+        )
+    except Exception:
+        return False
+    return all(g is not None for g in _g)
+"""
 
 
 def blocks_expect(case):
@@ -461,6 +481,7 @@ def blocks_expect(case):
         "x_grad": x.grad.flatten().tolist() if x.grad is not None else None,
         "saved": L * B * d * 4 if case["ck"] else plain_saved,
         "forwards": 2 * L if case["ck"] else L,
+        "autograd_grad": True,
     }
 
 
@@ -486,6 +507,10 @@ def blocks_compare(got, want):
         or (wxg is not None and _close(xg, wxg)),
         saved_label: _int_equal(got.get("saved"), want["saved"]),
         forwards_label: got.get("forwards") == want["forwards"],
+        "torch.autograd.grad 能求出参数梯度（非 reentrant 检查点）": got.get(
+            "autograd_grad"
+        )
+        is want["autograd_grad"],
     }
     wrong = [k for k, ok in checks.items() if not ok]
     return not wrong, ("不对的是：" + "、".join(wrong)) if wrong else ""
@@ -528,7 +553,8 @@ BLOCKS_TYPES = [
         3,
         _blocks_type(True, True),
         fix="checkpointing=True 时每个 block 都交给 torch.utils.checkpoint 的非 "
-        "reentrant 检查点去调用（本实验第 4 节）",
+        "reentrant 检查点去调用（本实验第 4 节）；reentrant 版本不支持 "
+        "torch.autograd.grad",
     ),
     CaseType(
         "input_no_grad",
@@ -588,7 +614,7 @@ QUESTIONS = [
         show_input=_show_blocks,
         show_value=_show_blocks_value,
         description="run_blocks：checkpoint(..., use_reentrant=False) 包装每个 block；"
-        "输出与梯度不变，"
+        "输出与梯度不变（backward 与 torch.autograd.grad 都可用），"
         "只保存 block 输入，每个 block 重算一次（输入不需要梯度时参数仍有梯度）",
     ),
 ]
