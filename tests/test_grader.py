@@ -625,11 +625,23 @@ MISTAKES = {
 MISTAKE_CASES = [(lab, m[0]) for lab, ms in sorted(MISTAKES.items()) for m in ms]
 
 
-def _with_mistake(sol: Path, old: str, new: str) -> str:
+def _with_mistake(sol: Path, old: str, new: str, question: str, text: str) -> str:
+    """The solution with ``old`` replaced by ``new``, ending with the self-check that
+    says ``text`` (when its source says it literally): the cells after it cannot
+    change what the test reads (that self-check's error, the question's score), and
+    the grading run need not execute the rest of the solution once more (lab 6: the
+    whole capstone, twice). The function graded must not be defined again in the
+    cells left out."""
     nb = nbformat.read(sol, as_version=4)
-    hits = [c for c in nb.cells if old in c.source]
+    hits = [i for i, c in enumerate(nb.cells) if old in c.source]
     assert len(hits) == 1, f"{sol.name}: {old!r} not found once"
-    hits[0].source = hits[0].source.replace(old, new)
+    at = hits[0]
+    nb.cells[at].source = nb.cells[at].source.replace(old, new)
+    checks = [i for i, c in enumerate(nb.cells) if i > at and text in c.source]
+    if checks:
+        rest = nb.cells[checks[0] + 1 :]
+        assert not any(f"def {question}(" in c.source for c in rest), question
+        nb.cells = nb.cells[: checks[0] + 1]
     return nbformat.writes(nb)
 
 
@@ -647,8 +659,10 @@ def lab_runs(tmp_path_factory):
             subs.mkdir()
             shutil.copy(sol, subs / "solution.ipynb")
             shutil.copy(ROOT / "labs" / sol.name, subs / "untouched_lab.ipynb")
-            for name, old, new, *_ in MISTAKES.get(lab, []):
-                (subs / f"{name}.ipynb").write_text(_with_mistake(sol, old, new))
+            for name, old, new, question, text in MISTAKES.get(lab, []):
+                (subs / f"{name}.ipynb").write_text(
+                    _with_mistake(sol, old, new, question, text)
+                )
             records = {
                 r["student"]: r
                 for r in grade(
@@ -674,6 +688,12 @@ def test_self_check_catches_what_the_hidden_tests_grade(lab, name, lab_runs):
         <= rec["scores"][question]
         < runs["records"]["solution"]["scores"][question]
     ), rec["details"].get(question)
+    # the probe ran on the student's function: every case came back (no probe-wide
+    # failure, no helper of a later cell missing)
+    detail = rec["details"][question]
+    assert detail["types"] and not any(
+        "NameError" in ((t["first"] or {}).get("what") or "") for t in detail["types"]
+    ), detail
     errors = [c for c in rec["cells"] if "AssertionError" in c["error"]]
     assert errors and expected_text in errors[0]["error"], rec["cells"]
     assert "「" in errors[0]["where"]  # named by its heading, not by a number
@@ -1090,6 +1110,38 @@ def test_lab06_reentrant_checkpointing_loses_the_question():
     )
     assert right["points"] == 2 and wrong["points"] == 0, (right, wrong)
     assert all("reentrant" in t["first"]["what"] for t in wrong["types"]), wrong
+
+
+def test_lab04_accum_below_one_is_weighed():
+    """Lab 4 states a ValueError for accum < 1 as well as for an accum that does not
+    divide N. A loop that checks only divisibility (0 raises ZeroDivisionError, a
+    negative divisor of N gets past it) loses part of the bad type; it had full
+    marks when only non-divisors were drawn."""
+    import torch
+
+    def make(check_below_one):
+        def accumulate_grads(model, loss_fn, x, y, accum):
+            n = x.shape[0]
+            if (check_below_one and accum < 1) or n % accum:
+                raise ValueError(f"accum={accum}, N={n}")
+            model.zero_grad(set_to_none=True)
+            m = n // accum
+            for xb, yb in zip(x.split(m), y.split(m)):
+                (loss_fn(model(xb), yb) / accum).backward()
+            return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+        return accumulate_grads
+
+    student = {"torch": torch, "nn": torch.nn}
+    right = _probe_detail(
+        "lab04", "accumulate_grads", {**student, "accumulate_grads": make(True)}
+    )
+    wrong = _probe_detail(
+        "lab04", "accumulate_grads", {**student, "accumulate_grads": make(False)}
+    )
+    assert right["points"] == 3, right
+    failing = {t["name"] for t in wrong["types"] if t["passed"] < t["total"]}
+    assert failing == {"bad"} and wrong["points"] < 3, wrong["types"]
 
 
 def test_lab04_reentrant_checkpointing_loses_the_points():

@@ -180,10 +180,13 @@ def _mlp_case(rng, n, **extra):
 
 def _accum_type(kind):
     def make(rng):
-        if kind == "bad":
+        if kind == "bad":  # N not a multiple of accum; accum < 1 (0, or one dividing N)
             return [
                 _mlp_case(rng, a * rng.randint(2, 4) + 1, accum=a, bad=True)
                 for a in (3, 4)
+            ] + [
+                _mlp_case(rng, 2 * rng.randint(2, 8), accum=a, bad=True)
+                for a in (0, -2)
             ]
         return [
             _mlp_case(rng, a * rng.randint(1, 5), accum=a, bad=False)
@@ -309,10 +312,11 @@ ACCUM_TYPES = [
     ),
     CaseType(
         "bad",
-        "N 不能被 accum 整除：ValueError",
+        "N 不能被 accum 整除，或 accum < 1：ValueError",
         1,
         _accum_type("bad"),
-        fix="N % accum != 0 时 raise ValueError（在任何计算之前）",
+        fix="accum < 1 或 N % accum != 0 时 raise ValueError（在任何计算之前；"
+        "N % 0 抛的是 ZeroDivisionError，负的 accum 也可能整除 N）",
     ),
 ]
 WEIGHTED_TYPES = [
@@ -579,7 +583,7 @@ QUESTIONS = [
         show_value=_show_result,
         description="accumulate_grads：loss/accum 的累积循环，"
         "梯度与整批一致（rtol=1e-5, atol=1e-6），"
-        "先清零、按 micro-batch 前向、不整除时 ValueError",
+        "先清零、按 micro-batch 前向、不整除或 accum<1 时 ValueError",
     ),
     Question(
         "accumulate_grads_weighted",
