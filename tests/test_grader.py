@@ -1029,7 +1029,7 @@ from torch import nn
 
 
 class LoRALinear(nn.Module):
-    def __init__(self, base, r, alpha):
+    def __init__(self, base, r, alpha, dropout=0.0):
         super().__init__()
         if not 1 <= r <= min(base.in_features, base.out_features):
             raise ValueError(r)
@@ -1040,9 +1040,11 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.scaling = alpha / r
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x):
-        return self.base(x) + (x @ self.lora_A.T @ self.lora_B.T) * SCALE(self)
+        branch = self.dropout(x) @ self.lora_A.T @ self.lora_B.T
+        return self.base(x) + branch * SCALE(self)
 
 
 def inject_lora(model, targets, r, alpha):
@@ -1060,6 +1062,52 @@ def inject_lora(model, targets, r, alpha):
         setattr(owner, leaf, LoRALinear(model.get_submodule(n), r, alpha))
     return names
 """
+
+
+LAB05_DROPOUT = """
+import math
+import torch
+from torch import nn
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base, r, alpha, dropout=0.0):
+        super().__init__()
+        self.base, self.scaling = base, alpha / r
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def forward(self, x):
+        BODY
+"""
+DROPOUT_FORWARDS = {
+    "right": "return self.base(x) + (self.dropout(x) @ self.lora_A.T @ "
+    "self.lora_B.T) * self.scaling",
+    "ignored": "return self.base(x) + (x @ self.lora_A.T @ self.lora_B.T) * "
+    "self.scaling",
+    "whole_input": "x = self.dropout(x)\n        return self.base(x) + (x @ "
+    "self.lora_A.T @ self.lora_B.T) * self.scaling",
+}
+
+
+def test_lab05_dropout_only_on_the_lora_branch_is_weighed():
+    """Lab 5 states dropout on the LoRA branch's input only. A forward that ignores
+    its dropout, or drops the base's input too, loses the dropout type (no case had
+    a dropout before: both scored 3 of 3)."""
+    detail = {}
+    for name, body in DROPOUT_FORWARDS.items():
+        ns: dict = {}
+        exec(LAB05_DROPOUT.replace("BODY", body), ns)
+        detail[name] = _probe_detail("lab05", "lora_forward", ns)
+    assert detail["right"]["points"] == 3, detail["right"]
+    for name in ("ignored", "whole_input"):
+        d = detail[name]
+        failing = {t["name"] for t in d["types"] if t["passed"] < t["total"]}
+        assert failing == {"dropout"} and d["points"] < 3, (name, d)
 
 
 def test_lab05_forward_bug_costs_forward_not_inject_lora():
