@@ -101,19 +101,24 @@ def floor_kernel_manager(venv: str | Path, sockets: str | Path | None = None):
 # may change, put back before each notebook in a reused kernel (the modules imported
 # stay: importing them again would find them in sys.modules anyway).
 RESET_CELL = """\
-get_ipython().run_line_magic("reset", "-f")
-
-
-def _floor_reset(folder):
+def _floor_reset(folder, ip=get_ipython()):
     import gc, os, sys, warnings
 
+    ns = ip.user_ns
     first = getattr(sys, "_course_floor_state", None)
     if first is None:  # the kernel's own state, before any notebook ran
-        sys._course_floor_state = (list(warnings.filters), dict(os.environ))
-    else:
-        warnings.filters[:] = first[0]
-        os.environ.clear()
-        os.environ.update(first[1])
+        dunders = {k: v for k, v in ns.items() if k.startswith("__")}
+        first = (list(warnings.filters), dict(os.environ), dunders)
+        sys._course_floor_state = first
+    ip.run_line_magic("reset", "-f")
+    # the reset empties __main__'s namespace, module attributes included (__spec__,
+    # which multiprocessing's spawn reads): the fresh kernel's are put back
+    for k in [k for k in ns if k.startswith("__") and k not in first[2]]:
+        del ns[k]
+    ns.update(first[2])
+    warnings.filters[:] = first[0]
+    os.environ.clear()
+    os.environ.update(first[1])
     plt = sys.modules.get("matplotlib.pyplot")
     if plt is not None:
         plt.close("all")
@@ -126,7 +131,6 @@ def _floor_reset(folder):
 
 
 _floor_reset(%r)
-del _floor_reset
 """
 
 
