@@ -1224,6 +1224,33 @@ def test_lab04_reentrant_checkpointing_loses_the_points():
     assert "torch.autograd.grad" in checkpointed["first"]["what"], checkpointed
 
 
+def test_lab06_trained_biases_are_weighed():
+    """Lab 6 states that no bias trains. The tiny Llama's linear layers have none, so
+    the trainable count cannot show LoraConfig(bias="all"): the configuration does
+    (it scored 2 of 2 before)."""
+
+    def make(bias):
+        def make_lora_model(base_model, r, alpha, target_modules, dropout=0.0):
+            from peft import LoraConfig, get_peft_model
+
+            cfg = LoraConfig(
+                r=r,
+                lora_alpha=alpha,
+                target_modules=target_modules,
+                lora_dropout=dropout,
+                bias=bias,
+                task_type="CAUSAL_LM",
+            )
+            return get_peft_model(base_model, cfg)
+
+        return make_lora_model
+
+    right = _probe_detail("lab06", "make_lora_model", {"make_lora_model": make("none")})
+    wrong = _probe_detail("lab06", "make_lora_model", {"make_lora_model": make("all")})
+    assert right["points"] == 2 and wrong["points"] == 0, (right, wrong)
+    assert all("bias" in t["first"]["what"] for t in wrong["types"]), wrong
+
+
 def _lab06_plan(**kw):
     targets = [
         "q_proj",
