@@ -7,9 +7,10 @@ Every attack is a cell after the honest ``add``/``mean`` of the toy lab ``lab99`
 ``RuntimeError("ATTACK <name>: SUCCEEDED …" or "blocked …")``; the quick ones share one
 submission (:data:`BATCHED`), those that push a limit or outlive the kernel have one
 each. The grader reports each cell's error like any student error, so each attack's
-outcome comes back through the grader's own channel, and the host side is checked as well (files, server, signals). Each attack
-must fail, the honest submissions keep full marks and their files byte for byte, and
-each attacker earns what its honest code earns. A second, unsandboxed run of three of
+outcome comes back through the grader's own channel, and the host side is checked as
+well (files, server, signals). Each attack must fail, the honest submissions keep full
+marks and their files byte for byte, and each attacker earns what its honest code
+earns. A second, unsandboxed run of three of
 the attacks shows they do succeed without the sandbox (so the suite can fail).
 
 Under ``CI=true`` a missing bwrap is an error naming the fix, never a skip.
