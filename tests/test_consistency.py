@@ -32,12 +32,12 @@ import pytest
 import torch
 
 from coursekit.labs import glued_values
-from trainmem import quant
+from trainmem.demos import quant
 from trainmem import reference as R
 from trainmem import zero
 from trainmem.estimate import estimate
-from trainmem.lora import lora_param_count_for_config
-from trainmem.models import get_config
+from trainmem.demos.lora import lora_param_count_for_config
+from trainmem.measuring.models import get_config
 
 BOOK = Path(__file__).resolve().parents[1] / "book"
 GB, GiB, MiB, B, M = R.GB, R.GiB, 2**20, 1e9, 1e6
@@ -459,7 +459,7 @@ def _recorded_context_mib() -> int:
 
 
 def _task_config():
-    from trainmem import synthetic_task
+    from trainmem.demos import synthetic_task
 
     return synthetic_task.task_config()
 

@@ -291,7 +291,7 @@ import json, warnings
 warnings.filterwarnings("ignore")
 import torch, transformers
 from transformers import TrainingArguments
-from trainmem.models import build_model, get_config
+from trainmem.measuring.models import build_model, get_config
 m = build_model(get_config("tiny"))
 m.gradient_checkpointing_enable()
 fns = {getattr(mod, "_gradient_checkpointing_func", None) for mod in m.modules()}

@@ -1280,7 +1280,7 @@ def test_lab06_prediction_is_the_students_own_and_budget_weighs():
     over budget earns nothing for itself or its prediction."""
     import importlib.util
 
-    from trainmem.synthetic_task import task_config
+    from trainmem.demos.synthetic_task import task_config
 
     spec = importlib.util.spec_from_file_location(
         "_lab06_hidden", ROOT / "tests" / "grading" / "lab06.py"

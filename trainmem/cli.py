@@ -16,7 +16,7 @@ import dataclasses
 import json
 import sys
 
-from .models import preset_names
+from .families import preset_names
 
 _EPILOG = """\
 terms (bytes at the peak of one training step; they sum to total_bytes):
@@ -357,7 +357,7 @@ def _run(args):
         from .fit import fit
 
         return _FitResult(fit(args.model, step, args.gpu, args.vary))
-    from .measure import measure_step
+    from .measuring.measure import measure_step
 
     return measure_step(
         args.model,

@@ -4,8 +4,8 @@ the GPU and the library versions into a frozen :class:`Decisions` record — the
 (load, compute/autocast, trainable, gradients, optimizer states, master copy), the
 attention backend, the sharding plan, the decoder layout and the loss form. The replay
 (:mod:`trainmem.memory.step`), the closed forms and the notes
-(:mod:`trainmem.estimate`) and the measurement (:mod:`trainmem.measure`) read the
-record; none of them looks at a precision, sharding or framework name again (those
+(:mod:`trainmem.estimate`) and the measurement (:mod:`trainmem.measuring.measure`) read
+the record; none of them looks at a precision, sharding or framework name again (those
 are registries: :mod:`trainmem.precisions`, :mod:`trainmem.sharding`,
 :mod:`trainmem.frameworks`).
 

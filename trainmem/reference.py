@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .dtypes import adam_state_bytes_per_param, nf4_bytes, nf4_bytes_per_param
 from .estimate import GB, GiB, count_params, estimate
-from .quant import adam_state_bytes_per_param, nf4_bytes, nf4_bytes_per_param
+
 
 __all__ = [
     "MODEL_7B",
@@ -96,7 +97,7 @@ _LLAMA3_8B_OVERRIDES = dict(
 def llama3_8b():
     """The transformers config of Llama-3-8B (the shape of :data:`LLAMA3_8B`), usable
     wherever a preset name is."""
-    from .models import get_config
+    from .measuring.models import get_config
 
     return get_config("llama2-7b", **_LLAMA3_8B_OVERRIDES)
 
@@ -168,7 +169,7 @@ def qlora_base_bytes(
 
 
 def nf4_7b_bytes(rule: str, model: str = MODEL_7B) -> float:
-    """A model's weights at 4 bits by ``rule`` (:data:`trainmem.quant.NF4_RULES`).
+    """A model's weights at 4 bits by ``rule`` (:data:`trainmem.demos.quant.NF4_RULES`).
 
     ``"fp16-scale"``, ``"fp32-absmax"`` and ``"double-quant"`` count every parameter
     at 4 bits; ``"bitsandbytes"`` quantises the decoder Linears (double-quant) and keeps

@@ -6,8 +6,8 @@ into modules both in the student's kernel (probe) and in this process (check). T
 reference is ``peft`` itself, run here: the same base weights and the same A, B copied
 into ``peft``'s ``lora.Linear`` must give the same outputs, gradients and merged
 weights. The tiny Llama for ``inject_lora`` is built with
-``trainmem.models.build_model(config, seed=...)`` on both sides (same seed → same
-weights).
+``trainmem.measuring.models.build_model(config, seed=...)`` on both sides (same seed →
+same weights).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _lab05_adapters(case):
 
 
 def _lab05_llama_cfg(case):
-    from trainmem.models import tiny_llama_config
+    from trainmem.measuring.models import tiny_llama_config
 
     h, nh = case["hidden"], case["heads"]
     return tiny_llama_config(
@@ -506,7 +506,7 @@ def _inject_type(kind):
 INJECT_PROBE = (
     BUILD_SRC
     + r"""
-from trainmem.models import build_model as _build_model
+from trainmem.measuring.models import build_model as _build_model
 
 
 def CASE(_case):
@@ -557,7 +557,7 @@ def inject_expect(case):
         return {"raised": "ValueError"}
     from peft import LoraConfig, get_peft_model
 
-    from trainmem.models import build_model
+    from trainmem.measuring.models import build_model
 
     ns = _ns()
     model = get_peft_model(
