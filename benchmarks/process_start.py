@@ -1,5 +1,5 @@
 """Benchmark (not a test): CPU time of the Python processes the grader starts per
-submission, against what they cost while ``import coursekit`` imported torch.
+submission, against what they cost while the packages imported their exports eagerly.
 
     .venv/bin/python benchmarks/process_start.py   # 5 starts of each, best kept
     .venv/bin/python benchmarks/process_start.py --repeat 10
@@ -7,11 +7,12 @@ submission, against what they cost while ``import coursekit`` imported torch.
 Every graded submission starts two processes that import this package first: the
 worker (``python -m coursekit.grading.worker``) and, in the sandbox, the kernel
 (``python -m coursekit.grading.kernel_main``). ``coursekit`` and ``coursekit.grading``
-load their exports on first use, so neither pulls in torch (through ``coursekit.gpu``)
-nor jinja2 and nbformat (through ``coursekit.grading.core``). The reference rows import
-what the packages' ``__init__`` used to: measured in the same run, in turns, so both see
-the same machine load. CPU time is user + system of the child (``RUSAGE_CHILDREN``),
-not wall time: the machine may be shared.
+load their exports on first use, so neither pulls in the notebook helpers
+(``coursekit.gpu``, ``coursekit.nb``: torch, until trainmem.reference stopped importing
+it) nor jinja2, nbformat and the lab generator (through ``coursekit.grading.core``).
+The reference rows import what the packages' ``__init__`` did: measured in the same
+run, in turns, so both see the same machine load. CPU time is user + system of the
+child (``RUSAGE_CHILDREN``), not wall time: the machine may be shared.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             for key, src in ((name, code), (name + " (ref)", f"{code}; {REFERENCE}")):
                 best[key] = min(best.get(key, float("inf")), cpu_of(src))
     print(f"CPU seconds per process start (best of {args.repeat}), {sys.executable}")
-    print("| process | now (s) | importing torch as before (s) | ratio |")
+    print("| process | now (s) | eager package imports (s) | ratio |")
     print("|---|---:|---:|---:|")
     for name, _ in ROWS:
         now, ref = best[name], best[name + " (ref)"]
