@@ -2,10 +2,10 @@
 grading.
 
 The notebook helpers (``from coursekit import setup, glue``) are loaded on first use
-(PEP 562): ``coursekit.gpu`` imports torch, and the grader's worker and kernel
-processes (``python -m coursekit.grading.worker`` / ``.kernel_main``) import this
-package first; they need no torch, and importing it cost each of them about 1.8 s of
-CPU, twice per graded submission.
+(PEP 562): the grader's worker and kernel processes (``python -m
+coursekit.grading.worker`` / ``.kernel_main``), twice per graded submission, and
+``python -m coursekit`` import this package first and need none of them
+(``benchmarks/process_start.py``).
 """
 
 from importlib import import_module
