@@ -569,7 +569,7 @@ LAB_IDS = sorted(
 
 # Mistakes the self-checks must catch (they did not before), each a requirement the
 # lab states: (name, solution text, replacement, graded question, what the failing
-# self-check says). All of a lab's mistakes are graded in the lab's one grading run.
+# self-check says). A lab's mistakes are graded together, in one run (lab_runs).
 MISTAKES = {
     "lab01": [
         (
