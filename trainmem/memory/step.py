@@ -24,12 +24,12 @@ from . import litgpt
 from ..optimizers import optimizer
 from .optimizer_step import SCRATCH_RULES as SCRATCH_RULES, _optimizer_states
 from .repeat import _Repeater as _Repeater, _periods
+from .shard_deepspeed import deepspeed_kept_params as deepspeed_kept_params
 from .shard_plan import (
     DDP_BUCKET_CAPS as DDP_BUCKET_CAPS,
     _ddp_buckets,
     _shard_for_zero,
     ddp_bucket_sizes as ddp_bucket_sizes,
-    deepspeed_kept_params as deepspeed_kept_params,
 )
 
 
@@ -133,9 +133,7 @@ def _micro_batch(sim, model, d, batch, cfg, litgpt_logits) -> int:
     sim.set_phase("backward")
     unsharded_grad, bucket = sim.sharded.backward_buffers(sim)
     backward(sim, loss)
-    # DeepSpeed's layers kept gathered from the forward: released by the end of
-    # backward (each after its own backward)
-    cfg.pop("ds_kept", None)
+    sim.sharded.after_backward()
     del loss, unsharded_grad, bucket
     return activations_at_end
 
