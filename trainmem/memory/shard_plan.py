@@ -115,10 +115,11 @@ def _shard_weights(sim: Simulator, model, d, shard: float, sizes):
 def _shard_for_zero(sim: Simulator, model, params: list, d):
     """ZeRO partitioning over ``step.gpus``: the optimizer's fp32 master copies
     (DeepSpeed layout) and the master weights from stage 1, gradients from 2, weights
-    from 3 (plus what the sharding gathers). Returns the master copies, what lives
-    until the step ends (the gathered layers' buffer and the sharding's gradient
-    buffer, each ``None`` when there is none) and the gathered root unit's buffer
-    (``None`` when there is none), which FSDP frees at the end of backward."""
+    from 3 (plus what the sharding gathers); at ``zero=0`` on more than one GPU, DDP's
+    gradient buckets. Returns the master copies, what lives until the step ends (the
+    gathered layers' buffer and the sharding's gradient buffer, each ``None`` when
+    there is none, and DDP's buckets) and the gathered root unit's buffer (``None``
+    when there is none), which FSDP frees at the end of backward."""
     step, replay = d.options, d.sharding.replay
     sim.sharded = Sharded()
     shard = 1.0 / step.gpus
@@ -140,7 +141,8 @@ def _shard_for_zero(sim: Simulator, model, params: list, d):
         gathered_layer, gathered_root = _shard_weights(sim, model, d, shard, sizes)
     sim.sharded.grad_scale = shard if step.zero >= 2 else 1.0
     bucket = replay.gradients(sim, model, params, step, sizes)
-    return masters, (gathered_layer, bucket), gathered_root
+    ddp = _ddp_buckets(sim, params, step)
+    return masters, (gathered_layer, bucket, ddp), gathered_root
 
 
 #: DDP's bucket caps once its first iteration has rebuilt the buckets in the order

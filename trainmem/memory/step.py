@@ -27,7 +27,6 @@ from .repeat import _Repeater as _Repeater, _periods
 from .shard_deepspeed import deepspeed_kept_params as deepspeed_kept_params
 from .shard_plan import (
     DDP_BUCKET_CAPS as DDP_BUCKET_CAPS,
-    _ddp_buckets,
     _shard_for_zero,
     ddp_bucket_sizes as ddp_bucket_sizes,
 )
@@ -302,7 +301,6 @@ def simulate_step(
     # only (``d.dtypes``: module, master, optimizer_states).
     model, params = DECODERS[d.layout].build(sim, shape, d)
     masters, held, gathered_root = _shard_for_zero(sim, model, params, d)
-    ddp = _ddp_buckets(sim, params, step)
     state_dtype = d.dtypes.optimizer_states
     states = _optimizer_states(sim, params, step, state_dtype)
     ids = new(sim, (step.batch, step.seq), "i64", category="activations")
@@ -321,7 +319,7 @@ def simulate_step(
     if rule is not None:
         part = 1.0 / step.gpus if step.zero >= 1 else 1.0
         SCRATCH_RULES[rule](sim, params, state_dtype, part)
-    del masters, held, ddp
+    del masters, held
     if d.framework.eval_after_step and step.zero == 0:
         DECODERS[d.layout].after_step(sim, model, step, (ids, labels), cfg)
     cfg.pop("held", None)
