@@ -217,6 +217,9 @@ def CASE(_c):
         "dropout": float(_pc.lora_dropout),
         "targets": sorted(_pc.target_modules),
         "task_type": str(getattr(_pc.task_type, "value", _pc.task_type)),
+        # the Llama's linear layers have no biases: which biases train is seen only
+        # in the configuration
+        "bias": str(_pc.bias),
     }
 """
 )
@@ -253,6 +256,7 @@ def make_compare(got, want):
             and got.get("dropout") == want["dropout"],
             "target_modules": got.get("targets") == want["targets"],
             "task_type 应为 CAUSAL_LM": got.get("task_type") == "CAUSAL_LM",
+            'bias 应为 "none"（不训练偏置）': got.get("bias") == "none",
         }
     )
 
