@@ -382,7 +382,7 @@ def test_nccl_buffers_on_more_than_one_gpu():
     to 2 MiB: LL (8 lines x 512 threads x 8 steps x 16 B), LL128 (120 x 640 x 8 x 8 B)
     on the receive side, Simple (NCCL_BUFFSIZE 4 MiB) on the send side under P2P read
     (sm_80 on NVLink), on the receive side otherwise; 24 channels between SXM boards
-    on NVSwitch (the A100/H100 presets), at least 2 over PCIe; one communicator under
+    on NVSwitch (the A100/H100/H200 presets), at least 2 over PCIe; one communicator under
     FSDP, two under DeepSpeed (the world group and its clone); none on one GPU. fits
     leaves them out of the allocator's budget."""
     import math
@@ -402,6 +402,7 @@ def test_nccl_buffers_on_more_than_one_gpu():
         "A100-40GB",
         "A100-80GB",
         "H100-80GB",
+        "H200",
     ]
     kw = dict(method="lora", precision="bf16", batch=1, seq=256, gpu="A100-80GB")
     one = estimate("llama2-7b", **kw).to_dict()

@@ -152,6 +152,10 @@ def _forward_backward(
         "kv_heads": shape.kv_heads,
         "head_dim": shape.head_dim,
         "attn": d.attention,
+        # transformers repeat_kv-s key and value before SDPA (trainmem.sdpa.hf_call)
+        "sdpa_repeats_kv": d.sdpa_repeats_kv,
+        # memory-efficient attention pads its logsumexp (trainmem.sdpa)
+        "lse_align": d.sdpa_lse_align,
         "checkpointing": step.checkpointing,
         "loss_form": d.loss_form,
         "reentrant": step.checkpointing_mode == "reentrant",
