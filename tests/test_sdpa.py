@@ -246,7 +246,8 @@ def test_bad_call_is_a_clear_error():
 def test_recorded_h200_fp32_gqa_run_is_estimated_on_the_math_path():
     """The recorded H200 run (TinyLlama full fine-tuning in fp32, 4 x 512, SDPA, torch
     2.11 / transformers 5.24): no fused kernel takes fp32 with enable_gqa, so SDPA runs
-    its math path; the estimate on that path is within 1 % of max_memory_allocated."""
+    its math path; the estimate on that path is within 1 % of max_memory_allocated
+    (on the fused kernels' replay it was 11 % below)."""
     from coursekit.gpu_runs import load_run, recorded_models, recorded_steps
     from trainmem.estimate import estimate
 
@@ -265,7 +266,8 @@ def test_recorded_h200_fp32_gqa_run_is_estimated_on_the_math_path():
         versions="torch=2.11.0,transformers=5.24.0",
     )
     assert est.attention["sdpa_backend"] == "math"
-    assert abs(est.total_bytes / row["step_peak"] - 1) < 0.01
+    # max_memory_allocated counts whole blocks: the allocator replay's peak
+    assert abs(est.to_dict()["gpu_allocated_bytes"] / row["step_peak"] - 1) < 0.01
     assert [n["code"] for n in est.device["notes"]] == ["sdpa-math"]
     assert "check_batch_size_and_num_heads_dense" in est.device["notes"][0]["message"]
 
