@@ -192,7 +192,7 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
         attention_reason=reason,
         sdpa_math_fallback=gpu is not None and sdpa_falls_back_to_math(step, prec, gpu),
         bf16_compute=prec.compute == "bf16",
-        layout=frame.layout or shape.family.replay,
+        layout=frame.layout or shape.family.layout(shape, step),
         loss_form=loss_form(versions),
         zero_layout=bool(prec.zero_half) and step.zero >= 1,
         communicators=shard.communicators,
