@@ -94,6 +94,8 @@ def rows(names, shapes):
                     batch=shape["b"],
                     seq=shape["s"],
                     lora_targets=MODEL_TYPES[name].lora_default,
+                    # Gemma 2 has no SDPA path in transformers 5: eager
+                    attn=MODEL_TYPES[name].attn or "sdpa",
                 )
                 started = time.perf_counter()
                 config = transformers_config(fields, f"{name}-{n}")

@@ -77,7 +77,8 @@ def test_estimate_within_one_percent_of_the_cpu_measurement(name):
         seq=TINY["s"],
         lora_targets=MODEL_TYPES[name].lora_default,
         lora_rank=4,
-        kernels="cpu",  # GPT-2's dropouts keep a float noise tensor on CPU
+        kernels="cpu",  # CPU's dropout and SDPA, as measured
+        attn=MODEL_TYPES[name].attn or "sdpa",
     )
     est = estimate(_config(name), **opts)
     opts.pop("kernels")
@@ -89,15 +90,24 @@ def test_estimate_within_one_percent_of_the_cpu_measurement(name):
     )
 
 
-def test_gpt2_dropout_mask_is_one_byte_under_cuda_kernels():
-    """GPT-2's dropouts: CPU's noise tensor (fp32) and CUDA's bool mask differ by 3
-    bytes an element, three (b, s, h) masks a layer and the embeddings' one."""
-    opts = dict(method="full", precision="fp32", batch=2, seq=16)
-    cpu = estimate("gpt2", kernels="cpu", **opts).breakdown["activations"]
-    cuda = estimate("gpt2", **opts).breakdown["activations"]
+def test_gpt2_under_cuda_kernels_keeps_bool_masks_and_no_attention_probabilities():
+    """GPT-2's dropouts (0.1 each) under CUDA's kernels: ``native_dropout``'s bool
+    mask instead of CPU's fp32 noise (3 bytes less an element: the embeddings', and
+    the attention output's and the MLP's of every layer, alive at the end of the
+    forward), and attention dropout inside the fused SDPA kernel instead of CPU's
+    math path (no b x heads x s x s tensor)."""
+    b, s = 2, 16
+    opts = dict(method="full", precision="fp32", batch=b, seq=s)
+    cpu = estimate("gpt2", kernels="cpu", **opts)
+    cuda = estimate("gpt2", **opts)
     shape = model_shape("gpt2")
-    assert cpu > cuda
-    assert (cpu - cuda) % (3 * 2 * 16) == 0
+    h, heads, layers = shape.hidden, shape.heads, shape.layers
+    probs = b * heads * s * s
+    masks = 3 * b * s * h * (1 + 2 * layers)
+    diff = cpu.activation_bytes - cuda.activation_bytes
+    assert diff > masks
+    # what remains is the math path's per-layer attention tensors, all s x s
+    assert (diff - masks) % (probs * layers) == 0
 
 
 def test_a_variant_not_recorded_is_refused_by_name():

@@ -157,6 +157,12 @@ class ModelType:
     #: the shape regimes its traces are recorded in: (grouped-query attention, tied
     #: embeddings), those its published checkpoints use
     regimes: tuple[tuple[bool, bool], ...] = ((True, False),)
+    #: the config field of an attention dropout the config class turns on by default
+    #: (GPT-2's ``attn_pdrop``): its traces are recorded for CPU's and CUDA's SDPA
+    attention_dropout: str | None = None
+    #: the attention implementation of a family whose transformers module has no SDPA
+    #: path (``None``: the step's)
+    attn: str | None = None
 
 
 def _llama_shape(get, name: str, model_type: str) -> "Shape":
@@ -440,6 +446,7 @@ MODEL_TYPES: dict[str, ModelType] = {
             lora_default=("c_attn",),
             tied_default=True,
             regimes=((False, True),),
+            attention_dropout="attn_pdrop",
         ),
         ModelType(
             "qwen3",
@@ -455,6 +462,8 @@ MODEL_TYPES: dict[str, ModelType] = {
             "Gemma2Config",
             dict(num_key_value_heads=4, head_dim=256, tie_word_embeddings=True),
             fields=_LLAMA_FIELDS,
+            # transformers 5's Gemma2 refuses attn_implementation="sdpa"
+            attn="eager",
             regimes=((True, True),),
         ),
         ModelType(

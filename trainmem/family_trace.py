@@ -53,7 +53,7 @@ from .memory.traced import (
 #: the two probe shapes (distinct values, so each size has one expression)
 PROBES = (
     dict(b=3, s=11, a=4, k=2, d=8, h=40, i=52, v=97, r=5, p=29),
-    dict(b=5, s=13, a=6, k=3, d=14, h=88, i=100, v=131, r=7, p=31),
+    dict(b=5, s=13, a=6, k=3, d=14, h=90, i=100, v=131, r=7, p=31),
 )
 
 
@@ -83,6 +83,10 @@ def probe_config(mt, sym: dict, layers: int, regime: dict):
     if "tied" in mt.fields:
         fields[mt.fields["tied"]] = regime["tied"]
     fields.update(mt.probe_fields)
+    if regime.get("fused"):
+        # CUDA's fused SDPA applies the dropout inside the kernel: recorded where
+        # CPU's flash kernel runs, at attention dropout 0 (traced.variant_regime)
+        fields[mt.attention_dropout] = 0.0
     cfg = getattr(transformers, mt.config_class)(**fields)
     cfg.name_or_path = f"{mt.name}-probe"
     return cfg
@@ -697,8 +701,14 @@ RECORDED = (
 
 def regimes(mt) -> list[dict]:
     """The shape regimes recorded for ``mt`` (:attr:`ModelType.regimes`: grouped-query
-    attention or not, tied embeddings or not; batch > 1)."""
-    return [dict(gqa=g, tied=t, b1=False) for g, t in mt.regimes]
+    attention or not, tied embeddings or not; batch > 1; with an attention dropout,
+    CPU's SDPA and CUDA's fused one)."""
+    fused = (False, True) if mt.attention_dropout else (False,)
+    return [
+        dict(gqa=g, tied=t, b1=False, fused=f, attn=mt.attn)
+        for g, t in mt.regimes
+        for f in fused
+    ]
 
 
 def record_model_type(name: str, progress=None) -> dict:
@@ -711,6 +721,7 @@ def record_model_type(name: str, progress=None) -> dict:
             precision=prec,
             lora_targets=mt.lora_default,
             optimizer="adamw",
+            attn=mt.attn or "sdpa",
         )
         for regime in regimes(mt):
             key = variant_key(step, regime)

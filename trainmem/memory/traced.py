@@ -80,7 +80,8 @@ def variant_key(step, regime: dict) -> str:
         step.precision,
         f"load={step.load_dtype or '-'}",
         f"adapters={(step.lora_dtype or '-') if lora else '-'}",
-        f"attn={step.attn_memory}",  # flash: the same memory as sdpa
+        # flash: the same memory as sdpa; a family without an SDPA path: its own
+        f"attn={regime.get('attn') or step.attn_memory}",
         f"cache={'on' if step.cache_on else 'off'}",
         "ckpt=" + (step.checkpointing_mode if step.checkpointing else "off"),
         "targets=" + (",".join(sorted(step.lora_targets)) if lora else "-"),
@@ -88,12 +89,38 @@ def variant_key(step, regime: dict) -> str:
         "gqa" if regime["gqa"] else "mha",
         "tied" if regime["tied"] else "untied",
     ]
+    if regime.get("fused"):
+        parts.append("attn-dropout=in-kernel")
     return "|".join(parts)
 
 
 def variant_regime(shape, step) -> dict:
-    """The shape regime of ``shape`` (see :func:`variant_key`)."""
-    return dict(gqa=shape.kv_heads < shape.heads, tied=shape.tied, b1=False)
+    """The shape regime of ``shape`` (see :func:`variant_key`), and ``fused``: the
+    family's attention dropout runs inside a fused SDPA kernel. On CUDA the
+    memory-efficient and flash kernels take ``dropout_p`` and keep only the RNG state
+    for backward; on CPU (torch's ``_fused_sdp_choice``) no fused kernel takes
+    dropout, and SDPA's math path materialises the probabilities, the dropout noise
+    and the dropped probabilities. The CUDA variant is recorded with the attention
+    dropout at 0, where CPU's flash kernel runs and saves what the fused kernel does
+    (output and logsumexp). ``attn``: the attention a family without an SDPA path
+    runs whatever is asked (Gemma 2 in transformers 5: eager, what
+    ``from_pretrained`` picks for it)."""
+    from ..families import MODEL_TYPES
+
+    mt = MODEL_TYPES.get(shape.arch)
+    fused = (
+        mt is not None
+        and mt.attention_dropout is not None
+        and step.kernels == "cuda"
+        and step.attn_memory == "sdpa"
+    )
+    return dict(
+        gqa=shape.kv_heads < shape.heads,
+        tied=shape.tied,
+        b1=False,
+        fused=fused,
+        attn=None if mt is None else mt.attn,
+    )
 
 
 def symbols(shape, step=None) -> dict:
