@@ -362,10 +362,21 @@ def _sections(events: list, layers: int) -> list[tuple[str, int | None, list]]:
     )
     bounds.append(("S", None, bounds[-1][3], optimizer))
 
-    def kept(e):
+    def kept(e, j):
+        if e[0] == "a" and j is None and _python_scalar(e[1]):
+            return False
         return e[0] != "m" or e[1] == ("phase", "backward")
 
-    return [(sec, j, [e for e in events[a:b] if kept(e)]) for sec, j, a, b in bounds]
+    return [
+        (sec, j, [e for e in events[a:b] if kept(e, j)]) for sec, j, a, b in bounds
+    ]
+
+
+def _python_scalar(record) -> bool:
+    """A 0-d tensor made from a Python number (``torch.tensor(x)``: ``lift_fresh``)
+    outside the layers: Gemma 3 makes one per layer before the first; left out of
+    the trace (8 bytes each), with its free."""
+    return record.shape == () and record.op is torch.ops.aten.lift_fresh.default
 
 
 def build_trace(run: dict, run2: dict, layers: int, sym: list[dict]) -> dict:

@@ -154,14 +154,40 @@ def load(model_type: str) -> dict:
         raise OptionError(
             "model",
             f"model_type {model_type!r} has no recorded trace ({path}); run "
-            "python -m trainmem families --write",
+            "python -m trainmem.family_trace --write",
         ) from None
 
 
-def trace_for(model_type: str, key: str) -> dict:
+#: the libraries whose code a trace records
+TRACED_LIBRARIES = ("transformers", "peft", "torch")
+
+
+def other_versions(data: dict, step) -> list[str]:
+    """The libraries whose versions ``step`` names differ from those ``data`` was
+    recorded with (``"transformers 5.24.0"``, ...)."""
+    from ..versions import _parse_version
+
+    asked = step.library_versions
+    return [
+        f"{lib} {data[lib]}"
+        for lib in TRACED_LIBRARIES
+        if asked[lib] != _parse_version(data[lib])
+    ]
+
+
+def trace_for(model_type: str, key: str, step=None) -> dict:
     """The trace of ``key`` (:func:`variant_key`) for ``model_type``; a variant not
-    recorded raises :class:`OptionError` naming the recorded ones."""
+    recorded, or other library versions than it was recorded with, raise
+    :class:`OptionError` naming the recorded ones."""
     data = load(model_type)
+    differ = [] if step is None else other_versions(data, step)
+    if differ:
+        raise OptionError(
+            "versions",
+            f"versions: the {model_type} traces record {', '.join(differ)}; "
+            "regenerate them under the versions asked "
+            "(python -m trainmem.family_trace --write)",
+        )
     if key not in data["variants"]:
         recorded = "; ".join(sorted(data["variants"]))
         raise OptionError(
@@ -180,9 +206,10 @@ def recorded(shape, step) -> bool:
         return False
     key = variant_key(step, variant_regime(shape, step))
     try:
-        return key in load(shape.arch)["variants"]
+        data = load(shape.arch)
     except OptionError:  # no data file (yet: the generator decides steps too)
         return False
+    return key in data["variants"] and not other_versions(data, step)
 
 
 def structure(model_type: str, regime: dict) -> dict:
@@ -313,7 +340,7 @@ def build(sim: Simulator, shape, d):
     _check_step(shape, d)
     step = d.options
     regime = variant_regime(shape, step)
-    trace = trace_for(shape.arch, variant_key(step, regime))
+    trace = trace_for(shape.arch, variant_key(step, regime), step)
     sym = symbols(shape, step)
     amp = d.dtypes.autocast is not None
     layers = shape.layers
