@@ -11,7 +11,8 @@ shapes are not the probe shapes the traces were recorded at.
 
     python benchmarks/family_table.py [model_type ...] [--quick]
 
-``--quick``: the first shape only. Prints a Markdown table; exits 1 when a ratio is
+``--quick``: the first shape only; ``--all-runs``: the four (method, precision)
+pairs at every shape, not only at the first. Prints a Markdown table; exits 1 when a ratio is
 off by more than 1 %.
 """
 
@@ -82,12 +83,15 @@ def regime(name: str) -> tuple[bool, bool]:
     return mt.regimes[0]
 
 
-def rows(names, shapes):
+def rows(names, shapes, every_run_at_each_shape: bool = False):
+    """At the first shape every (method, precision); at the others full fine-tuning
+    in fp32 and LoRA under bf16 autocast (``every_run_at_each_shape``: all four)."""
     for name in names:
         gqa, tied = regime(name)
         for n, shape in enumerate(shapes, 1):
             fields = config_of(name, shape, gqa, tied)
-            for method, prec in RUNS:
+            runs = RUNS if n == 1 or every_run_at_each_shape else RUNS[::3]
+            for method, prec in runs:
                 opts = dict(
                     method=method,
                     precision=prec,
@@ -118,6 +122,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("families", nargs="*", default=list(FAMILIES))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--all-runs", action="store_true")
     args = parser.parse_args(argv)
     shapes = SHAPES[:1] if args.quick else SHAPES
     print(
@@ -126,7 +131,8 @@ def main(argv=None) -> int:
     )
     print("|---|---|---|---|---:|---:|---:|")
     worst = 0.0
-    for name, n, sh, method, prec, est, got, _ in rows(args.families, shapes):
+    table = rows(args.families, shapes, args.all_runs)
+    for name, n, sh, method, prec, est, got, _ in table:
         gqa, _tied = regime(name)
         kv = sh["k"] if gqa else sh["a"]
         ratio = est / got
