@@ -233,7 +233,7 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
         sdpa_repeats_kv=att.repeats_kv,
         sdpa_math_fallback=att.math_fallback,
         bf16_compute=prec.compute == "bf16",
-        layout=frame.layout or shape.family.replay,
+        layout=frame.layout or shape.family.layout(shape, step),
         loss_form=loss_form(versions),
         zero_layout=bool(prec.zero_half) and step.zero >= 1,
         communicators=shard.communicators,

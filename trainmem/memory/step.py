@@ -19,7 +19,7 @@ from ..versions import (
     litgpt_loss_holds_graph,
     litgpt_rmsnorm_fp32,
 )
-from . import litgpt
+from . import litgpt, traced
 
 from ..optimizers import optimizer
 from .optimizer_step import SCRATCH_RULES as SCRATCH_RULES, _optimizer_states
@@ -272,6 +272,8 @@ DECODERS = {
     for d in (
         Decoder("llama", _build_llama, _llama_loss),
         Decoder("litgpt", _build_litgpt, litgpt.forward_loss, _litgpt_eval),
+        # every recorded family (trainmem/data/families/<model_type>.json)
+        Decoder("traced", traced.build, traced.loss),
     )
 }
 
