@@ -45,9 +45,10 @@ from trainmem.estimate import (
     estimate,
     model_shape,
 )
+from trainmem.families import LLAMA_LINEARS
 from trainmem.measuring.measure import measure, measure_memtracker
 
-ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL = LLAMA_LINEARS
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 # (model, device, method, precision, attn, checkpointing, batch, seq, lora targets,

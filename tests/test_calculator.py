@@ -303,8 +303,7 @@ def test_shipped_modules_run_without_third_party_packages(tmp_path):
     transformers' defaults."""
     shipped, _ = calc.browser_modules()
     lib = tmp_path / "lib"
-    for name in shipped:
-        src = calc._module_file(name)
+    for src in [calc._module_file(name) for name in shipped] + calc.browser_data():
         dst = lib / src.relative_to(ROOT)
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dst)
@@ -698,7 +697,7 @@ def test_site_carries_the_runtime_not_a_cdn(site):
     shipped, _ = calc.browser_modules()
     assert manifest["files"] == [
         calc._module_file(m).relative_to(ROOT).as_posix() for m in shipped
-    ]
+    ] + [f.relative_to(ROOT).as_posix() for f in calc.browser_data()]
     for f in manifest["files"]:
         assert (root / "py" / f).read_bytes() == (ROOT / f).read_bytes()
     for f in calc.PYODIDE_FILES:

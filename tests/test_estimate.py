@@ -3,6 +3,7 @@ device), bytes-per-parameter conventions, and agreement with a real CPU measurem
 the tiny model."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from trainmem.estimate import (
     estimate,
     lora_trainable_params,
 )
+from trainmem.families import LLAMA_LINEARS
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama-7b", "qwen2.5-0.5b", "gpt2"])
@@ -502,15 +504,7 @@ def test_estimate_from_hf_maps_trainer_arguments():
         checkpointing_mode="non-reentrant",
         lora_rank=16,
         lora_alpha=32,
-        lora_targets=(
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ),
+        lora_targets=LLAMA_LINEARS,
     )
     est = estimate_from_hf(cfg, args, lora, seq=512)
     assert est.total_bytes == estimate(cfg, **opts).total_bytes
@@ -825,6 +819,8 @@ def test_estimates_equal_the_recorded_pre_refactor_values():
         result["options"] = {
             k: v for k, v in result["options"].items() if k not in added
         }
+        # the record of the attention backend (trainmem.sdpa), added since
+        assert result.pop("attention")["kind"] == result["options"]["attn"]
         assert result == row["result"], row["options"]
 
 
@@ -851,17 +847,10 @@ def test_gpt2_qlora_counts_nf4_on_the_decoder_linears(double_quant):
 # --------------------------------------------------------------------------------------
 # the load dtype: a 16-bit base from a 16-bit checkpoint, fp32 adapters, autocast
 # --------------------------------------------------------------------------------------
-_GQA_BF16_CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 352,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
+#: a small GQA Llama stored in bf16 (``benchmarks/estimate_identity.py`` replays it too)
+_GQA_BF16_CONFIG = json.loads(
+    (Path(__file__).parent / "data" / "llama_gqa_bf16.json").read_text()
+)
 
 
 @pytest.mark.parametrize(
@@ -882,15 +871,7 @@ _GQA_BF16_CONFIG = {
             precision="bf16-amp",
             load_dtype="bf16",
             lora_rank=8,
-            lora_targets=(
-                "q_proj",
-                "k_proj",
-                "v_proj",
-                "o_proj",
-                "gate_proj",
-                "up_proj",
-                "down_proj",
-            ),
+            lora_targets=LLAMA_LINEARS,
             batch=2,
             seq=48,
             checkpointing=True,

@@ -566,7 +566,7 @@ def test_deepspeed_keeps_layers_within_the_reuse_distance():
     from trainmem.config import StepConfig
     from trainmem.estimate import model_shape
     from trainmem.decisions import decide
-    from trainmem.memory import shard_plan as plan
+    from trainmem.memory import shard_deepspeed as plan
     from trainmem.memory import step as st
 
     sizes = _hf_auto(64)

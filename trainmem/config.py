@@ -404,7 +404,7 @@ class StepConfig:
         """Check the LoRA targets and rank against the Linear layers of ``shape``
         (and that the framework models the model's family)."""
         shard, frame = sharding_entry(self.zero_impl), framework_entry(self.framework)
-        if shard.replayed_only and shape.family.replay is None:
+        if shard.replayed_only and shape.family.replay in (None, "traced"):
             raise OptionError(
                 "zero_impl",
                 f"zero_impl {shard.name!r} is modelled for the replayed Llama-family "

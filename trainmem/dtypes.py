@@ -82,20 +82,22 @@ def nf4_bytes_per_weight(
     double_quant: bool = True,
     block_size: int = NF4_BLOCK,
     dq_block_size: int = NF4_DQ_BLOCK,
+    scale_bytes: int = 4,
 ) -> float:
     """Bytes one NF4 weight occupies: 4 bits + its share of the absmax constants
     (QLoRA, Dettmers et al. 2023).
 
-    Without double quantisation one fp32 absmax per ``block_size`` weights:
-    0.5 + 4/64 = 0.5625. With it an 8-bit absmax per block plus one fp32 constant per
-    ``dq_block_size`` blocks: 0.5 + 1/64 + 4/(64·256) ≈ 0.5159."""
+    Without double quantisation one absmax of ``scale_bytes`` (fp32: 4; an fp16 scale:
+    2) per ``block_size`` weights: 0.5 + 4/64 = 0.5625. With it an 8-bit absmax per
+    block plus one fp32 constant per ``dq_block_size`` blocks: 0.5 + 1/64 + 4/(64·256)
+    ≈ 0.5159."""
     if block_size < 1 or dq_block_size < 1:
         raise ValueError(
             f"block_size and dq_block_size must be ≥ 1, got {block_size}, "
             f"{dq_block_size}"
         )
     if not double_quant:
-        return 0.5 + 4 / block_size
+        return 0.5 + scale_bytes / block_size
     return 0.5 + 1 / block_size + 4 / (block_size * dq_block_size)
 
 
@@ -122,46 +124,3 @@ def adam_state_bytes_per_param(bits: int = 32, block_size: int = 256) -> float:
     if bits == 32 or bits == 16:
         return 2 * bits / 8
     return 2 * blockwise8_bytes_per_value(block_size)
-
-
-def nf4_bytes_per_param(
-    block_size: int = 64, double_quant: bool = True, dq_block_size: int = 256
-) -> float:
-    """NF4 storage per parameter: 4 bits + absmax constants (QLoRA §2); the one
-    formula is :func:`trainmem.dtypes.nf4_bytes_per_weight`.
-
-    Without double quantisation: 0.5 + 4/64 = 0.5625 bytes (0.5 bit/param of constants).
-    With it: 0.5 + 1/64 + 4/(64·256) ≈ 0.5159 bytes (≈0.127 bit/param of constants).
-    """
-    return nf4_bytes_per_weight(double_quant, block_size, dq_block_size)
-
-
-#: The rules a "7B at 4 bits" size can be counted by (:func:`nf4_bytes`).
-NF4_RULES = ("fp16-scale", "fp32-absmax", "double-quant", "bitsandbytes")
-
-
-def nf4_bytes(n_params: int, rule: str, other_params: int = 0) -> float:
-    """Bytes of ``n_params`` 4-bit weights in blocks of 64, counted by ``rule``:
-
-    * ``"fp16-scale"``: one FP16 scale per 64 weights, 0.5 + 2/64 bytes each;
-    * ``"fp32-absmax"``: one FP32 absmax per 64 (QLoRA §2 without double
-      quantisation), 0.5 + 4/64;
-    * ``"double-quant"``: the absmax constants quantised again to 8 bits, one FP32
-      constant per 256 of them (QLoRA §2), 0.5 + 1/64 + 4/(64·256);
-    * ``"bitsandbytes"``: how bitsandbytes stores a model: ``n_params`` (the decoder
-      Linears) as ``"double-quant"`` and ``other_params`` (embeddings, ``lm_head``,
-      norms) in 16 bits. Only this rule takes ``other_params``.
-    """
-    if rule not in NF4_RULES:
-        raise ValueError(f"rule must be one of {NF4_RULES}, got {rule!r}")
-    if other_params and rule != "bitsandbytes":
-        raise ValueError(
-            f"other_params is only counted by rule 'bitsandbytes', got rule {rule!r}"
-        )
-    per = {
-        "fp16-scale": 0.5 + 2 / 64,
-        "fp32-absmax": nf4_bytes_per_param(64, double_quant=False),
-        "double-quant": nf4_bytes_per_param(64, double_quant=True),
-        "bitsandbytes": nf4_bytes_per_param(64, double_quant=True),
-    }[rule]
-    return n_params * per + 2 * other_params

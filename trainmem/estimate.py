@@ -319,6 +319,11 @@ def estimate_step(
         _options_record(shape, step),
         int(result["model_states"]),
         *_device(result, d, timeline),
+        attention={
+            "kind": d.attention,
+            "sdpa_backend": d.sdpa_backend,
+            "reason": d.attention_reason,
+        },
     )
 
 

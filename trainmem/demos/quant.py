@@ -19,10 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dtypes import NF4_RULES as NF4_RULES
 from ..dtypes import adam_state_bytes_per_param as adam_state_bytes_per_param
-from ..dtypes import nf4_bytes as nf4_bytes
-from ..dtypes import nf4_bytes_per_param as nf4_bytes_per_param
+from ..dtypes import nf4_bytes_per_weight
 
 __all__ = [
     "linear_code",
@@ -39,8 +37,6 @@ __all__ = [
     "dequantize_int8",
     "int8_bytes_per_param",
     "nf4_bytes_per_param",
-    "NF4_RULES",
-    "nf4_bytes",
     "quantize_nf4",
     "dequantize_nf4",
 ]
@@ -320,6 +316,22 @@ def int8_bytes_per_param(
             f"granularity must be one of {GRANULARITIES}, got {granularity!r}"
         )
     return 1 + scales * scale_bytes / n
+
+
+def nf4_bytes_per_param(
+    block_size: int = 64,
+    double_quant: bool = True,
+    dq_block_size: int = 256,
+    scale_bytes: int = 4,
+) -> float:
+    """NF4 storage per parameter: 4 bits + absmax constants (QLoRA §2); the one
+    formula is :func:`trainmem.dtypes.nf4_bytes_per_weight`.
+
+    Without double quantisation: 0.5 + 4/64 = 0.5625 bytes (0.5 bit/param of constants;
+    an fp16 scale instead, ``scale_bytes=2``: 0.5 + 2/64). With it: 0.5 + 1/64 +
+    4/(64·256) ≈ 0.5159 bytes (≈0.127 bit/param of constants).
+    """
+    return nf4_bytes_per_weight(double_quant, block_size, dq_block_size, scale_bytes)
 
 
 def quantize_nf4(w: torch.Tensor, block_size: int = 64) -> Quantized:
