@@ -799,7 +799,10 @@ def test_estimates_equal_the_recorded_pre_refactor_values():
     on every rank (bitsandbytes' quant_state; tests/test_zero.py); and the six rows
     with ZeRO-3 on 8 GPUs, since every frozen parameter is sharded too and FSDP's root
     unit (embeddings, final norm, lm_head) stays all-gathered from the forward to the
-    end of backward (tests/test_zero.py). The independent checks are the tests above
+    end of backward (tests/test_zero.py); and the QLoRA row under autocast, since
+    peft's LoRA on a 4-bit Linear casts its input to the adapters' fp32 only outside
+    autocast and copies the base output (trainmem.kbit; the CPU measurement in
+    tests/test_kbit.py). The independent checks are the tests above
     (transformers' parameter counts, peft, the CPU measurement)."""
     from pathlib import Path
 

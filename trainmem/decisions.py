@@ -21,6 +21,7 @@ from typing import Any
 from .config import OptionError, Shape, StepConfig
 from .frameworks import Framework, framework
 from .gpus import SM80
+from .kbit import KbitFlow, kbit_flow
 from .precisions import Precision, precision
 from .sharding import Sharding, sharding
 from .versions import cache_copies_kv, loss_form
@@ -94,6 +95,8 @@ class Decisions:
     kv_cache_copies: bool
     versions: dict = dataclasses.field(default_factory=dict)
     gpu: Any = None
+    #: QLoRA's dtype flow (:mod:`trainmem.kbit`); ``None`` off QLoRA
+    kbit: KbitFlow | None = None
 
     @property
     def autocast(self) -> str | None:
@@ -106,16 +109,11 @@ def _dtypes(
     zero_half = prec.zero_half if step.zero >= 1 else None
     load = step.load_dtype or prec.params
     autocast = None if zero_half else prec.autocast
-    quant_compute = quant_base = None
-    if step.method == "qlora":
-        quant_compute = prec.quant_compute
-        # the non-quantized weights as loaded: the 16-bit dtype QLoRA loads in unless
-        # the load dtype is given
-        quant_base = step.load_dtype or quant_compute
-        if step.kbit_prepare == "peft" and not frame.quant_base_16bit:
-            # peft's prepare_model_for_kbit_training: every fp16/bf16 parameter that
-            # is not quantized (embeddings, norms, lm_head) is cast to fp32
-            quant_base = "fp32"
+    # QLoRA: the non-quantized weights as loaded and as peft's k-bit preparation
+    # leaves them, and bitsandbytes' compute dtype (trainmem.kbit)
+    flow = kbit_flow(step, prec, frame, step.library_versions)
+    quant_compute = flow.compute if flow else None
+    quant_base = flow.base if flow else None
     base = zero_half or (quant_base if step.method == "qlora" else None) or load
     if frame.adapter_dtype is None:  # the adapters follow the module
         adapters = zero_half or step.lora_dtype or base
@@ -199,4 +197,5 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
         kv_cache_copies=step.cache_on and cache_copies_kv(versions),
         versions=versions,
         gpu=gpu,
+        kbit=kbit_flow(step, prec, frame, versions),
     )

@@ -14,6 +14,7 @@ from .ops import (
     add_scalar,
     bmm,
     cast,
+    clone,
     clone_contig,
     dropout,
     embedding,
@@ -51,9 +52,15 @@ class Linear:
     quantized: bool = False
     # bitsandbytes < 0.43.2: MatMul4Bit keeps its input for backward
     saves_input: bool = False
-    # bnb_4bit_compute_dtype when the input may arrive in another dtype (peft's k-bit
-    # preparation leaves an fp32 residual stream); the output is cast back
+    # QLoRA (trainmem.kbit.KbitFlow): bnb_4bit_compute_dtype, which the input is
+    # cast to (peft's k-bit preparation leaves an fp32 residual stream); whether the
+    # output is cast back to the input's dtype; whether peft's LoRA layer on it casts
+    # its input to the adapters' dtype only outside autocast, and clones the base
+    # layer's output
     compute: str | None = None
+    output_cast: bool = False
+    lora_casts_outside_autocast: bool = False
+    clones_base_output: bool = False
     # peft's lora_dropout > 0, and whose kernels run it ("cuda" / "cpu")
     dropout: bool = False
     kernels: str = "cuda"
@@ -125,13 +132,20 @@ def lora_linear(sim: Simulator, x: SimTensor, lin: Linear) -> SimTensor:
         quant=lin.quantized,
         quant_compute=lin.compute,
         quant_saves_input=lin.saves_input,
+        quant_output_cast=lin.output_cast,
     )
     if lin.A is None:
         return result
+    if lin.clones_base_output:
+        # peft lora/bnb.py Linear4bit: result = result.clone() ("defensively")
+        base_out = result
+        result = clone(sim, base_out)
+        del base_out
     result_dtype = result.dtype
-    x = cast(
-        sim, x, lin.A.dtype
-    )  # x = self._cast_input_dtype(x, ...): lives to the end
+    if not (lin.lora_casts_outside_autocast and sim.autocast is not None):
+        # x = self._cast_input_dtype(x, lora_A.weight.dtype): lives to the end
+        # (peft's LoRA on a 4-bit Linear casts only outside autocast)
+        x = cast(sim, x, lin.A.dtype)
     if lin.dropout:
         # lora_B(lora_A(dropout(x))): peft's nn.Dropout for lora_dropout > 0 (one per
         # adapted module, so q/k/v each make their own mask and dropped copy)
