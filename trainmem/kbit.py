@@ -41,6 +41,12 @@ The rules, each in the library source of the versions it belongs to:
   copy per adapted projection (q, k and v each make their own). ``result + output``
   promotes: fp32 when the base output is fp32. (peft's plain ``lora.Linear`` casts
   ``x`` to the adapter dtype unconditionally; that layer is not this one.)
+  ``torch.is_autocast_enabled()`` without a device type reports **CUDA's** autocast
+  (torch 2.4+; ``torch.autocast("cpu")`` leaves it False): on the CPU the conversion
+  runs under autocast too, each adapted projection saving a bf16 copy of its input
+  made by autocast from the fp32 cast. That is the one place the CPU run saves
+  different tensors from the CUDA one; ``StepConfig.kernels="cpu"`` selects it, so
+  the CPU measurement checks the rest of the flow byte for byte.
 
 So with the preparation, under autocast bf16 and without checkpointing, the MLP keeps
 ``gate`` and ``up`` (``result + output``), ``silu``'s output in fp32, and three bf16
@@ -71,8 +77,10 @@ class KbitFlow:
     (fp32 after peft's preparation); ``compute``: bitsandbytes' compute dtype (the
     4-bit Linear's matmul); ``output_in_input_dtype``: the 4-bit Linear returns its
     input's dtype; ``saves_input``: ``MatMul4Bit`` keeps its input for backward;
-    ``lora_casts_outside_autocast``: peft's LoRA on a 4-bit Linear casts its input
-    to the adapters' dtype (and the adapters' output back) only outside autocast;
+    ``lora_sees_autocast``: peft's LoRA on a 4-bit Linear sees the step's autocast
+    (CUDA's; on the CPU ``torch.is_autocast_enabled()`` is False under
+    ``torch.autocast("cpu")``), so it casts its input to the adapters' dtype (and
+    their output back) only outside autocast;
     ``clones_base_output``: it copies the base layer's output first; ``prepared``:
     ``prepare_model_for_kbit_training`` ran."""
 
@@ -81,7 +89,7 @@ class KbitFlow:
     compute: str
     output_in_input_dtype: bool
     saves_input: bool
-    lora_casts_outside_autocast: bool
+    lora_sees_autocast: bool
     clones_base_output: bool
     prepared: bool
 
@@ -102,7 +110,7 @@ def kbit_flow(step, prec, frame, versions: dict) -> KbitFlow | None:
         compute=compute,
         output_in_input_dtype=True,
         saves_input=bnb_saves_input(versions),
-        lora_casts_outside_autocast=True,
+        lora_sees_autocast=step.kernels == "cuda",
         clones_base_output=True,
         prepared=prepared,
     )

@@ -76,6 +76,7 @@ from .tracker import MemoryTracker
 from .training_setup import (
     build_training_setup,
     make_optimizer,
+    quant_state_tensors,
     real_mask_decisions,
     to_fake,
     torch_dtype,
@@ -179,7 +180,8 @@ class _TrackedTraining:
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.marks: dict[str, Any] = {}
         tracker = self.tracker = MemoryTracker()
-        for t in list(model.parameters()) + list(model.buffers()):
+        self.quant_state = quant_state_tensors(model)
+        for t in list(model.parameters()) + list(model.buffers()) + self.quant_state:
             tracker.register(t)
         tracker.set_phase("forward")  # the batch is held for backward (embedding, loss)
         tracker.register(self.inputs)
@@ -274,7 +276,7 @@ class _TrackedTraining:
         tracker, model, marks = self.tracker, self.model, self.marks
         weight_ids = {
             id(tracker.record_of(t))
-            for t in list(model.parameters()) + list(model.buffers())
+            for t in list(model.parameters()) + list(model.buffers()) + self.quant_state
         }
         master_ids = set()
         if self.amp:
@@ -384,15 +386,15 @@ def _check_device(device: str) -> None:
         )
 
 
-def _measurable_config(model: Any, step: StepConfig):
+def _measurable_config(model: Any, step: StepConfig, device: str):
     """The model config of ``model``, once ``step`` is known to be measurable here."""
     config = load_model_config(model)
     step.check_model(model_shape(config))
-    if step.method == "qlora":
+    if step.method == "qlora" and device == "fake":
         raise OptionError(
             "method",
-            "method 'qlora' cannot be measured here (needs bitsandbytes on CUDA); "
-            "allowed for measure: full, lora",
+            "method 'qlora' cannot be measured on fake tensors (bitsandbytes quantizes "
+            "real weights); allowed for a fake measurement: full, lora",
         )
     return config
 
@@ -497,7 +499,7 @@ def measure_step(
             f"framework {step.framework!r} cannot be measured (the measurement runs "
             "the transformers + peft model); allowed for measure: hf",
         )
-    config = _measurable_config(model, step)
+    config = _measurable_config(model, step, device)
     options = _options_record(config, step, device, seed)
     layers_field = _n_layers_field(config)
     n_layers = getattr(config, layers_field)

@@ -13,7 +13,7 @@ from .allocator import RepeatDetector, common_period
 from .autograd import backward
 from .llama import Model, build_params, llama_loss, trainable_params
 from .ops import mul_scalar
-from ..dtypes import nf4_bytes_per_weight
+from ..dtypes import nf4_bytes_per_weight, nf4_state_tables
 from ..versions import (
     bnb_saves_input,
     litgpt_loss_holds_graph,
@@ -80,11 +80,15 @@ def _build_llama(sim: Simulator, shape, d):
                     sim, linear.w.buffer, bytes_per_weight / ITEMSIZE[linear.w.dtype]
                 )
                 linear.quantized = True
+                model.quant_tables += [
+                    new(sim, (nbytes,), "u8", category="weights")
+                    for nbytes in nf4_state_tables(step.qlora_double_quant)
+                ]
                 linear.saves_input = flow.saves_input
                 # Linear4bit: x.to(compute_dtype), the output .to(the input's dtype)
                 linear.compute = flow.compute
                 linear.output_cast = flow.output_in_input_dtype
-                linear.lora_casts_outside_autocast = flow.lora_casts_outside_autocast
+                linear.lora_sees_autocast = flow.lora_sees_autocast
                 linear.clones_base_output = flow.clones_base_output
     if step.lora_dropout > 0:
         for layer in model.layers:
