@@ -155,7 +155,6 @@ class StepConfig:
         True,
         "QLoRA without double quantization of the NF4 constants",
         flag="--no-double-quant",
-        estimate_only=True,
     )
     checkpointing: bool = _option(
         False,
@@ -234,7 +233,6 @@ class StepConfig:
         "QLoRA: peft = prepare_model_for_kbit_training (non-quantized weights upcast "
         "to fp32), none = the base kept in its 16-bit load dtype",
         choices=KBIT_PREPARE,
-        estimate_only=True,
     )
     kernels: str = _option(
         "cuda",

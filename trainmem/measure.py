@@ -48,8 +48,13 @@ The optimizer's implementation is chosen explicitly (``optimizer_impl``: ``"fore
 by default, which is what a plain ``torch.optim.AdamW(params)`` runs on CUDA;
 ``"fused"``, which Hugging Face Trainer's default ``optim="adamw_torch_fused"`` runs;
 ``"for-loop"``) and is the same on every device, so the scratch memory of the step is
-the one a GPU run has.  ``adamw8bit`` and ``qlora`` need ``bitsandbytes`` and a CUDA
-device and are estimated only."""
+the one a GPU run has.  ``adamw8bit`` needs ``bitsandbytes`` on CUDA and is estimated
+only. ``qlora`` runs where bitsandbytes runs — CUDA, and its CPU backend (0.49+): the
+model is saved and loaded back by ``from_pretrained`` with a 4-bit
+``BitsAndBytesConfig``, then ``prepare_model_for_kbit_training`` (``kbit_prepare``);
+not on fake tensors. Each 4-bit weight's ``quant_state`` tensors count as weights. On
+the CPU, peft's LoRA on a 4-bit Linear does not see ``torch.autocast("cpu")``
+(:mod:`trainmem.kbit`): compare with an estimate at ``kernels="cpu"``."""
 
 from __future__ import annotations
 
@@ -436,6 +441,8 @@ step_signature(
 def _options_record(config, step: StepConfig, device: str, seed: int) -> dict:
     """The options of a measurement as its result reports them (``.options``)."""
     names = MEASURE_RECORD + (("load_dtype",) if step.load_dtype else ())
+    if step.method == "qlora":
+        names += ("kbit_prepare", "qlora_double_quant")
     model = getattr(config, "name_or_path", None) or "config"
     return step.record(names, seed=seed, device=device, model=model)
 
@@ -487,8 +494,8 @@ def measure_step(
     seed: int = 0,
 ) -> Measurement:
     """:func:`measure` with the options of the step given as a
-    :class:`~trainmem.config.StepConfig` (its ``zero``, ``gpus`` and
-    ``qlora_double_quant`` do not apply: one device, no quantization)."""
+    :class:`~trainmem.config.StepConfig` (its ``zero`` and ``gpus`` do not apply: one
+    device)."""
     _check_device(device)
     if step.zero != 0 or step.gpus != 1:
         raise OptionError("zero", "zero must be 0 and gpus 1 for a measurement")
