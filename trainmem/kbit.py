@@ -32,7 +32,8 @@ The rules, each in the library source of the versions it belongs to:
   ``(A, B)``, :func:`trainmem.versions.bnb_saves_input`). The output of the cast is
   a ``ToCopyBackward`` node, which saves nothing either.
 * **peft's LoRA on a 4-bit Linear** (``peft/tuners/lora/bnb.py``
-  ``Linear4bit.forward``, 0.21.2 lines 528-552): ``result = self.base_layer(x)``;
+  ``Linear4bit.forward``, 0.21.2 lines 527-552, 0.17.1 lines 486-505): ``result =
+  self.base_layer(x)``;
   ``result = result.clone()`` (a copy of the base output); ``requires_conversion =
   not torch.is_autocast_enabled()``: only **outside autocast** is ``x`` cast to the
   adapter's dtype and the adapter's output cast back to ``result``'s dtype; under
