@@ -802,7 +802,9 @@ def test_estimates_equal_the_recorded_pre_refactor_values():
     end of backward (tests/test_zero.py); and the QLoRA row under autocast, since
     peft's LoRA on a 4-bit Linear casts its input to the adapters' fp32 only outside
     autocast and copies the base output (trainmem.kbit; the CPU measurement in
-    tests/test_kbit.py). The independent checks are the tests above
+    tests/test_kbit.py); and every QLoRA row, since each 4-bit weight's code tables
+    and offset (bitsandbytes' QuantState: 1,092 B under double quantization) are
+    counted. The independent checks are the tests above
     (transformers' parameter counts, peft, the CPU measurement)."""
     from pathlib import Path
 

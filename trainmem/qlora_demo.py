@@ -97,12 +97,15 @@ def load_base(device, quant_kwargs: dict | None, compute_dtype, small: bool):
         try:
             with tempfile.TemporaryDirectory() as folder:
                 model.save_pretrained(folder)
-                return AutoModelForCausalLM.from_pretrained(
+                quantized = AutoModelForCausalLM.from_pretrained(
                     folder,
                     quantization_config=BitsAndBytesConfig(**quant_kwargs),
                     dtype=compute_dtype,
                     device_map={"": "cpu"},
                 )
+            # the model's name, not the temporary folder's (peft records it)
+            quantized.name_or_path = model.name_or_path
+            return quantized
         finally:
             hf_logging.enable_progress_bar()
 
