@@ -428,9 +428,13 @@ def test_qlora_base_weights_by_hand_llama7b():
         seq=8,
         kbit_prepare="none",
     )
+    # each of the 224 4-bit weights also keeps its QuantState's tables: the NF4 code
+    # (16 fp32) and, under double quantization, the offset (1 fp32) and the nested
+    # 8-bit map (256 fp32)
+    tables_dq, tables = 224 * (16 + 1 + 256) * 4, 224 * 16 * 4
     # model states at the step: base + 2 fp32 rotary buffers + LoRA fp32 params and fp32
     # grads
-    assert e.model_state_bytes - 2 * 4 * 64 - 8 * e.n_trainable == want
+    assert e.model_state_bytes - 2 * 4 * 64 - 8 * e.n_trainable == want + tables_dq
     # peft's prepare_model_for_kbit_training casts the 16-bit rest to fp32
     prepared = estimate(
         "llama-7b", method="qlora", precision="bf16-amp", optimizer="sgd", seq=8
@@ -448,7 +452,7 @@ def test_qlora_base_weights_by_hand_llama7b():
     )
     assert single.model_state_bytes - e.model_state_bytes == linear * (
         4 / 64 - 1 / 64 - 4 / 16384
-    )
+    ) + (tables - tables_dq)
 
 
 def test_estimate_modules_import_no_torch():
