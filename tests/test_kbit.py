@@ -84,8 +84,8 @@ def test_qlora_agrees_with_cpu_measurement(shape, kw):
     bytes (the scalar loss; each 4-bit weight's absmax rounded up per tensor where the
     estimate counts a fractional byte per weight)."""
     pytest.importorskip("bitsandbytes")
-    from trainmem.measure import measure
-    from trainmem.models import get_config
+    from trainmem.measuring.measure import measure
+    from trainmem.measuring.models import get_config
 
     shape = dict(shape)
     batch, seq = shape.pop("batch"), shape.pop("seq")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .families import LLAMA_LINEARS
+from ..families import LLAMA_LINEARS
 
 #: The capstone's model (lab 6).
 NAME = "Qwen/Qwen2.5-0.5B"
@@ -84,7 +84,7 @@ def load_base(device, quant_kwargs: dict | None, compute_dtype, small: bool):
         import logging
         import tempfile
 
-        from trainmem.models import build_model, tiny_llama_config
+        from trainmem.measuring.models import build_model, tiny_llama_config
 
         model = build_model(tiny_llama_config(), seed=0, dtype=compute_dtype)
         if quant_kwargs is None or not bnb_on_cpu():
@@ -221,7 +221,7 @@ def compare_with_lora(qlora: StepRun, device, compute_dtype, lora_config, small:
     from peft import get_peft_model
 
     if small:
-        from trainmem.models import get_config
+        from trainmem.measuring.models import get_config
 
         config = get_config("qwen2.5-0.5b")  # trainmem's copy of its config.json
     else:
