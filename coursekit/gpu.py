@@ -339,19 +339,20 @@ from trainmem.estimate import fit_batch as fit_batch  # noqa: E402
 from trainmem.formats import FP16_MAX as FP16_MAX  # noqa: E402
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainmem.quant import QLoRAPlan
+    from trainmem.demos.quant import QLoRAPlan
 
 
 def loss_scale_demo(steps: int, tokens_per_batch: int) -> dict:
-    """:func:`trainmem.scaler.loss_scale_demo` (chapter 2's GradScaler settings)."""
-    from trainmem.scaler import loss_scale_demo as demo
+    """:func:`trainmem.demos.scaler.loss_scale_demo` (chapter 2's GradScaler
+    settings)."""
+    from trainmem.demos.scaler import loss_scale_demo as demo
 
     return demo(steps, tokens_per_batch)
 
 
 def scale_events(scales: list[float]) -> dict[str, int]:
-    """:func:`trainmem.scaler.scale_events` (growths and back-offs of a run)."""
-    from trainmem.scaler import scale_events as events
+    """:func:`trainmem.demos.scaler.scale_events` (growths and back-offs of a run)."""
+    from trainmem.demos.scaler import scale_events as events
 
     return events(scales)
 
@@ -504,7 +505,7 @@ def qlora_plan(
     device_type: str, capability: tuple[int, int] | None = None
 ) -> QLoRAPlan:
     """NF4 + double quantization; compute in bf16 (fp16 below sm_80); paged 8-bit
-    AdamW (:func:`trainmem.quant.qlora_plan`)."""
-    from trainmem.quant import qlora_plan as plan_for
+    AdamW (:func:`trainmem.demos.quant.qlora_plan`)."""
+    from trainmem.demos.quant import qlora_plan as plan_for
 
     return plan_for(amp_plan(device_type, capability).dtype)

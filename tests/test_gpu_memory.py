@@ -82,7 +82,7 @@ def test_new_options_agree_with_cpu_measurement(kw):
     """Byte for byte with the CPU step (the measurement runs peft with that
     lora_dropout and the model with that use_cache), up to the few bytes of torch's
     scalars that the other agreement tests allow."""
-    from trainmem.measure import measure
+    from trainmem.measuring.measure import measure
 
     est = estimate(SMALL, batch=2, seq=32, kernels="cpu", **kw)
     meas = measure(_config(), batch=2, seq=32, kernels="cpu", **kw)
@@ -95,7 +95,7 @@ def test_reentrant_against_cpu_measurement(seq, over):
     """use_reentrant=True measured on CPU: exact at 64 tokens; at 32 tokens the real
     step's peak does not hold the recomputed layer output that the replay keeps, so the
     estimate is one bf16 hidden state over (a known gap, on the safe side)."""
-    from trainmem.measure import measure
+    from trainmem.measuring.measure import measure
 
     kw = dict(method="lora", precision="bf16-amp", checkpointing=True, batch=2)
     kw.update(checkpointing_mode="reentrant", seq=seq, kernels="cpu")

@@ -4,8 +4,8 @@ the GPU and the library versions into a frozen :class:`Decisions` record — the
 (load, compute/autocast, trainable, gradients, optimizer states, master copy), the
 attention backend, the sharding plan, the decoder layout and the loss form. The replay
 (:mod:`trainmem.memory.step`), the closed forms and the notes
-(:mod:`trainmem.estimate`) and the measurement (:mod:`trainmem.measure`) read the
-record; none of them looks at a precision, sharding or framework name again (those
+(:mod:`trainmem.estimate`) and the measurement (:mod:`trainmem.measuring.measure`) read
+the record; none of them looks at a precision, sharding or framework name again (those
 are registries: :mod:`trainmem.precisions`, :mod:`trainmem.sharding`,
 :mod:`trainmem.frameworks`).
 
@@ -233,7 +233,7 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
         sdpa_repeats_kv=att.repeats_kv,
         sdpa_math_fallback=att.math_fallback,
         bf16_compute=prec.compute == "bf16",
-        layout=frame.layout or shape.family.replay,
+        layout=frame.layout or shape.family.layout(shape, step),
         loss_form=loss_form(versions),
         zero_layout=bool(prec.zero_half) and step.zero >= 1,
         communicators=shard.communicators,

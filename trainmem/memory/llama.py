@@ -297,8 +297,8 @@ def llama_loss(
         del pos
     if sim.sharded:
         # the layers a sharding keeps gathered from their forward until their
-        # backward (DeepSpeed ZeRO-3: step._deepspeed_kept), held from here
-        sim.sharded.after_layers(sim, cfg)
+        # backward (DeepSpeed ZeRO-3: shard_deepspeed._deepspeed_kept), held from here
+        sim.sharded.after_layers(sim)
     h = rmsnorm(sim, h, model.norm)
     del mask  # LlamaModel.forward returns here
     logits = linear(sim, h, gathered(sim, model.lm_head))

@@ -19,17 +19,16 @@ from ..versions import (
     litgpt_loss_holds_graph,
     litgpt_rmsnorm_fp32,
 )
-from . import litgpt
+from . import litgpt, traced
 
 from ..optimizers import optimizer
 from .optimizer_step import SCRATCH_RULES as SCRATCH_RULES, _optimizer_states
 from .repeat import _Repeater as _Repeater, _periods
+from .shard_deepspeed import deepspeed_kept_params as deepspeed_kept_params
 from .shard_plan import (
     DDP_BUCKET_CAPS as DDP_BUCKET_CAPS,
-    _ddp_buckets,
     _shard_for_zero,
     ddp_bucket_sizes as ddp_bucket_sizes,
-    deepspeed_kept_params as deepspeed_kept_params,
 )
 
 
@@ -133,9 +132,7 @@ def _micro_batch(sim, model, d, batch, cfg, litgpt_logits) -> int:
     sim.set_phase("backward")
     unsharded_grad, bucket = sim.sharded.backward_buffers(sim)
     backward(sim, loss)
-    # DeepSpeed's layers kept gathered from the forward: released by the end of
-    # backward (each after its own backward)
-    cfg.pop("ds_kept", None)
+    sim.sharded.after_backward()
     del loss, unsharded_grad, bucket
     return activations_at_end
 
@@ -275,6 +272,8 @@ DECODERS = {
     for d in (
         Decoder("llama", _build_llama, _llama_loss),
         Decoder("litgpt", _build_litgpt, litgpt.forward_loss, _litgpt_eval),
+        # every recorded family (trainmem/data/families/<model_type>.json)
+        Decoder("traced", traced.build, traced.loss),
     )
 }
 
@@ -345,7 +344,6 @@ def simulate_step(
     # only (``d.dtypes``: module, master, optimizer_states).
     model, params = DECODERS[d.layout].build(sim, shape, d)
     masters, held, gathered_root = _shard_for_zero(sim, model, params, d)
-    ddp = _ddp_buckets(sim, params, step)
     state_dtype = d.dtypes.optimizer_states
     if replay_as is not None and _warm_up_step(d):
         # the caching allocator as step 2 finds it: step 1 ran with no optimizer
@@ -369,7 +367,7 @@ def simulate_step(
     if rule is not None:
         part = 1.0 / step.gpus if step.zero >= 1 else 1.0
         SCRATCH_RULES[rule](sim, params, state_dtype, part)
-    del masters, held, ddp
+    del masters, held
     if d.framework.eval_after_step and step.zero == 0:
         DECODERS[d.layout].after_step(sim, model, step, (ids, labels), cfg)
     cfg.pop("held", None)
