@@ -180,13 +180,16 @@ def _attention(
         )
     if step.attn != "sdpa":
         return _Attention(attn, None, None, False, False)
-    if not frame.replays_math_fallback:
+    layout = frame.layout or shape.family.replay
+    if not frame.replays_math_fallback or layout != "llama":
         # LitGPT expands key and value to the query heads itself and calls SDPA
-        # without enable_gqa; its replay has the fused kernels only
+        # without enable_gqa; its replay, and the recorded families' (their traces
+        # are CPU's flash kernel), have the fused kernels only
+        kv_heads = shape.kv_heads if frame.replays_math_fallback else shape.heads
         call, _ = hf_call(
             dtypes.compute,
             shape.heads,
-            shape.heads,
+            kv_heads,
             shape.head_dim,
             step.seq,
             versions,
