@@ -47,7 +47,7 @@ def test_every_recorded_family_has_its_data_file():
     from trainmem.family_trace import RECORDED, regimes
     from trainmem.config import StepConfig
 
-    assert {"gpt2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2"} <= set(TRACED)
+    assert {"gpt2", "qwen3", "gemma3_text", "phi3", "olmo2"} <= set(TRACED)
     for name in TRACED:
         data = traced.load(name)
         assert data["model_type"] == name
@@ -127,7 +127,7 @@ def test_a_variant_not_recorded_is_refused_by_name():
     with pytest.raises(OptionError, match="ckpt=non-reentrant.*not recorded"):
         estimate(_config("qwen3"), checkpointing=True)
     with pytest.raises(OptionError, match="qlora"):
-        estimate(_config("gemma2"), method="qlora")
+        estimate(_config("gemma3_text"), method="qlora")
 
 
 def test_linear_layers_come_from_the_trace():

@@ -161,7 +161,7 @@ class ModelType:
     #: (GPT-2's ``attn_pdrop``): its traces are recorded for CPU's and CUDA's SDPA
     attention_dropout: str | None = None
     #: the attention implementation of a family whose transformers module has no SDPA
-    #: path (``None``: the step's)
+    #: path (``None``: the step's; transformers 5's Gemma 2 refuses "sdpa")
     attn: str | None = None
 
 
@@ -455,16 +455,6 @@ MODEL_TYPES: dict[str, ModelType] = {
             dict(num_key_value_heads=32, head_dim=128, tie_word_embeddings=False),
             fields=_LLAMA_FIELDS,
             regimes=((True, True), (True, False)),
-        ),
-        ModelType(
-            "gemma2",
-            "gemma2",
-            "Gemma2Config",
-            dict(num_key_value_heads=4, head_dim=256, tie_word_embeddings=True),
-            fields=_LLAMA_FIELDS,
-            # transformers 5's Gemma2 refuses attn_implementation="sdpa"
-            attn="eager",
-            regimes=((True, True),),
         ),
         ModelType(
             "gemma3_text",
