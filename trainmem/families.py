@@ -118,6 +118,10 @@ class Family:
     #: a recorded family (``replay="traced"``) whose steps outside its recorded
     #: variants (QLoRA, ZeRO, checkpointing) take the closed form (GPT-2)
     closed_form_otherwise: bool = False
+    #: a recorded family's attention dropout field and attention implementation
+    #: (:attr:`ModelType.attention_dropout`, :attr:`ModelType.attn`)
+    attention_dropout: str | None = None
+    attn: str | None = None
 
     def count_params(self, shape: "Shape") -> int:
         return self.other_params(shape) + shape.layers * self.params_per_layer(shape)
@@ -353,6 +357,8 @@ def traced_family(name: str) -> Family:
         + ((mt.fields["i"],) if "i" in mt.fields and "i" not in mt.derived else ()),
         replay="traced",
         closed_form_otherwise=name == "gpt2",
+        attention_dropout=mt.attention_dropout,
+        attn=mt.attn,
     )
 
 

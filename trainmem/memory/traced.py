@@ -105,12 +105,9 @@ def variant_regime(shape, step) -> dict:
     (output and logsumexp). ``attn``: the attention a family without an SDPA path
     runs whatever is asked (Gemma 2 in transformers 5: eager, what
     ``from_pretrained`` picks for it)."""
-    from ..families import MODEL_TYPES
-
-    mt = MODEL_TYPES.get(shape.arch)
+    family = shape.family  # its Family entry (trainmem.families.traced_family)
     fused = (
-        mt is not None
-        and mt.attention_dropout is not None
+        family.attention_dropout is not None
         and step.kernels == "cuda"
         and step.attn_memory == "sdpa"
     )
@@ -119,7 +116,7 @@ def variant_regime(shape, step) -> dict:
         tied=shape.tied,
         b1=False,
         fused=fused,
-        attn=None if mt is None else mt.attn,
+        attn=family.attn,
     )
 
 
