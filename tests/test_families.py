@@ -155,3 +155,20 @@ def test_data_files_are_plain_json():
     for name in TRACED:
         with open(traced.os.path.join(traced.DATA_DIR, f"{name}.json")) as f:
             assert json.load(f)["model_type"] == name
+
+
+@pytest.mark.parametrize("name", TRACED)
+def test_a_config_file_reads_the_same_without_transformers(name):
+    """The in-page calculator reads a pasted config.json with the defaults
+    :data:`MODEL_TYPES` gives each class's fields; transformers' class gives the same
+    shape (a file naming only the required fields)."""
+    from trainmem.families import plain_config, shape_of_config
+
+    mt = MODEL_TYPES[name]
+    sizes = dict(v=50304, h=256, i=688, L=4, a=8)
+    fields = {"model_type": name}
+    for symbol, value in sizes.items():
+        if symbol != "i" or "i" not in mt.derived:
+            fields[mt.fields[symbol]] = value
+    want = shape_of_config(transformers_config(fields, "config.json"))
+    assert shape_of_config(plain_config(fields, "config.json")) == want
