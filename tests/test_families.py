@@ -172,3 +172,18 @@ def test_a_config_file_reads_the_same_without_transformers(name):
             fields[mt.fields[symbol]] = value
     want = shape_of_config(transformers_config(fields, "config.json"))
     assert shape_of_config(plain_config(fields, "config.json")) == want
+
+
+def test_a_stored_trace_is_what_the_generator_records_now():
+    """One variant (OLMo 2, full fine-tuning, fp32) recorded afresh from the installed
+    transformers equals the stored one: the data files are the generator's output,
+    not edited by hand (``python -m trainmem.family_trace --check`` compares all)."""
+    pytest.importorskip("torch")
+    from trainmem.config import StepConfig
+    from trainmem.family_trace import record_variant, regimes
+
+    mt = MODEL_TYPES["olmo2"]
+    step = StepConfig(method="full", precision="fp32", optimizer="adamw")
+    regime = regimes(mt)[0]
+    fresh = json.loads(json.dumps(record_variant(mt, step, regime)))
+    assert fresh == traced.load("olmo2")["variants"][traced.variant_key(step, regime)]
