@@ -255,7 +255,7 @@ def _estimate_parser() -> argparse.ArgumentParser:
 
 def form_fields() -> list[dict]:
     """One dict per option of ``python -m trainmem estimate`` (argparse order)."""
-    from trainmem.models import preset_names
+    from trainmem.families import preset_names
 
     out = []
     for a in _estimate_parser()._actions:

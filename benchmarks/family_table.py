@@ -24,7 +24,7 @@ import time
 
 from trainmem.estimate import estimate
 from trainmem.families import MODEL_TYPES, transformers_config
-from trainmem.measure import measure
+from trainmem.measuring.measure import measure
 
 #: config field names of the sizes (Llama-style; GPT-2 its own)
 LLAMA_STYLE = dict(

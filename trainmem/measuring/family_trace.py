@@ -24,7 +24,7 @@ How a trace is made (:func:`record_variant`):
   those runs event by event, and at the second probe with the second probe's run: a
   trace that does not reproduce them is refused.
 
-``python -m trainmem families --write`` regenerates every data file
+``python -m trainmem.measuring.family_trace --write`` regenerates every data file
 (``trainmem/data/families/<model_type>.json``); ``--check`` compares them with a fresh
 recording.
 """
@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 
-from .config import StepConfig
+from ..config import StepConfig
 from .tracker import MemoryTracker
-from .families import MODEL_TYPES, model_type
-from .memory.traced import (
+from ..families import MODEL_TYPES, model_type
+from ..memory.traced import (
     DATA_DIR,
     SYMBOLS,
     evaluate,
@@ -124,10 +124,10 @@ def run_events(config, step: StepConfig, layers: int) -> dict:
     """The events of one forward and backward of ``config`` (``layers`` decoder
     layers) under ``step``, as :func:`trainmem.measure.measure` runs them: parameters
     (name, shape, dtype, trainable), buffers and a flat list of events."""
-    from .decisions import decide
+    from ..decisions import decide
     from .measure import _TrackedTraining
     from .training_setup import build_training_setup
-    from .families import model_shape
+    from ..families import model_shape
 
     torch.manual_seed(0)
     model, opt = build_training_setup(config, step, device="cpu")
@@ -263,7 +263,7 @@ def _attention(step):
 
 
 def _dtype(dtype) -> str:
-    from .dtypes import DTYPES
+    from ..dtypes import DTYPES
 
     name = str(dtype).replace("torch.", "")
     for entry in DTYPES.values():
@@ -770,13 +770,13 @@ def traced_model_types() -> list[str]:
 
 
 def main(argv=None) -> int:
-    """``python -m trainmem.family_trace [--write | --check] [model_type ...]``:
+    """``python -m trainmem.measuring.family_trace [--write | --check] [type ...]``:
     record the traces of the model types (default: all recorded ones) and write
     their data files, or compare them with the files."""
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m trainmem.family_trace")
+    parser = argparse.ArgumentParser(prog="python -m trainmem.measuring.family_trace")
     parser.add_argument("model_types", nargs="*", default=traced_model_types())
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", action="store_true")
