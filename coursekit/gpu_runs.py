@@ -83,3 +83,48 @@ def recorded_match(key: str, pattern: str, run: str = DEFAULT_RUN) -> tuple[str,
             f"pattern {pattern!r} not found in the recorded output of {key}"
         )
     return m.groups()
+
+
+def recorded_step(step_id: str, run: str = DEFAULT_RUN) -> dict:
+    """One recorded training step (``training_steps`` of the run): ``job`` (model,
+    method, precision, batch, seq, LoRA settings, ``recipe`` "loop" or "trainer",
+    Trainer ``args``, the checkpoint's ``save_dtype``), what it measured
+    (``step_peak`` = ``max_memory_allocated`` of steps 2-3, ``reserved_peak``,
+    ``nvml_proc``) and the library versions. An unknown id raises ValueError naming
+    the ids the run holds."""
+    steps = {s["id"]: s for s in load_run(run).get("training_steps", ())}
+    if step_id not in steps:
+        raise ValueError(f"step_id must be one of {sorted(steps)}, got {step_id!r}")
+    return steps[step_id]
+
+
+def trainer_step_inputs(step_id: str, run: str = DEFAULT_RUN) -> dict:
+    """What ``trainmem hf`` is given for a recorded ``Trainer`` step: the model's
+    ``config.json`` as the run saved it (the shape, with ``dtype`` the checkpoint's
+    ``save_dtype``), the ``TrainingArguments`` fields it set, the peft
+    ``adapter_config.json`` fields, ``seq`` and the run's library versions (as
+    ``--versions`` takes them), as keyword arguments of
+    :func:`trainmem.estimate.estimate_from_hf`."""
+    row = recorded_step(step_id, run)
+    job = row["job"]
+    if job["recipe"] != "trainer":
+        raise ValueError(f"step_id {step_id!r} is a {job['recipe']!r} run, not Trainer")
+    config = dict(load_run(run)["models"][job["model"]])
+    if job.get("save_dtype"):
+        config["dtype"] = job["save_dtype"]
+    peft = None
+    if job["method"] != "full":
+        peft = {
+            "peft_type": "LORA",
+            "r": job["r"],
+            "lora_alpha": job["alpha"],
+            "target_modules": list(job["targets"]),
+            "lora_dropout": job["dropout"],
+        }
+    return dict(
+        model=config,
+        training_args=dict(job["args"]),
+        peft_config=peft,
+        seq=job["seq"],
+        versions=",".join(f"{k}={v}" for k, v in row["versions"].items()),
+    )

@@ -103,8 +103,10 @@ class MemoryEstimate:
                 f"\n{d['gpu']}: {verdict}; headroom {d['headroom_bytes'] / GiB:.2f} GiB"
             )
             text += "".join(f"\nnote: {n['message']}" for n in d.get("notes", ()))
+        if "recipe" in self.options:
+            text += f"\nrecipe: {self.options['recipe']}"
         if "load_dtype_reason" in self.options:
-            text += f"\nrecipe: {self.options['load_dtype_reason']}"
+            text += f"\nload dtype: {self.options['load_dtype_reason']}"
         return text
 
 
