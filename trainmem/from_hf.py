@@ -70,8 +70,9 @@ def hf_options(
     dict of its fields (its JSON); ``None`` means Trainer's defaults. Read: ``optim``
     (see :data:`HF_OPTIMS`), ``bf16``/``fp16`` (autocast: ``bf16-amp``/
     ``fp16-amp``; neither: ``fp32``) over the weights in the dtype ``from_pretrained``
-    loads them in (:func:`load_dtype`, always stated off QLoRA), ``gradient_checkpointing`` or
-    ``activation_checkpointing`` (transformers 5's name) with
+    loads them in (:func:`load_dtype`, always stated off QLoRA),
+    ``gradient_checkpointing`` or ``activation_checkpointing`` (transformers 5's
+    name) with
     ``gradient_checkpointing_kwargs``' ``use_reentrant`` (left out: the default of the
     transformers in ``versions``, :func:`trainmem.versions.hf_checkpointing_reentrant`),
     ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``deepspeed``
