@@ -146,9 +146,10 @@ class StepConfig:
     load_dtype: str | None = _option(
         None,
         "the dtype the weights are loaded in (from_pretrained's dtype), independent "
-        "of autocast. Default: LoRA under fp16-amp/bf16-amp loads the autocast dtype "
-        "-- the recipe LoRA users run: a 16-bit base loaded from a 16-bit checkpoint "
-        "(from_pretrained's default from transformers 5), peft's fp32 adapters, "
+        "of autocast. Default: LoRA (hf) under fp16-amp/bf16-amp loads the autocast "
+        "dtype -- the recipe LoRA users run: a 16-bit base loaded from a 16-bit "
+        "checkpoint (from_pretrained's default from transformers 5), peft's fp32 "
+        "adapters, "
         "autocast (Trainer(bf16=True)); fp32 is autocast over fp32 weights (their "
         "16-bit copies kept for backward). Full fine-tuning and QLoRA: the "
         "precision's (fp32 under autocast, bf16 for pure bf16)",

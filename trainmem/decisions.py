@@ -104,7 +104,7 @@ def _dtypes(
     shape: Shape, step: StepConfig, prec: Precision, frame: Framework
 ) -> Dtypes:
     zero_half = prec.zero_half if step.zero >= 1 else None
-    load = step.load_dtype or prec.default_load(step.method)
+    load = step.load_dtype or prec.default_load(step.method, frame.lora_16bit_load)
     autocast = None if zero_half else prec.autocast
     quant_compute = quant_base = None
     if step.method == "qlora":

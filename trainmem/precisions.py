@@ -40,7 +40,7 @@ class Precision:
         """The dtype the matmuls run in: autocast's, else the parameters'."""
         return self.autocast or self.params
 
-    def default_load(self, method: str) -> str:
+    def default_load(self, method: str, lora_16bit_load: bool = True) -> str:
         """The load dtype when none is given. Full fine-tuning and QLoRA:
         :attr:`params` (torch AMP's fp32 weights are the master copy; QLoRA's base
         is decided by its own rule). LoRA under autocast: the autocast dtype — the
@@ -49,8 +49,10 @@ class Precision:
         the stored dtype), peft's fp32 adapters (``get_peft_model(...,
         autocast_adapter_dtype=True)`` upcasts fp16/bf16 adapter weights to fp32:
         ``cast_adapter_dtype`` in peft 0.21's ``tuners/tuners_utils.py``) and
-        autocast (``Trainer(bf16=True)``/``fp16=True``)."""
-        if method == "lora" and self.autocast:
+        autocast (``Trainer(bf16=True)``/``fp16=True``). ``lora_16bit_load=False``
+        (a framework whose mixed precision keeps the module in fp32:
+        ``Framework.lora_16bit_load``): :attr:`params` under LoRA too."""
+        if method == "lora" and self.autocast and lora_16bit_load:
             return self.autocast
         return self.params
 
