@@ -85,14 +85,27 @@ def recorded_match(key: str, pattern: str, run: str = DEFAULT_RUN) -> tuple[str,
     return m.groups()
 
 
+def recorded_steps(run: str = DEFAULT_RUN) -> dict[str, dict]:
+    """The training steps measured on the recorded run, by id: each with ``job``
+    (model shape, method, precision, batch, sequence, checkpointing, attention,
+    LoRA settings, recipe), the library ``versions``, ``step_peak``
+    (``max_memory_allocated`` of steps 2-3), ``reserved_peak`` and ``nvml_proc``
+    (the process's bytes as nvidia-smi counts them). ``job["model"]`` names a
+    config of :func:`recorded_models`."""
+    return {s["id"]: s for s in load_run(run).get("steps", [])}
+
+
+def recorded_models(run: str = DEFAULT_RUN) -> dict[str, dict]:
+    """The model configs (random weights of published shapes) the recorded training
+    steps ran, by the name their ``job["model"]`` gives."""
+    return dict(load_run(run).get("models", {}))
+
+
 def recorded_step(step_id: str, run: str = DEFAULT_RUN) -> dict:
-    """One recorded training step (``training_steps`` of the run): ``job`` (model,
-    method, precision, batch, seq, LoRA settings, ``recipe`` "loop" or "trainer",
-    Trainer ``args``, the checkpoint's ``save_dtype``), what it measured
-    (``step_peak`` = ``max_memory_allocated`` of steps 2-3, ``reserved_peak``,
-    ``nvml_proc``) and the library versions. An unknown id raises ValueError naming
-    the ids the run holds."""
-    steps = {s["id"]: s for s in load_run(run).get("training_steps", ())}
+    """One of :func:`recorded_steps` (its ``job`` also says ``recipe`` "loop" or
+    "trainer", Trainer ``args`` and the checkpoint's ``save_dtype``). An unknown id
+    raises ValueError naming the ids the run holds."""
+    steps = recorded_steps(run)
     if step_id not in steps:
         raise ValueError(f"step_id must be one of {sorted(steps)}, got {step_id!r}")
     return steps[step_id]
@@ -109,7 +122,7 @@ def trainer_step_inputs(step_id: str, run: str = DEFAULT_RUN) -> dict:
     job = row["job"]
     if job["recipe"] != "trainer":
         raise ValueError(f"step_id {step_id!r} is a {job['recipe']!r} run, not Trainer")
-    config = dict(load_run(run)["models"][job["model"]])
+    config = dict(recorded_models(run)[job["model"]])
     if job.get("save_dtype"):
         config["dtype"] = job["save_dtype"]
     peft = None

@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from .config import (
+from ..config import (
     CATEGORIES,
     OptionError,
     StepConfig,
@@ -70,8 +70,8 @@ from .config import (
     model_shape,
     step_signature,
 )
-from .decisions import Decisions, decide
-from .frameworks import framework as framework_entry
+from ..decisions import Decisions, decide
+from ..frameworks import framework as framework_entry
 from .tracker import MemoryTracker
 from .training_setup import (
     build_training_setup,
@@ -135,7 +135,7 @@ class Measurement:
         return json.dumps(self.to_dict(), **kw)
 
     def table(self) -> str:
-        from .estimate import format_table
+        from ..estimate import format_table
 
         rows = dict(self.breakdown)
         extra = {"activations at end of forward": self.activation_bytes}
