@@ -116,7 +116,7 @@ def _dtypes(
     shape: Shape, step: StepConfig, prec: Precision, frame: Framework
 ) -> Dtypes:
     zero_half = prec.zero_half if step.zero >= 1 else None
-    load = step.load_dtype or prec.params
+    load = step.load_dtype or prec.default_load(step.method, frame.lora_16bit_load)
     autocast = None if zero_half else prec.autocast
     # QLoRA: the non-quantized weights as loaded and as peft's k-bit preparation
     # leaves them, and bitsandbytes' compute dtype (trainmem.kbit)
