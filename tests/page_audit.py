@@ -59,8 +59,8 @@ AUDIT_JS = r"""() => {
     const lead = strong && strong.tagName === 'STRONG'
       && body.startsWith(strong.textContent.trim()) ? strong.textContent.trim() : '';
     const runs = (lead && body.length > lead.length + 1)
-      || (/^误区\s*\d/.test(body) && !/^误区\s*\d+：\S/.test(head))
-      || (/误区/.test(head) && !/^误区\s*\d+：\S/.test(head));
+      || (/^误区(\s*\d+)?：/.test(body) && !/^误区(\s*\d+)?：\S/.test(head))
+      || (/误区/.test(head) && !/^误区(\s*\d+)?：\S/.test(head));
     if (runs) out.runon.push((head + ' | ' + body).slice(0, 90));
   }
   // numbers and words broken across lines in table cells

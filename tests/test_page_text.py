@@ -42,8 +42,10 @@ def test_misconceptions_are_titled_boxes(path):
     """Every 误区 is a box headed "误区 N：标题" (the title apart from the text), in
     every chapter and lab; a note with a title of its own is headed by it."""
     text = _all_markdown(path)
-    titled = re.findall(r":::\{admonition\} 误区 \d+：[^\n]+\n:class: warning\n", text)
-    assert len(titled) == len(re.findall(r"误区 \d+：", text))
+    numbered = re.findall(
+        r":::\{admonition\} 误区 \d+：[^\n]+\n:class: warning\n", text
+    )
+    assert len(numbered) == len(re.findall(r"误区 \d+：", text))
     assert not re.search(r":::\{warning\}\s*\**误区", text)
     assert not re.search(r":{3,}\{(note|warning)\}\n\*\*[^\n]*\*\*", text), (
         "a box whose title is its bold first words: write :::{admonition} 标题"
