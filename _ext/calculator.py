@@ -94,7 +94,6 @@ LABELS = {
     "checkpointing-mode": "检查点形式（checkpointing-mode）",
     "framework": "训练框架（framework）",
     "previous-seq": "上一个微批的 token 数（previous-seq，LitGPT）",
-    "load-dtype": "加载 dtype（load-dtype）",
 }
 # The tooltip of each option, in Chinese (the CLI's --help stays English): every option
 # the form shows has one (tests/test_calculator.py), so a new option needs a line here.
