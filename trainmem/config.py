@@ -33,6 +33,8 @@ from .frameworks import framework as framework_entry
 
 # the six byte categories every result uses (re-exported)
 from .memory.accounting import CATEGORIES as CATEGORIES
+from .objectives import OBJECTIVES as _OBJECTIVES
+from .objectives import REFERENCES as REFERENCES
 from .optimizers import IMPLS
 from .optimizers import OPTIMIZERS as _OPTIMIZERS
 from .optimizers import optimizer as optimizer_entry
@@ -63,6 +65,8 @@ KERNELS = ("cuda", "cpu")
 #: whose training step is modelled: Hugging Face (transformers + peft + Trainer's
 #: loop) or LitGPT (its own GPT module, LoRA layers and finetune loop)
 FRAMEWORKS = tuple(_FRAMEWORKS)
+#: what the step optimises (:data:`trainmem.objectives.OBJECTIVES`)
+OBJECTIVES = tuple(_OBJECTIVES)
 
 
 def split_targets(lora_targets) -> tuple[str, ...]:
@@ -262,6 +266,31 @@ class StepConfig:
         choices=FRAMEWORKS,
     )
 
+    objective: str = _option(
+        "sft",
+        "; ".join(f"{o.name}: {o.summary}" for o in _OBJECTIVES.values()),
+        choices=OBJECTIVES,
+    )
+    reference: str = _option(
+        "auto",
+        "dpo/grpo: the reference model — copy (a frozen second model), adapter "
+        "(LoRA's base with the adapter disabled), precomputed (DPO's "
+        "precompute_ref_log_probs), none (GRPO's default beta=0.0); auto: adapter "
+        "under LoRA, else copy (DPO) / none (GRPO)",
+        choices=REFERENCES,
+    )
+    group_size: int = _option(
+        8,
+        "grpo: completions per prompt (GRPOConfig.num_generations); must divide "
+        "batch x grad_accum x gpus",
+        kind="positive",
+    )
+    max_completion_length: int = _option(
+        512,
+        "grpo: generated tokens per completion (GRPOConfig.max_completion_length)",
+        kind="positive",
+    )
+
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "StepConfig":
         """A :class:`StepConfig` of keyword options; a name that is not a field
@@ -346,6 +375,12 @@ class StepConfig:
             raise OptionError(
                 "lora_dropout", f"lora_dropout must be a number in [0, 1), got {p!r}"
             )
+        check_choice("objective", self.objective, OBJECTIVES)
+        check_positive_int("group_size", self.group_size)
+        check_positive_int("max_completion_length", self.max_completion_length)
+        from .objectives import check as check_objective
+
+        check_objective(self)
         from .versions import parse_versions
 
         parse_versions(self.versions)  # raises OptionError for a bad entry

@@ -21,6 +21,7 @@ from typing import Any
 from .config import OptionError, Shape, StepConfig
 from .frameworks import Framework, framework
 from .gpus import SM80
+from .objectives import Objective, objective, resolve_reference, sequences
 from .precisions import Precision, precision
 from .sharding import Sharding, sharding
 from .versions import cache_copies_kv, loss_form
@@ -94,6 +95,12 @@ class Decisions:
     kv_cache_copies: bool
     versions: dict = dataclasses.field(default_factory=dict)
     gpu: Any = None
+    #: what the step optimises (:mod:`trainmem.objectives`), the reference it runs
+    #: (``copy``, ``adapter``, ``precomputed`` or ``none``) and the (rows, tokens) of
+    #: one micro-batch's forward (DPO: 2 x batch; GRPO: prompt + completion tokens)
+    objective: Objective | None = None
+    reference: str = "none"
+    sequences: tuple[int, int] = (0, 0)
 
     @property
     def autocast(self) -> str | None:
@@ -182,6 +189,15 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
     shard = sharding(step.zero_impl)
     attention, reason = _attention(step, prec, frame, gpu)
     versions = step.library_versions
+    goal = objective(step.objective)
+    layout = frame.layout or shape.family.replay
+    if goal.logps and layout != "llama":
+        raise OptionError(
+            "objective",
+            f"objective {goal.name!r} is replayed for the transformers decoders "
+            f"(Llama, Qwen2, Mistral) with framework hf, got {shape.arch} with "
+            f"framework {frame.name!r}",
+        )
     return Decisions(
         options=step,
         precision=prec,
@@ -192,11 +208,15 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
         attention_reason=reason,
         sdpa_math_fallback=gpu is not None and sdpa_falls_back_to_math(step, prec, gpu),
         bf16_compute=prec.compute == "bf16",
-        layout=frame.layout or shape.family.replay,
+        layout=layout,
         loss_form=loss_form(versions),
         zero_layout=bool(prec.zero_half) and step.zero >= 1,
         communicators=shard.communicators,
-        kv_cache_copies=step.cache_on and cache_copies_kv(versions),
+        # TRL's DPO and GRPO forwards pass use_cache=False
+        kv_cache_copies=step.cache_on and cache_copies_kv(versions) and not goal.logps,
         versions=versions,
         gpu=gpu,
+        objective=goal,
+        reference=resolve_reference(step),
+        sequences=sequences(step),
     )

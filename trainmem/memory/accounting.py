@@ -41,6 +41,8 @@ class Simulator:
         self.node_ids = count()  # creation order of autograd nodes
         self.autocast = None  # lower-precision dtype name under torch.autocast
         self.grad_enabled = True
+        # peft's disable_adapter() around a forward (a reference model)
+        self.adapters_off = False
         # the active CheckpointRegion while recording a checkpointed region
         self.checkpoint_region = None
         self.marks: dict[str, dict] = {}

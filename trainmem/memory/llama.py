@@ -126,7 +126,8 @@ def lora_linear(sim: Simulator, x: SimTensor, lin: Linear) -> SimTensor:
         quant_compute=lin.compute,
         quant_saves_input=lin.saves_input,
     )
-    if lin.A is None:
+    if lin.A is None or sim.adapters_off:
+        # peft's disable_adapter(): the base layer's output only (TRL's reference)
         return result
     result_dtype = result.dtype
     x = cast(
@@ -296,7 +297,19 @@ def llama_loss(
         sim.sharded.after_layers(sim, cfg)
     h = rmsnorm(sim, h, model.norm)
     del mask  # LlamaModel.forward returns here
+    keep = cfg.get("logits_to_keep")
+    if keep:
+        # hidden_states[:, -logits_to_keep:, :]: a view the lm_head saves (so the
+        # whole last hidden state stays), slice_backward's zeros in backward
+        h = narrow(sim, h, (b, keep, h.shape[-1]))
     logits = linear(sim, h, gathered(sim, model.lm_head))
+    if cfg.get("return_logits"):
+        # labels=None: the model output's logits, as the loss of an objective reads
+        # them (trainmem.memory.preference)
+        del h
+        if cfg.get("kv_cache") is not None and not cfg.get("keep_cache"):
+            cfg["kv_cache"] = []
+        return logits
     # (h, the model output's last_hidden_state, lives until the causal-LM forward
     # returns) ForCausalLMLoss: logits.float(); pad+shift labels; cross_entropy =
     # log_softmax + nll_loss
