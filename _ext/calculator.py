@@ -93,6 +93,10 @@ LABELS = {
     "checkpointing-mode": "检查点形式（checkpointing-mode）",
     "framework": "训练框架（framework）",
     "previous-seq": "上一个微批的 token 数（previous-seq，LitGPT）",
+    "objective": "训练目标（objective）",
+    "reference": "参考模型（reference）",
+    "group-size": "每个提示的补全数（group-size，GRPO）",
+    "max-completion-length": "补全长度（max-completion-length，GRPO）",
 }
 SKIP = {"help", "json", "timeline"}  # the page always asks for --json --timeline
 CONFIG_CHOICE = "config.json"  # model value that means: the pasted config.json

@@ -174,6 +174,8 @@ from .config import (
     split_targets,
     step_signature,
 )
+from .objectives import record_names as objective_record
+from .objectives import resolve_reference
 from .closed_form import (
     _gpt2_estimate,
     _trainable,
@@ -237,8 +239,15 @@ __all__ = [
 def _options_record(shape: Shape, step: StepConfig) -> dict[str, Any]:
     """The options of an estimate as its result reports them (``.options``)."""
     names = ESTIMATE_RECORD + (("load_dtype",) if step.load_dtype else ())
-    # load_dtype only when given, so records of the recipes' own stay as they were
-    return step.record(names, model=shape.name, attn=step.attn_memory)
+    # load_dtype only when given, so records of the recipes' own stay as they were;
+    # likewise the objective's options beyond supervised fine-tuning
+    names += objective_record(step)
+    return step.record(
+        names,
+        model=shape.name,
+        attn=step.attn_memory,
+        reference=resolve_reference(step),
+    )
 
 
 #: the options an estimate's result reports, in order (:meth:`StepConfig.record`)

@@ -519,9 +519,19 @@ step_signature(
 
 def _options_record(config, step: StepConfig, device: str, seed: int) -> dict:
     """The options of a measurement as its result reports them (``.options``)."""
+    from .objectives import record_names as objective_record
+    from .objectives import resolve_reference
+
     names = MEASURE_RECORD + (("load_dtype",) if step.load_dtype else ())
+    names += objective_record(step)
     model = getattr(config, "name_or_path", None) or "config"
-    return step.record(names, seed=seed, device=device, model=model)
+    return step.record(
+        names,
+        seed=seed,
+        device=device,
+        model=model,
+        reference=resolve_reference(step),
+    )
 
 
 #: the options a measurement's result reports, in order (:meth:`StepConfig.record`)

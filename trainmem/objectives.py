@@ -153,3 +153,14 @@ def sequences(step) -> tuple[int, int]:
     if entry.rollouts:
         return rows, step.seq + step.max_completion_length
     return rows, step.seq
+
+
+def record_names(step) -> tuple[str, ...]:
+    """The objective's options a result reports (``.options``; none for supervised
+    fine-tuning, so the records of every earlier estimate stay as they were)."""
+    if step.objective == "sft":
+        return ()
+    names = ("objective", "reference")
+    if objective(step.objective).rollouts:
+        names += ("group_size", "max_completion_length")
+    return names

@@ -179,6 +179,7 @@ def generate(sim: Simulator, model, d, cfg) -> None:
     rows = step.batch * step.grad_accum
     prompt, completion = step.seq, step.max_completion_length
     grad, sim.grad_enabled = sim.grad_enabled, False
+    sim.last_alloc = None  # (the optimizer's last scratch tensor is gone)
     try:
         sim.set_phase("generate")
         sim.autocast = d.dtypes.autocast
