@@ -65,6 +65,8 @@ KERNELS = ("cuda", "cpu")
 #: whose training step is modelled: Hugging Face (transformers + peft + Trainer's
 #: loop) or LitGPT (its own GPT module, LoRA layers and finetune loop)
 FRAMEWORKS = tuple(_FRAMEWORKS)
+#: the causal-LM loss: logits whole, or a chunked (fused linear) cross-entropy
+LOSS_IMPLS = ("standard", "chunked")
 #: what the step optimises (:data:`trainmem.objectives.OBJECTIVES`)
 OBJECTIVES = tuple(_OBJECTIVES)
 
@@ -291,6 +293,18 @@ class StepConfig:
         kind="positive",
     )
 
+    loss_impl: str = _option(
+        "standard",
+        "the causal-LM loss: standard (lm_head's logits whole, fp32 cross_entropy) "
+        "or chunked (a fused linear cross-entropy, Cut Cross-Entropy / Liger style: "
+        "logits computed --loss-chunk rows at a time in forward and recomputed in "
+        "backward, never held whole)",
+        choices=LOSS_IMPLS,
+    )
+    loss_chunk: int = _option(
+        1024, "with --loss-impl chunked: rows (tokens) per chunk", kind="positive"
+    )
+
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "StepConfig":
         """A :class:`StepConfig` of keyword options; a name that is not a field
@@ -378,6 +392,8 @@ class StepConfig:
         check_choice("objective", self.objective, OBJECTIVES)
         check_positive_int("group_size", self.group_size)
         check_positive_int("max_completion_length", self.max_completion_length)
+        check_choice("loss_impl", self.loss_impl, LOSS_IMPLS)
+        check_positive_int("loss_chunk", self.loss_chunk)
         from .objectives import check as check_objective
 
         check_objective(self)

@@ -101,6 +101,9 @@ class Decisions:
     objective: Objective | None = None
     reference: str = "none"
     sequences: tuple[int, int] = (0, 0)
+    #: rows per chunk of the chunked cross-entropy (``None``: lm_head's logits whole
+    #: and ``cross_entropy``, :attr:`loss_form`)
+    loss_chunk: int | None = None
 
     @property
     def autocast(self) -> str | None:
@@ -191,6 +194,13 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
     versions = step.library_versions
     goal = objective(step.objective)
     layout = frame.layout or shape.family.replay
+    if step.loss_impl == "chunked" and (layout != "llama" or goal.logps):
+        raise OptionError(
+            "loss_impl",
+            "loss_impl 'chunked' is replayed for the causal-LM loss (objective sft) "
+            f"of the transformers decoders, got {shape.arch} with framework "
+            f"{frame.name!r} and objective {goal.name!r}",
+        )
     if goal.logps and layout != "llama":
         raise OptionError(
             "objective",
@@ -219,4 +229,5 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
         objective=goal,
         reference=resolve_reference(step),
         sequences=sequences(step),
+        loss_chunk=step.loss_chunk if step.loss_impl == "chunked" else None,
     )

@@ -212,6 +212,15 @@ class _TrackedTraining:
         )
         with autocast:
             loss = self._objective_loss() if self.d.objective.logps else None
+            if self.d.loss_chunk:
+                from .chunked_loss import causal_lm_loss
+
+                loss = causal_lm_loss(
+                    self.model,
+                    self.inputs,
+                    self.d.loss_chunk,
+                    use_cache=self.step.cache_on,
+                )
             loss = (
                 loss
                 if loss is not None

@@ -297,6 +297,16 @@ def llama_loss(
         sim.sharded.after_layers(sim, cfg)
     h = rmsnorm(sim, h, model.norm)
     del mask  # LlamaModel.forward returns here
+    if cfg.get("loss_chunk"):
+        # the chunked cross-entropy in place of lm_head + cross_entropy
+        from .chunked import chunked_loss
+
+        if cfg.get("kv_cache") is not None:
+            # the decoder's output (and its cache) is dropped before the loss
+            cfg["kv_cache"] = []
+        held = [h]  # handed over: the loss drops the uncast hidden states
+        del h
+        return chunked_loss(sim, held, gathered(sim, model.lm_head), cfg)
     keep = cfg.get("logits_to_keep")
     if keep:
         # hidden_states[:, -logits_to_keep:, :]: a view the lm_head saves (so the

@@ -162,6 +162,8 @@ def _forward_backward(
         "reentrant": step.checkpointing_mode == "reentrant",
         # LitGPT: finetune/lora.py chunks lm_head, finetune/full.py does not
         "chunked_head": step.method != "full",
+        # the chunked cross-entropy's rows per chunk (None: the standard loss)
+        "loss_chunk": d.loss_chunk,
         **(reference or {}),
     }
     activations_at_end = 0
