@@ -305,6 +305,14 @@ class StepConfig:
         1024, "with --loss-impl chunked: rows (tokens) per chunk", kind="positive"
     )
 
+    activation_offload: bool = _option(
+        False,
+        "activation offloading (TRL's activation_offloading): the tensors autograd "
+        "saves are copied to host memory in forward and back for their backward; "
+        "parameters, tensors under 1 KiB, a storage saved twice and lm_head's "
+        "inputs stay on the GPU",
+    )
+
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "StepConfig":
         """A :class:`StepConfig` of keyword options; a name that is not a field

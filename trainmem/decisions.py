@@ -104,6 +104,9 @@ class Decisions:
     #: rows per chunk of the chunked cross-entropy (``None``: lm_head's logits whole
     #: and ``cross_entropy``, :attr:`loss_form`)
     loss_chunk: int | None = None
+    #: the forward's saved tensors are offloaded to the host (TRL's
+    #: activation_offloading; :mod:`trainmem.memory.offload`)
+    activation_offload: bool = False
 
     @property
     def autocast(self) -> str | None:
@@ -194,6 +197,13 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
     versions = step.library_versions
     goal = objective(step.objective)
     layout = frame.layout or shape.family.replay
+    if step.activation_offload and (layout != "llama" or step.checkpointing):
+        raise OptionError(
+            "activation_offload",
+            "activation_offload is replayed for the transformers decoders without "
+            f"checkpointing, got {shape.arch} with framework {frame.name!r}"
+            + (" and checkpointing" if step.checkpointing else ""),
+        )
     if step.loss_impl == "chunked" and (layout != "llama" or goal.logps):
         raise OptionError(
             "loss_impl",
@@ -230,4 +240,5 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
         reference=resolve_reference(step),
         sequences=sequences(step),
         loss_chunk=step.loss_chunk if step.loss_impl == "chunked" else None,
+        activation_offload=step.activation_offload,
     )

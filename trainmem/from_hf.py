@@ -121,7 +121,28 @@ def hf_options(
             "of 4-bit weights is not possible",
         )
     opts.update(_objective_options(training_args, peft_config is not None))
+    if hf_field(training_args, "activation_offloading", False):
+        opts["activation_offload"] = True  # TRL's SFTConfig
+    if hf_field(training_args, "use_liger_kernel", False) and "objective" not in opts:
+        opts.update(loss_impl="chunked", loss_chunk=liger_chunk(model, opts))
     return opts
+
+
+def liger_chunk(model: Any, opts: dict) -> int:
+    """The rows per chunk of Liger's fused linear cross-entropy
+    (``use_liger_kernel=True``): ``next_power_of_2(ceil(rows / ceil(vocab /
+    hidden)))``, at most the rows, so that a chunk's logits are about the size of the
+    hidden states. Liger computes the gradients inside its forward (a gradient of the
+    hidden states and, for a trainable ``lm_head``, of the weight, kept to backward)
+    instead of recomputing the chunks in backward as ``loss_impl="chunked"`` replays:
+    the logits are never whole in either."""
+    from .families import model_shape
+
+    shape = model_shape(model)
+    rows = opts["batch"] * opts["seq"]
+    factor = -(-shape.vocab // shape.hidden)
+    want = -(-rows // factor)
+    return min(1 << (want - 1).bit_length(), rows)
 
 
 def _trl_config(training_args: Any) -> str | None:

@@ -210,7 +210,12 @@ class _TrackedTraining:
             if self.amp
             else contextlib.nullcontext()
         )
-        with autocast:
+        offload = contextlib.nullcontext()
+        if self.d.activation_offload:
+            from .offload import HostOffload
+
+            offload = HostOffload().hooks(self.model)
+        with autocast, offload:
             loss = self._objective_loss() if self.d.objective.logps else None
             if self.d.loss_chunk:
                 from .chunked_loss import causal_lm_loss

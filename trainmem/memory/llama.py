@@ -312,7 +312,10 @@ def llama_loss(
         # hidden_states[:, -logits_to_keep:, :]: a view the lm_head saves (so the
         # whole last hidden state stays), slice_backward's zeros in backward
         h = narrow(sim, h, (b, keep, h.shape[-1]))
+    # activation offloading pauses inside lm_head (trainmem.memory.offload)
+    offload, sim.offload = sim.offload, None
     logits = linear(sim, h, gathered(sim, model.lm_head))
+    sim.offload = offload
     if cfg.get("return_logits"):
         # labels=None: the model output's logits, as the loss of an objective reads
         # them (trainmem.memory.preference)

@@ -21,6 +21,7 @@ from ..versions import (
 )
 from . import litgpt
 from . import preference
+from .offload import Offload
 
 from ..optimizers import optimizer
 from .optimizer_step import SCRATCH_RULES as SCRATCH_RULES, _optimizer_states
@@ -122,11 +123,14 @@ def _micro_batch(sim, model, d, batch, cfg, litgpt_logits) -> int:
     sim.set_phase("forward")
     sim.autocast = d.dtypes.autocast
     cfg["kv_cache"] = [] if d.kv_cache_copies else None
+    if d.activation_offload:
+        sim.offload = Offload()  # the forward's saved tensors go to the host
     if d.objective is not None and d.objective.logps:
         # DPO / GRPO (trainmem.objectives): the objective's loss on the decoder
         loss = OBJECTIVE_LOSSES[d.objective.name](sim, model, ids, labels, cfg, d)
     else:
         loss = DECODERS[d.layout].loss(sim, model, ids, labels, cfg, litgpt_logits)
+    sim.offload = None
     sim.autocast = None
     sim.autocast_cache = []  # leaving torch.autocast clears its cache
     if step.grad_accum > 1:
