@@ -97,6 +97,10 @@ LABELS = {
     "reference": "参考模型（reference）",
     "group-size": "每个提示的补全数（group-size，GRPO）",
     "max-completion-length": "补全长度（max-completion-length，GRPO）",
+    "loss-impl": "损失实现（loss-impl）",
+    "loss-chunk": "分块行数（loss-chunk）",
+    "activation-offload": "激活卸载（activation-offload）",
+    "context-parallel": "上下文并行 GPU 数（context-parallel）",
 }
 SKIP = {"help", "json", "timeline"}  # the page always asks for --json --timeline
 CONFIG_CHOICE = "config.json"  # model value that means: the pasted config.json

@@ -219,6 +219,7 @@ NEEDS = {
     # GRPO's group of completions divides the generation batch
     "objective": {"batch": "8"},
     "reference": {"objective": "dpo", "method": "lora"},
+    "loss-impl": {"model": "tiny"},
 }
 #: a choice that needs other values than the rest of its option's
 NEEDS_CHOICE = {

@@ -313,6 +313,16 @@ class StepConfig:
         "inputs stay on the GPU",
     )
 
+    context_parallel: int = _option(
+        1,
+        "context parallelism: the sequence sharded over this many GPUs (torch's "
+        "ring attention, load-balanced: seq must divide by 2 x N); activations "
+        "per GPU shrink to seq/N tokens, weights, gradients and optimizer states "
+        "do not (combine with --zero for those)",
+        kind="positive",
+        estimate_only=True,
+    )
+
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "StepConfig":
         """A :class:`StepConfig` of keyword options; a name that is not a field
@@ -401,6 +411,14 @@ class StepConfig:
         check_positive_int("group_size", self.group_size)
         check_positive_int("max_completion_length", self.max_completion_length)
         check_choice("loss_impl", self.loss_impl, LOSS_IMPLS)
+        check_positive_int("context_parallel", self.context_parallel)
+        cp = self.context_parallel
+        if cp > 1 and self.seq % (2 * cp):
+            raise OptionError(
+                "context_parallel",
+                f"context_parallel {cp}: seq {self.seq} must divide by 2 x {cp} "
+                "(the load-balanced ring gives each GPU two chunks)",
+            )
         check_positive_int("loss_chunk", self.loss_chunk)
         from .objectives import check as check_objective
 

@@ -107,6 +107,8 @@ class Decisions:
     #: the forward's saved tensors are offloaded to the host (TRL's
     #: activation_offloading; :mod:`trainmem.memory.offload`)
     activation_offload: bool = False
+    #: GPUs the sequence is sharded over (ring attention; 1: none)
+    context_parallel: int = 1
 
     @property
     def autocast(self) -> str | None:
@@ -183,6 +185,12 @@ def sdpa_falls_back_to_math(step: StepConfig, prec: Precision, gpu) -> bool:
     )
 
 
+def _per_rank(rows_tokens: tuple[int, int], ranks: int) -> tuple[int, int]:
+    """(rows, tokens) one GPU holds when the sequence is sharded over ``ranks``."""
+    rows, tokens = rows_tokens
+    return rows, tokens // ranks
+
+
 def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
     """The :class:`Decisions` of ``step`` for the model ``shape`` on ``gpu`` (a
     :data:`trainmem.gpus.GPUS` name or entry; ``None``: no card)."""
@@ -197,6 +205,15 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
     versions = step.library_versions
     goal = objective(step.objective)
     layout = frame.layout or shape.family.replay
+    if step.context_parallel > 1 and (
+        layout != "llama" or goal.name != "sft" or step.attn_memory != "sdpa"
+    ):
+        raise OptionError(
+            "context_parallel",
+            "context_parallel is replayed for the transformers decoders with SDPA "
+            f"(the ring runs the fused kernel) and objective sft, got {shape.arch}, "
+            f"framework {frame.name!r}, attn {step.attn!r}, objective {goal.name!r}",
+        )
     if step.activation_offload and (layout != "llama" or step.checkpointing):
         raise OptionError(
             "activation_offload",
@@ -238,7 +255,8 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
         gpu=gpu,
         objective=goal,
         reference=resolve_reference(step),
-        sequences=sequences(step),
+        sequences=_per_rank(sequences(step), step.context_parallel),
         loss_chunk=step.loss_chunk if step.loss_impl == "chunked" else None,
         activation_offload=step.activation_offload,
+        context_parallel=step.context_parallel,
     )

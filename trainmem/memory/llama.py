@@ -196,6 +196,12 @@ def attention(
         del qe, ke, v
         # transpose(1, 2).contiguous(): the math path's output is (b, heads, s, d)
         o = clone_contig(sim, view(o, (b, s, a, d), "t"))
+    elif cfg.get("context_parallel", 1) > 1:
+        # the sequence sharded over ranks: ring attention (trainmem.memory.ring)
+        from .ring import ring_sdpa
+
+        o = ring_sdpa(sim, qe, ke, v, cfg["context_parallel"])
+        del qe, ke, v
     else:
         o = sdpa(sim, qe, ke, v)
         del qe, ke, v

@@ -168,6 +168,7 @@ def _forward_backward(
         "chunked_head": step.method != "full",
         # the chunked cross-entropy's rows per chunk (None: the standard loss)
         "loss_chunk": d.loss_chunk,
+        "context_parallel": d.context_parallel,
         **(reference or {}),
     }
     activations_at_end = 0
@@ -352,6 +353,7 @@ def simulate_step(
     state_dtype = d.dtypes.optimizer_states
     states = _optimizer_states(sim, params, step, state_dtype)
     rows, tokens = d.sequences if d.objective is not None else (step.batch, step.seq)
+    # (context parallelism: the tokens of this GPU's shard of the sequence)
     reference = _reference(sim, shape, d, rows)
     ids = new(sim, (rows, tokens), "i64", category="activations")
     labels = new(sim, (rows, tokens), "i64", category="activations")
