@@ -10,7 +10,8 @@ parameters do not fit this machine), bytes by category at the peak and the peak 
 each phase.
 
     python benchmarks/preference_accuracy.py
-    python benchmarks/preference_accuracy.py --out benchmarks/results/preference_accuracy.md
+    python benchmarks/preference_accuracy.py \
+        --out benchmarks/results/preference_accuracy.md
 
 Target: |peak error| <= 1 % on every tiny row."""
 
