@@ -206,6 +206,7 @@ sandbox-deps:
 bench: $(STAMP)
 	$(PY) benchmarks/memory_accuracy.py
 	$(PY) benchmarks/grading_bench.py
+	$(PY) benchmarks/process_start.py
 	$(PY) benchmarks/dev_loop.py --skip-setup
 	$(PY) benchmarks/calculator_load.py
 

@@ -241,6 +241,13 @@ def browser_modules(
     return shipped, left_out
 
 
+def browser_data(root: Path = ROOT) -> list[Path]:
+    """The data files the shipped modules read: the recorded traces of the model
+    families (``trainmem/data/families/*.json``, read by
+    :mod:`trainmem.memory.traced`)."""
+    return sorted((root / PACKAGE / "data" / "families").glob("*.json"))
+
+
 # --------------------------------------------------------------------------------------
 # the form, from argparse
 # --------------------------------------------------------------------------------------
@@ -256,7 +263,7 @@ def _estimate_parser() -> argparse.ArgumentParser:
 
 def form_fields() -> list[dict]:
     """One dict per option of ``python -m trainmem estimate`` (argparse order)."""
-    from trainmem.models import preset_names
+    from trainmem.families import preset_names
 
     out = []
     for a in _estimate_parser()._actions:
@@ -537,8 +544,7 @@ def _copy_runtime(app, exception):
     if py.exists():
         shutil.rmtree(py)
     files = []
-    for name in shipped:
-        src = _module_file(name)
+    for src in [_module_file(name) for name in shipped] + browser_data():
         rel = src.relative_to(ROOT).as_posix()
         (py / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, py / rel)

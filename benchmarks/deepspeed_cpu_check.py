@@ -53,7 +53,7 @@ def _rank(rank: int, world: int, port: int, case: dict, queue) -> None:
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    from trainmem.models import build_model, get_config
+    from trainmem.measuring.models import build_model, get_config
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)

@@ -91,16 +91,9 @@ def hf_rows():
             ),
         )
     # a bf16 checkpoint's config under transformers 4.x (fp32 load) and 5.x (stored)
-    bf16_config = {
-        "model_type": "llama",
-        "hidden_size": 128,
-        "intermediate_size": 352,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "vocab_size": 512,
-        "torch_dtype": "bfloat16",
-    }
+    bf16_config = json.loads(
+        (ROOT / "tests" / "data" / "llama_gqa_bf16.json").read_text()
+    )
     for t in ("4.57.1", "5.24.0"):
         yield (
             f"hf/bf16-config/{t}",

@@ -8,8 +8,8 @@ from a clone of Lightning-AI/litgpt, e.g.::
 
 then run its LoRA ``GPT`` (a 2-layer Llama config, bf16, ``lm_head_chunk_size=128``,
 the fp32 cast Fabric applies to the outputs, ``chunked_cross_entropy``, backward)
-under :class:`trainmem.tracker.MemoryTracker`, and the replay of the same step with
-``kernels="cpu"`` (the first micro-batch: ``previous_seq=0``)::
+under :class:`trainmem.measuring.tracker.MemoryTracker`, and the replay of the same step
+with ``kernels="cpu"`` (the first micro-batch: ``previous_seq=0``)::
 
     python benchmarks/litgpt_cpu_check.py /tmp/lit8641822 8641822
 
@@ -27,7 +27,7 @@ import torch
 
 from trainmem.errors import OptionError
 from trainmem.estimate import estimate
-from trainmem.tracker import MemoryTracker
+from trainmem.measuring.tracker import MemoryTracker
 
 CASES = [  # batch, seq, (q, k, v adapted), lora_dropout, n_query_groups
     (1, 256, "101", 0.05, 4),

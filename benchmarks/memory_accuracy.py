@@ -3,9 +3,9 @@
 Part 1, a fixed grid: the tiny Llama measured on real CPU tensors and the Llama-7B shape
 measured under FakeTensorMode (per-layer extrapolation from 2 and 3 layers; one row is
 also run at full depth to time it). For every row: ``trainmem.estimate`` vs
-``trainmem.measure`` (peak and activations held for backward at the end of the forward
-pass), torch's own ``MemTracker`` on the CPU rows
-(``trainmem.measure.measure_memtracker``), and the rule of ``accelerate
+``trainmem.measuring.measure`` (peak and activations held for backward at the end of the
+forward pass), torch's own ``MemTracker`` on the CPU rows
+(``trainmem.measuring.measure.measure_memtracker``), and the rule of ``accelerate
 estimate-memory`` (16 B/param fp32, 8 B/param half/mixed precision, Adam, no
 activations; applied to the whole model, as the tool does) for comparison.
 
@@ -45,9 +45,10 @@ from trainmem.estimate import (
     estimate,
     model_shape,
 )
-from trainmem.measure import measure, measure_memtracker
+from trainmem.families import LLAMA_LINEARS
+from trainmem.measuring.measure import measure, measure_memtracker
 
-ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL = LLAMA_LINEARS
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 # (model, device, method, precision, attn, checkpointing, batch, seq, lora targets,
@@ -364,7 +365,8 @@ def random_report(res: dict) -> list[str]:
         f"{len(rows)} configurations, `random.Random({res['seed']})`. Errors are "
         "(estimate − measurement) / measurement.",
         "",
-        f"- Worst |estimate − trainmem.measure|: {worst_meas['e_meas']:+.4f}% (row "
+        "- Worst |estimate − trainmem.measuring.measure|: "
+        f"{worst_meas['e_meas']:+.4f}% (row "
         f"{worst_meas['id']}); worst |estimate − MemTracker|: {worst_mt['e_mt']:+.4f}% "
         f"(row {worst_mt['id']}).",
         f"- Rows within 1 % of both measurements: {n_ok} of {len(rows)}.",
@@ -406,7 +408,7 @@ def random_report(res: dict) -> list[str]:
             groups[k]["n"] += 1
             groups[k]["worst"] = max(groups[k]["worst"], err)
     out += [
-        "Worst rows (by |estimate − trainmem.measure|):",
+        "Worst rows (by |estimate − trainmem.measuring.measure|):",
         "",
         "| # | model | options | estimate − measure (bytes) | error | peak in |",
         "|---|---|---|---|---|---|",
@@ -428,7 +430,7 @@ def random_report(res: dict) -> list[str]:
         "",
         "Every row (bytes):",
         "",
-        "| # | model | options | estimate | trainmem.measure | MemTracker "
+        "| # | model | options | estimate | trainmem.measuring.measure | MemTracker "
         "| est. vs measure "
         "| est. vs MemTracker | MemTracker vs measure | peak in |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -511,7 +513,7 @@ every live storage and keep the running maximum: the quantity the CUDA caching a
 reports as `torch.cuda.max_memory_allocated()` (the sum of the live blocks; on a GPU
 each block is also rounded up to a multiple of 512 bytes, which MemTracker applies to
 CUDA tensors only and neither applies on CPU). They were written independently
-(`trainmem.tracker.MemoryTracker`; torch's
+(`trainmem.measuring.tracker.MemoryTracker`; torch's
 `torch.distributed._tools.mem_tracker.MemTracker`). Where they differed, one of them was
 measuring a different program from the plain training loop whose `max_memory_allocated`
 the estimate predicts; that side was fixed.
@@ -519,22 +521,23 @@ the estimate predicts; that side was fixed.
 1. **LoRA + activation checkpointing: MemTracker was higher by 2·b·s·h·4 bytes per
    earlier forward.** Reported case: h=192, i=512, 3 layers, 4 heads, tied, vocab 500,
    bf16-amp, SDPA, 2 × 128, LoRA r=8 on q,v, checkpointing — MemTracker over two tracked
-   steps 10,227,192 B, `trainmem.measure` 9,833,976 B; the difference, 393,216 B, is
-   exactly 2 × (2·128·192·4). With a frozen embedding, `gradient_checkpointing_enable()`
-   makes the embedding output a leaf that requires grad (`enable_input_require_grads`).
-   MemTracker's `ModTracker` calls `register_multi_grad_hook(inputs, fn)` (mode "all")
-   on every module's inputs; that hook's closure holds the `grad_fn`/`AccumulateGrad`
-   node of each input and is itself stored on those nodes — a reference cycle through
-   C++ objects that `gc.collect()` cannot free. The nodes, the leaf and its `.grad`
-   (fp32 here) therefore outlive every forward under MemTracker: a leak of 2·b·s·h·4
-   bytes per micro-batch, visible in the next micro-batch or step. A plain loop frees
-   both at the end of backward, so the allocator of the real loop sees
-   `trainmem.measure`'s number: **MemTracker was the wrong side.** Fix
-   (`trainmem.measure.measure_memtracker`): the module hooks are registered in mode
-   "any", which holds no node (they only tell MemTracker which module backward is in,
-   not how many bytes are live), and a fresh tracker watches step 2 only. MemTracker
-   also refuses to hook frozen parameters (`register_hook` raises); those are marked as
-   hooked already. After the fix the two agree within a few bytes on every row.
+   steps 10,227,192 B, `trainmem.measuring.measure` 9,833,976 B; the difference, 393,216
+   B, is exactly 2 × (2·128·192·4). With a frozen embedding,
+   `gradient_checkpointing_enable()` makes the embedding output a leaf that requires
+   grad (`enable_input_require_grads`). MemTracker's `ModTracker` calls
+   `register_multi_grad_hook(inputs, fn)` (mode "all") on every module's inputs; that
+   hook's closure holds the `grad_fn`/`AccumulateGrad` node of each input and is itself
+   stored on those nodes — a reference cycle through C++ objects that `gc.collect()`
+   cannot free. The nodes, the leaf and its `.grad` (fp32 here) therefore outlive every
+   forward under MemTracker: a leak of 2·b·s·h·4 bytes per micro-batch, visible in the
+   next micro-batch or step. A plain loop frees both at the end of backward, so the
+   allocator of the real loop sees `trainmem.measuring.measure`'s number: **MemTracker
+   was the wrong side.** Fix (`trainmem.measuring.measure.measure_memtracker`): the
+   module hooks are registered in mode "any", which holds no node (they only tell
+   MemTracker which module backward is in, not how many bytes are live), and a fresh
+   tracker watches step 2 only. MemTracker also refuses to hook frozen parameters
+   (`register_hook` raises); those are marked as hooked already. After the fix the two
+   agree within a few bytes on every row.
 2. **fp16-amp: both measurements lacked the optimizer states at the peak.** GradScaler's
    initial scale (2^16) overflows fp16 gradients of these tiny models, so it skipped
    `optimizer.step()` in the warm-up step and the states were created only inside the
@@ -582,11 +585,11 @@ def run(cuda: bool = False, quick: bool = False, n: int = 120, seed: int = 16) -
         f"{torch.get_num_threads()} CPU threads). "
         "Bytes per training step "
         "(2nd of two steps: forward, backward, optimizer step); "
-        "MiB = 2^20, GiB = 2^30 bytes. *measured* = `trainmem.measure` "
+        "MiB = 2^20, GiB = 2^30 bytes. *measured* = `trainmem.measuring.measure` "
         "(tensor-level, real CPU "
         "tensors or FakeTensorMode); *MemTracker* = torch's "
         "`torch.distributed._tools.mem_tracker.MemTracker` on the same CPU step "
-        "(`trainmem.measure.measure_memtracker`). "
+        "(`trainmem.measuring.measure.measure_memtracker`). "
         "*act* = bytes held for backward at the end "
         "of the forward pass. *AdamW* = torch's implementation (`--optimizer-impl`). "
         "*accelerate rule* = `accelerate estimate-memory`'s training figure "

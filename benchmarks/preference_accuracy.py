@@ -4,7 +4,8 @@ Llama-3-8B-shaped estimates with their breakdown.
 Part 1: a tiny Llama (vocabulary 2,048, so the logits are a visible share) at three
 shapes per objective, each step estimated (``trainmem.estimate``, the replay of
 ``trainmem.memory.preference``) and measured on real CPU tensors
-(``trainmem.measure``, the hand-written losses of ``trainmem.preference_losses``).
+(``trainmem.measuring.measure``, the hand-written losses of
+``trainmem.measuring.preference_losses``).
 Part 2: Llama-3-8B (``trainmem.reference.LLAMA3_8B``) estimated (not measured: 8B
 parameters do not fit this machine), bytes by category at the peak and the peak of
 each phase.
@@ -23,7 +24,7 @@ import time
 
 from trainmem.dtypes import GiB
 from trainmem.estimate import estimate
-from trainmem.measure import measure
+from trainmem.measuring.measure import measure
 from trainmem.reference import LLAMA3_8B
 
 TINY = dict(

@@ -339,19 +339,20 @@ from trainmem.estimate import fit_batch as fit_batch  # noqa: E402
 from trainmem.formats import FP16_MAX as FP16_MAX  # noqa: E402
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainmem.quant import QLoRAPlan
+    from trainmem.demos.quant import QLoRAPlan
 
 
 def loss_scale_demo(steps: int, tokens_per_batch: int) -> dict:
-    """:func:`trainmem.scaler.loss_scale_demo` (chapter 2's GradScaler settings)."""
-    from trainmem.scaler import loss_scale_demo as demo
+    """:func:`trainmem.demos.scaler.loss_scale_demo` (chapter 2's GradScaler
+    settings)."""
+    from trainmem.demos.scaler import loss_scale_demo as demo
 
     return demo(steps, tokens_per_batch)
 
 
 def scale_events(scales: list[float]) -> dict[str, int]:
-    """:func:`trainmem.scaler.scale_events` (growths and back-offs of a run)."""
-    from trainmem.scaler import scale_events as events
+    """:func:`trainmem.demos.scaler.scale_events` (growths and back-offs of a run)."""
+    from trainmem.demos.scaler import scale_events as events
 
     return events(scales)
 
@@ -406,24 +407,29 @@ def sdpa_dtype(device_type: str, capability: tuple[int, int] | None = None):
     )
 
 
-def sdpa_eligible(capability: tuple[int, int], dtype) -> list[str]:
-    """SDPA CUDA backends that accept ``dtype`` on ``capability`` (head_dim 64, no
-    mask).
-
-    flash: sm_80+ and fp16/bf16; memory-efficient: sm_50+, bf16 only from sm_80; math:
-    always.
-    """
+def sdpa_eligible(
+    capability: tuple[int, int], dtype, heads: int = 8, head_dim: int = 64
+) -> list[str]:
+    """SDPA CUDA backends whose checks accept a causal, unmasked call in ``dtype``
+    on ``capability`` (``heads`` query and key/value heads of ``head_dim``), as the
+    installed torch checks them (:func:`trainmem.sdpa.check`): flash from sm_80 in
+    fp16/bf16; memory-efficient from sm_50, bf16 only from sm_80
+    (``less_than_sm80_mem_efficient_dtypes``); math always."""
     import torch
 
-    cap = tuple(capability)
-    half = dtype in (torch.float16, torch.bfloat16)
-    out = []
-    if cap >= SM80 and half:
-        out.append("flash")
-    if cap >= (5, 0) and (dtype != torch.bfloat16 or cap >= SM80):
-        out.append("memory-efficient")
-    out.append("math")
-    return out
+    from trainmem import sdpa
+    from trainmem.versions import parse_versions
+
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    call = sdpa.Call(names[dtype], heads, heads, head_dim)
+    version = parse_versions(f"torch={torch.__version__}")["torch"]
+    shown = {"flash": "flash", "efficient": "memory-efficient"}
+    out = [
+        shown[b]
+        for b in ("flash", "efficient")
+        if sdpa.check(b, call, "cuda", tuple(capability), version) is None
+    ]
+    return out + ["math"]
 
 
 def sdpa_backend_from_ops(op_names) -> str:
@@ -499,7 +505,7 @@ def qlora_plan(
     device_type: str, capability: tuple[int, int] | None = None
 ) -> QLoRAPlan:
     """NF4 + double quantization; compute in bf16 (fp16 below sm_80); paged 8-bit
-    AdamW (:func:`trainmem.quant.qlora_plan`)."""
-    from trainmem.quant import qlora_plan as plan_for
+    AdamW (:func:`trainmem.demos.quant.qlora_plan`)."""
+    from trainmem.demos.quant import qlora_plan as plan_for
 
     return plan_for(amp_plan(device_type, capability).dtype)

@@ -83,3 +83,19 @@ def recorded_match(key: str, pattern: str, run: str = DEFAULT_RUN) -> tuple[str,
             f"pattern {pattern!r} not found in the recorded output of {key}"
         )
     return m.groups()
+
+
+def recorded_steps(run: str = DEFAULT_RUN) -> dict[str, dict]:
+    """The training steps measured on the recorded run, by id: each with ``job``
+    (model shape, method, precision, batch, sequence, checkpointing, attention,
+    LoRA settings, recipe), the library ``versions``, ``step_peak``
+    (``max_memory_allocated`` of steps 2-3), ``reserved_peak`` and ``nvml_proc``
+    (the process's bytes as nvidia-smi counts them). ``job["model"]`` names a
+    config of :func:`recorded_models`."""
+    return {s["id"]: s for s in load_run(run).get("steps", [])}
+
+
+def recorded_models(run: str = DEFAULT_RUN) -> dict[str, dict]:
+    """The model configs (random weights of published shapes) the recorded training
+    steps ran, by the name their ``job["model"]`` gives."""
+    return dict(load_run(run).get("models", {}))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from tests.schedule import rank
 
@@ -66,7 +65,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _one_thread():
     """Tiny models run fastest on one thread (and do not fight other jobs for the
-    cores)."""
+    cores). torch is imported here, not with this file: a pytest process that runs
+    no test (xdist's controller, a run whose tests all skip) never needs it."""
+    import torch
+
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

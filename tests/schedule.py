@@ -6,9 +6,9 @@ independent slow tests then runs serially on one worker while the others sit idl
 the end of the pass. With this plugin (``-p tests.schedule``, only under
 ``--dist loadfile``):
 
-* the tests named in :data:`SPLIT_BY_TEST` are units of their own: each starts its
-  own kernel and shares nothing with its neighbours (a notebook at the floor
-  versions);
+* the tests named in :data:`SPLIT_BY_TEST` are units of their own: each shares
+  nothing with its neighbours but the worker's floor kernel, whose namespace it
+  empties first (a notebook at the floor versions);
 * the lab tests in :data:`SPLIT_BY_LAB` are grouped per lab: a lab's solution,
   untouched lab and known mistake are graded once per worker by the session
   fixture ``lab_runs`` and its tests stay together;

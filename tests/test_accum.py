@@ -1,10 +1,10 @@
-"""trainmem.accum: accumulation equivalence, checkpointing placement, exact memory
+"""trainmem.demos.accum: accumulation equivalence, checkpointing placement, exact memory
 meters."""
 
 import pytest
 import torch
 
-from trainmem.accum import (
+from trainmem.demos.accum import (
     PeakLiveBytes,
     SavedTensorBytes,
     Stack,
@@ -12,7 +12,7 @@ from trainmem.accum import (
     max_abs_diff,
     measure_step,
 )
-from trainmem.data import counting_batches
+from trainmem.measuring.data import counting_batches
 
 
 def test_accumulated_equals_big_batch():

@@ -17,7 +17,7 @@ from trainmem.adapter import (
     safetensors_header,
 )
 from trainmem.estimate import estimate
-from trainmem.models import build_model, get_config, tiny_llama_config
+from trainmem.measuring.models import build_model, get_config, tiny_llama_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

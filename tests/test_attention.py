@@ -1,10 +1,11 @@
-"""trainmem.attention: eager and tiled attention match SDPA; memory O(s²) vs O(s)."""
+"""trainmem.demos.attention: eager and tiled attention match SDPA; memory O(s²) vs
+O(s)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from trainmem.attention import (
+from trainmem.demos.attention import (
     eager_attention,
     eager_score_bytes,
     peak_extra_bytes,

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainmem.chunked_loss import ChunkedLinearCrossEntropy, shifted_targets
+from trainmem.measuring.chunked_loss import ChunkedLinearCrossEntropy, shifted_targets
 from trainmem.config import OptionError
 from trainmem.estimate import estimate
 
@@ -49,7 +49,7 @@ CASES = [
 def test_chunked_loss_agrees_with_cpu_measurement(options):
     from transformers import LlamaConfig
 
-    from trainmem.measure import measure
+    from trainmem.measuring.measure import measure
 
     cfg = LlamaConfig(**{k: v for k, v in TINY.items() if k != "model_type"})
     est = estimate(cfg, loss_impl="chunked", **options)

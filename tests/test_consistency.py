@@ -32,24 +32,17 @@ import pytest
 import torch
 
 from coursekit.labs import glued_values
-from trainmem import quant
+from trainmem.demos import quant
 from trainmem import reference as R
 from trainmem import zero
 from trainmem.estimate import estimate
-from trainmem.lora import lora_param_count_for_config
-from trainmem.models import get_config
+from trainmem.demos.lora import lora_param_count_for_config
+from trainmem.families import LLAMA_LINEARS
+from trainmem.measuring.models import get_config
 
 BOOK = Path(__file__).resolve().parents[1] / "book"
 GB, GiB, MiB, B, M = R.GB, R.GiB, 2**20, 1e9, 1e6
-ALL_LINEARS = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
+ALL_LINEARS = LLAMA_LINEARS
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 CFG7 = get_config(R.MODEL_7B)
 
@@ -200,11 +193,11 @@ QUANTITIES = {
         [("07", "nf4_bpp", 1), ("10", "q_nf4_nodq", 1)],
     ),
     "7B at 4 bits, every parameter, NF4 + double quantisation": (
-        lambda: R.nf4_7b_bytes("double-quant"),
+        lambda: R.four_bit_weight_bytes("nf4-dq"),
         [("07", "nf4dq_all_7b", GB), ("10", "q_qlora_all_nf4_gib", GiB)],
     ),
     "7B QLoRA base (NF4 Linears, 16-bit embeddings/lm_head/norms)": (
-        lambda: R.nf4_7b_bytes("bitsandbytes"),
+        lambda: R.four_bit_weight_bytes("bnb"),
         [("07", "nf4dq_7b", GB), ("10", "q_qlora_base_gib", GiB)],
     ),
     # A "7B at 4 bits" is one of three named rules (reference.FOUR_BIT_RULES); chapter 1
@@ -376,15 +369,17 @@ QUANTITIES = {
 # (a ZeRO-3 difference, a capacity, a rule's size, a board's ridge point).
 ONE_CHAPTER = {
     "7B at 4 bits, every parameter, one FP16 scale per 64": (
-        lambda: R.nf4_7b_bytes("fp16-scale"),
+        lambda: (
+            R.n_params() * quant.nf4_bytes_per_param(double_quant=False, scale_bytes=2)
+        ),
         [("07", "nf4_fp16_7b", GB)],
     ),
     "7B at 4 bits, every parameter, one FP32 absmax per 64 (QLoRA without DQ)": (
-        lambda: R.nf4_7b_bytes("fp32-absmax"),
+        lambda: R.four_bit_weight_bytes("nf4"),
         [("07", "nf4_fp32_7b", GB)],
     ),
     "Llama-3-8B QLoRA base as bitsandbytes stores it": (
-        lambda: R.nf4_7b_bytes("bitsandbytes", R.llama3_8b()),
+        lambda: R.four_bit_weight_bytes("bnb", R.llama3_8b()),
         [("07", "l3_base_gb", GB)],
     ),
     "Llama-3-8B LoRA r=8 on q, k, v, o: trainable parameters (GQA k, v)": (
@@ -459,7 +454,7 @@ def _recorded_context_mib() -> int:
 
 
 def _task_config():
-    from trainmem import synthetic_task
+    from trainmem.demos import synthetic_task
 
     return synthetic_task.task_config()
 
@@ -763,16 +758,21 @@ def test_capacities_are_the_presets_and_the_picker():
     )
 
 
-def test_nf4_rules():
+def test_four_bit_rules():
     n = R.n_params()
-    assert quant.nf4_bytes(n, "fp16-scale") == n * (0.5 + 2 / 64)
-    assert quant.nf4_bytes(n, "fp32-absmax") == n * (0.5 + 4 / 64)
-    assert quant.nf4_bytes(n, "double-quant") == n * (0.5 + 1 / 64 + 4 / (64 * 256))
-    assert R.nf4_7b_bytes("bitsandbytes") == R.qlora_base_bytes()
+    assert quant.nf4_bytes_per_param(double_quant=False, scale_bytes=2) == 0.5 + 2 / 64
+    assert R.four_bit_weight_bytes("nf4") == n * (0.5 + 4 / 64)
+    assert R.four_bit_weight_bytes("nf4-dq") == n * (0.5 + 1 / 64 + 4 / (64 * 256))
+    assert R.four_bit_weight_bytes("bnb") == R.qlora_base_bytes()
+    linear, rest = R.qlora_base_split()
+    assert (
+        R.four_bit_weight_bytes("bnb") == linear * (0.5 + 1 / 64 + 4 / 16384) + 2 * rest
+    )
+    assert set(R.FOUR_BIT_RULES) == {"nf4", "nf4-dq", "bnb"}
     with pytest.raises(ValueError, match="rule must be one of"):
-        quant.nf4_bytes(n, "nf4")
-    with pytest.raises(ValueError, match="only counted by rule 'bitsandbytes'"):
-        quant.nf4_bytes(n, "double-quant", other_params=1)
+        R.four_bit_weight_bytes("double-quant")
+    with pytest.raises(ValueError, match="'bnb' keeps some parameters in 16 bits"):
+        R.four_bit_bytes_per_param("bnb")
 
 
 # ------------------------------------- a number that has several rules names its rule

@@ -27,7 +27,7 @@ TINY = dict(
 def test_activations_per_gpu_are_the_measured_shard(options):
     from transformers import LlamaConfig
 
-    from trainmem.measure import measure
+    from trainmem.measuring.measure import measure
 
     cfg = LlamaConfig(**TINY)
     cp = estimate(cfg, seq=512, context_parallel=4, **options)

@@ -3,6 +3,7 @@ device), bytes-per-parameter conventions, and agreement with a real CPU measurem
 the tiny model."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -15,11 +16,12 @@ from trainmem.estimate import (
     estimate,
     lora_trainable_params,
 )
+from trainmem.families import LLAMA_LINEARS
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama-7b", "qwen2.5-0.5b", "gpt2"])
 def test_count_params_matches_transformers(name):
-    from trainmem.models import build_model, get_config
+    from trainmem.measuring.models import build_model, get_config
 
     model = build_model(get_config(name), device="meta")
     assert count_params(name) == sum(p.numel() for p in model.parameters())
@@ -28,7 +30,7 @@ def test_count_params_matches_transformers(name):
 def test_lora_counts_match_peft_on_meta_llama7b():
     from peft import LoraConfig, get_peft_model
 
-    from trainmem.models import build_model, get_config
+    from trainmem.measuring.models import build_model, get_config
 
     for targets, trainable in (
         (["q_proj", "v_proj"], 4_194_304),
@@ -99,7 +101,7 @@ def test_zero_partitions_per_gpu():
     ],
 )
 def test_estimate_agrees_with_cpu_measurement(method, checkpointing, precision):
-    from trainmem.measure import measure
+    from trainmem.measuring.measure import measure
 
     kw = dict(
         method=method, precision=precision, batch=2, seq=24, checkpointing=checkpointing
@@ -263,7 +265,7 @@ def test_zero0_on_more_gpus_adds_only_ddp_buckets():
 @pytest.mark.parametrize("name", ["mistral-7b", "qwen2-7b", "qwen2-1.5b"])
 def test_gqa_presets_count_params_match_transformers(name):
     from trainmem.estimate import model_shape
-    from trainmem.models import build_model, get_config
+    from trainmem.measuring.models import build_model, get_config
 
     model = build_model(get_config(name), device="meta")
     assert count_params(name) == sum(p.numel() for p in model.parameters())
@@ -275,7 +277,7 @@ def test_gqa_presets_count_params_match_transformers(name):
 @pytest.mark.parametrize("impl", ["foreach", "fused", "for-loop"])
 @pytest.mark.parametrize("precision", ["bf16-amp", "bf16"])
 def test_optimizer_impl_agrees_with_cpu_measurement(impl, precision):
-    from trainmem.measure import measure
+    from trainmem.measuring.measure import measure
 
     kw = dict(method="full", precision=precision, batch=1, seq=8, optimizer_impl=impl)
     est, meas = estimate("tiny", **kw), measure("tiny", device="cpu", **kw)
@@ -323,8 +325,8 @@ def test_trainer_default_is_fused_and_plain_adamw_on_cuda_is_foreach():
 def test_bf16_eager_checkpointing_row_matches_measurement():
     """Pure bf16, eager, checkpointing, 4 x 256 on h=256: was +7.1 % (one extra 16-bit
     b·heads·s·s tensor in softmax's backward)."""
-    from trainmem.measure import measure
-    from trainmem.models import get_config
+    from trainmem.measuring.measure import measure
+    from trainmem.measuring.models import get_config
 
     cfg = get_config(
         "tiny",
@@ -351,8 +353,8 @@ def test_bf16_eager_checkpointing_row_matches_measurement():
 def test_gqa_eager_lora_agrees_with_measurement(kv, batch):
     """repeat_kv is a view for one key/value head (and matmul copies it only when batch
     > 1)."""
-    from trainmem.measure import measure
-    from trainmem.models import get_config
+    from trainmem.measuring.measure import measure
+    from trainmem.measuring.models import get_config
 
     cfg = get_config(
         "tiny", hidden_size=96, num_attention_heads=6, num_key_value_heads=kv
@@ -397,8 +399,8 @@ def test_sdpa_math_path_agrees_with_measurement(kv, kw):
     repeated k and v, the copies matmul makes of the projections' interleaved
     layout, the fp32 scores and softmax. Peak and activations to a few bytes, also
     under both kinds of checkpointing (the recompute runs the path again)."""
-    from trainmem.measure import measure
-    from trainmem.models import get_config
+    from trainmem.measuring.measure import measure
+    from trainmem.measuring.models import get_config
 
     cfg = get_config("tiny", num_key_value_heads=kv)
     kw = dict(dict(batch=2, seq=64, attn="math"), **kw)
@@ -458,9 +460,9 @@ def test_estimate_modules_import_no_torch():
     import sys
 
     code = (
-        "import sys, trainmem.estimate, trainmem.memory.step, trainmem.models, "
-        "trainmem.cli, trainmem.config, trainmem.from_hf, trainmem.optimizers, "
-        "trainmem.dtypes;"
+        "import sys, trainmem.estimate, trainmem.memory.step, "
+        "trainmem.measuring.models, trainmem.cli, trainmem.config, trainmem.from_hf, "
+        "trainmem.optimizers, trainmem.dtypes;"
         "print(sorted(m for m in ('torch', 'numpy', 'transformers') "
         "if m in sys.modules))"
     )
@@ -475,7 +477,7 @@ def test_estimate_from_hf_maps_trainer_arguments():
     from transformers import TrainingArguments
 
     from trainmem.estimate import estimate_from_hf, hf_options
-    from trainmem.models import get_config
+    from trainmem.measuring.models import get_config
 
     cfg = get_config("qwen2-1.5b")
     args = TrainingArguments(
@@ -502,15 +504,7 @@ def test_estimate_from_hf_maps_trainer_arguments():
         checkpointing_mode="non-reentrant",
         lora_rank=16,
         lora_alpha=32,
-        lora_targets=(
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ),
+        lora_targets=LLAMA_LINEARS,
     )
     est = estimate_from_hf(cfg, args, lora, seq=512)
     assert est.total_bytes == estimate(cfg, **opts).total_bytes
@@ -825,6 +819,8 @@ def test_estimates_equal_the_recorded_pre_refactor_values():
         result["options"] = {
             k: v for k, v in result["options"].items() if k not in added
         }
+        # the record of the attention backend (trainmem.sdpa), added since
+        assert result.pop("attention")["kind"] == result["options"]["attn"]
         assert result == row["result"], row["options"]
 
 
@@ -851,17 +847,10 @@ def test_gpt2_qlora_counts_nf4_on_the_decoder_linears(double_quant):
 # --------------------------------------------------------------------------------------
 # the load dtype: a 16-bit base from a 16-bit checkpoint, fp32 adapters, autocast
 # --------------------------------------------------------------------------------------
-_GQA_BF16_CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 352,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
+#: a small GQA Llama stored in bf16 (``benchmarks/estimate_identity.py`` replays it too)
+_GQA_BF16_CONFIG = json.loads(
+    (Path(__file__).parent / "data" / "llama_gqa_bf16.json").read_text()
+)
 
 
 @pytest.mark.parametrize(
@@ -882,15 +871,7 @@ _GQA_BF16_CONFIG = {
             precision="bf16-amp",
             load_dtype="bf16",
             lora_rank=8,
-            lora_targets=(
-                "q_proj",
-                "k_proj",
-                "v_proj",
-                "o_proj",
-                "gate_proj",
-                "up_proj",
-                "down_proj",
-            ),
+            lora_targets=LLAMA_LINEARS,
             batch=2,
             seq=48,
             checkpointing=True,
@@ -912,7 +893,7 @@ def test_load_dtype_agrees_with_cpu_measurement(tmp_path, kw):
     stream, peft's fp32 adapters with their input cast to fp32) replays to the byte
     in every category but the optimizer's 0-d scratch, as the fp32-load recipe
     does."""
-    from trainmem.measure import measure
+    from trainmem.measuring.measure import measure
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(_GQA_BF16_CONFIG))

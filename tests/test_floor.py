@@ -4,8 +4,9 @@ versions.
 ``.venv-floor`` holds transformers, peft, numpy, IPython, ipykernel, ipywidgets at the
 lower bounds of ``pyproject.toml`` (and the CPU torch of ``.venv``). With
 ``COURSE_FLOOR_VENV`` naming it (``make floor``, which ``make test`` runs after its
-main pass), every chapter and solution is executed top to bottom in a fresh kernel
-started from that environment, and any error outside a cell tagged
+main pass), every chapter and solution is executed top to bottom in a kernel
+started from that environment (one per pytest worker, its namespace emptied before
+each notebook: ``floor_kernel``), and any error outside a cell tagged
 ``raises-exception`` fails. A first cell prints the kernel's interpreter and
 versions, checked against the floor pins.
 Outputs are not compared (nbval does that on ``.venv``'s kernel); timings and library
@@ -96,36 +97,109 @@ def floor_kernel_manager(venv: str | Path, sockets: str | Path | None = None):
     return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=specs, **ipc)
 
 
+# The user namespace, the working folder and the few process-wide settings a notebook
+# may change, put back before each notebook in a reused kernel (the modules imported
+# stay: importing them again would find them in sys.modules anyway).
+RESET_CELL = """\
+def _floor_reset(folder, ip=get_ipython()):
+    import gc, os, sys, warnings
+
+    ns = ip.user_ns
+    first = getattr(sys, "_course_floor_state", None)
+    if first is None:  # the kernel's own state, before any notebook ran
+        dunders = {k: v for k, v in ns.items() if k.startswith("__")}
+        first = (list(warnings.filters), dict(os.environ), dunders)
+        sys._course_floor_state = first
+    ip.run_line_magic("reset", "-f")
+    # the reset empties __main__'s namespace, module attributes included (__spec__,
+    # which multiprocessing's spawn reads): the fresh kernel's are put back
+    for k in [k for k in ns if k.startswith("__") and k not in first[2]]:
+        del ns[k]
+    ns.update(first[2])
+    warnings.filters[:] = first[0]
+    os.environ.clear()
+    os.environ.update(first[1])
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is not None:
+        plt.close("all")
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_default_dtype(torch.float32)
+        torch.set_grad_enabled(True)
+    os.chdir(folder)
+    gc.collect()
+
+
+_floor_reset(%r)
+"""
+
+
+@pytest.fixture(scope="session")
+def floor_kernel(tmp_path_factory):
+    """One kernel from .venv-floor per pytest worker, reused notebook after notebook
+    (``get()`` returns it, started on first use or after one failed or died).
+
+    Starting a kernel and importing torch, transformers and peft in it again for each
+    of the 16 notebooks was the pass's fixed cost (about 2 s of CPU a kernel and 2-3 s
+    of imports). What a fresh kernel would add here, the main pass already proves:
+    nbval runs every notebook top to bottom in a kernel of its own, so a notebook
+    that leans on a name another one defined fails there. This pass asks only whether
+    the code runs at the floor versions; before each notebook RESET_CELL empties the
+    user namespace and restores the working folder, environment, warning filters,
+    torch's default dtype and grad mode, and closes open figures.
+    """
+    from jupyter_core.utils import run_sync
+
+    sockets = tmp_path_factory.mktemp("floor-kernel")
+    held: dict = {}
+
+    def stop():
+        km = held.pop("km", None)
+        if km is not None and km.has_kernel:
+            run_sync(km.shutdown_kernel)(now=True)
+
+    def get():
+        km = held.get("km")
+        if km is None or not run_sync(km.is_alive)():
+            stop()
+            km = held["km"] = floor_kernel_manager(FLOOR_VENV, sockets=sockets)
+        return km
+
+    get.stop = stop
+    yield get
+    stop()
+
+
 @pytest.mark.floor
 @pytest.mark.skipif(not FLOOR_VENV, reason="needs COURSE_FLOOR_VENV (make floor)")
 @pytest.mark.parametrize(
     "path", all_notebooks(), ids=lambda p: f"{p.parent.name}/{p.name}"
 )
-def test_notebook_runs_at_floor(path, tmp_path):
-    from jupyter_core.utils import run_sync
-
+def test_notebook_runs_at_floor(path, floor_kernel):
     from coursekit.execute import kernel_env
     from coursekit.nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
     probe = nbformat.v4.new_code_cell(VERSIONS_CELL % (FLOOR_PACKAGES,))
-    nb.cells.insert(0, probe)
+    reset = nbformat.v4.new_code_cell(RESET_CELL % str(path.parent))
+    nb.cells[:0] = [probe, reset]
     # errors stop the run (CellExecutionError) unless the cell is tagged
     # raises-exception; the kernel gets the environment every stored output is made
     # with (the native kernel path)
-    km = floor_kernel_manager(FLOOR_VENV, sockets=tmp_path)
+    client = NotebookClient(
+        nb,
+        km=floor_kernel(),
+        timeout=600,
+        resources={"metadata": {"path": str(path.parent)}},
+    )
     try:
-        NotebookClient(
-            nb,
-            km=km,
-            timeout=600,
-            resources={"metadata": {"path": str(path.parent)}},
-        ).execute(env=kernel_env())
+        client.execute(env=kernel_env())
+    except BaseException:
+        floor_kernel.stop()  # the next notebook gets a fresh kernel
+        raise
     finally:
-        # a client given its kernel manager leaves the kernel running: each would
-        # hold its notebook's memory (0.5 GB) to the end of the pass
-        if km.has_kernel:
-            run_sync(km.shutdown_kernel)(now=True)
+        if client.kc is not None:
+            client.kc.stop_channels()
     seen = json.loads("".join(o.get("text", "") for o in probe.outputs))
     floor_python = Path(FLOOR_VENV).resolve() / "bin"
     assert Path(seen["python"]).parent.resolve() == floor_python, (
@@ -217,7 +291,7 @@ import json, warnings
 warnings.filterwarnings("ignore")
 import torch, transformers
 from transformers import TrainingArguments
-from trainmem.models import build_model, get_config
+from trainmem.measuring.models import build_model, get_config
 m = build_model(get_config("tiny"))
 m.gradient_checkpointing_enable()
 fns = {getattr(mod, "_gradient_checkpointing_func", None) for mod in m.modules()}

@@ -4,8 +4,9 @@ formula."""
 import pytest
 import torch
 
-from trainmem import fsdp_demo, zero
-from trainmem.models import build_model, get_config
+from trainmem.demos import fsdp_demo
+from trainmem import zero
+from trainmem.measuring.models import build_model, get_config
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),

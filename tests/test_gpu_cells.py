@@ -349,7 +349,7 @@ def test_free_memory_reads_mem_get_info(monkeypatch):
     ids=["T4", "A100-40", "A100-80", "H100", "H200"],
 )
 def test_estimate_check_plan_on_each_gpu(cap, free_gib):
-    from trainmem.models import get_config
+    from trainmem.measuring.models import get_config
 
     cfg = get_config("qwen2.5-0.5b")
     plan = gpu.estimate_check_plan(

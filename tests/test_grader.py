@@ -596,6 +596,15 @@ MISTAKES = {
             "transformers 建出的模型有",
         ),
     ],
+    "lab04": [
+        (
+            "reentrant_checkpointing",  # same output and gradients through .backward()
+            "checkpoint(block, h, use_reentrant=False) if checkpointing",
+            "checkpoint(block, h, use_reentrant=True) if checkpointing",
+            "run_blocks",
+            "检查点应以非 reentrant 方式打开",
+        ),
+    ],
     "lab06": [
         (
             "loss_over_k",  # the classic accumulation, wrong once micro-batches differ
@@ -616,11 +625,23 @@ MISTAKES = {
 MISTAKE_CASES = [(lab, m[0]) for lab, ms in sorted(MISTAKES.items()) for m in ms]
 
 
-def _with_mistake(sol: Path, old: str, new: str) -> str:
+def _with_mistake(sol: Path, old: str, new: str, question: str, text: str) -> str:
+    """The solution with ``old`` replaced by ``new``, ending with the self-check that
+    says ``text`` (when its source says it literally): the cells after it cannot
+    change what the test reads (that self-check's error, the question's score), and
+    the grading run need not execute the rest of the solution once more (lab 6: the
+    whole capstone, twice). The function graded must not be defined again in the
+    cells left out."""
     nb = nbformat.read(sol, as_version=4)
-    hits = [c for c in nb.cells if old in c.source]
+    hits = [i for i, c in enumerate(nb.cells) if old in c.source]
     assert len(hits) == 1, f"{sol.name}: {old!r} not found once"
-    hits[0].source = hits[0].source.replace(old, new)
+    at = hits[0]
+    nb.cells[at].source = nb.cells[at].source.replace(old, new)
+    checks = [i for i, c in enumerate(nb.cells) if i > at and text in c.source]
+    if checks:
+        rest = nb.cells[checks[0] + 1 :]
+        assert not any(f"def {question}(" in c.source for c in rest), question
+        nb.cells = nb.cells[: checks[0] + 1]
     return nbformat.writes(nb)
 
 
@@ -638,8 +659,10 @@ def lab_runs(tmp_path_factory):
             subs.mkdir()
             shutil.copy(sol, subs / "solution.ipynb")
             shutil.copy(ROOT / "labs" / sol.name, subs / "untouched_lab.ipynb")
-            for name, old, new, *_ in MISTAKES.get(lab, []):
-                (subs / f"{name}.ipynb").write_text(_with_mistake(sol, old, new))
+            for name, old, new, question, text in MISTAKES.get(lab, []):
+                (subs / f"{name}.ipynb").write_text(
+                    _with_mistake(sol, old, new, question, text)
+                )
             records = {
                 r["student"]: r
                 for r in grade(
@@ -665,6 +688,12 @@ def test_self_check_catches_what_the_hidden_tests_grade(lab, name, lab_runs):
         <= rec["scores"][question]
         < runs["records"]["solution"]["scores"][question]
     ), rec["details"].get(question)
+    # the probe ran on the student's function: every case came back (no probe-wide
+    # failure, no helper of a later cell missing)
+    detail = rec["details"][question]
+    assert detail["types"] and not any(
+        "NameError" in ((t["first"] or {}).get("what") or "") for t in detail["types"]
+    ), detail
     errors = [c for c in rec["cells"] if "AssertionError" in c["error"]]
     assert errors and expected_text in errors[0]["error"], rec["cells"]
     assert "「" in errors[0]["where"]  # named by its heading, not by a number
@@ -1000,7 +1029,7 @@ from torch import nn
 
 
 class LoRALinear(nn.Module):
-    def __init__(self, base, r, alpha):
+    def __init__(self, base, r, alpha, dropout=0.0):
         super().__init__()
         if not 1 <= r <= min(base.in_features, base.out_features):
             raise ValueError(r)
@@ -1011,9 +1040,11 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.scaling = alpha / r
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x):
-        return self.base(x) + (x @ self.lora_A.T @ self.lora_B.T) * SCALE(self)
+        branch = self.dropout(x) @ self.lora_A.T @ self.lora_B.T
+        return self.base(x) + branch * SCALE(self)
 
 
 def inject_lora(model, targets, r, alpha):
@@ -1031,6 +1062,52 @@ def inject_lora(model, targets, r, alpha):
         setattr(owner, leaf, LoRALinear(model.get_submodule(n), r, alpha))
     return names
 """
+
+
+LAB05_DROPOUT = """
+import math
+import torch
+from torch import nn
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base, r, alpha, dropout=0.0):
+        super().__init__()
+        self.base, self.scaling = base, alpha / r
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def forward(self, x):
+        BODY
+"""
+DROPOUT_FORWARDS = {
+    "right": "return self.base(x) + (self.dropout(x) @ self.lora_A.T @ "
+    "self.lora_B.T) * self.scaling",
+    "ignored": "return self.base(x) + (x @ self.lora_A.T @ self.lora_B.T) * "
+    "self.scaling",
+    "whole_input": "x = self.dropout(x)\n        return self.base(x) + (x @ "
+    "self.lora_A.T @ self.lora_B.T) * self.scaling",
+}
+
+
+def test_lab05_dropout_only_on_the_lora_branch_is_weighed():
+    """Lab 5 states dropout on the LoRA branch's input only. A forward that ignores
+    its dropout, or drops the base's input too, loses the dropout type (no case had
+    a dropout before: both scored 3 of 3)."""
+    detail = {}
+    for name, body in DROPOUT_FORWARDS.items():
+        ns: dict = {}
+        exec(LAB05_DROPOUT.replace("BODY", body), ns)
+        detail[name] = _probe_detail("lab05", "lora_forward", ns)
+    assert detail["right"]["points"] == 3, detail["right"]
+    for name in ("ignored", "whole_input"):
+        d = detail[name]
+        failing = {t["name"] for t in d["types"] if t["passed"] < t["total"]}
+        assert failing == {"dropout"} and d["points"] < 3, (name, d)
 
 
 def test_lab05_forward_bug_costs_forward_not_inject_lora():
@@ -1083,6 +1160,97 @@ def test_lab06_reentrant_checkpointing_loses_the_question():
     assert all("reentrant" in t["first"]["what"] for t in wrong["types"]), wrong
 
 
+def test_lab04_accum_below_one_is_weighed():
+    """Lab 4 states a ValueError for accum < 1 as well as for an accum that does not
+    divide N. A loop that checks only divisibility (0 raises ZeroDivisionError, a
+    negative divisor of N gets past it) loses part of the bad type; it had full
+    marks when only non-divisors were drawn."""
+    import torch
+
+    def make(check_below_one):
+        def accumulate_grads(model, loss_fn, x, y, accum):
+            n = x.shape[0]
+            if (check_below_one and accum < 1) or n % accum:
+                raise ValueError(f"accum={accum}, N={n}")
+            model.zero_grad(set_to_none=True)
+            m = n // accum
+            for xb, yb in zip(x.split(m), y.split(m)):
+                (loss_fn(model(xb), yb) / accum).backward()
+            return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+        return accumulate_grads
+
+    student = {"torch": torch, "nn": torch.nn}
+    right = _probe_detail(
+        "lab04", "accumulate_grads", {**student, "accumulate_grads": make(True)}
+    )
+    wrong = _probe_detail(
+        "lab04", "accumulate_grads", {**student, "accumulate_grads": make(False)}
+    )
+    assert right["points"] == 3, right
+    failing = {t["name"] for t in wrong["types"] if t["passed"] < t["total"]}
+    assert failing == {"bad"} and wrong["points"] < 3, wrong["types"]
+
+
+def test_lab04_reentrant_checkpointing_loses_the_points():
+    """Lab 4 states non-reentrant checkpointing. A reentrant run_blocks gives the same
+    output and gradients through .backward() when the input needs a gradient; it
+    fails torch.autograd.grad (torch's CheckpointFunction raises in backward) and
+    leaves the parameters without gradients when the input needs none: it keeps only
+    the plain type's share (it scored 2.4 of 3 when only the second was weighed)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    def make(reentrant):
+        def run_blocks(blocks, x, checkpointing):
+            h = x
+            for block in blocks:
+                if checkpointing:
+                    h = checkpoint(block, h, use_reentrant=reentrant)
+                else:
+                    h = block(h)
+            return h
+
+        return run_blocks
+
+    student = {"torch": torch, "nn": torch.nn}
+    right = _probe_detail("lab04", "run_blocks", {**student, "run_blocks": make(False)})
+    wrong = _probe_detail("lab04", "run_blocks", {**student, "run_blocks": make(True)})
+    assert right["points"] == 3, right
+    failing = {t["name"] for t in wrong["types"] if t["passed"] < t["total"]}
+    assert failing == {"checkpointed", "input_no_grad"}, wrong["types"]
+    assert wrong["points"] <= 0.6, wrong
+    checkpointed = next(t for t in wrong["types"] if t["name"] == "checkpointed")
+    assert "torch.autograd.grad" in checkpointed["first"]["what"], checkpointed
+
+
+def test_lab06_trained_biases_are_weighed():
+    """Lab 6 states that no bias trains. The tiny Llama's linear layers have none, so
+    the trainable count cannot show LoraConfig(bias="all"): the configuration does
+    (it scored 2 of 2 before)."""
+
+    def make(bias):
+        def make_lora_model(base_model, r, alpha, target_modules, dropout=0.0):
+            from peft import LoraConfig, get_peft_model
+
+            cfg = LoraConfig(
+                r=r,
+                lora_alpha=alpha,
+                target_modules=target_modules,
+                lora_dropout=dropout,
+                bias=bias,
+                task_type="CAUSAL_LM",
+            )
+            return get_peft_model(base_model, cfg)
+
+        return make_lora_model
+
+    right = _probe_detail("lab06", "make_lora_model", {"make_lora_model": make("none")})
+    wrong = _probe_detail("lab06", "make_lora_model", {"make_lora_model": make("all")})
+    assert right["points"] == 2 and wrong["points"] == 0, (right, wrong)
+    assert all("bias" in t["first"]["what"] for t in wrong["types"]), wrong
+
+
 def _lab06_plan(**kw):
     targets = [
         "q_proj",
@@ -1112,7 +1280,7 @@ def test_lab06_prediction_is_the_students_own_and_budget_weighs():
     over budget earns nothing for itself or its prediction."""
     import importlib.util
 
-    from trainmem.synthetic_task import task_config
+    from trainmem.demos.synthetic_task import task_config
 
     spec = importlib.util.spec_from_file_location(
         "_lab06_hidden", ROOT / "tests" / "grading" / "lab06.py"

@@ -3,7 +3,7 @@
 import pytest
 
 from trainmem.kvcache import inference_memory, kv_cache_bytes, param_count
-from trainmem.models import build_model, get_config
+from trainmem.measuring.models import build_model, get_config
 
 
 @pytest.mark.parametrize(

@@ -200,7 +200,7 @@ def test_validation_and_generation_phases():
 
 
 def test_measure_refuses_litgpt():
-    from trainmem.measure import measure
+    from trainmem.measuring.measure import measure
 
     with pytest.raises(OptionError) as e:
         measure("tiny", method="lora", framework="litgpt", precision="bf16")

@@ -1,12 +1,12 @@
-"""trainmem.lora against peft: same seed → same A/B, outputs, gradients, merged weights;
-counts."""
+"""trainmem.demos.lora against peft: same seed → same A/B, outputs, gradients, merged
+weights; counts."""
 
 import peft
 import pytest
 import torch
 from torch import nn
 
-from trainmem.lora import (
+from trainmem.demos.lora import (
     LoRALinear,
     count_parameters,
     inject_lora,
@@ -17,7 +17,7 @@ from trainmem.lora import (
     merge_lora,
     unmerge_lora,
 )
-from trainmem.models import build_model, get_config, tiny_llama_config
+from trainmem.measuring.models import build_model, get_config, tiny_llama_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -274,7 +274,7 @@ def test_two_injections_different_ranks():
 def test_rank_sweep_exact_on_known_spectrum():
     """diag(3, 2, 1) padded into a 3×5 matrix, rotated: errors are sqrt of the tail
     energy."""
-    from trainmem.lora import rank_sweep
+    from trainmem.demos.lora import rank_sweep
 
     g = torch.Generator().manual_seed(0)
     q1, _ = torch.linalg.qr(torch.randn(3, 3, generator=g, dtype=torch.float64))
@@ -292,7 +292,7 @@ def test_rank_sweep_exact_on_known_spectrum():
 
 
 def test_rank_sweep_matches_explicit_truncation():
-    from trainmem.lora import rank_sweep
+    from trainmem.demos.lora import rank_sweep
 
     m = torch.randn(
         12, 20, generator=torch.Generator().manual_seed(3), dtype=torch.float64
@@ -316,7 +316,7 @@ def test_rank_sweep_matches_explicit_truncation():
     ],
 )
 def test_rank_sweep_bad_input(m, ranks, msg):
-    from trainmem.lora import rank_sweep
+    from trainmem.demos.lora import rank_sweep
 
     with pytest.raises(ValueError, match=msg):
         rank_sweep(m, ranks)

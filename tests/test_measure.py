@@ -1,10 +1,10 @@
-"""trainmem.measure: tensor-level accounting is repeatable, fake tensors give the real
-numbers, and the per-layer extrapolation equals the full run."""
+"""trainmem.measuring.measure: tensor-level accounting is repeatable, fake tensors give
+the real numbers, and the per-layer extrapolation equals the full run."""
 
 import pytest
 
 from trainmem.estimate import CATEGORIES
-from trainmem.measure import measure
+from trainmem.measuring.measure import measure
 
 
 @pytest.mark.parametrize(
@@ -37,7 +37,7 @@ def test_repeatable_and_lora_has_no_frozen_grads():
 
 
 def test_extrapolation_equals_full_run():
-    from trainmem.models import get_config
+    from trainmem.measuring.models import get_config
 
     cfg = get_config("tiny", num_hidden_layers=5)
     full = measure(cfg, device="fake", batch=2, seq=16, extrapolate=False)
@@ -75,7 +75,7 @@ def test_unmeasurable_options_are_rejected():
 )
 def test_memtracker_agrees_with_measure(kw):
     from trainmem.estimate import estimate
-    from trainmem.measure import measure_memtracker
+    from trainmem.measuring.measure import measure_memtracker
 
     meas = measure("tiny", device="cpu", batch=2, seq=16, **kw)
     mt = measure_memtracker("tiny", batch=2, seq=16, **kw)

@@ -1,9 +1,14 @@
-"""trainmem.mixed: FP16 spacing facts and FP32 master weights."""
+"""trainmem.demos.mixed: FP16 spacing facts and FP32 master weights."""
 
 import pytest
 import torch
 
-from trainmem.mixed import MasterWeights, spacing, train_regression, update_survives
+from trainmem.demos.mixed import (
+    MasterWeights,
+    spacing,
+    train_regression,
+    update_survives,
+)
 
 
 def test_spacing_at_half_exact():

@@ -1,9 +1,10 @@
-"""trainmem.monitor: tensor-level live/peak bytes on CPU, per-step peak records."""
+"""trainmem.demos.monitor: tensor-level live/peak bytes on CPU, per-step peak
+records."""
 
 import pytest
 import torch
 
-from trainmem.monitor import PeakMemoryMonitor, TensorMemoryTracker, storage_bytes
+from trainmem.demos.monitor import PeakMemoryMonitor, TensorMemoryTracker, storage_bytes
 
 
 def test_tracker_counts_new_storages_and_frees():

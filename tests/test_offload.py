@@ -1,6 +1,6 @@
 """Activation offloading (TRL's activation_offloading): the replay's rules
 (trainmem.memory.offload) against the CPU measurement with host-copy hooks
-(trainmem.offload), and what stays on the device."""
+(trainmem.measuring.offload), and what stays on the device."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ CASES = [
 def test_offload_agrees_with_cpu_measurement(options):
     from transformers import LlamaConfig
 
-    from trainmem.measure import measure
+    from trainmem.measuring.measure import measure
 
     cfg = LlamaConfig(**TINY)
     est = estimate(cfg, activation_offload=True, **options)

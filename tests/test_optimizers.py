@@ -42,7 +42,7 @@ def test_unknown_optimizer_or_implementation_is_an_option_error():
 def test_the_estimate_holds_exactly_the_states_the_entry_declares(name):
     """The replay allocates the entry's states for every trainable parameter: an
     optimizer with states never shows 0 bytes (the trap of a dispatch with no else)."""
-    from trainmem.models import get_config
+    from trainmem.measuring.models import get_config
 
     spec = REGISTRY[name]
     est = estimate("tiny", optimizer=name, precision="fp32", batch=1, seq=8)
@@ -77,7 +77,7 @@ def test_adafactor_states_are_factored_and_lion_keeps_one_buffer():
 def test_adafactor_states_match_torch():
     """The entry's state shapes and dtypes are those torch.optim.Adafactor creates."""
     torch = pytest.importorskip("torch")
-    from trainmem.training_setup import torch_dtype
+    from trainmem.measuring.training_setup import torch_dtype
 
     params = [torch.nn.Parameter(torch.zeros(s)) for s in ((6, 5), (3, 4, 5), (7,))]
     opt = torch.optim.Adafactor(params, foreach=False)
@@ -95,7 +95,7 @@ def test_adafactor_states_match_torch():
 
 def test_lion_update_is_the_sign_of_the_interpolation():
     torch = pytest.importorskip("torch")
-    from trainmem.lion import Lion
+    from trainmem.measuring.lion import Lion
 
     p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
     opt = Lion([p], lr=0.1, betas=(0.9, 0.99), weight_decay=0.5)
@@ -117,7 +117,7 @@ def test_lion_and_adafactor_estimates_equal_a_torch_measurement(name, precision)
     the estimate equals the tensor-level measurement to the byte, term by term (the
     states and the step's scratch); under LoRA the optimizer phase is exact too."""
     pytest.importorskip("torch")
-    from trainmem.measure import measure
+    from trainmem.measuring.measure import measure
 
     kw = dict(optimizer=name, precision=precision, batch=1, seq=4)
     est, meas = estimate("tiny", **kw), measure("tiny", **kw)

@@ -1,12 +1,13 @@
-"""trainmem.parallel: tensor parallelism, throughput levers, checkpoints under DDP."""
+"""trainmem.demos.parallel: tensor parallelism, throughput levers, checkpoints under
+DDP."""
 
 import io
 
 import pytest
 import torch
 
-from trainmem import parallel
-from trainmem.models import build_model, get_config
+from trainmem.demos import parallel
+from trainmem.measuring.models import build_model, get_config
 from trainmem.reference import weights_bytes
 
 CFG = get_config("tiny")

@@ -1,5 +1,5 @@
-"""trainmem.plots: the chapter-1 figures draw one artist per format, with the right
-extents."""
+"""trainmem.demos.plots: the chapter-1 figures draw one artist per format, with the
+right extents."""
 
 import matplotlib
 
@@ -8,7 +8,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from trainmem import plots  # noqa: E402
+from trainmem.demos import plots  # noqa: E402
 from trainmem.formats import get_format  # noqa: E402
 
 

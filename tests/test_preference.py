@@ -1,5 +1,5 @@
 """DPO and GRPO in the estimator (trainmem.objectives, trainmem.memory.preference)
-against the CPU measurement of the same step (trainmem.preference_losses), the
+against the CPU measurement of the same step (trainmem.measuring.preference_losses), the
 reference's rules, and TRL's config names."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ CASES = [
 
 @pytest.mark.parametrize("options", CASES, ids=lambda o: str(sorted(o.items())))
 def test_objective_agrees_with_cpu_measurement(options):
-    from trainmem.measure import measure
+    from trainmem.measuring.measure import measure
 
     cfg = _config()
     est = estimate(cfg, **options)

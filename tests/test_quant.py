@@ -1,9 +1,10 @@
-"""trainmem.quant: codes, blockwise quantisation, 8-bit AdamW, bytes per parameter."""
+"""trainmem.demos.quant: codes, blockwise quantisation, 8-bit AdamW, bytes per
+parameter."""
 
 import pytest
 import torch
 
-from trainmem import quant as Q
+from trainmem.demos import quant as Q
 
 # NF4 table as published in the QLoRA paper (Appendix E) / bitsandbytes.
 NF4_PUBLISHED = [

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from trainmem import reference as R
-from trainmem.models import build_model, get_config
+from trainmem.measuring.models import build_model, get_config
 
 
 def test_7b_parameters_and_weights_match_a_meta_model():

@@ -2,13 +2,15 @@
 honest submissions in ONE run, the refusal without a sandbox, --no-sandbox's warnings,
 and --shard / --merge.
 
-Every attack is its own submission: the honest ``add``/``mean`` of the toy lab
-``lab99`` (tests/test_grader.py) and one cell that tries its attack and then raises
-``RuntimeError("ATTACK <name>: SUCCEEDED …" or "blocked …")``; the grader reports that
-error like any student error, so each attack's outcome comes back through the grader's
-own channel, and the host side is checked as well (files, server, signals). Each attack
-must fail, the honest submissions keep full marks and their files byte for byte, and
-each attacker earns what its honest code earns. A second, unsandboxed run of three of
+Every attack is a cell after the honest ``add``/``mean`` of the toy lab ``lab99``
+(tests/test_grader.py) that tries its attack and then raises
+``RuntimeError("ATTACK <name>: SUCCEEDED …" or "blocked …")``; the quick ones share one
+submission (:data:`BATCHED`), those that push a limit or outlive the kernel have one
+each. The grader reports each cell's error like any student error, so each attack's
+outcome comes back through the grader's own channel, and the host side is checked as
+well (files, server, signals). Each attack must fail, the honest submissions keep full
+marks and their files byte for byte, and each attacker earns what its honest code
+earns. A second, unsandboxed run of three of
 the attacks shows they do succeed without the sandbox (so the suite can fail).
 
 Under ``CI=true`` a missing bwrap is an error naming the fix, never a skip.
@@ -321,6 +323,48 @@ UNSANDBOXED = (
     "connect_localhost",
     "modify_other_submission",
 )
+# Attacks that finish in a moment and test no limit: one submission holds them all,
+# a cell each (the grader runs every cell whatever the one before raised, and reports
+# each cell's error: each attack's verdict still comes back on its own). A kernel start
+# per attack cost more than the attacks. The attacks that push a limit (fork_bomb,
+# fill_disk, deep_paths) or outlive the kernel (outlive_grading) keep a submission of
+# their own, so that no limit one of them hits can decide another's verdict.
+BATCHED = (
+    "write_outside_workdir",
+    "read_hidden_tests",
+    "read_home",
+    "read_other_submission",
+    "modify_other_submission",
+    "delete_other_submission",
+    "write_output_folder",
+    "write_cache",
+    "connect_localhost",
+    "read_grader_env",
+    "signal_grader",
+    "escape_to_grader",
+)
+BATCH = "batched_attacks"
+
+
+def write_attacks(subs: Path, cells: dict, names) -> None:
+    """One submission per attack in ``names``, those of :data:`BATCHED` together in
+    one (``BATCH``), each with the honest ``add`` and ``mean``."""
+    together = [n for n in names if n in BATCHED]
+    for name in names:
+        if name not in BATCHED:
+            (subs / f"{name}.ipynb").write_text(nb(ADD, MEAN, cells[name]))
+    if together:
+        (subs / f"{BATCH}.ipynb").write_text(
+            nb(ADD, MEAN, *(cells[n] for n in together))
+        )
+
+
+def by_attack(records: list[dict]) -> dict:
+    """Records by student, each batched attack's name naming its batch's record."""
+    out = {r["student"]: r for r in records}
+    if BATCH in out:
+        out.update({name: out[BATCH] for name in BATCHED})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -335,8 +379,7 @@ def suite(tmp_path_factory):
     cells = attacks(base, subs, out, hidden_dir / "lab99.py", server.port)
     for name in HONEST:
         (subs / f"{name}.ipynb").write_text(nb(ADD, MEAN, CHECK))
-    for name, cell in cells.items():
-        (subs / f"{name}.ipynb").write_text(nb(ADD, MEAN, cell))
+    write_attacks(subs, cells, cells)
     # resident memory, not address space: a huge untouched mapping is fine, touching
     # more than the cap stops the kernel
     (subs / "virtual_64gib.ipynb").write_text(
@@ -416,8 +459,7 @@ def suite(tmp_path_factory):
         ctrl_subs, ctrl_out = base / "ctrl_subs", base / "ctrl_out"
         ctrl_subs.mkdir()
         ctrl = attacks(base, ctrl_subs, ctrl_out, hidden_dir / "lab99.py", server.port)
-        for name in UNSANDBOXED:
-            (ctrl_subs / f"{name}.ipynb").write_text(nb(ADD, MEAN, ctrl[name]))
+        write_attacks(ctrl_subs, ctrl, UNSANDBOXED)
         (ctrl_subs / "honest_b.ipynb").write_text(nb(ADD, MEAN, CHECK))
         logs: list[str] = []
         control = grade(
@@ -441,13 +483,13 @@ def suite(tmp_path_factory):
         base=base,
         subs=subs,
         out=out,
-        records={r["student"]: r for r in records},
+        records=by_attack(records),
         rows=rows,
         before=before,
         server=server,
         accepted=accepted,
         signals=signals,
-        control={r["student"]: r for r in control},
+        control=by_attack(control),
         control_out=ctrl_out,
         control_logs=logs,
         names=sorted(cells),
@@ -624,7 +666,7 @@ def test_attacks_succeed_without_sandbox(suite):
     assert any("WITHOUT a sandbox" in line for line in suite["control_logs"])
     rows = list(csv.DictReader((suite["control_out"] / "grades.csv").open()))
     assert {r["sandbox"] for r in rows if r["student"] != "MAX"} == {"no"}
-    for name in UNSANDBOXED:
+    for name in (BATCH, "honest_b"):
         page = (suite["control_out"] / "feedback" / f"{name}.html").read_text()
         assert "没有使用沙箱" in page
 
@@ -897,8 +939,7 @@ def user_run():
             d.mkdir()
         (hidden / "lab99.py").write_text(HIDDEN)
         cells = attacks(base, subs, base / "out", hidden / "lab99.py", 1)
-        for name in USER_ATTACKS:
-            (subs / f"{name}.ipynb").write_text(nb(ADD, MEAN, cells[name]))
+        write_attacks(subs, cells, USER_ATTACKS)
         (subs / "honest_a.ipynb").write_text(nb(ADD, MEAN, CHECK))
         (subs / "symlink_classmate.ipynb").symlink_to("honest_a.ipynb")
         os.mkfifo(subs / "fifo_nb.ipynb")
@@ -926,7 +967,7 @@ def user_run():
         )
         assert done.returncode == 0, done.stderr[-3000:]
         data = json.loads(done.stdout.strip().splitlines()[-1])
-        data["records"] = {r["student"]: r for r in data["records"]}
+        data["records"] = by_attack(data["records"])
         data["unchanged"] = files.snapshot(subs) == before
         data["out"] = sorted(os.listdir(base / "out"))
         return data

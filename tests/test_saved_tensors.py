@@ -1,10 +1,11 @@
-"""trainmem.saved_tensors: one layer's saved tensors, named, match the estimator."""
+"""trainmem.measuring.saved_tensors: one layer's saved tensors, named, match the
+estimator."""
 
 import pytest
 
 from trainmem.estimate import activation_bytes_per_layer
-from trainmem.models import tiny_llama_config
-from trainmem.saved_tensors import saved_table, size_class, size_units
+from trainmem.measuring.models import tiny_llama_config
+from trainmem.measuring.saved_tensors import saved_table, size_class, size_units
 
 CFG = tiny_llama_config()
 B, S = 2, 24

@@ -1,12 +1,12 @@
-"""trainmem.scaler follows torch.amp.GradScaler step by step (growth, backoff, skipped
-steps)."""
+"""trainmem.demos.scaler follows torch.amp.GradScaler step by step (growth, backoff,
+skipped steps)."""
 
 import math
 
 import pytest
 import torch
 
-from trainmem.scaler import (
+from trainmem.demos.scaler import (
     DynamicLossScaler,
     equilibrium_scale,
     simulate_overflow,

@@ -1,12 +1,14 @@
 """The shape of the two packages: no import cycles, ``trainmem`` never imports
-``coursekit``, and one option list (``StepConfig``) with the same defaults
-everywhere."""
+``coursekit``, the three kinds of ``trainmem`` code in their folders (the estimator at
+the top, standard library only; ``measuring/`` and ``demos/`` with torch), and one
+option list (``StepConfig``) with the same defaults everywhere."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
 import inspect
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,6 +108,136 @@ def test_trainmem_never_imports_coursekit():
             assert not any(n.split(".")[0] == "coursekit" for n in names), path
 
 
+# --------------------------------------------------------------------------------------
+# the three kinds: estimator (top level), measuring/, demos/
+# --------------------------------------------------------------------------------------
+#: the subpackages that may import torch at import time, and what each holds
+TORCH_KINDS = {
+    "trainmem.measuring": "measurement with torch (checks the estimator)",
+    "trainmem.demos": "the chapters' demonstrations with torch",
+}
+
+
+def import_time_imports(source: str, package: str) -> set[str]:
+    """The modules ``source`` (a module of ``package``) imports when it is imported:
+    not inside a function, not under ``if TYPE_CHECKING``; relative imports made
+    absolute, ``from a import b`` giving ``a`` and ``a.b``."""
+    found: set[str] = set()
+
+    def visit(node):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            if node.level:
+                parts = package.split(".")
+                stem = parts[: len(parts) - node.level + 1]
+                mod = ".".join(stem + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            found.add(mod)
+            found.update(f"{mod}.{a.name}" for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return found
+
+
+def _trainmem_modules() -> dict[str, tuple[Path, str]]:
+    """Module name -> (file, the package its relative imports start from)."""
+    out = {}
+    for path in sorted((ROOT / "trainmem").rglob("*.py")):
+        name = _module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        out[name] = (path, package)
+    return out
+
+
+def _kind(module: str) -> str:
+    for sub in TORCH_KINDS:
+        if module == sub or module.startswith(sub + "."):
+            return sub
+    return "trainmem"
+
+
+def three_kinds_violations(modules: dict[str, tuple[str, str]]) -> list[str]:
+    """What breaks the three kinds, given module name -> (source, package):
+
+    * a top-level module (the estimator, shipped to the in-page calculator) imports a
+      package outside the standard library at import time;
+    * a top-level module imports ``measuring`` or ``demos`` at import time (a function
+      may import them when it runs);
+    * ``measuring`` imports ``demos`` at all (the demos use the measurement, not the
+      other way round).
+    """
+    stdlib = set(sys.stdlib_module_names)
+    bad = []
+    for name, (source, package) in sorted(modules.items()):
+        eager = import_time_imports(source, package)
+        if _kind(name) == "trainmem":
+            third = sorted({m.split(".")[0] for m in eager} - stdlib - {"trainmem"})
+            if third:
+                bad.append(f"{name} imports {', '.join(third)} at import time")
+            torch_side = sorted(
+                m for m in eager if m.startswith("trainmem.") and _kind(m) != "trainmem"
+            )
+            if torch_side:
+                bad.append(f"{name} imports {torch_side[0]} at import time")
+    graph = import_graph("trainmem")  # imports inside functions too
+    for name, deps in sorted(graph.items()):
+        if name in modules and _kind(name) == "trainmem.measuring":
+            demos = sorted(d for d in deps if _kind(d) == "trainmem.demos")
+            if demos:
+                bad.append(f"{name} imports {demos[0]}")
+    return bad
+
+
+def test_trainmem_shows_its_three_kinds():
+    """The estimator stays at the top of ``trainmem`` and imports only the standard
+    library at import time (``_ext/calculator.py`` ships it to the page); torch code
+    lives in ``trainmem/measuring/`` or ``trainmem/demos/``."""
+    modules = {
+        name: (path.read_text(encoding="utf-8"), package)
+        for name, (path, package) in _trainmem_modules().items()
+    }
+    kinds = {_kind(name) for name in modules}
+    assert kinds == {"trainmem", *TORCH_KINDS}, kinds
+    for sub in TORCH_KINDS:
+        members = [n for n in modules if n.startswith(sub + ".")]
+        assert len(members) >= 5, (sub, members)
+    assert three_kinds_violations(modules) == []
+
+
+def test_the_three_kinds_check_finds_a_violation():
+    bad = three_kinds_violations(
+        {
+            "trainmem.fake_estimator": (
+                "import numpy\nfrom .demos import lora",
+                "trainmem",
+            ),
+            "trainmem.lazy_ok": ("def f():\n    import torch", "trainmem"),
+            "trainmem.typed_ok": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch",
+                "trainmem",
+            ),
+            "trainmem.demos.ok": (
+                "import torch\nfrom ..measuring import tracker",
+                "trainmem.demos",
+            ),
+        }
+    )
+    assert bad == [
+        "trainmem.fake_estimator imports numpy at import time",
+        "trainmem.fake_estimator imports trainmem.demos at import time",
+    ]
+
+
 def _step_defaults():
     from trainmem.config import StepConfig
 
@@ -118,7 +250,7 @@ def test_one_option_list_with_the_same_defaults_everywhere():
     functions' own."""
     from trainmem.cli import MODEL_DEFAULTS, build_parser
     from trainmem.estimate import estimate
-    from trainmem.measure import measure, measure_memtracker
+    from trainmem.measuring.measure import measure, measure_memtracker
 
     step = _step_defaults()
     funcs = {"estimate": estimate, "measure": measure, "memtracker": measure_memtracker}

@@ -1,11 +1,11 @@
-"""trainmem.synthetic_task: deterministic batches that follow the rules; training lowers
-the loss."""
+"""trainmem.demos.synthetic_task: deterministic batches that follow the rules; training
+lowers the loss."""
 
 import pytest
 import torch
 
-from trainmem.models import build_model
-from trainmem.synthetic_task import (
+from trainmem.measuring.models import build_model
+from trainmem.demos.synthetic_task import (
     N_NUMBERS,
     continue_sequence,
     evaluate,
@@ -54,7 +54,7 @@ def test_training_lowers_loss_deterministically():
 
 
 def test_sequences_and_start_splits():
-    from trainmem.synthetic_task import FINETUNE_STEP, sequences, split_starts
+    from trainmem.demos.synthetic_task import FINETUNE_STEP, sequences, split_starts
 
     ids, labels = sequences([0, 5], seq_len=5)
     r0 = rule_token(0)
@@ -78,7 +78,12 @@ def test_sequences_and_start_splits():
 
 
 def test_train_curve_logs_losses_deterministically():
-    from trainmem.synthetic_task import Curve, sequences, split_starts, train_curve
+    from trainmem.demos.synthetic_task import (
+        Curve,
+        sequences,
+        split_starts,
+        train_curve,
+    )
 
     train_s, held_s = split_starts(4, seed=0)
     data = sequences(train_s), sequences(held_s)

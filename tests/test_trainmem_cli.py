@@ -77,7 +77,7 @@ def test_measure_fake_json(capsys):
     # each), and the analytic estimator replays the same step (equal up to AdamW's
     # per-tensor step scalars)
     from trainmem.estimate import estimate
-    from trainmem.models import build_model, get_config
+    from trainmem.measuring.models import build_model, get_config
 
     n = sum(
         p.numel() for p in build_model(get_config("tiny"), device="meta").parameters()

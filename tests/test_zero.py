@@ -115,7 +115,7 @@ def test_agrees_with_the_estimator_for_fp32_adamw():
         else:
             # ZeRO-3: the estimator also holds the gathered (unsharded) decoder layers
             # while they compute; that is the whole difference.
-            from trainmem.models import build_model, get_config
+            from trainmem.measuring.models import build_model, get_config
 
             meta = build_model(get_config("tiny"), device="meta")
             layer = sum(p.numel() for p in meta.model.layers[0].parameters())
@@ -194,7 +194,7 @@ def _step_events(**kw):
 
 def _tiny_layer():
     """The tiny preset's first decoder layer as transformers builds it (meta)."""
-    from trainmem.models import build_model, get_config
+    from trainmem.measuring.models import build_model, get_config
 
     meta = build_model(get_config("tiny"), device="meta")
     return meta.model.layers[0]
@@ -275,7 +275,7 @@ def test_fsdp_keeps_the_root_unit_gathered_through_backward():
     decoder layer holds: embeddings, final norm, lm_head; counted from transformers'
     model) stay all-gathered from before the forward until the end of backward, on
     top of their 1/N shards. One GPU gathers nothing beyond the layer."""
-    from trainmem.models import build_model, get_config
+    from trainmem.measuring.models import build_model, get_config
 
     meta = build_model(get_config("tiny"), device="meta")
     root = [p for n, p in meta.named_parameters() if ".layers." not in n]
@@ -411,7 +411,7 @@ def test_deepspeed_gathers_the_embeddings_and_lm_head_module_by_module():
     them after it unless they are used again soon: the embedding for its forward
     only, lm_head from its forward to its backward. Nothing keeps FSDP's root unit
     (embeddings + final norm + lm_head) gathered."""
-    from trainmem.models import build_model, get_config
+    from trainmem.measuring.models import build_model, get_config
 
     meta = build_model(get_config("tiny"), device="meta")
     embed = 2 * meta.get_input_embeddings().weight.numel()
@@ -548,7 +548,7 @@ def test_deepspeed_reuse_distance_rule():
 
 
 def _tiny_layer_embed_numel() -> int:
-    from trainmem.models import build_model, get_config
+    from trainmem.measuring.models import build_model, get_config
 
     meta = build_model(get_config("tiny"), device="meta")
     return meta.get_input_embeddings().weight.numel()
@@ -566,7 +566,7 @@ def test_deepspeed_keeps_layers_within_the_reuse_distance():
     from trainmem.config import StepConfig
     from trainmem.estimate import model_shape
     from trainmem.decisions import decide
-    from trainmem.memory import shard_plan as plan
+    from trainmem.memory import shard_deepspeed as plan
     from trainmem.memory import step as st
 
     sizes = _hf_auto(64)

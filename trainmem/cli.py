@@ -16,7 +16,7 @@ import dataclasses
 import json
 import sys
 
-from .models import preset_names
+from .families import preset_names
 
 _EPILOG = """\
 terms (bytes at the peak of one training step; they sum to total_bytes):
@@ -171,14 +171,8 @@ def _add_gpu_option(p: argparse.ArgumentParser, required: bool) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="python -m trainmem",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=_EPILOG,
-    )
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+def _add_estimate(sub) -> None:
+    """``estimate``: the step options, ``--gpu`` and ``--timeline``."""
     pe = sub.add_parser(
         "estimate",
         help="analytic estimate of the peak (no torch needed, instant)",
@@ -195,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --json: add the step's memory timeline (bytes by category over the "
         "replayed allocations, about 200 points)",
     )
+
+
+def _add_fit(sub) -> None:
+    """``fit``: the step options, a required ``--gpu`` and ``--vary``."""
     pf = sub.add_parser(
         "fit",
         help="the largest micro-batch (or sequence) that fits a GPU, and the cheapest "
@@ -215,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="what to maximise: the micro-batch (--seq fixed) or the sequence length "
         "(--batch fixed); default batch",
     )
+
+
+def _add_measure(sub) -> None:
+    """``measure``: the step options, ``--device`` and ``--no-extrapolate``."""
     pm = sub.add_parser(
         "measure",
         help="run two real training steps and account every tensor",
@@ -237,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --device fake: run every layer instead of extending 2- and 3-layer "
         "runs linearly (slower; the result is the same)",
     )
+
+
+def _add_hf(sub) -> None:
+    """``hf``: a model config, TrainingArguments, a LoraConfig and the launcher."""
     ph = sub.add_parser(
         "hf",
         help="estimate from a model config, TrainingArguments and a LoraConfig",
@@ -292,6 +298,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print one JSON object (total_bytes, breakdown, ...) instead of the table",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m trainmem",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in (_add_estimate, _add_fit, _add_measure, _add_hf):
+        add(sub)
     return parser
 
 
@@ -357,7 +375,7 @@ def _run(args):
         from .fit import fit
 
         return _FitResult(fit(args.model, step, args.gpu, args.vary))
-    from .measure import measure_step
+    from .measuring.measure import measure_step
 
     return measure_step(
         args.model,

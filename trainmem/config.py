@@ -4,8 +4,8 @@
   batch, sequence length, LoRA, checkpointing, attention, ZeRO, ...), validated once
   when it is built: a bad value raises :class:`OptionError` naming the option.
   :func:`estimate <trainmem.estimate.estimate>`, :func:`simulate_step
-  <trainmem.memory.step.simulate_step>` and :func:`measure <trainmem.measure.measure>`
-  all take one.
+  <trainmem.memory.step.simulate_step>` and :func:`measure
+  <trainmem.measuring.measure.measure>` all take one.
 * re-exported: :class:`Shape`, :func:`load_model_config` and :func:`model_shape` (the
   model, from :mod:`trainmem.families`), :class:`OptionError` and
   :func:`read_json_object` (from :mod:`trainmem.errors`).
@@ -245,7 +245,8 @@ class StepConfig:
     kernels: str = _option(
         "cuda",
         "whose kernels the step runs: cuda (what the estimate describes) or cpu "
-        "(where trainmem.measure checks it; dropout keeps a float mask there)",
+        "(where trainmem.measuring.measure checks it; dropout keeps a float mask "
+        "there)",
         choices=KERNELS,
         estimate_only=True,
     )
@@ -480,7 +481,7 @@ class StepConfig:
         """Check the LoRA targets and rank against the Linear layers of ``shape``
         (and that the framework models the model's family)."""
         shard, frame = sharding_entry(self.zero_impl), framework_entry(self.framework)
-        if shard.replayed_only and shape.family.replay is None:
+        if shard.replayed_only and shape.family.replay in (None, "traced"):
             raise OptionError(
                 "zero_impl",
                 f"zero_impl {shard.name!r} is modelled for the replayed Llama-family "

@@ -4,8 +4,8 @@ the GPU and the library versions into a frozen :class:`Decisions` record — the
 (load, compute/autocast, trainable, gradients, optimizer states, master copy), the
 attention backend, the sharding plan, the decoder layout and the loss form. The replay
 (:mod:`trainmem.memory.step`), the closed forms and the notes
-(:mod:`trainmem.estimate`) and the measurement (:mod:`trainmem.measure`) read the
-record; none of them looks at a precision, sharding or framework name again (those
+(:mod:`trainmem.estimate`) and the measurement (:mod:`trainmem.measuring.measure`) read
+the record; none of them looks at a precision, sharding or framework name again (those
 are registries: :mod:`trainmem.precisions`, :mod:`trainmem.sharding`,
 :mod:`trainmem.frameworks`).
 
@@ -23,11 +23,9 @@ from .frameworks import Framework, framework
 from .gpus import SM80
 from .objectives import Objective, objective, resolve_reference, sequences
 from .precisions import Precision, precision
+from .sdpa import EFFICIENT_LSE_ALIGN, hf_call, select_backend
 from .sharding import Sharding, sharding
 from .versions import cache_copies_kv, loss_form
-
-#: compute capability from which SDPA's fused kernels take bf16 (:data:`gpus.SM80`)
-SDPA_BF16_FROM = SM80
 
 
 @dataclass(frozen=True)
@@ -72,13 +70,18 @@ class Decisions:
     sharding: Sharding
     framework: Framework
     dtypes: Dtypes
-    #: what attention runs as far as memory goes: ``sdpa`` (a fused kernel; flash is
-    #: the same memory), ``eager`` or ``math`` (SDPA's math path)
+    #: what attention runs as far as memory goes: ``sdpa`` (a fused kernel: flash,
+    #: cuDNN or memory-efficient), ``eager`` or ``math`` (SDPA's math path)
     attention: str
-    #: why ``attention`` differs from the option asked (``None``: it does not)
+    #: the SDPA backend torch runs (:data:`trainmem.sdpa.BACKENDS`; ``None``: no
+    #: SDPA call — eager, FlashAttention-2 — or a framework whose choice is not
+    #: replayed) and why (:attr:`trainmem.sdpa.Choice.reason`)
+    sdpa_backend: str | None
     attention_reason: str | None
-    #: the card runs this step's SDPA on its math path (bf16 below sm_80), whether or
-    #: not the framework's replay models it (``attention_reason`` says it does)
+    #: transformers ``repeat_kv``-ed key and value before SDPA (no ``enable_gqa``)
+    sdpa_repeats_kv: bool
+    #: asked for SDPA, torch runs its math path on this card, whether or not the
+    #: framework's replay models it (``sdpa_backend`` is ``"math"`` where it does)
     sdpa_math_fallback: bool
     #: the step computes in bf16 (autocast or pure bf16 parameters)
     bf16_compute: bool
@@ -113,6 +116,12 @@ class Decisions:
     @property
     def autocast(self) -> str | None:
         return self.dtypes.autocast
+
+    @property
+    def sdpa_lse_align(self) -> int:
+        """The queries the fused kernel's saved logsumexp is padded to (the
+        memory-efficient kernel's :data:`trainmem.sdpa.EFFICIENT_LSE_ALIGN`)."""
+        return EFFICIENT_LSE_ALIGN if self.sdpa_backend == "efficient" else 1
 
 
 def _dtypes(
@@ -154,35 +163,64 @@ def _dtypes(
     )
 
 
-def _attention(step: StepConfig, prec: Precision, frame: Framework, gpu):
-    """The attention backend as far as memory goes, and why it differs from the
-    option. Below compute capability 8.0 no fused SDPA kernel takes bf16, so
-    ``scaled_dot_product_attention`` dispatches to its math path, which materialises
-    the ``b x heads x s x s`` scores in fp32; FlashAttention-2 does not run there at
-    all."""
+@dataclass(frozen=True)
+class _Attention:
+    kind: str
+    backend: str | None
+    reason: str | None
+    repeats_kv: bool
+    math_fallback: bool
+
+
+def _attention(
+    shape: Shape, step: StepConfig, dtypes: Dtypes, frame: Framework, gpu, versions
+) -> _Attention:
+    """What attention runs (:mod:`trainmem.sdpa`): asked for ``sdpa``, the backend
+    torch selects for the call transformers makes — on the card's compute capability,
+    or torch's CPU choice without a card — for the step's compute dtype, head counts
+    and head dim (no attention mask: the batch has no padding, so ``is_causal``; no
+    attention dropout); the math path is replayed as such. ``math`` is SDPA restricted
+    to its math backend (``sdpa_kernel(SDPBackend.MATH)``); FlashAttention-2 does not
+    run below compute capability 8.0."""
     attn = step.attn_memory
-    if gpu is None or gpu.capability >= SDPA_BF16_FROM:
-        return attn, None
-    major, minor = gpu.capability
-    if step.attn == "flash":
+    cap = None if gpu is None else tuple(gpu.capability)
+    if step.attn == "flash" and cap is not None and cap < SM80:
+        major, minor = cap
         raise OptionError(
             "attn",
             f"attn 'flash' (FlashAttention-2) needs compute capability 8.0 or "
             f"newer; {gpu.name} is sm_{major}{minor}: use attn 'sdpa'",
         )
-    if sdpa_falls_back_to_math(step, prec, gpu) and frame.replays_math_fallback:
-        return "math", "sdpa-math"
-    return attn, None
-
-
-def sdpa_falls_back_to_math(step: StepConfig, prec: Precision, gpu) -> bool:
-    """Whether ``gpu`` runs this step's SDPA on the math path: bf16 activations below
-    :data:`SDPA_BF16_FROM`."""
-    return (
-        step.attn == "sdpa"
-        and prec.compute == "bf16"
-        and gpu.capability < SDPA_BF16_FROM
+    if step.attn == "math":
+        return _Attention(
+            "math", "math", "asked: sdpa_kernel(SDPBackend.MATH)", False, False
+        )
+    if step.attn != "sdpa":
+        return _Attention(attn, None, None, False, False)
+    if not frame.replays_math_fallback:
+        # LitGPT expands key and value to the query heads itself and calls SDPA
+        # without enable_gqa; its replay has the fused kernels only
+        call, _ = hf_call(
+            dtypes.compute,
+            shape.heads,
+            shape.heads,
+            shape.head_dim,
+            step.seq,
+            versions,
+        )
+        choice = select_backend(call, cap, versions["torch"])
+        return _Attention(attn, None, None, False, choice.backend == "math")
+    call, repeats = hf_call(
+        dtypes.compute,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+        step.seq,
+        versions,
     )
+    choice = select_backend(call, cap, versions["torch"])
+    kind = "math" if choice.backend == "math" else "sdpa"
+    return _Attention(kind, choice.backend, choice.reason, repeats, kind == "math")
 
 
 def _per_rank(rows_tokens: tuple[int, int], ranks: int) -> tuple[int, int]:
@@ -201,10 +239,11 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
     prec = precision(step.precision)
     frame = framework(step.framework)
     shard = sharding(step.zero_impl)
-    attention, reason = _attention(step, prec, frame, gpu)
     versions = step.library_versions
+    dtypes = _dtypes(shape, step, prec, frame)
+    att = _attention(shape, step, dtypes, frame, gpu, versions)
     goal = objective(step.objective)
-    layout = frame.layout or shape.family.replay
+    layout = frame.layout or shape.family.layout(shape, step)
     if step.context_parallel > 1 and (
         layout != "llama" or goal.name != "sft" or step.attn_memory != "sdpa"
     ):
@@ -240,10 +279,12 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
         precision=prec,
         sharding=shard,
         framework=frame,
-        dtypes=_dtypes(shape, step, prec, frame),
-        attention=attention,
-        attention_reason=reason,
-        sdpa_math_fallback=gpu is not None and sdpa_falls_back_to_math(step, prec, gpu),
+        dtypes=dtypes,
+        attention=att.kind,
+        sdpa_backend=att.backend,
+        attention_reason=att.reason,
+        sdpa_repeats_kv=att.repeats_kv,
+        sdpa_math_fallback=att.math_fallback,
         bf16_compute=prec.compute == "bf16",
         layout=layout,
         loss_form=loss_form(versions),

@@ -2,8 +2,8 @@
 
 * :data:`DTYPES` — name → :class:`Dtype` (bytes per element, the ``torch`` attribute,
   the safetensors tag). The estimator, the replay, the adapter-file demo, the number
-  formats chapter and the torch code (:func:`trainmem.training_setup.torch_dtype`) all
-  read it.
+  formats chapter and the torch code
+  (:func:`trainmem.measuring.training_setup.torch_dtype`) all read it.
 * :func:`nf4_bytes_per_weight` — bitsandbytes' NF4 (QLoRA's 4-bit format) with and
   without double quantisation of its absmax constants.
 * :data:`GiB`, :data:`GB`, :data:`MiB` — the byte units.
@@ -82,20 +82,22 @@ def nf4_bytes_per_weight(
     double_quant: bool = True,
     block_size: int = NF4_BLOCK,
     dq_block_size: int = NF4_DQ_BLOCK,
+    scale_bytes: int = 4,
 ) -> float:
     """Bytes one NF4 weight occupies: 4 bits + its share of the absmax constants
     (QLoRA, Dettmers et al. 2023).
 
-    Without double quantisation one fp32 absmax per ``block_size`` weights:
-    0.5 + 4/64 = 0.5625. With it an 8-bit absmax per block plus one fp32 constant per
-    ``dq_block_size`` blocks: 0.5 + 1/64 + 4/(64·256) ≈ 0.5159."""
+    Without double quantisation one absmax of ``scale_bytes`` (fp32: 4; an fp16 scale:
+    2) per ``block_size`` weights: 0.5 + 4/64 = 0.5625. With it an 8-bit absmax per
+    block plus one fp32 constant per ``dq_block_size`` blocks: 0.5 + 1/64 + 4/(64·256)
+    ≈ 0.5159."""
     if block_size < 1 or dq_block_size < 1:
         raise ValueError(
             f"block_size and dq_block_size must be ≥ 1, got {block_size}, "
             f"{dq_block_size}"
         )
     if not double_quant:
-        return 0.5 + 4 / block_size
+        return 0.5 + scale_bytes / block_size
     return 0.5 + 1 / block_size + 4 / (block_size * dq_block_size)
 
 
@@ -108,3 +110,17 @@ def blockwise8_bytes_per_value(block_size: int = BLOCKWISE8_BLOCK) -> float:
     if block_size < 1:
         raise ValueError(f"block_size must be ≥ 1, got {block_size}")
     return 1 + 4 / block_size
+
+
+def adam_state_bytes_per_param(bits: int = 32, block_size: int = 256) -> float:
+    """Adam(W) state bytes per parameter: two moments at ``bits`` + one float32 absmax
+    per block each.
+
+    ``bits=32`` → 8.0; ``bits=8`` with bitsandbytes' block of 256 (since 0.44) → 2 × (1
+    + 4/256) = 2.03125; with the paper's 2048 → 2.00390625.
+    """
+    if bits not in (8, 16, 32):
+        raise ValueError(f"bits must be 8, 16 or 32, got {bits}")
+    if bits == 32 or bits == 16:
+        return 2 * bits / 8
+    return 2 * blockwise8_bytes_per_value(block_size)

@@ -19,7 +19,7 @@ Public API (stable; chapters and labs call it)::
 lora_targets, lora_dtype, qlora_double_quant, checkpointing, attn, zero, gpus,
 grad_accum, optimizer_impl)``:
 
-* ``model``: a preset name (``trainmem.models.PRESETS``: llama-7b, llama2-13b,
+* ``model``: a preset name (``trainmem.families.PRESETS``: llama-7b, llama2-13b,
   qwen2.5-0.5b, gpt2, tiny, ...), a path to an HF ``config.json``, or a ``transformers``
   config.
 * ``method``: ``"full"`` | ``"lora"`` | ``"qlora"`` (bitsandbytes ``load_in_4bit``: the
@@ -98,8 +98,8 @@ exactly from the config.  Activations and temporaries come from
 :mod:`trainmem.memory`, a symbolic replay of the step: the Llama forward written op by
 op as ``transformers`` runs it, each op saving for backward what PyTorch's autograd
 saves, backward in autograd's order, then the optimizer's scratch memory. It agrees with
-the tensor-level measurement of :mod:`trainmem.measure` (real CPU tensors, and fake
-tensors for 7B shapes) and with torch's own ``MemTracker`` to a few bytes in most
+the tensor-level measurement of :mod:`trainmem.measuring.measure` (real CPU tensors, and
+fake tensors for 7B shapes) and with torch's own ``MemTracker`` to a few bytes in most
 configurations; ``benchmarks/results/memory_accuracy.md`` lists a fixed grid and a
 random grid of tiny Llama, Qwen2 and Mistral configurations (GQA, tied embeddings, odd
 widths, every option) with the worst rows.  The ``forward`` phase peak under
@@ -328,6 +328,11 @@ def estimate_step(
         _options_record(shape, step),
         int(result["model_states"]),
         *_device(result, d, timeline),
+        attention={
+            "kind": d.attention,
+            "sdpa_backend": d.sdpa_backend,
+            "reason": d.attention_reason,
+        },
     )
 
 

@@ -115,9 +115,21 @@ class Family:
     #: where each Linear sits in the ``transformers`` model (``"model.layers.{i}.
     #: self_attn.q_proj"``): the names peft saves; ``None``: not modelled
     module_paths: dict[str, str] | None = None
+    #: a recorded family (``replay="traced"``) whose steps outside its recorded
+    #: variants (QLoRA, ZeRO, checkpointing) take the closed form (GPT-2)
+    closed_form_otherwise: bool = False
 
     def count_params(self, shape: "Shape") -> int:
         return self.other_params(shape) + shape.layers * self.params_per_layer(shape)
+
+    def layout(self, shape: "Shape", step) -> str | None:
+        """The decoder the replay builds for ``step`` (``None``: the closed form): a
+        recorded family replays the variants its data file holds."""
+        if self.replay != "traced" or not self.closed_form_otherwise:
+            return self.replay
+        from .memory.traced import recorded
+
+        return self.replay if recorded(shape, step) else None
 
 
 @dataclass(frozen=True)
@@ -131,6 +143,26 @@ class ModelType:
     config_class: str
     plain_defaults: dict[str, Any] = field(default_factory=dict)
     qkv_bias: bool = False  # q/k/v projections always have a bias (Qwen2)
+    #: a recorded family (:mod:`trainmem.memory.traced`): the config field of each
+    #: symbol (``h``, ``i``, ``L``, ``a``, ``k``, ``d``, ``v``, ``p``, ``tied``); a
+    #: symbol without a field is derived (``k = a``, ``d = h // a``)
+    fields: dict[str, str] = field(default_factory=dict)
+    #: size expressions of the symbols a config may leave unset (GPT-2: ``i = 4*h``)
+    derived: dict[str, str] = field(default_factory=dict)
+    #: config fields the probe models are built with besides the sizes
+    probe_fields: dict[str, Any] = field(default_factory=dict)
+    #: the LoRA targets its traces are recorded with (peft's usual choice for it)
+    lora_default: tuple[str, ...] = ("q_proj", "v_proj")
+    tied_default: bool = False  # where the config has no tie_word_embeddings field
+    #: the shape regimes its traces are recorded in: (grouped-query attention, tied
+    #: embeddings), those its published checkpoints use
+    regimes: tuple[tuple[bool, bool], ...] = ((True, False),)
+    #: the config field of an attention dropout the config class turns on by default
+    #: (GPT-2's ``attn_pdrop``): its traces are recorded for CPU's and CUDA's SDPA
+    attention_dropout: str | None = None
+    #: the attention implementation of a family whose transformers module has no SDPA
+    #: path (``None``: the step's)
+    attn: str | None = None
 
 
 def _llama_shape(get, name: str, model_type: str) -> "Shape":
@@ -228,6 +260,102 @@ def _gpt2_layer_params(s: "Shape") -> int:
     )
 
 
+def _traced_shape(get, name: str, model_type: str) -> "Shape":
+    """The :class:`Shape` of a recorded family's config (its ``ModelType.fields``)."""
+    mt = MODEL_TYPES[model_type]
+    f = mt.fields
+    values: dict[str, Any] = {}
+    for symbol in ("v", "h", "i", "L", "a", "k", "d", "p"):
+        values[symbol] = get(f[symbol], None) if symbol in f else None
+    if values["k"] is None:
+        values["k"] = values["a"]
+    if values["d"] is None and isinstance(values["h"], int) and values["a"]:
+        values["d"] = values["h"] // values["a"]
+    for symbol, expr in mt.derived.items():
+        if values[symbol] is None and isinstance(values["h"], int):
+            from .memory.traced import evaluate
+
+            values[symbol] = evaluate(expr, values)
+    tied = bool(get(f["tied"], mt.tied_default)) if "tied" in f else mt.tied_default
+    return Shape(
+        model_type,
+        values["v"],
+        values["h"],
+        values["i"],
+        values["L"],
+        values["a"],
+        values["k"],
+        values["d"],
+        tied,
+        positions=values["p"] or 0,
+        name=name,
+    )
+
+
+def _structure(s: "Shape") -> dict:
+    from .memory.traced import structure
+
+    return structure(s.arch, dict(gqa=s.kv_heads < s.heads, tied=s.tied, b1=False))
+
+
+def _traced_sizes(s: "Shape", part: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the parameters of ``part`` (``pre``/``layer``/``post``) of a
+    recorded family's model at ``s`` (read from its full fine-tuning trace)."""
+    from .memory.traced import evaluate, symbols
+
+    sym = symbols(s)
+    return [
+        (name, tuple(evaluate(x, sym) for x in dims))
+        for name, where, dims, _, _ in _structure(s)["params"]
+        if where == part
+    ]
+
+
+def _traced_linears(s: "Shape") -> dict[str, tuple[int, int]]:
+    """The 2-D weights of one decoder layer by the module name peft matches (the last
+    component, or the last two where the last repeats: GPT-2's ``attn.c_proj``)."""
+    paths = []
+    for name, dims in _traced_sizes(s, "layer"):
+        parts = name.split(".")
+        if parts[-1] == "weight" and len(dims) == 2:
+            n = parts.index("0")  # the layer index of layer 0's parameters
+            paths.append((parts[n + 1 : -1], dims))
+    last = [p[-1] for p, _ in paths]
+    out = {}
+    for path, (rows, cols) in paths:
+        key = path[-1] if last.count(path[-1]) == 1 else ".".join(path[-2:])
+        out[key] = (cols, rows)  # nn.Linear's (out, in); Conv1D's is (in, out)
+    return out
+
+
+def _count(sizes) -> int:
+    total = 0
+    for _, dims in sizes:
+        n = 1
+        for x in dims:
+            n *= x
+        total += n
+    return total
+
+
+def traced_family(name: str) -> Family:
+    """The :class:`Family` of a recorded model type: everything read from its data
+    file (:mod:`trainmem.memory.traced`). GPT-2 keeps its closed form for the steps
+    not recorded (:mod:`trainmem.closed_form`)."""
+    mt = MODEL_TYPES[name]
+    return Family(
+        name,
+        _traced_shape,
+        _traced_linears,
+        lambda s: _count(_traced_sizes(s, "layer")),
+        lambda s: _count(_traced_sizes(s, "pre")) + _count(_traced_sizes(s, "post")),
+        tuple(mt.fields[x] for x in ("v", "h", "L", "a") if x in mt.fields)
+        + ((mt.fields["i"],) if "i" in mt.fields and "i" not in mt.derived else ()),
+        replay="traced",
+        closed_form_otherwise=name == "gpt2",
+    )
+
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -258,16 +386,20 @@ FAMILIES: dict[str, Family] = {
                 )
             },
         ),
-        Family(
-            "gpt2",
-            _gpt2_shape,
-            _gpt2_linears,
-            _gpt2_layer_params,
-            lambda s: s.vocab * s.hidden + s.positions * s.hidden + 2 * s.hidden,
-            ("vocab_size", "n_embd", "n_layer", "n_head"),
-        ),
     )
 }
+
+#: the config fields of the symbols in Llama-style configs
+_LLAMA_FIELDS = dict(
+    v="vocab_size",
+    h="hidden_size",
+    i="intermediate_size",
+    L="num_hidden_layers",
+    a="num_attention_heads",
+    k="num_key_value_heads",
+    d="head_dim",
+    tied="tie_word_embeddings",
+)
 
 MODEL_TYPES: dict[str, ModelType] = {
     m.name: m
@@ -302,9 +434,73 @@ MODEL_TYPES: dict[str, ModelType] = {
             "gpt2",
             "GPT2Config",
             dict(n_inner=None, n_positions=1024, tie_word_embeddings=True),
+            fields=dict(
+                v="vocab_size",
+                h="n_embd",
+                i="n_inner",
+                L="n_layer",
+                a="n_head",
+                p="n_positions",
+            ),
+            derived=dict(i="4*h"),
+            lora_default=("c_attn",),
+            tied_default=True,
+            regimes=((False, True),),
+            attention_dropout="attn_pdrop",
+        ),
+        ModelType(
+            "qwen3",
+            "qwen3",
+            "Qwen3Config",
+            dict(num_key_value_heads=32, head_dim=128, tie_word_embeddings=False),
+            fields=_LLAMA_FIELDS,
+            regimes=((True, True), (True, False)),
+        ),
+        ModelType(
+            "gemma2",
+            "gemma2",
+            "Gemma2Config",
+            dict(num_key_value_heads=4, head_dim=256, tie_word_embeddings=True),
+            fields=_LLAMA_FIELDS,
+            # transformers 5's Gemma2 refuses attn_implementation="sdpa"
+            attn="eager",
+            regimes=((True, True),),
+        ),
+        ModelType(
+            "gemma3_text",
+            "gemma3_text",
+            "Gemma3TextConfig",
+            dict(num_key_value_heads=4, head_dim=256, tie_word_embeddings=True),
+            fields=_LLAMA_FIELDS,
+            regimes=((True, True),),
+        ),
+        ModelType(
+            "phi3",
+            "phi3",
+            "Phi3Config",
+            dict(num_key_value_heads=None, tie_word_embeddings=False),
+            fields={k: v for k, v in _LLAMA_FIELDS.items() if k != "d"},
+            # the probes' vocabularies are smaller than Phi-3's pad token id
+            probe_fields=dict(pad_token_id=None),
+            lora_default=("qkv_proj",),
+            regimes=((False, False), (True, False)),
+        ),
+        ModelType(
+            "olmo2",
+            "olmo2",
+            "Olmo2Config",
+            dict(num_key_value_heads=None, tie_word_embeddings=False),
+            fields={k: v for k, v in _LLAMA_FIELDS.items() if k != "d"},
+            probe_fields=dict(pad_token_id=None),
+            regimes=((False, False),),
         ),
     )
 }
+
+# every recorded model type is a family of its own, read from its data file
+FAMILIES.update(
+    {m.name: traced_family(m.name) for m in MODEL_TYPES.values() if m.fields}
+)
 
 
 def model_type(name: Any) -> ModelType:

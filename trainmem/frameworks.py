@@ -30,7 +30,7 @@ class Framework:
     zero_impls: tuple[str, ...] = ("fsdp", "deepspeed")
     #: the loop keeps the previous micro-batch's logits (``previous_seq``)
     previous_seq: bool = False
-    #: ``trainmem.measure`` can build and run its model
+    #: ``trainmem.measuring.measure`` can build and run its model
     measurable: bool = True
     #: SDPA's math path, where a card has no fused kernel for the dtype, is replayed
     replays_math_fallback: bool = True

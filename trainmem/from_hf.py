@@ -473,7 +473,9 @@ def run_options(conditions: dict, devices: int = 1) -> dict[str, Any]:
         "seq": c["seq"] or c["seq_bound"],
         "checkpointing": bool(c.get("checkpointing")),
         "grad_accum": c.get("grad_accum") or 1,
-        "attn": "sdpa",
+        # FlashAttention-2 (flash_attn's kernels, GQA without repeat_kv) or SDPA,
+        # whose kernel torch selects (trainmem.sdpa)
+        "attn": "flash" if c["attention"].startswith("flash_attention") else "sdpa",
         "optimizer": "adamw",
         "optimizer_impl": "foreach",  # torch.optim.AdamW(params) on CUDA
     }

@@ -11,12 +11,14 @@ def _gpu_notes(d: Decisions) -> list[dict]:
     """What the card changes besides memory, as ``{"code", "message"}`` (front ends
     word them by ``code``): bf16 on a card without bf16 units runs, but emulated
     (torch.cuda.is_bf16_supported() answers True through emulation below compute
-    capability 8.0, so Trainer(bf16=True) accepts it); bf16 SDPA there runs the
-    math path (:func:`trainmem.decisions.decide`); a DeepSpeed ZeRO-3 LoRA step
-    with non-reentrant checkpointing, which DeepSpeed before its fix stops with a
-    CheckpointError (seen on CPU with 0.16.4, ``benchmarks/deepspeed_cpu_check.py``);
-    and on more than 2 NVSwitch-connected sm_90+ GPUs NCCL's NVLS buffers, which the
-    estimate leaves out (:mod:`trainmem.gpus`)."""
+    capability 8.0, so Trainer(bf16=True) accepts it); SDPA on its math path where
+    torch's backend selection finds no fused kernel for the call
+    (:mod:`trainmem.sdpa`, :func:`trainmem.decisions.decide`); a DeepSpeed ZeRO-3
+    LoRA step with non-reentrant checkpointing, which DeepSpeed before its fix stops
+    with a CheckpointError (seen on CPU with 0.16.4,
+    ``benchmarks/deepspeed_cpu_check.py``); and on more than 2 NVSwitch-connected
+    sm_90+ GPUs NCCL's NVLS buffers, which the estimate leaves out
+    (:mod:`trainmem.gpus`)."""
     step, gpu = d.options, d.gpu
     notes = []
     major, minor = gpu.capability
@@ -31,12 +33,14 @@ def _gpu_notes(d: Decisions) -> list[dict]:
             }
         )
     if d.sdpa_math_fallback:
-        replayed = d.attention_reason is not None  # decisions._attention
+        replayed = d.sdpa_backend == "math"  # decisions._attention
+        why = f" ({d.attention_reason})" if d.attention_reason else ""
         notes.append(
             {
                 "code": "sdpa-math" if replayed else "sdpa-math-not-modelled",
-                "message": "no fused SDPA kernel takes bf16 below sm_80, so attention "
-                "runs SDPA's math path (fp32 scores and softmax): "
+                "message": f"no fused SDPA kernel takes this call on {gpu.name} "
+                f"(sm_{major}{minor}), so attention runs SDPA's math path (the "
+                f"scores and softmax materialised){why}: "
                 + (
                     "replayed on that path"
                     if replayed

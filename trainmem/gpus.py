@@ -122,11 +122,9 @@ NCCL_MIN_RING_CHANNELS = 2
 NCCL_NVLINK_CHANNELS = 24
 
 
-#: compute capability 8.0 (Ampere), the one threshold the course's GPU rules share:
-#: native bf16 (below it torch emulates bf16; ``coursekit.gpu.bf16_supported``), TF32
-#: matmuls, FlashAttention-2, and SDPA's fused kernels for bf16 (flash: sm_80 and up;
-#: memory-efficient: fp16/fp32 below sm_80, ``less_than_sm80_mem_efficient_dtypes`` in
-#: aten/src/ATen/native/transformers/cuda/sdp_utils.cpp)
+#: compute capability 8.0 (Ampere): native bf16 (below it torch emulates bf16;
+#: ``coursekit.gpu.bf16_supported``), TF32 matmuls and FlashAttention-2. Which SDPA
+#: kernel a card runs is :mod:`trainmem.sdpa`'s (torch's checks, per version)
 SM80 = (8, 0)
 
 
@@ -161,6 +159,7 @@ GPUS = {
         GPU("A100-40GB", 40960, (8, 0), nvlink=True),
         GPU("A100-80GB", 81920, (8, 0), nvlink=True),
         GPU("H100-80GB", 81559, (9, 0), nvlink=True),
+        GPU("H200", 143771, (9, 0), nvlink=True),
     )
 }
 

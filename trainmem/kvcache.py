@@ -4,7 +4,7 @@ KV cache bytes = 2 (K and V) × layers × kv_heads × head_dim × context × bat
 bytes/element. GQA shares each K/V head among ``num_attention_heads /
 num_key_value_heads`` query heads, so the cache shrinks by that factor. All results are
 ``int``/``float`` bytes; configs are the ``transformers`` configs of
-:mod:`trainmem.models` (fields ``hidden_size``, ``num_hidden_layers``,
+:mod:`trainmem.measuring.models` (fields ``hidden_size``, ``num_hidden_layers``,
 ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``, ``vocab_size``,
 ``tie_word_embeddings``).
 """

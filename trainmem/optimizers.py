@@ -15,7 +15,7 @@ An :class:`Optimizer` entry says everything the rest of the package needs:
   :data:`trainmem.memory.optimizer_step.SCRATCH_RULES`, ``None`` for none);
   ``default_impl`` is the one an unspecified ``optimizer_impl`` means.
 * ``torch`` — where its torch class lives (``"torch.optim:AdamW"``) and the keyword
-  arguments it is built with (:func:`trainmem.training_setup.make_optimizer`);
+  arguments it is built with (:func:`trainmem.measuring.training_setup.make_optimizer`);
   ``None`` with ``unmeasurable`` saying why ``measure`` cannot run it.
 * ``hf_optims`` — the ``TrainingArguments.optim`` names that run it, each with its
   implementation (:func:`trainmem.from_hf.hf_options`).
@@ -210,7 +210,7 @@ OPTIMIZERS: dict[str, Optimizer] = {
             lambda p: p,
             {"for-loop": Impl({}, "lion-for-loop"), "fused": Impl(None, None)},
             "for-loop",
-            ("trainmem.lion:Lion", {}),
+            ("trainmem.measuring.lion:Lion", {}),
             hf_optims={"lion_32bit": "fused"},
         ),
         Optimizer(

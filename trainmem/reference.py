@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .dtypes import adam_state_bytes_per_param, nf4_bytes_per_weight
 from .estimate import GB, GiB, count_params, estimate
-from .quant import adam_state_bytes_per_param, nf4_bytes, nf4_bytes_per_param
+
 
 __all__ = [
     "MODEL_7B",
@@ -36,7 +37,6 @@ __all__ = [
     "adam8_saving",
     "qlora_base_split",
     "qlora_base_bytes",
-    "nf4_7b_bytes",
     "int8_7b_bytes",
     "INT8_RULES",
     "H100_HBM_BYTES_PER_S",
@@ -83,22 +83,12 @@ ACT_CONDITIONS = dict(
 )
 
 
-#: Llama-3-8B (Meta, 2024) as overrides of the LLaMA-2-7B preset: same width, depth and
-#: heads; a 128,256-token vocabulary, GQA with 8 key/value heads, a wider MLP.
-_LLAMA3_8B_OVERRIDES = dict(
-    vocab_size=128256,
-    intermediate_size=14336,
-    num_key_value_heads=8,
-    max_position_embeddings=8192,
-)
-
-
 def llama3_8b():
-    """The transformers config of Llama-3-8B (the shape of :data:`LLAMA3_8B`), usable
-    wherever a preset name is."""
-    from .models import get_config
+    """The transformers config of Llama-3-8B, built from :data:`LLAMA3_8B` (the one
+    definition), usable wherever a preset name is."""
+    from .families import transformers_config
 
-    return get_config("llama2-7b", **_LLAMA3_8B_OVERRIDES)
+    return transformers_config(LLAMA3_8B, LLAMA3_8B["name_or_path"])
 
 
 def n_params(model: str = MODEL_7B) -> int:
@@ -161,23 +151,7 @@ def qlora_base_bytes(
     """Bytes of a QLoRA base model: NF4 decoder Linears (constants included) + 16-bit
     rest."""
     linear, rest = qlora_base_split(model)
-    return (
-        linear * nf4_bytes_per_param(block_size, double_quant=double_quant)
-        + rest * other_bytes
-    )
-
-
-def nf4_7b_bytes(rule: str, model: str = MODEL_7B) -> float:
-    """A model's weights at 4 bits by ``rule`` (:data:`trainmem.quant.NF4_RULES`).
-
-    ``"fp16-scale"``, ``"fp32-absmax"`` and ``"double-quant"`` count every parameter
-    at 4 bits; ``"bitsandbytes"`` quantises the decoder Linears (double-quant) and keeps
-    the embeddings, ``lm_head`` and norms in 16 bits (= :func:`qlora_base_bytes`).
-    """
-    if rule == "bitsandbytes":
-        linear, rest = qlora_base_split(model)
-        return nf4_bytes(linear, rule, other_params=rest)
-    return nf4_bytes(n_params(model), rule)
+    return linear * nf4_bytes_per_weight(double_quant, block_size) + rest * other_bytes
 
 
 #: The rules a "7B in INT8" size can be counted by (:func:`int8_7b_bytes`).
@@ -204,8 +178,8 @@ def int8_7b_bytes(rule: str, model: str = MODEL_7B) -> float:
 
 
 # ------------------------------------------------------------------ 4-bit weights
-# : The rules a "7B at 4 bits" size can be computed by, each named once. Chapter 1 and
-# : chapter 7 quote the same rule by the same name.
+#: The rules a "7B at 4 bits" size can be computed by, each named once (the one list:
+#: chapter 1 and chapter 7 quote the same rule by the same name).
 FOUR_BIT_RULES = {
     "nf4": "every parameter NF4, one fp32 absmax per 64 weights (QLoRA without double"
     " quantisation)",
@@ -221,9 +195,9 @@ def four_bit_bytes_per_param(rule: str = "nf4") -> float:
     (``"nf4"`` or ``"nf4-dq"``; ``"bnb"`` depends on the model: see
     :func:`four_bit_weight_bytes`)."""
     if rule == "nf4":
-        return nf4_bytes_per_param(64, double_quant=False)
+        return nf4_bytes_per_weight(double_quant=False)
     if rule == "nf4-dq":
-        return nf4_bytes_per_param(64, double_quant=True)
+        return nf4_bytes_per_weight(double_quant=True)
     raise ValueError(
         f"rule must be 'nf4' or 'nf4-dq' for bytes per parameter (got {rule!r}); "
         "'bnb' keeps some parameters in 16 bits: use four_bit_weight_bytes"

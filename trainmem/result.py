@@ -36,6 +36,9 @@ class MemoryEstimate:
     #: with ``timeline=True``: bytes by category sampled over the step's allocation
     #: events (about 200 points: ``event``, ``phase``, ``reserved`` and the categories)
     timeline: list[dict[str, Any]] | None = None
+    #: what attention runs (``kind``: sdpa, math or eager as far as memory goes;
+    #: ``sdpa_backend``: the kernel torch selects, trainmem.sdpa; ``reason``)
+    attention: dict[str, Any] | None = None
 
     @property
     def reserved_bytes(self) -> int | None:
@@ -68,6 +71,7 @@ class MemoryEstimate:
             "phase_peaks": {k: int(v) for k, v in self.phase_peaks.items()},
             "exact": self.exact,
             "options": self.options,
+            **({"attention": self.attention} if self.attention else {}),
         }
 
     def to_json(self, **kw) -> str:
@@ -103,6 +107,9 @@ class MemoryEstimate:
                 f"\n{d['gpu']}: {verdict}; headroom {d['headroom_bytes'] / GiB:.2f} GiB"
             )
             text += "".join(f"\nnote: {n['message']}" for n in d.get("notes", ()))
+        if self.attention and self.attention.get("sdpa_backend"):
+            a = self.attention
+            text += f"\nattention: SDPA runs {a['sdpa_backend']} ({a['reason']})"
         if "load_dtype_reason" in self.options:
             text += f"\nrecipe: {self.options['load_dtype_reason']}"
         return text

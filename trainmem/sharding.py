@@ -1,13 +1,15 @@
 """Who shards the model under ZeRO (``zero_impl``): one entry each, declared once.
 
-A :class:`Sharding` says how the replay partitions and gathers (a decoder layer per
-unit with the next prefetched and the root unit kept, or module by module with a
-prefetch bucket and small parameters never partitioned), where the gradients wait
-for their reduction (one unit's unsharded gradient, or a contiguous bucket), the
-stages and frameworks it is modelled for and how many NCCL communicators it holds.
-Nothing else in the package tests a sharding's name (``tests/test_structure.py``
-counts). The rules themselves, each with its source line, are in
-:mod:`trainmem.memory.shard_plan` and :mod:`trainmem.deepspeed`.
+A :class:`Sharding` carries how the replay partitions and gathers — its ``replay``,
+the functions :mod:`trainmem.memory.shard_plan` calls without asking which sharding it
+is: a decoder layer per unit with the next prefetched and the root unit kept
+(:mod:`trainmem.memory.shard_fsdp`), or module by module with a prefetch bucket and
+small parameters never partitioned (:mod:`trainmem.memory.shard_deepspeed`) — and
+where the gradients wait for their reduction (one unit's unsharded gradient, or a
+contiguous bucket); and the stages and frameworks it is modelled for and how many NCCL
+communicators it holds. Nothing else in the package tests a sharding's name
+(``tests/test_structure.py`` counts). The rules themselves, each with its source line,
+are in those two modules and :mod:`trainmem.deepspeed`.
 
 Standard library only (the book's in-page calculator runs it in Pyodide).
 """
@@ -17,6 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import lookup
+from .memory.shard_deepspeed import DEEPSPEED
+from .memory.shard_fsdp import FSDP
+from .memory.shard_plan import ShardReplay
 
 
 @dataclass(frozen=True)
@@ -31,15 +36,10 @@ class Sharding:
     frameworks_refused: str
     #: only for the replayed decoders (not the closed forms)
     replayed_only: bool
-    #: parameters gathered module by module (DeepSpeed's ``fetch_sub_module``, its
-    #: trace, prefetch bucket and persistence threshold) instead of a layer per unit
-    module_gather: bool
-    #: the root unit (embeddings, final norm, lm_head) stays gathered from the
-    #: forward to the end of backward (FSDP's root)
-    keeps_root: bool
-    #: gradients are copied into a contiguous bucket of ``reduce_bucket_size``
-    #: elements instead of waiting unsharded per unit
-    gradient_bucket: bool
+    #: what it does in the replay: the sizes it reads, the parameters it never
+    #: partitions, what it gathers at once and where the gradients wait for their
+    #: reduction (:class:`~trainmem.memory.shard_plan.ShardReplay`)
+    replay: ShardReplay
     #: NCCL communicators its process holds (DeepSpeed clones the default group)
     communicators: int
     #: takes ``deepspeed_sizes``
@@ -61,9 +61,7 @@ SHARDINGS: dict[str, Sharding] = {
             frameworks=(),
             frameworks_refused="",
             replayed_only=False,
-            module_gather=False,
-            keeps_root=True,
-            gradient_bucket=False,
+            replay=FSDP,
             communicators=1,
             sizes=False,
             checkpoint_error=False,
@@ -78,9 +76,7 @@ SHARDINGS: dict[str, Sharding] = {
             frameworks=("hf",),
             frameworks_refused="(LitGPT shards with FSDP through Fabric)",
             replayed_only=True,
-            module_gather=True,
-            keeps_root=False,
-            gradient_bucket=True,
+            replay=DEEPSPEED,
             communicators=2,
             sizes=True,
             checkpoint_error=True,

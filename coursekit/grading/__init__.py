@@ -18,22 +18,35 @@ Parts, each with one job (imports go downwards in this list):
 Formats, statuses and the partial-credit policy: ``tests/grading/README.md``.
 """
 
-from .api import STUB_LIMIT, CaseType, LabTests, Question, load_tests
-from .core import grade
-from .report import total
-from .scoring import prepare, score
-from .submissions import colab_base, discover
+from importlib import import_module
 
-__all__ = [
-    "STUB_LIMIT",
-    "CaseType",
-    "LabTests",
-    "Question",
-    "colab_base",
-    "discover",
-    "grade",
-    "load_tests",
-    "prepare",
-    "score",
-    "total",
-]
+# Loaded on first use (PEP 562): the worker and kernel processes
+# (``python -m coursekit.grading.worker`` / ``.kernel_main``) import this package
+# first and need none of these (core alone pulls in jinja2, nbformat and the lab
+# generator).
+_LAZY = {
+    "STUB_LIMIT": "api",
+    "CaseType": "api",
+    "LabTests": "api",
+    "Question": "api",
+    "load_tests": "api",
+    "grade": "core",
+    "total": "report",
+    "prepare": "scoring",
+    "score": "scoring",
+    "colab_base": "submissions",
+    "discover": "submissions",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *_LAZY})

@@ -180,10 +180,13 @@ def _mlp_case(rng, n, **extra):
 
 def _accum_type(kind):
     def make(rng):
-        if kind == "bad":
+        if kind == "bad":  # N not a multiple of accum; accum < 1 (0, or one dividing N)
             return [
                 _mlp_case(rng, a * rng.randint(2, 4) + 1, accum=a, bad=True)
                 for a in (3, 4)
+            ] + [
+                _mlp_case(rng, 2 * rng.randint(2, 8), accum=a, bad=True)
+                for a in (0, -2)
             ]
         return [
             _mlp_case(rng, a * rng.randint(1, 5), accum=a, bad=False)
@@ -309,10 +312,11 @@ ACCUM_TYPES = [
     ),
     CaseType(
         "bad",
-        "N 不能被 accum 整除：ValueError",
+        "N 不能被 accum 整除，或 accum < 1：ValueError",
         1,
         _accum_type("bad"),
-        fix="N % accum != 0 时 raise ValueError（在任何计算之前）",
+        fix="accum < 1 或 N % accum != 0 时 raise ValueError（在任何计算之前；"
+        "N % 0 抛的是 ZeroDivisionError，负的 accum 也可能整除 N）",
     ),
 ]
 WEIGHTED_TYPES = [
@@ -434,15 +438,35 @@ def CASE(_case):
     _out = _out_box[0]
     if _out.requires_grad:
         _out.pow(2).mean().backward()
+    _forwards = _count[0]
     return {
         "out": _out.detach().flatten().tolist(),
         "saved": _saved,
-        "forwards": _count[0],
+        "forwards": _forwards,
         "x_grad": _x.grad.flatten().tolist() if _x.grad is not None else None,
         "grads": _lab04_grads(_blocks),
+        "autograd_grad": _lab04_autograd_grad(_blocks, _case),
     }
 """
 )
+# torch.autograd.grad through the blocks (a fresh input that needs a gradient): the
+# non-reentrant checkpoint supports it; the reentrant one raises in backward ("When
+# use_reentrant=True, torch.utils.checkpoint is incompatible with .grad()", torch's
+# CheckpointFunction.backward). True when it gives every parameter a gradient.
+BLOCKS_PROBE += r"""
+def _lab04_autograd_grad(_blocks, _case):
+    import torch as _t
+    _x = _lab04_x(_case).requires_grad_(True)
+    _params = list(_blocks.parameters())
+    try:
+        _g = _t.autograd.grad(
+            run_blocks(_blocks, _x, _case["ck"]).pow(2).mean(), _params,
+            allow_unused=True,
+        )
+    except Exception:
+        return False
+    return all(g is not None for g in _g)
+"""
 
 
 def blocks_expect(case):
@@ -461,6 +485,7 @@ def blocks_expect(case):
         "x_grad": x.grad.flatten().tolist() if x.grad is not None else None,
         "saved": L * B * d * 4 if case["ck"] else plain_saved,
         "forwards": 2 * L if case["ck"] else L,
+        "autograd_grad": True,
     }
 
 
@@ -486,6 +511,10 @@ def blocks_compare(got, want):
         or (wxg is not None and _close(xg, wxg)),
         saved_label: _int_equal(got.get("saved"), want["saved"]),
         forwards_label: got.get("forwards") == want["forwards"],
+        "torch.autograd.grad 能求出参数梯度（非 reentrant 检查点）": got.get(
+            "autograd_grad"
+        )
+        is want["autograd_grad"],
     }
     wrong = [k for k, ok in checks.items() if not ok]
     return not wrong, ("不对的是：" + "、".join(wrong)) if wrong else ""
@@ -528,7 +557,8 @@ BLOCKS_TYPES = [
         3,
         _blocks_type(True, True),
         fix="checkpointing=True 时每个 block 都交给 torch.utils.checkpoint 的非 "
-        "reentrant 检查点去调用（本实验第 4 节）",
+        "reentrant 检查点去调用（本实验第 4 节）；reentrant 版本不支持 "
+        "torch.autograd.grad",
     ),
     CaseType(
         "input_no_grad",
@@ -553,7 +583,7 @@ QUESTIONS = [
         show_value=_show_result,
         description="accumulate_grads：loss/accum 的累积循环，"
         "梯度与整批一致（rtol=1e-5, atol=1e-6），"
-        "先清零、按 micro-batch 前向、不整除时 ValueError",
+        "先清零、按 micro-batch 前向、不整除或 accum<1 时 ValueError",
     ),
     Question(
         "accumulate_grads_weighted",
@@ -588,7 +618,7 @@ QUESTIONS = [
         show_input=_show_blocks,
         show_value=_show_blocks_value,
         description="run_blocks：checkpoint(..., use_reentrant=False) 包装每个 block；"
-        "输出与梯度不变，"
+        "输出与梯度不变（backward 与 torch.autograd.grad 都可用），"
         "只保存 block 输入，每个 block 重算一次（输入不需要梯度时参数仍有梯度）",
     ),
 ]

@@ -6,8 +6,8 @@ into modules both in the student's kernel (probe) and in this process (check). T
 reference is ``peft`` itself, run here: the same base weights and the same A, B copied
 into ``peft``'s ``lora.Linear`` must give the same outputs, gradients and merged
 weights. The tiny Llama for ``inject_lora`` is built with
-``trainmem.models.build_model(config, seed=...)`` on both sides (same seed → same
-weights).
+``trainmem.measuring.models.build_model(config, seed=...)`` on both sides (same seed →
+same weights).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _lab05_adapters(case):
 
 
 def _lab05_llama_cfg(case):
-    from trainmem.models import tiny_llama_config
+    from trainmem.measuring.models import tiny_llama_config
 
     h, nh = case["hidden"], case["heads"]
     return tiny_llama_config(
@@ -130,7 +130,12 @@ def _peft_layer(ns, case):
 
     model = get_peft_model(
         Wrap(ns["_lab05_base"](case)),
-        LoraConfig(r=case["r"], lora_alpha=case["alpha"], target_modules=["proj"]),
+        LoraConfig(
+            r=case["r"],
+            lora_alpha=case["alpha"],
+            lora_dropout=case.get("dropout", 0.0),
+            target_modules=["proj"],
+        ),
     )
     layer = model.base_model.model.proj
     A, B, x, w = ns["_lab05_adapters"](case)
@@ -312,11 +317,14 @@ FORWARD_PROBE = (
     BUILD_SRC
     + r"""
 def CASE(_case):
-    _layer = LoRALinear(_lab05_base(_case), _case["r"], _case["alpha"])
+    _p = [_case["dropout"]] if "dropout" in _case else []
+    _layer = LoRALinear(_lab05_base(_case), _case["r"], _case["alpha"], *_p)
     _A, _B, _x, _w = _lab05_adapters(_case)
     with _torch.no_grad():
         _layer.lora_A.copy_(_A)
         _layer.lora_B.copy_(_B)
+    _layer.train()
+    _torch.manual_seed(_case["seed"])  # the dropout mask, drawn as peft draws it
     _out = _layer(_x)
     (_out * _w).sum().backward()
     return {
@@ -330,7 +338,13 @@ def CASE(_case):
 
 @_quiet
 def forward_expect(case):
+    import torch
+
     model, layer, x, w = _peft_layer(_ns(), case)
+    model.train()
+    # peft's lora.Linear draws one dropout mask, on the LoRA branch's input only
+    # (lora_B(lora_A(lora_dropout(x)))): the same draw as the student's dropout(x)
+    torch.manual_seed(case["seed"])
     out = model(x)
     (out * w).sum().backward()
     return {
@@ -374,6 +388,14 @@ FORWARD_TYPES = [
         1,
         _layers(2, r=1, alpha=3.5),
         fix="scaling = alpha / r 是浮点数，不要用整数除法",
+    ),
+    CaseType(
+        "dropout",
+        "dropout > 0（训练模式）",
+        1,
+        _layers(2, dropout=0.5),
+        fix="dropout 只作用在 LoRA 支路的输入上：base(x) + B A dropout(x) · scaling，"
+        "base 看到的是原始的 x（自检的 peft_and_ours(..., dropout=0.5) 是同一类输入）",
     ),
 ]
 
@@ -484,7 +506,7 @@ def _inject_type(kind):
 INJECT_PROBE = (
     BUILD_SRC
     + r"""
-from trainmem.models import build_model as _build_model
+from trainmem.measuring.models import build_model as _build_model
 
 
 def CASE(_case):
@@ -535,7 +557,7 @@ def inject_expect(case):
         return {"raised": "ValueError"}
     from peft import LoraConfig, get_peft_model
 
-    from trainmem.models import build_model
+    from trainmem.measuring.models import build_model
 
     ns = _ns()
     model = get_peft_model(
@@ -659,7 +681,8 @@ QUESTIONS = [
         compare=forward_compare,
         probe=FORWARD_PROBE,
         show_input=_show_layer,
-        description="LoRALinear.forward：输出与 A、B 的梯度与 peft 的 lora.Linear 一致",
+        description="LoRALinear.forward：输出与 A、B 的梯度与 peft 的 lora.Linear 一致"
+        "（dropout 只在 LoRA 支路上）",
     ),
     Question(
         "lora_merge",

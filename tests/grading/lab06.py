@@ -2,8 +2,8 @@
 token-weighted accumulation, dtype by compute capability, prediction vs measurement).
 
 Format: tests/grading/README.md. Models are tiny Llamas with fresh shapes drawn here,
-built with ``trainmem.models.build_model(config, seed=...)`` on both sides (same seed →
-same weights); LoRA weights and batches come from ``random.Random`` in
+built with ``trainmem.measuring.models.build_model(config, seed=...)`` on both sides
+(same seed → same weights); LoRA weights and batches come from ``random.Random`` in
 :data:`BUILD_SRC`, which runs in the student's kernel (probe) and in this process
 (check). The references (peft trainable counts, the big-batch fp32 optimizer step,
 non-checkpointed gradients, ``trainmem.estimate`` of a plan) are computed here.
@@ -39,7 +39,7 @@ import torch as _torch
 
 
 def _lab06_cfg(case):
-    from trainmem.models import tiny_llama_config
+    from trainmem.measuring.models import tiny_llama_config
 
     return tiny_llama_config(
         hidden_size=case["hidden"],
@@ -55,7 +55,7 @@ def _lab06_peft(case):
     """The reference LoRA model (not the student's make_lora_model): LoRA A and B
     filled from the case."""
     from peft import LoraConfig, get_peft_model
-    from trainmem.models import build_model
+    from trainmem.measuring.models import build_model
 
     m = get_peft_model(
         build_model(_lab06_cfg(case), seed=case["seed"]),
@@ -194,7 +194,7 @@ def _make_type(targets):
 MAKE_PROBE = (
     BUILD_SRC
     + r"""
-from trainmem.models import build_model as _build_model
+from trainmem.measuring.models import build_model as _build_model
 
 
 def CASE(_c):
@@ -217,6 +217,9 @@ def CASE(_c):
         "dropout": float(_pc.lora_dropout),
         "targets": sorted(_pc.target_modules),
         "task_type": str(getattr(_pc.task_type, "value", _pc.task_type)),
+        # the Llama's linear layers have no biases: which biases train is seen only
+        # in the configuration
+        "bias": str(_pc.bias),
     }
 """
 )
@@ -224,7 +227,7 @@ def CASE(_c):
 
 @_quiet
 def make_expect(c):
-    from trainmem.lora import lora_param_count_for_config
+    from trainmem.demos.lora import lora_param_count_for_config
 
     return {
         "trainable": lora_param_count_for_config(
@@ -253,6 +256,7 @@ def make_compare(got, want):
             and got.get("dropout") == want["dropout"],
             "target_modules": got.get("targets") == want["targets"],
             "task_type 应为 CAUSAL_LM": got.get("task_type") == "CAUSAL_LM",
+            'bias 应为 "none"（不训练偏置）': got.get("bias") == "none",
         }
     )
 
@@ -755,7 +759,7 @@ def prediction_share(pred, peak) -> float:
 def plan_check(inputs, result):
     if not isinstance(result, dict):
         return 0.0, "没有找到 CPU_PLAN / GPU_PLAN"
-    from trainmem.synthetic_task import task_config
+    from trainmem.demos.synthetic_task import task_config
 
     lines, share = [], 0.0
     for key, pred_key, model in (
@@ -851,8 +855,8 @@ PEAK_PROBE = (
     + r"""
 def CASE(_c):
     from peft import LoraConfig, get_peft_model
-    from trainmem.models import build_model
-    from trainmem.tracker import MemoryTracker
+    from trainmem.measuring.models import build_model
+    from trainmem.measuring.tracker import MemoryTracker
 
     _m = build_model(_lab06_cfg(_c), seed=_c["seed"])
     if _c["precision"] == "bf16":

@@ -28,8 +28,11 @@ tensors.
 Parts (imports go one way): :mod:`.accounting` (tensors, buffers, bytes by category) <-
 :mod:`.autograd` (nodes, backward, checkpointing) <- :mod:`.ops` (the ops and their
 autograd rules) <- :mod:`.sharded` (what sharding does to the step, behind hooks) <-
-:mod:`.llama`, :mod:`.litgpt` (the decoder layouts and their parameters) <- :mod:`.step`
-(one training step: the decoder table ``DECODERS``, sharding, optimizer). The entry
+:mod:`.llama`, :mod:`.litgpt` (the decoder layouts and their parameters) <-
+:mod:`.shard_plan` (what every ZeRO sharding does alike) <- :mod:`.shard_fsdp`,
+:mod:`.shard_deepspeed` (each sharding's gathers and gradient buffers: the ``replay``
+of its :mod:`trainmem.sharding` entry); :mod:`.step` (one training step: the decoder
+table ``DECODERS``, sharding, optimizer). The entry
 point is ``step.simulate_step(shape, decisions)``: a :class:`trainmem.config.Shape` and
 the step's :class:`trainmem.decisions.Decisions` (:func:`trainmem.decisions.decide`),
 which say every dtype, the attention backend, the sharding plan and the layout.

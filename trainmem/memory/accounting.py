@@ -14,7 +14,8 @@ from itertools import count
 from ..dtypes import DTYPES
 
 #: The six categories every estimate and measurement sorts its bytes into (the one
-#: definition: ``trainmem.config`` and ``trainmem.tracker`` import it from here).
+#: definition: ``trainmem.config`` and ``trainmem.measuring.tracker`` import it from
+#: here).
 CATEGORIES = (
     "weights",
     "gradients",

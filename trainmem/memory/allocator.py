@@ -20,6 +20,12 @@ the rules of ``c10/cuda/CUDACachingAllocator.cpp`` (the constants are shared wit
   every fully free segment is released and the allocation retried
   (``release_cached_blocks``), and only if that fails too is it an out-of-memory error.
 
+The step is replayed as step 2 of training, after step 1 (:mod:`trainmem.memory.step`,
+``_first_step``): torch's optimizers create their states in their first ``step()``,
+in blocks step 1's activations left free, so step 2's activations need segments of
+their own; a ``reset_peak`` event (``torch.cuda.reset_peak_memory_stats()``) starts
+step 2's peak allocated and timeline, while reserved memory carries over.
+
 Not modelled: several streams (one stream here), ``max_split_size_mb`` and
 ``expandable_segments`` (``PYTORCH_CUDA_ALLOC_CONF``; the defaults are assumed),
 ``garbage_collection_threshold``, and CUDA graphs' private pools.
@@ -272,6 +278,11 @@ class Replay:
                 self.live[self.category[uid]] += ev[2] - self.sizes[uid]
                 self.sizes[uid] = ev[2]
                 self.blocks[uid] = self.alloc.malloc(ev[2])
+        elif kind == "reset_peak":
+            # torch.cuda.reset_peak_memory_stats() between steps: the peak allocated
+            # (and the timeline) start again from what is allocated now
+            self.alloc.peak_allocated = self.alloc.allocated
+            self.timeline, self._best = [], None
         elif kind == "category":
             if uid in self.sizes:
                 self.live[self.category[uid]] -= self.sizes[uid]
@@ -311,7 +322,10 @@ def replay(events: list, capacity: int | None = None, timeline_points: int = 0):
     their final size, ``_setup_at_final_size``) and return :meth:`Replay.result`;
     ``timeline_points``: about that many samples of the live bytes by category."""
     events = _setup_at_final_size(events)
-    every = max(1, len(events) // timeline_points) if timeline_points else 0
+    # the timeline samples the step after the last reset_peak (a warm-up step before)
+    resets = [i for i, ev in enumerate(events) if ev[0] == "reset_peak"]
+    sampled = len(events) - (resets[-1] if resets else 0)
+    every = max(1, sampled // timeline_points) if timeline_points else 0
     run = Replay(capacity, every)
     run.feed(events)
     return run.result()

@@ -1,7 +1,7 @@
 """The chunked (fused linear) cross-entropy replayed: what
-:class:`trainmem.chunked_loss.ChunkedLinearCrossEntropy` allocates, chunk by chunk,
-in its forward and in its backward, in place of the ``lm_head`` linear, the logits and
-``cross_entropy`` (:func:`.llama.llama_loss` with ``loss_chunk`` set)."""
+:class:`trainmem.measuring.chunked_loss.ChunkedLinearCrossEntropy` allocates, chunk by
+chunk, in its forward and in its backward, in place of the ``lm_head`` linear, the
+logits and ``cross_entropy`` (:func:`.llama.llama_loss` with ``loss_chunk`` set)."""
 
 from __future__ import annotations
 

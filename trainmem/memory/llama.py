@@ -192,6 +192,8 @@ def attention(
             sim, view(o, (b, s, a, d), "t")
         )  # transpose(1, 2).contiguous()
     elif cfg["attn"] == "math":
+        if cfg.get("sdpa_repeats_kv"):
+            ke, v = repeat_kv(sim, ke, a), repeat_kv(sim, v, a)
         o = sdpa_math(sim, qe, ke, v)
         del qe, ke, v
         # transpose(1, 2).contiguous(): the math path's output is (b, heads, s, d)
@@ -203,7 +205,10 @@ def attention(
         o = ring_sdpa(sim, qe, ke, v, cfg["context_parallel"])
         del qe, ke, v
     else:
-        o = sdpa(sim, qe, ke, v)
+        if cfg.get("sdpa_repeats_kv"):
+            # transformers' repeat_kv (no enable_gqa): SDPA saves the copies
+            ke, v = repeat_kv(sim, ke, a), repeat_kv(sim, v, a)
+        o = sdpa(sim, qe, ke, v, lse_align=cfg.get("lse_align", 1))
         del qe, ke, v
     o = view(o, (b, s, a * d))
     return lora_linear(sim, o, layer.linears["o_proj"])
@@ -299,8 +304,8 @@ def llama_loss(
         del pos
     if sim.sharded:
         # the layers a sharding keeps gathered from their forward until their
-        # backward (DeepSpeed ZeRO-3: step._deepspeed_kept), held from here
-        sim.sharded.after_layers(sim, cfg)
+        # backward (DeepSpeed ZeRO-3: shard_deepspeed._deepspeed_kept), held from here
+        sim.sharded.after_layers(sim)
     h = rmsnorm(sim, h, model.norm)
     del mask  # LlamaModel.forward returns here
     if cfg.get("loss_chunk"):

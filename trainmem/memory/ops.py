@@ -360,13 +360,16 @@ def softmax_fp32(sim: Simulator, x: SimTensor) -> SimTensor:
     return out
 
 
-def sdpa(sim: Simulator, q: SimTensor, k: SimTensor, v: SimTensor) -> SimTensor:
-    """``scaled_dot_product_attention`` (flash kernel): saves q, k, v, out and
-    logsumexp."""
+def sdpa(
+    sim: Simulator, q: SimTensor, k: SimTensor, v: SimTensor, lse_align: int = 1
+) -> SimTensor:
+    """``scaled_dot_product_attention`` on a fused kernel (flash, cuDNN,
+    memory-efficient; :mod:`trainmem.sdpa`): saves q, k, v, out and the fp32
+    logsumexp, whose query dim the memory-efficient kernel pads to ``lse_align``."""
     q, k, v = _autocast_input(sim, q), _autocast_input(sim, k), _autocast_input(sim, v)
     b, a, s, d = q.shape
     out = new(sim, (b, a, s, d), q.dtype, layout="bshd")
-    lse = new(sim, (b, a, s), "fp32")
+    lse = new(sim, (b, a, -(-s // lse_align) * lse_align), "fp32")
     q_shape, k_shape, v_shape, dtype = q.shape, k.shape, v.shape, q.dtype
     q_needs_grad, k_needs_grad, v_needs_grad = (
         q.requires_grad,

@@ -34,10 +34,10 @@ def _adamw_for_loop(sim: Simulator, params: list, state_dtype, part: float) -> N
 
 
 def _lion_for_loop(sim: Simulator, params: list, state_dtype, part: float) -> None:
-    """:class:`trainmem.lion.Lion` (lion-pytorch's update), per parameter: ``update =
-    exp_avg.clone().mul_(b1).add(grad, alpha=1 - b1).sign_()`` — the clone and the sum
-    coexist, the clone goes, and ``update`` is released when the per-parameter update
-    function returns."""
+    """:class:`trainmem.measuring.lion.Lion` (lion-pytorch's update), per parameter:
+    ``update = exp_avg.clone().mul_(b1).add(grad, alpha=1 - b1).sign_()`` — the clone
+    and the sum coexist, the clone goes, and ``update`` is released when the
+    per-parameter update function returns."""
     for n in _state_sizes(params, state_dtype, part):
         clone = sim.alloc(n)
         added = sim.alloc(n)

@@ -4,7 +4,7 @@ sequences with its reference forward, GRPO over completions with logits kept for
 completion only, and the rollouts' generation with its KV cache.
 
 The log-probability of each label is ``gather(log_softmax(logits[:, :-1].float()),
-labels)``, as :mod:`trainmem.preference_losses` computes it and TRL's
+labels)``, as :mod:`trainmem.measuring.preference_losses` computes it and TRL's
 ``selective_log_softmax`` does row by row: either way autograd keeps the fp32
 log-softmax of every row (``log_softmax`` saves its output) until backward, ``rows x
 (tokens - 1) x vocab x 4`` bytes, next to the 16-bit logits the forward made."""

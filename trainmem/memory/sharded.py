@@ -1,7 +1,7 @@
 """What sharding does to a replayed step: the state a sharding plan
-(:func:`trainmem.memory.step._shard_for_zero`, following the
-:mod:`trainmem.sharding` entry) sets up, and the hooks the ops, autograd and the
-decoder call without knowing who shards. The :class:`~.accounting.Simulator` holds
+(:func:`trainmem.memory.shard_plan._shard_for_zero` and the ``replay`` of the
+:mod:`trainmem.sharding` entry) sets up, and the hooks the ops, autograd, the decoder
+and the step call without knowing who shards. The :class:`~.accounting.Simulator` holds
 one (``sim.sharded``), or ``None`` when nothing is sharded."""
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ class Sharded:
     #: layers' parameters kept gathered from the forward into the backward beyond the
     #: module being computed (DeepSpeed ZeRO-3's max_reuse_distance)
     kept_bytes: int = 0
+    #: their buffer, from the end of the decoder stack to the end of backward
+    kept: object = None
 
     def gathered(self, sim: Simulator, p: SimTensor) -> SimTensor:
         """``p`` as its module uses it: a gathered copy that lives as long as the ops
@@ -40,11 +42,16 @@ class Sharded:
         g.grad_accumulator = p.grad_accumulator
         return g
 
-    def after_layers(self, sim: Simulator, cfg: dict) -> None:
+    def after_layers(self, sim: Simulator) -> None:
         """At the end of the decoder stack's forward: the layers kept gathered until
-        their backward, held from here (released by the end of backward)."""
+        their backward, held from here (released by :meth:`after_backward`)."""
         if self.kept_bytes:
-            cfg["ds_kept"] = sim.alloc(self.kept_bytes, "weights")
+            self.kept = sim.alloc(self.kept_bytes, "weights")
+
+    def after_backward(self) -> None:
+        """At the end of backward: the layers kept from the forward are released
+        (each after its own backward)."""
+        self.kept = None
 
     def backward_buffers(self, sim: Simulator) -> tuple:
         """What the sharding allocates when a backward starts: the unsharded unit

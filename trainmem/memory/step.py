@@ -19,19 +19,17 @@ from ..versions import (
     litgpt_loss_holds_graph,
     litgpt_rmsnorm_fp32,
 )
-from . import litgpt
-from . import preference
+from . import litgpt, preference, traced
 from .offload import Offload
 
 from ..optimizers import optimizer
 from .optimizer_step import SCRATCH_RULES as SCRATCH_RULES, _optimizer_states
 from .repeat import _Repeater as _Repeater, _periods
+from .shard_deepspeed import deepspeed_kept_params as deepspeed_kept_params
 from .shard_plan import (
     DDP_BUCKET_CAPS as DDP_BUCKET_CAPS,
-    _ddp_buckets,
     _shard_for_zero,
     ddp_bucket_sizes as ddp_bucket_sizes,
-    deepspeed_kept_params as deepspeed_kept_params,
 )
 
 
@@ -142,9 +140,7 @@ def _micro_batch(sim, model, d, batch, cfg, litgpt_logits) -> int:
     sim.set_phase("backward")
     unsharded_grad, bucket = sim.sharded.backward_buffers(sim)
     backward(sim, loss)
-    # DeepSpeed's layers kept gathered from the forward: released by the end of
-    # backward (each after its own backward)
-    cfg.pop("ds_kept", None)
+    sim.sharded.after_backward()
     del loss, unsharded_grad, bucket
     return activations_at_end
 
@@ -161,6 +157,10 @@ def _forward_backward(
         "kv_heads": shape.kv_heads,
         "head_dim": shape.head_dim,
         "attn": d.attention,
+        # transformers repeat_kv-s key and value before SDPA (trainmem.sdpa.hf_call)
+        "sdpa_repeats_kv": d.sdpa_repeats_kv,
+        # memory-efficient attention pads its logsumexp (trainmem.sdpa)
+        "lse_align": d.sdpa_lse_align,
         "checkpointing": step.checkpointing,
         "loss_form": d.loss_form,
         "reentrant": step.checkpointing_mode == "reentrant",
@@ -284,6 +284,8 @@ DECODERS = {
     for d in (
         Decoder("llama", _build_llama, _llama_loss),
         Decoder("litgpt", _build_litgpt, litgpt.forward_loss, _litgpt_eval),
+        # every recorded family (trainmem/data/families/<model_type>.json)
+        Decoder("traced", traced.build, traced.loss),
     )
 }
 
@@ -320,6 +322,45 @@ def _reference(sim: Simulator, shape, d, rows: int) -> dict:
     return out
 
 
+def _warm_up_step(d) -> bool:
+    """Whether the allocator replay runs step 1 before the step: a torch optimizer
+    over the local parameters (``zero`` 0) creates its states lazily, in its first
+    ``step()`` (``_init_group``: ``torch.zeros_like(p)`` for each state), where the
+    caching allocator hands them the blocks step 1's activations left free; step 2's
+    activations then need segments of their own. (DeepSpeed creates its partitions'
+    states when it is initialised; sharded steps keep the states-first replay, and so
+    do LitGPT's loops, which carry the previous micro-batch across steps.)"""
+    return d.options.zero == 0 and not d.framework.previous_seq
+
+
+def _first_step(
+    sim: Simulator, model: Model, params, shape, d, replay_as, reference=None
+) -> list:
+    """Step 1 of training, for the caching allocator only: the micro-batches'
+    forward and backward with no optimizer states, the optimizer's ``step()``
+    creating them (:func:`_optimizer_states`) before its scratch, then
+    ``zero_grad(set_to_none=True)``; a ``reset_peak`` event then starts step 2's
+    peak (``torch.cuda.reset_peak_memory_stats()``). Returns the states."""
+    step = d.options
+    rows, tokens = d.sequences if d.objective is not None else (step.batch, step.seq)
+    batch = tuple(
+        new(sim, (rows, tokens), "i64", category="activations") for _ in range(2)
+    )
+    _forward_backward(sim, model, shape, d, batch, replay_as, reference)
+    sim.set_phase("optimizer")
+    states = _optimizer_states(sim, params, step, d.dtypes.optimizer_states)
+    rule = optimizer(step.optimizer).impl(step.optimizer_impl).scratch
+    if rule is not None:
+        SCRATCH_RULES[rule](sim, params, d.dtypes.optimizer_states, 1.0)
+    for p in params:  # zero_grad(set_to_none=True)
+        if p.grad_accumulator is not None:
+            p.grad_accumulator.grad = None
+    del batch
+    sim.set_phase("idle")
+    sim.events.append(("reset_peak", 0))
+    return states
+
+
 def simulate_step(
     shape, d, record_events: bool = False, replay_as: tuple | None = None
 ) -> dict:
@@ -349,12 +390,16 @@ def simulate_step(
     # only (``d.dtypes``: module, master, optimizer_states).
     model, params = DECODERS[d.layout].build(sim, shape, d)
     masters, held, gathered_root = _shard_for_zero(sim, model, params, d)
-    ddp = _ddp_buckets(sim, params, step)
     state_dtype = d.dtypes.optimizer_states
-    states = _optimizer_states(sim, params, step, state_dtype)
     rows, tokens = d.sequences if d.objective is not None else (step.batch, step.seq)
     # (context parallelism: the tokens of this GPU's shard of the sequence)
     reference = _reference(sim, shape, d, rows)
+    if replay_as is not None and _warm_up_step(d):
+        # the caching allocator as step 2 finds it: step 1 ran with no optimizer
+        # states, which its optimizer step then created in the cached pool
+        states = _first_step(sim, model, params, shape, d, replay_as, reference)
+    else:
+        states = _optimizer_states(sim, params, step, state_dtype)
     ids = new(sim, (rows, tokens), "i64", category="activations")
     labels = new(sim, (rows, tokens), "i64", category="activations")
     sim.peak = sim.live
@@ -371,7 +416,7 @@ def simulate_step(
     if rule is not None:
         part = 1.0 / step.gpus if step.zero >= 1 else 1.0
         SCRATCH_RULES[rule](sim, params, state_dtype, part)
-    del masters, held, ddp
+    del masters, held
     if d.framework.eval_after_step and step.zero == 0:
         DECODERS[d.layout].after_step(sim, model, step, (ids, labels), cfg)
     if d.objective is not None and d.objective.rollouts:

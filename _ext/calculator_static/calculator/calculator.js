@@ -212,6 +212,11 @@ def tm_formats(text):
       const out = [`各阶段峰值：${phases}。`,
         `参数 ${n(d.n_params)} 个，其中可训练 ${n(d.n_trainable)} 个。`];
       if (!d.exact) out.push("该模型用闭式公式估计激活（未逐算子回放）。");
+      // the SDPA kernel torch selects for this step (trainmem.sdpa)
+      const sdpa = { flash: "flash", efficient: "memory-efficient", cudnn: "cuDNN",
+        math: "数学路径（math）" };
+      const backend = d.attention && d.attention.sdpa_backend;
+      if (backend) out.push(`注意力：SDPA 运行 ${sdpa[backend] || backend} 后端。`);
       return el("p", { class: "tm-calc-notes" }, out.join(" "));
     }
 
@@ -219,10 +224,11 @@ def tm_formats(text):
     const GPU_NOTES = {
       "bf16-emulated": (g) => `${g} 没有 bf16 运算单元：PyTorch 在它上面模拟 bf16，训练很慢；`
         + "这张卡上该选 fp16-amp。",
-      "sdpa-math": () => "计算能力 8.0 以下，SDPA 的融合 kernel 都不接 bf16，注意力退回数学路径"
-        + "（fp32 的分数与 softmax）；上面的数字按这条路径重放。",
-      "sdpa-math-not-modelled": () => "计算能力 8.0 以下，SDPA 的融合 kernel 都不接 bf16，"
-        + "注意力退回数学路径（fp32 的分数与 softmax）；这个估算没有计入它。",
+      "sdpa-math": (g) => `在 ${g} 上，SDPA 的融合 kernel（flash、cuDNN、memory-efficient）都不接这次调用`
+        + "（例如计算能力 8.0 以下的 bf16，或 fp32 加 GQA），注意力退回数学路径"
+        + "（分数与 softmax 整块存下）；上面的数字按这条路径重放。",
+      "sdpa-math-not-modelled": (g) => `在 ${g} 上，SDPA 的融合 kernel 都不接这次调用，`
+        + "注意力退回数学路径（分数与 softmax 整块存下）；这个估算没有计入它。",
       "deepspeed-checkpoint-error": () => "DeepSpeed ZeRO-3 下 LoRA 配非重入检查点：没有合入 "
         + "deepspeedai/DeepSpeed#8148 的 DeepSpeed 版本会在反向里报 torch 的 CheckpointError"
         + "（0.16.4 上复现过）；改用 gradient_checkpointing_kwargs={'use_reentrant': True}"

@@ -177,7 +177,7 @@ def _tp_worker(rank, world_size, port, seed, q) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from .models import build_model, get_config
+        from ..measuring.models import build_model, get_config
 
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         try:

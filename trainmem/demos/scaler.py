@@ -27,7 +27,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .formats import FP16_MAX
+from ..formats import FP16_MAX
 
 
 def loss_scale_demo(steps: int, tokens_per_batch: int) -> dict:

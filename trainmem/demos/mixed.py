@@ -16,8 +16,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from .dtypes import FLOAT_DTYPES  # noqa: E402
-from .training_setup import torch_dtype  # noqa: E402
+from ..dtypes import FLOAT_DTYPES  # noqa: E402
+from ..measuring.training_setup import torch_dtype  # noqa: E402
 
 _DTYPES = {name: torch_dtype(name) for name in FLOAT_DTYPES}
 

@@ -8,11 +8,11 @@ since the last record*, logged once per step:
 * CUDA: ``torch.cuda.max_memory_allocated()`` then
   ``torch.cuda.reset_peak_memory_stats()``.
 * CPU (this course's CI machine): :class:`TensorMemoryTracker` (a
-  :class:`trainmem.tracker.MemoryTracker`) counts the bytes of every tensor storage
-  created by an operator while it is active and notices when a storage is freed, so it
-  knows the live bytes and the peak at operator granularity. It is exact for tensors; it
-  does not see temporaries that a kernel allocates and frees inside one operator, nor
-  allocator rounding.
+  :class:`trainmem.measuring.tracker.MemoryTracker`) counts the bytes of every tensor
+  storage created by an operator while it is active and notices when a storage is freed,
+  so it knows the live bytes and the peak at operator granularity. It is exact for
+  tensors; it does not see temporaries that a kernel allocates and frees inside one
+  operator, nor allocator rounding.
 
 All byte counts are plain ``int`` bytes; convert with ``/ 2**20`` (MiB) or ``/ 2**30``
 (GiB).
@@ -26,7 +26,7 @@ from typing import Iterable
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .tracker import MemoryTracker
+from ..measuring.tracker import MemoryTracker
 
 __all__ = ["TensorMemoryTracker", "PeakMemoryMonitor", "StepRecord", "storage_bytes"]
 
@@ -46,7 +46,7 @@ class TensorMemoryTracker(MemoryTracker):
     """Live and peak bytes of tensor storages created by operators inside the ``with``
     block.
 
-    A :class:`trainmem.tracker.MemoryTracker` with three rules of its own:
+    A :class:`trainmem.measuring.tracker.MemoryTracker` with three rules of its own:
 
     * an op output whose storage is one of the op's inputs (in-place ops, views) is not
       new memory; storages of size 0 and ``meta`` tensors are ignored;

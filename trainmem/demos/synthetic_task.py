@@ -35,7 +35,7 @@ def rule_token(k: int) -> int:
 
 def task_config(**overrides):
     """The course's tiny Llama (2 layers, 64 wide) with this task's vocabulary."""
-    from .models import tiny_llama_config
+    from ..measuring.models import tiny_llama_config
 
     kw = dict(vocab_size=VOCAB_SIZE, max_position_embeddings=64)
     kw.update(overrides)
@@ -150,7 +150,7 @@ def continue_sequence(model: nn.Module, rule: int, start: int, n: int = 8) -> li
 
 def pretrained_model(steps: int = 300, lr: float = 3e-3, seed: int = 0):
     """A tiny Llama pre-trained on :func:`pretrain_rules` (a few seconds on a CPU)."""
-    from .models import build_model
+    from ..measuring.models import build_model
 
     model = build_model(task_config(), seed=seed)
     train(model, pretrain_rules(), steps=steps, lr=lr, seed=seed)

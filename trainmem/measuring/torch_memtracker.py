@@ -1,7 +1,7 @@
-"""The same training step as :func:`trainmem.measure.measure`, measured by torch's own
-``MemTracker`` instead of :class:`trainmem.tracker.MemoryTracker`: the independent
-second measurement of ``benchmarks/memory_accuracy.py`` (re-exported by
-:mod:`trainmem.measure`)."""
+"""The same training step as :func:`trainmem.measuring.measure.measure`, measured by
+torch's own ``MemTracker`` instead of :class:`trainmem.measuring.tracker.MemoryTracker`:
+the independent second measurement of ``benchmarks/memory_accuracy.py`` (re-exported by
+:mod:`trainmem.measuring.measure`)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from .config import (
+from ..config import (
     OptionError,
     StepConfig,
     load_model_config,
     model_shape,
     step_signature,
 )
-from .decisions import decide
+from ..decisions import decide
 from .training_setup import build_training_setup, torch_dtype, until_states_exist
 
 
@@ -62,9 +62,9 @@ def measure_memtracker(model: Any = "tiny", *, seed: int = 0, **options: Any) ->
     ours.
 
     ``torch.distributed._tools.mem_tracker.MemTracker`` (also a ``TorchDispatchMode``,
-    written independently of :class:`trainmem.tracker.MemoryTracker`) watches the 2nd of
-    two steps of the model, optimizer and batch :func:`measure` builds (real CPU
-    tensors; the model, optimizer and batch are registered with ``track_external``).
+    written independently of :class:`trainmem.measuring.tracker.MemoryTracker`) watches
+    the 2nd of two steps of the model, optimizer and batch :func:`measure` builds (real
+    CPU tensors; the model, optimizer and batch are registered with ``track_external``).
     Returns its peak total (bytes): the second measurement of
     ``benchmarks/memory_accuracy.py``.
 
@@ -110,7 +110,8 @@ def measure_memtracker(model: Any = "tiny", *, seed: int = 0, **options: Any) ->
                 else contextlib.nullcontext()
             )
             with autocast:
-                # the program trainmem.measure runs: use_cache as the step says
+                # the program trainmem.measuring.measure runs: use_cache as the step
+                # says
                 loss = net(
                     input_ids=inputs, labels=labels, use_cache=step.cache_on
                 ).loss

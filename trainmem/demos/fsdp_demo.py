@@ -8,7 +8,8 @@ GPU-only). Every rank:
 (Ranks are forked from a ``forkserver`` that imported torch and transformers once;
 ``spawn`` where forkserver does not exist.)
 
-1. builds the same tiny Llama (:func:`trainmem.models.build_model`, fp32, seed 0);
+1. builds the same tiny Llama (:func:`trainmem.measuring.models.build_model`, fp32, seed
+   0);
 2. applies ``fully_shard`` to each decoder layer, then to the root (bottom-up, as the
    FSDP2 docs ask), and only **then** builds AdamW — the optimizer must see the sharded
    DTensor parameters;
@@ -36,7 +37,7 @@ import traceback
 
 import torch
 
-from . import zero
+from .. import zero
 
 DEFAULT_BATCH = (2, 16)  # (micro-batch, sequence length) per rank
 
@@ -131,7 +132,7 @@ def _worker(
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from .models import build_model, get_config
+        from ..measuring.models import build_model, get_config
 
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         try:
@@ -217,7 +218,7 @@ PRELOAD = [
     "torch",
     "torch.distributed.fsdp",
     "torch.distributed.device_mesh",
-    "trainmem.models",
+    "trainmem.measuring.models",
     "transformers.models.llama.modeling_llama",
 ]
 

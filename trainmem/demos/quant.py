@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .dtypes import blockwise8_bytes_per_value, nf4_bytes_per_weight
+from ..dtypes import adam_state_bytes_per_param as adam_state_bytes_per_param
+from ..dtypes import nf4_bytes_per_weight
 
 __all__ = [
     "linear_code",
@@ -36,8 +37,6 @@ __all__ = [
     "dequantize_int8",
     "int8_bytes_per_param",
     "nf4_bytes_per_param",
-    "NF4_RULES",
-    "nf4_bytes",
     "quantize_nf4",
     "dequantize_nf4",
 ]
@@ -255,20 +254,6 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> float:
     return total
 
 
-def adam_state_bytes_per_param(bits: int = 32, block_size: int = 256) -> float:
-    """Adam(W) state bytes per parameter: two moments at ``bits`` + one float32 absmax
-    per block each.
-
-    ``bits=32`` → 8.0; ``bits=8`` with bitsandbytes' block of 256 (since 0.44) → 2 × (1
-    + 4/256) = 2.03125; with the paper's 2048 → 2.00390625.
-    """
-    if bits not in (8, 16, 32):
-        raise ValueError(f"bits must be 8, 16 or 32, got {bits}")
-    if bits == 32 or bits == 16:
-        return 2 * bits / 8
-    return 2 * blockwise8_bytes_per_value(block_size)
-
-
 # -------------------------------------------------------------------- weight
 # quantisation
 GRANULARITIES = ("tensor", "channel", "group")
@@ -334,46 +319,19 @@ def int8_bytes_per_param(
 
 
 def nf4_bytes_per_param(
-    block_size: int = 64, double_quant: bool = True, dq_block_size: int = 256
+    block_size: int = 64,
+    double_quant: bool = True,
+    dq_block_size: int = 256,
+    scale_bytes: int = 4,
 ) -> float:
     """NF4 storage per parameter: 4 bits + absmax constants (QLoRA §2); the one
     formula is :func:`trainmem.dtypes.nf4_bytes_per_weight`.
 
-    Without double quantisation: 0.5 + 4/64 = 0.5625 bytes (0.5 bit/param of constants).
-    With it: 0.5 + 1/64 + 4/(64·256) ≈ 0.5159 bytes (≈0.127 bit/param of constants).
+    Without double quantisation: 0.5 + 4/64 = 0.5625 bytes (0.5 bit/param of constants;
+    an fp16 scale instead, ``scale_bytes=2``: 0.5 + 2/64). With it: 0.5 + 1/64 +
+    4/(64·256) ≈ 0.5159 bytes (≈0.127 bit/param of constants).
     """
-    return nf4_bytes_per_weight(double_quant, block_size, dq_block_size)
-
-
-#: The rules a "7B at 4 bits" size can be counted by (:func:`nf4_bytes`).
-NF4_RULES = ("fp16-scale", "fp32-absmax", "double-quant", "bitsandbytes")
-
-
-def nf4_bytes(n_params: int, rule: str, other_params: int = 0) -> float:
-    """Bytes of ``n_params`` 4-bit weights in blocks of 64, counted by ``rule``:
-
-    * ``"fp16-scale"``: one FP16 scale per 64 weights, 0.5 + 2/64 bytes each;
-    * ``"fp32-absmax"``: one FP32 absmax per 64 (QLoRA §2 without double
-      quantisation), 0.5 + 4/64;
-    * ``"double-quant"``: the absmax constants quantised again to 8 bits, one FP32
-      constant per 256 of them (QLoRA §2), 0.5 + 1/64 + 4/(64·256);
-    * ``"bitsandbytes"``: how bitsandbytes stores a model: ``n_params`` (the decoder
-      Linears) as ``"double-quant"`` and ``other_params`` (embeddings, ``lm_head``,
-      norms) in 16 bits. Only this rule takes ``other_params``.
-    """
-    if rule not in NF4_RULES:
-        raise ValueError(f"rule must be one of {NF4_RULES}, got {rule!r}")
-    if other_params and rule != "bitsandbytes":
-        raise ValueError(
-            f"other_params is only counted by rule 'bitsandbytes', got rule {rule!r}"
-        )
-    per = {
-        "fp16-scale": 0.5 + 2 / 64,
-        "fp32-absmax": nf4_bytes_per_param(64, double_quant=False),
-        "double-quant": nf4_bytes_per_param(64, double_quant=True),
-        "bitsandbytes": nf4_bytes_per_param(64, double_quant=True),
-    }[rule]
-    return n_params * per + 2 * other_params
+    return nf4_bytes_per_weight(double_quant, block_size, dq_block_size, scale_bytes)
 
 
 def quantize_nf4(w: torch.Tensor, block_size: int = 64) -> Quantized:

@@ -27,8 +27,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .estimate import lora_trainable_params
-from .families import lora_adapter_params
+from ..estimate import lora_trainable_params
+from ..families import lora_adapter_params
 
 INITS = ("kaiming", "gaussian")
 
@@ -51,7 +51,7 @@ def llama_linear_shapes(config) -> dict[str, tuple[int, int]]:
     ``trainmem.estimate.model_shape(config).linear_shapes()`` (a GPT-2 config gives
     GPT-2's names).
     """
-    from .estimate import model_shape
+    from ..estimate import model_shape
 
     return model_shape(config).linear_shapes()
 

@@ -1,7 +1,7 @@
 """A cross-entropy over the output layer that never holds the logits whole: the
 mechanism of Cut Cross-Entropy (Wijmans et al., 2024) and of Liger's fused linear
 cross-entropy, written in plain torch so the CPU measurement can run it
-(:mod:`trainmem.measure`, ``loss_impl="chunked"``; its replay:
+(:mod:`trainmem.measuring.measure`, ``loss_impl="chunked"``; its replay:
 :func:`trainmem.memory.ops.chunked_cross_entropy`).
 
 Forward: for ``chunk`` rows of the hidden states at a time, the logits

@@ -1,5 +1,6 @@
-"""The model, optimizer and batch that :mod:`trainmem.measure` trains, built the same
-way for every device (real CPU or CUDA tensors, or fake tensors for 7B shapes)."""
+"""The model, optimizer and batch that :mod:`trainmem.measuring.measure` trains, built
+the same way for every device (real CPU or CUDA tensors, or fake tensors for 7B
+shapes)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import importlib
 
 import torch
 
-from .config import OptionError, StepConfig, model_shape
-from .decisions import decide
-from .dtypes import dtype as dtype_entry
+from ..config import OptionError, StepConfig, model_shape
+from ..decisions import decide
+from ..dtypes import dtype as dtype_entry
 from .models import build_model
-from .optimizers import OPTIMIZERS
-from .optimizers import optimizer as optimizer_entry
+from ..optimizers import OPTIMIZERS
+from ..optimizers import optimizer as optimizer_entry
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -24,10 +25,11 @@ def torch_dtype(name: str) -> torch.dtype:
 def build_training_setup(
     config, step: StepConfig, *, device: str = "cpu", lr: float = 1e-4
 ):
-    """Model (train mode) and optimizer exactly as :func:`trainmem.measure.measure` runs
-    them: ``config`` a model config, ``step`` the options of the training step."""
+    """Model (train mode) and optimizer exactly as
+    :func:`trainmem.measuring.measure.measure` runs them: ``config`` a model config,
+    ``step`` the options of the training step."""
     # attn "math": transformers' SDPA attention, run under sdpa_kernel(MATH) by the
-    # measured step (trainmem.measure)
+    # measured step (trainmem.measuring.measure)
     impl = "sdpa" if step.attn == "math" else step.attn
     # the weights in the step's load dtype (from_pretrained's dtype; from_config
     # would follow the config's own dtype)

@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from .memory.offload import MIN_OFFLOAD_BYTES
+from ..memory.offload import MIN_OFFLOAD_BYTES
 
 
 class HostOffload:

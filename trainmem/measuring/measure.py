@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from .config import (
+from ..config import (
     CATEGORIES,
     OptionError,
     StepConfig,
@@ -70,8 +70,8 @@ from .config import (
     model_shape,
     step_signature,
 )
-from .decisions import Decisions, decide
-from .frameworks import framework as framework_entry
+from ..decisions import Decisions, decide
+from ..frameworks import framework as framework_entry
 from .tracker import MemoryTracker
 from .training_setup import (
     build_training_setup,
@@ -135,7 +135,7 @@ class Measurement:
         return json.dumps(self.to_dict(), **kw)
 
     def table(self) -> str:
-        from .estimate import format_table
+        from ..estimate import format_table
 
         rows = dict(self.breakdown)
         extra = {"activations at end of forward": self.activation_bytes}
@@ -171,7 +171,8 @@ class _TrackedTraining:
         self.model, self.opt, self.step, self.d = model, opt, d.options, d
         self.inputs, self.labels = inputs, inputs.clone()
         # an objective's reference model and the batch's extra tensors
-        # (trainmem.preference_losses): precomputed log-probabilities, advantages
+        # (trainmem.measuring.preference_losses): precomputed log-probabilities,
+        # advantages
         self.extra = dict(extra or {})
         self.ref_model = self.extra.pop("ref_model", None)
         self.device = "cuda" if device == "cuda" else "cpu"
@@ -533,8 +534,8 @@ step_signature(
 
 def _options_record(config, step: StepConfig, device: str, seed: int) -> dict:
     """The options of a measurement as its result reports them (``.options``)."""
-    from .objectives import record_names as objective_record
-    from .objectives import resolve_reference
+    from ..objectives import record_names as objective_record
+    from ..objectives import resolve_reference
 
     names = MEASURE_RECORD + (("load_dtype",) if step.load_dtype else ())
     names += objective_record(step)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .families import PRESETS as PRESETS
-from .families import PlainConfig as PlainConfig
-from .families import get_config as get_config
-from .families import load_config_file as load_config_file
-from .families import preset_names as preset_names
+from ..families import PRESETS as PRESETS
+from ..families import PlainConfig as PlainConfig
+from ..families import get_config as get_config
+from ..families import load_config_file as load_config_file
+from ..families import preset_names as preset_names
 
 if TYPE_CHECKING:  # torch is imported lazily: the estimator needs no torch
     import torch

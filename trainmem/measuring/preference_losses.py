@@ -1,6 +1,6 @@
-"""DPO and GRPO losses written by hand in torch, the step :mod:`trainmem.measure`
-runs for ``objective="dpo"``/``"grpo"`` (the replay of the same step:
-:mod:`trainmem.memory.preference`).
+"""DPO and GRPO losses written by hand in torch, the step
+:mod:`trainmem.measuring.measure` runs for ``objective="dpo"``/``"grpo"`` (the replay
+of the same step: :mod:`trainmem.memory.preference`).
 
 They follow TRL's ``DPOTrainer._compute_loss`` and ``GRPOTrainer._compute_loss``
 (sigmoid DPO loss; GRPO's clipped ratio with an optional KL term) without the parts that

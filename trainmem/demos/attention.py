@@ -110,7 +110,7 @@ def peak_extra_bytes(fn: Callable[..., torch.Tensor], *args, **kwargs) -> int:
     (CPU or CUDA).
 
     CUDA: ``max_memory_allocated`` delta. CPU:
-    :class:`trainmem.monitor.TensorMemoryTracker` (operator outputs only; kernels'
+    :class:`trainmem.demos.monitor.TensorMemoryTracker` (operator outputs only; kernels'
     internal scratch is not seen). The output tensor counts.
     """
     tensors = [a for a in args if isinstance(a, torch.Tensor)]

@@ -8,8 +8,8 @@ them.
 * :class:`SavedTensorBytes` — bytes autograd keeps for backward (saved-tensor hooks),
   deduplicated by storage, parameters excluded: the activation memory, exactly.
 * :class:`PeakLiveBytes` — peak bytes of tensors alive during a region (the
-  :class:`trainmem.tracker.MemoryTracker` dispatch mode watching every op's outputs;
-  freed storages are subtracted by weak-reference callbacks).
+  :class:`trainmem.measuring.tracker.MemoryTracker` dispatch mode watching every op's
+  outputs; freed storages are subtracted by weak-reference callbacks).
 * :func:`measure_step` — one forward+backward of a :class:`Stack` under both meters,
   plus time.
 
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .tracker import MemoryTracker
+from ..measuring.tracker import MemoryTracker
 
 
 def grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -189,11 +189,11 @@ class PeakLiveBytes(MemoryTracker):
     """Context manager: current and peak bytes of storages created by ops inside the
     block.
 
-    A :class:`trainmem.tracker.MemoryTracker` with nothing registered by hand: every op
-    output's storage counts once, from its creation until it is freed (a weak-reference
-    callback on the storage subtracts it); ``meta`` tensors are ignored. Tensors that
-    existed before the block (parameters, inputs) are not counted until an op returns a
-    view of them. ``.peak`` and ``.current`` are ints in bytes.
+    A :class:`trainmem.measuring.tracker.MemoryTracker` with nothing registered by hand:
+    every op output's storage counts once, from its creation until it is freed (a
+    weak-reference callback on the storage subtracts it); ``meta`` tensors are ignored.
+    Tensors that existed before the block (parameters, inputs) are not counted until an
+    op returns a view of them. ``.peak`` and ``.current`` are ints in bytes.
     """
 
     skip_meta = True

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainmem.models import build_model
+from trainmem.measuring.models import build_model
 
 #: The name ``NameProducers`` gives autocast's cached low-precision copy of a weight.
 WEIGHT_COPY = "weight -> bf16"

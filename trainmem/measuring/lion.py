@@ -3,8 +3,9 @@ update is the sign of an interpolation of the momentum and the gradient, so it k
 state tensor per parameter (AdamW keeps two).
 
 A faithful copy of the update of ``lion-pytorch`` (the reference PyTorch
-implementation), so :mod:`trainmem.measure` can run the optimizer the estimator models
-(:mod:`trainmem.optimizers` entry ``"lion"``) without another dependency."""
+implementation), so :mod:`trainmem.measuring.measure` can run the optimizer the
+estimator models (:mod:`trainmem.optimizers` entry ``"lion"``) without another
+dependency."""
 
 from __future__ import annotations
 

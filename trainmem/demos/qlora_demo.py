@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .families import LLAMA_LINEARS
+from ..families import LLAMA_LINEARS
 
 #: The capstone's model (lab 6).
 NAME = "Qwen/Qwen2.5-0.5B"
@@ -37,7 +37,7 @@ def load_base(device, quant_kwargs: dict | None, compute_dtype, small: bool):
     16-bit (``quant_kwargs=None``); on the CPU (``small``) a tiny Llama, unquantised."""
     warnings.filterwarnings("ignore", message=_RENAMED)
     if small:
-        from trainmem.models import build_model, tiny_llama_config
+        from trainmem.measuring.models import build_model, tiny_llama_config
 
         return build_model(tiny_llama_config(), seed=0)
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -128,7 +128,7 @@ def compare_with_lora(qlora: StepRun, device, compute_dtype, lora_config, small:
     from peft import get_peft_model
 
     if small:
-        from trainmem.models import get_config
+        from trainmem.measuring.models import get_config
 
         config = get_config("qwen2.5-0.5b")  # trainmem's copy of its config.json
     else:

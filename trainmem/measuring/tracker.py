@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 # the categories the tracker sorts into (re-exported)
-from .config import CATEGORIES as CATEGORIES
+from ..config import CATEGORIES as CATEGORIES
 
 
 @dataclass
@@ -49,13 +49,13 @@ class MemoryTracker(TorchDispatchMode):
     Use ``register(t, phase)`` for tensors that exist before tracking starts
     (parameters, optimizer states, the batch), ``set_phase(name)`` to label the phases
     of the step, ``reset_peak()`` to start a new peak window; the records (``records``,
-    ``peak_event``) give the breakdown afterwards (:func:`trainmem.measure.measure`
-    sorts them into categories).
+    ``peak_event``) give the breakdown afterwards
+    (:func:`trainmem.measuring.measure.measure` sorts them into categories).
 
     Subclasses tune it with two class attributes: ``skip_meta`` (ignore ``meta``
     tensors, which have no memory) and ``keep_records`` (keep a record of every storage
-    ever seen, for the breakdown). :class:`trainmem.accum.PeakLiveBytes` and
-    :class:`trainmem.monitor.TensorMemoryTracker` are such subclasses."""
+    ever seen, for the breakdown). :class:`trainmem.demos.accum.PeakLiveBytes` and
+    :class:`trainmem.demos.monitor.TensorMemoryTracker` are such subclasses."""
 
     skip_meta = False
     keep_records = True

@@ -1,0 +1,151 @@
+"""The family table: every decoder family the estimator knows, at three shapes, full
+fine-tuning and LoRA, fp32 and bf16 autocast — the estimate
+(:func:`trainmem.estimate.estimate`) next to the CPU measurement of the same step
+(:func:`trainmem.measure.measure`, the peak of the tracked storages), measured in the
+same run, and their ratio.
+
+Llama, Mistral and Qwen2 are estimated by the Llama replay (:mod:`trainmem.memory.
+llama`); every other family by the replay of its recorded trace
+(:mod:`trainmem.memory.traced`, ``trainmem/data/families/<model_type>.json``). The
+shapes are not the probe shapes the traces were recorded at.
+
+    python benchmarks/family_table.py [model_type ...] [--quick]
+
+``--quick``: the first shape only; ``--all-runs``: the four (method, precision)
+pairs at every shape, not only at the first. Prints a Markdown table; exits 1 when a ratio is
+off by more than 1 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from trainmem.estimate import estimate
+from trainmem.families import MODEL_TYPES, transformers_config
+from trainmem.measure import measure
+
+#: config field names of the sizes (Llama-style; GPT-2 its own)
+LLAMA_STYLE = dict(
+    v="vocab_size",
+    h="hidden_size",
+    i="intermediate_size",
+    L="num_hidden_layers",
+    a="num_attention_heads",
+    k="num_key_value_heads",
+    d="head_dim",
+)
+GPT2_STYLE = dict(v="vocab_size", h="n_embd", i="n_inner", L="n_layer", a="n_head")
+
+#: three shapes per family: (vocab, hidden, intermediate, layers, heads, kv heads,
+#: head dim, batch, seq); kv heads = heads for a family recorded without GQA
+SHAPES = (
+    dict(v=320, h=64, i=176, L=2, a=4, k=2, d=16, b=2, s=40),
+    dict(v=500, h=96, i=256, L=3, a=6, k=2, d=16, b=3, s=24),
+    dict(v=1000, h=128, i=320, L=5, a=8, k=4, d=16, b=2, s=64),
+)
+FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "gpt2",
+    "olmo2",
+)
+RUNS = (("full", "fp32"), ("lora", "fp32"), ("full", "bf16-amp"), ("lora", "bf16-amp"))
+
+
+def config_of(name: str, shape: dict, gqa: bool, tied: bool) -> dict:
+    """A ``config.json``'s fields of model type ``name`` at ``shape``."""
+    mt = MODEL_TYPES[name]
+    style = GPT2_STYLE if name == "gpt2" else LLAMA_STYLE
+    sizes = dict(shape)
+    if not gqa:
+        sizes["k"] = sizes["a"]
+    fields = {"model_type": name}
+    for symbol, field in style.items():
+        if symbol == "d" and mt.fields and "d" not in mt.fields:
+            continue  # the class derives head_dim = hidden // heads
+        fields[field] = sizes[symbol]
+    if name != "gpt2":
+        fields["tie_word_embeddings"] = tied
+    fields.update(mt.probe_fields)
+    return fields
+
+
+def regime(name: str) -> tuple[bool, bool]:
+    """The family's first recorded regime (GQA, tied); Llama-family: GQA, untied."""
+    mt = MODEL_TYPES[name]
+    return mt.regimes[0]
+
+
+def rows(names, shapes, every_run_at_each_shape: bool = False):
+    """At the first shape every (method, precision); at the others full fine-tuning
+    in fp32 and LoRA under bf16 autocast (``every_run_at_each_shape``: all four)."""
+    for name in names:
+        gqa, tied = regime(name)
+        for n, shape in enumerate(shapes, 1):
+            fields = config_of(name, shape, gqa, tied)
+            runs = RUNS if n == 1 or every_run_at_each_shape else RUNS[::3]
+            for method, prec in runs:
+                opts = dict(
+                    method=method,
+                    precision=prec,
+                    batch=shape["b"],
+                    seq=shape["s"],
+                    lora_targets=MODEL_TYPES[name].lora_default,
+                    # Gemma 2 has no SDPA path in transformers 5: eager
+                    attn=MODEL_TYPES[name].attn or "sdpa",
+                )
+                started = time.perf_counter()
+                config = transformers_config(fields, f"{name}-{n}")
+                # GPT-2's dropouts keep a float noise tensor on CPU (kernels "cpu")
+                est = estimate(config, kernels="cpu", **opts).total_bytes
+                got = measure(config, **opts).total_bytes
+                yield (
+                    name,
+                    n,
+                    shape,
+                    method,
+                    prec,
+                    est,
+                    got,
+                    time.perf_counter() - started,
+                )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("families", nargs="*", default=list(FAMILIES))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--all-runs", action="store_true")
+    args = parser.parse_args(argv)
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    print(
+        "| family | shape (h/i/L/a/kv/b×s) | method | precision | estimate (B) "
+        "| CPU measured (B) | estimate / measured |"
+    )
+    print("|---|---|---|---|---:|---:|---:|")
+    worst = 0.0
+    table = rows(args.families, shapes, args.all_runs)
+    for name, n, sh, method, prec, est, got, _ in table:
+        gqa, _tied = regime(name)
+        kv = sh["k"] if gqa else sh["a"]
+        ratio = est / got
+        worst = max(worst, abs(ratio - 1))
+        print(
+            f"| {name} | {n}: {sh['h']}/{sh['i']}/{sh['L']}/{sh['a']}/{kv}/"
+            f"{sh['b']}×{sh['s']} | {method} | {prec} | {est:,} | {got:,} | "
+            f"{ratio:.4f} |",
+            flush=True,
+        )
+    print(f"\nlargest deviation: {worst:.2%}")
+    return 0 if worst <= 0.01 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The recorded model families (trainmem/data/families/*.json, replayed by
+trainmem.memory.traced): each estimate within 1 % of the CPU measurement of the same
+step at a shape the traces were not recorded at, the data files consistent with the
+registry and the installed transformers, and the variants nobody recorded refused by
+name. The three-shape table is benchmarks/family_table.py."""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import version
+
+import pytest
+
+from trainmem.config import OptionError
+from trainmem.estimate import estimate
+from trainmem.families import FAMILIES, MODEL_TYPES, model_shape, transformers_config
+from trainmem.memory import traced
+
+TRACED = [m.name for m in MODEL_TYPES.values() if m.fields]
+RUNS = (("full", "fp32"), ("lora", "bf16-amp"), ("lora", "fp32"), ("full", "bf16-amp"))
+#: a tiny shape that is none of the probes' (trainmem.family_trace.PROBES)
+TINY = dict(v=150, h=48, i=120, L=2, a=4, k=2, d=12, b=2, s=20)
+
+
+def _config(name: str) -> dict:
+    mt = MODEL_TYPES[name]
+    gqa, tied = mt.regimes[0]
+    sizes = dict(TINY, k=TINY["k"] if gqa else TINY["a"])
+    if "d" not in mt.fields:
+        sizes["h"] = sizes["a"] * sizes["d"]
+    fields = {"model_type": name}
+    for symbol, field in mt.fields.items():
+        if symbol == "tied":
+            fields[field] = tied
+        elif symbol in sizes:
+            fields[field] = sizes[symbol]
+    fields.update(mt.probe_fields)
+    return transformers_config(fields, f"{name}-tiny")
+
+
+def test_every_recorded_family_has_its_data_file():
+    """One data file per registry entry, with every variant the generator records
+    (trainmem.family_trace.RECORDED in each of the entry's regimes), recorded with the
+    transformers and peft this environment pins: a version bump without a
+    regenerated file fails here."""
+    pytest.importorskip("torch")
+    from trainmem.family_trace import RECORDED, regimes
+    from trainmem.config import StepConfig
+
+    assert {"gpt2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2"} <= set(TRACED)
+    for name in TRACED:
+        data = traced.load(name)
+        assert data["model_type"] == name
+        assert data["transformers"] == version("transformers")
+        assert data["peft"] == version("peft")
+        mt = MODEL_TYPES[name]
+        want = {
+            traced.variant_key(
+                StepConfig(method=m, precision=p, lora_targets=mt.lora_default), r
+            )
+            for m, p in RECORDED
+            for r in regimes(mt)
+        }
+        assert set(data["variants"]) == want, name
+        assert FAMILIES[name].replay == "traced"
+
+
+@pytest.mark.parametrize("name", TRACED)
+def test_estimate_within_one_percent_of_the_cpu_measurement(name):
+    from trainmem.measure import measure
+
+    method, precision = RUNS[TRACED.index(name) % len(RUNS)]
+    opts = dict(
+        method=method,
+        precision=precision,
+        batch=TINY["b"],
+        seq=TINY["s"],
+        lora_targets=MODEL_TYPES[name].lora_default,
+        lora_rank=4,
+        kernels="cpu",  # CPU's dropout and SDPA, as measured
+        attn=MODEL_TYPES[name].attn or "sdpa",
+    )
+    est = estimate(_config(name), **opts)
+    opts.pop("kernels")
+    got = measure(_config(name), **opts)
+    assert est.n_trainable == got.n_trainable
+    if method == "full":
+        assert est.n_params == got.n_params
+    assert abs(est.total_bytes / got.total_bytes - 1) < 0.01, (
+        est.total_bytes,
+        got.total_bytes,
+    )
+
+
+def _noise_events(kernels: str):
+    from trainmem.decisions import decide
+    from trainmem.memory.accounting import Simulator
+    from trainmem.config import StepConfig
+
+    shape = model_shape("gpt2")
+    step = StepConfig(method="full", precision="fp32", batch=2, seq=16, kernels=kernels)
+    model, _ = traced.build(Simulator(), shape, decide(shape, step))
+    return shape, [e for e in model.events if e[0] == "a" and e[5] == "n"]
+
+
+def test_gpt2_under_cuda_kernels_keeps_bool_masks_and_no_attention_probabilities():
+    """GPT-2's dropouts (0.1 each): on CPU, ATen's ``_dropout_impl`` keeps an fp32
+    noise tensor for the embeddings', every layer's attention output and MLP output,
+    and SDPA's math path (no CPU kernel takes dropout) one of the attention
+    probabilities (b x heads x s x s); under CUDA's kernels ``native_dropout`` keeps a
+    bool mask and the fused SDPA kernel applies the attention dropout itself."""
+    b, s = 2, 16
+    shape, cpu = _noise_events("cpu")
+    h, heads, layers = shape.hidden, shape.heads, shape.layers
+    assert sorted(e[2] for e in cpu) == sorted(
+        [4 * b * s * h] * (1 + 2 * layers) + [4 * b * heads * s * s] * layers
+    )
+    _, cuda = _noise_events("cuda")
+    # the replay turns each into one byte an element (traced._apply)
+    assert sorted(e[2] for e in cuda) == [4 * b * s * h] * (1 + 2 * layers)
+    opts = dict(method="full", precision="fp32", batch=b, seq=s)
+    on_cuda = estimate("gpt2", **opts).activation_bytes
+    assert on_cuda < estimate("gpt2", kernels="cpu", **opts).activation_bytes
+
+
+def test_a_variant_not_recorded_is_refused_by_name():
+    with pytest.raises(OptionError, match="ckpt=non-reentrant.*not recorded"):
+        estimate(_config("qwen3"), checkpointing=True)
+    with pytest.raises(OptionError, match="qlora"):
+        estimate(_config("gemma2"), method="qlora")
+
+
+def test_linear_layers_come_from_the_trace():
+    shape = model_shape(_config("phi3"))
+    lin = shape.linear_shapes()
+    h, a, d, i = shape.hidden, shape.heads, shape.head_dim, shape.intermediate
+    assert lin["qkv_proj"] == (h, (a + 2 * shape.kv_heads) * d)
+    assert lin["gate_up_proj"] == (h, 2 * i)
+    assert set(model_shape("gpt2").linear_shapes()) == {
+        "c_attn",
+        "attn.c_proj",
+        "c_fc",
+        "mlp.c_proj",
+    }
+
+
+def test_size_expressions_allow_only_arithmetic_on_the_symbols():
+    assert traced.evaluate("(a+2*k)*d", dict(a=4, k=2, d=8)) == 64
+    for bad in ("__import__('os')", "x*2", "h/2", "h**2"):
+        with pytest.raises(ValueError):
+            traced.evaluate(bad, dict(h=4))
+
+
+def test_data_files_are_plain_json():
+    for name in TRACED:
+        with open(traced.os.path.join(traced.DATA_DIR, f"{name}.json")) as f:
+            assert json.load(f)["model_type"] == name
