@@ -94,6 +94,14 @@ LABELS = {
     "checkpointing-mode": "检查点形式（checkpointing-mode）",
     "framework": "训练框架（framework）",
     "previous-seq": "上一个微批的 token 数（previous-seq，LitGPT）",
+    "objective": "训练目标（objective）",
+    "reference": "参考模型（reference）",
+    "group-size": "每个提示的补全数（group-size，GRPO）",
+    "max-completion-length": "补全长度（max-completion-length，GRPO）",
+    "loss-impl": "损失实现（loss-impl）",
+    "loss-chunk": "分块行数（loss-chunk）",
+    "activation-offload": "激活卸载（activation-offload）",
+    "context-parallel": "上下文并行 GPU 数（context-parallel）",
 }
 # The tooltip of each option, in Chinese (the CLI's --help stays English): every option
 # the form shows has one (tests/test_calculator.py), so a new option needs a line here.

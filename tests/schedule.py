@@ -43,6 +43,7 @@ HEAVY_FIRST: tuple[str, ...] = (
     "tests/test_grader.py@lab06",
     "tests/test_calculator.py",
     "book/05_lora_principles.ipynb",
+    "book/11_beyond_sft.ipynb",
     # make floor's pass (its own pytest run: these rank only among themselves)
     *(
         f"tests/test_floor.py::test_notebook_runs_at_floor[{nb}]"

@@ -217,6 +217,14 @@ ERRORS: list[tuple[dict, str | None]] = [
 NEEDS = {
     "zero-impl": {"zero": "3", "gpus": "2"},
     "deepspeed-sizes": {"zero": "3", "gpus": "2", "zero-impl": "deepspeed"},
+    # GRPO's group of completions divides the generation batch
+    "objective": {"batch": "8"},
+    "reference": {"objective": "dpo", "method": "lora"},
+    "loss-impl": {"model": "tiny"},
+}
+#: a choice that needs other values than the rest of its option's
+NEEDS_CHOICE = {
+    ("reference", "none"): {"objective": "grpo", "batch": "8"},
 }
 
 
@@ -234,7 +242,8 @@ def _coverage_grid() -> list[tuple[dict, None]]:
         for c in f["choices"]:
             if c == f["default"]:
                 continue
-            values = {**NEEDS.get(f["name"], {}), f["name"]: c}
+            needs = NEEDS_CHOICE.get((f["name"], c), NEEDS.get(f["name"], {}))
+            values = {**needs, f["name"]: c}
             if f["name"].startswith("lora-"):
                 values["method"] = "lora"
             out.append((values, None))

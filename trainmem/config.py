@@ -33,6 +33,8 @@ from .frameworks import framework as framework_entry
 
 # the six byte categories every result uses (re-exported)
 from .memory.accounting import CATEGORIES as CATEGORIES
+from .objectives import OBJECTIVES as _OBJECTIVES
+from .objectives import REFERENCES as REFERENCES
 from .optimizers import IMPLS
 from .optimizers import OPTIMIZERS as _OPTIMIZERS
 from .optimizers import optimizer as optimizer_entry
@@ -63,6 +65,10 @@ KERNELS = ("cuda", "cpu")
 #: whose training step is modelled: Hugging Face (transformers + peft + Trainer's
 #: loop) or LitGPT (its own GPT module, LoRA layers and finetune loop)
 FRAMEWORKS = tuple(_FRAMEWORKS)
+#: the causal-LM loss: logits whole, or a chunked (fused linear) cross-entropy
+LOSS_IMPLS = ("standard", "chunked")
+#: what the step optimises (:data:`trainmem.objectives.OBJECTIVES`)
+OBJECTIVES = tuple(_OBJECTIVES)
 
 
 def split_targets(lora_targets) -> tuple[str, ...]:
@@ -265,6 +271,61 @@ class StepConfig:
         choices=FRAMEWORKS,
     )
 
+    objective: str = _option(
+        "sft",
+        "; ".join(f"{o.name}: {o.summary}" for o in _OBJECTIVES.values()),
+        choices=OBJECTIVES,
+    )
+    reference: str = _option(
+        "auto",
+        "dpo/grpo: the reference model — copy (a frozen second model), adapter "
+        "(LoRA's base with the adapter disabled), precomputed (DPO's "
+        "precompute_ref_log_probs), none (GRPO's default beta=0.0); auto: adapter "
+        "under LoRA, else copy (DPO) / none (GRPO)",
+        choices=REFERENCES,
+    )
+    group_size: int = _option(
+        8,
+        "grpo: completions per prompt (GRPOConfig.num_generations); must divide "
+        "batch x grad_accum x gpus",
+        kind="positive",
+    )
+    max_completion_length: int = _option(
+        512,
+        "grpo: generated tokens per completion (GRPOConfig.max_completion_length)",
+        kind="positive",
+    )
+
+    loss_impl: str = _option(
+        "standard",
+        "the causal-LM loss: standard (lm_head's logits whole, fp32 cross_entropy) "
+        "or chunked (a fused linear cross-entropy, Cut Cross-Entropy / Liger style: "
+        "logits computed --loss-chunk rows at a time in forward and recomputed in "
+        "backward, never held whole)",
+        choices=LOSS_IMPLS,
+    )
+    loss_chunk: int = _option(
+        1024, "with --loss-impl chunked: rows (tokens) per chunk", kind="positive"
+    )
+
+    activation_offload: bool = _option(
+        False,
+        "activation offloading (TRL's activation_offloading): the tensors autograd "
+        "saves are copied to host memory in forward and back for their backward; "
+        "parameters, tensors under 1 KiB, a storage saved twice and lm_head's "
+        "inputs stay on the GPU",
+    )
+
+    context_parallel: int = _option(
+        1,
+        "context parallelism: the sequence sharded over this many GPUs (torch's "
+        "ring attention, load-balanced: seq must divide by 2 x N); activations "
+        "per GPU shrink to seq/N tokens, weights, gradients and optimizer states "
+        "do not (combine with --zero for those)",
+        kind="positive",
+        estimate_only=True,
+    )
+
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "StepConfig":
         """A :class:`StepConfig` of keyword options; a name that is not a field
@@ -349,6 +410,22 @@ class StepConfig:
             raise OptionError(
                 "lora_dropout", f"lora_dropout must be a number in [0, 1), got {p!r}"
             )
+        check_choice("objective", self.objective, OBJECTIVES)
+        check_positive_int("group_size", self.group_size)
+        check_positive_int("max_completion_length", self.max_completion_length)
+        check_choice("loss_impl", self.loss_impl, LOSS_IMPLS)
+        check_positive_int("context_parallel", self.context_parallel)
+        cp = self.context_parallel
+        if cp > 1 and self.seq % (2 * cp):
+            raise OptionError(
+                "context_parallel",
+                f"context_parallel {cp}: seq {self.seq} must divide by 2 x {cp} "
+                "(the load-balanced ring gives each GPU two chunks)",
+            )
+        check_positive_int("loss_chunk", self.loss_chunk)
+        from .objectives import check as check_objective
+
+        check_objective(self)
         from .versions import parse_versions
 
         parse_versions(self.versions)  # raises OptionError for a bad entry

@@ -21,6 +21,7 @@ from typing import Any
 from .config import OptionError, Shape, StepConfig
 from .frameworks import Framework, framework
 from .gpus import SM80
+from .objectives import Objective, objective, resolve_reference, sequences
 from .kbit import KbitFlow, kbit_flow
 from .precisions import Precision, precision
 from .sdpa import EFFICIENT_LSE_ALIGN, hf_call, select_backend
@@ -98,6 +99,20 @@ class Decisions:
     kv_cache_copies: bool
     versions: dict = dataclasses.field(default_factory=dict)
     gpu: Any = None
+    #: what the step optimises (:mod:`trainmem.objectives`), the reference it runs
+    #: (``copy``, ``adapter``, ``precomputed`` or ``none``) and the (rows, tokens) of
+    #: one micro-batch's forward (DPO: 2 x batch; GRPO: prompt + completion tokens)
+    objective: Objective | None = None
+    reference: str = "none"
+    sequences: tuple[int, int] = (0, 0)
+    #: rows per chunk of the chunked cross-entropy (``None``: lm_head's logits whole
+    #: and ``cross_entropy``, :attr:`loss_form`)
+    loss_chunk: int | None = None
+    #: the forward's saved tensors are offloaded to the host (TRL's
+    #: activation_offloading; :mod:`trainmem.memory.offload`)
+    activation_offload: bool = False
+    #: GPUs the sequence is sharded over (ring attention; 1: none)
+    context_parallel: int = 1
     #: QLoRA's dtype flow (:mod:`trainmem.kbit`); ``None`` off QLoRA
     kbit: KbitFlow | None = None
 
@@ -209,6 +224,12 @@ def _attention(
     return _Attention(kind, choice.backend, choice.reason, repeats, kind == "math")
 
 
+def _per_rank(rows_tokens: tuple[int, int], ranks: int) -> tuple[int, int]:
+    """(rows, tokens) one GPU holds when the sequence is sharded over ``ranks``."""
+    rows, tokens = rows_tokens
+    return rows, tokens // ranks
+
+
 def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
     """The :class:`Decisions` of ``step`` for the model ``shape`` on ``gpu`` (a
     :data:`trainmem.gpus.GPUS` name or entry; ``None``: no card)."""
@@ -222,6 +243,38 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
     versions = step.library_versions
     dtypes = _dtypes(shape, step, prec, frame)
     att = _attention(shape, step, dtypes, frame, gpu, versions)
+    goal = objective(step.objective)
+    layout = frame.layout or shape.family.layout(shape, step)
+    if step.context_parallel > 1 and (
+        layout != "llama" or goal.name != "sft" or step.attn_memory != "sdpa"
+    ):
+        raise OptionError(
+            "context_parallel",
+            "context_parallel is replayed for the transformers decoders with SDPA "
+            f"(the ring runs the fused kernel) and objective sft, got {shape.arch}, "
+            f"framework {frame.name!r}, attn {step.attn!r}, objective {goal.name!r}",
+        )
+    if step.activation_offload and (layout != "llama" or step.checkpointing):
+        raise OptionError(
+            "activation_offload",
+            "activation_offload is replayed for the transformers decoders without "
+            f"checkpointing, got {shape.arch} with framework {frame.name!r}"
+            + (" and checkpointing" if step.checkpointing else ""),
+        )
+    if step.loss_impl == "chunked" and (layout != "llama" or goal.logps):
+        raise OptionError(
+            "loss_impl",
+            "loss_impl 'chunked' is replayed for the causal-LM loss (objective sft) "
+            f"of the transformers decoders, got {shape.arch} with framework "
+            f"{frame.name!r} and objective {goal.name!r}",
+        )
+    if goal.logps and layout != "llama":
+        raise OptionError(
+            "objective",
+            f"objective {goal.name!r} is replayed for the transformers decoders "
+            f"(Llama, Qwen2, Mistral) with framework hf, got {shape.arch} with "
+            f"framework {frame.name!r}",
+        )
     return Decisions(
         options=step,
         precision=prec,
@@ -234,12 +287,19 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
         sdpa_repeats_kv=att.repeats_kv,
         sdpa_math_fallback=att.math_fallback,
         bf16_compute=prec.compute == "bf16",
-        layout=frame.layout or shape.family.layout(shape, step),
+        layout=layout,
         loss_form=loss_form(versions),
         zero_layout=bool(prec.zero_half) and step.zero >= 1,
         communicators=shard.communicators,
-        kv_cache_copies=step.cache_on and cache_copies_kv(versions),
+        # TRL's DPO and GRPO forwards pass use_cache=False
+        kv_cache_copies=step.cache_on and cache_copies_kv(versions) and not goal.logps,
         versions=versions,
         gpu=gpu,
+        objective=goal,
+        reference=resolve_reference(step),
+        sequences=_per_rank(sequences(step), step.context_parallel),
+        loss_chunk=step.loss_chunk if step.loss_impl == "chunked" else None,
+        activation_offload=step.activation_offload,
+        context_parallel=step.context_parallel,
         kbit=kbit_flow(step, prec, frame, versions),
     )

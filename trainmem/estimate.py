@@ -178,6 +178,8 @@ from .config import (
     split_targets,
     step_signature,
 )
+from .objectives import record_names as objective_record
+from .objectives import resolve_reference
 from .closed_form import (
     _gpt2_estimate,
     _trainable,
@@ -243,8 +245,15 @@ def _options_record(shape: Shape, d: Decisions) -> dict[str, Any]:
     the recipe it replayed (:func:`recipe`)."""
     step = d.options
     names = ESTIMATE_RECORD + (("load_dtype",) if step.load_dtype else ())
-    # load_dtype only when given, so records of the recipes' own stay as they were
-    out = step.record(names, model=shape.name, attn=step.attn_memory)
+    # load_dtype only when given, so records of the recipes' own stay as they were;
+    # likewise the objective's options beyond supervised fine-tuning
+    names += objective_record(step)
+    out = step.record(
+        names,
+        model=shape.name,
+        attn=step.attn_memory,
+        reference=resolve_reference(step),
+    )
     out["recipe"] = recipe(d)
     return out
 

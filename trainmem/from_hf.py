@@ -41,6 +41,8 @@ _HF_NAMES = {
     "lora_targets": ("peft_config", "target_modules"),
     "batch": ("training_args", "per_device_train_batch_size"),
     "grad_accum": ("training_args", "gradient_accumulation_steps"),
+    "group_size": ("training_args", "num_generations"),
+    "max_completion_length": ("training_args", "max_completion_length"),
 }
 
 
@@ -126,7 +128,72 @@ def hf_options(
         opts["load_dtype"] = load
     elif load != precision_entry(opts["precision"]).params:
         opts["load_dtype"] = load
+    opts.update(_objective_options(training_args, peft_config is not None))
+    if hf_field(training_args, "activation_offloading", False):
+        opts["activation_offload"] = True  # TRL's SFTConfig
+    if hf_field(training_args, "use_liger_kernel", False) and "objective" not in opts:
+        opts.update(loss_impl="chunked", loss_chunk=liger_chunk(model, opts))
     return opts
+
+
+def liger_chunk(model: Any, opts: dict) -> int:
+    """The rows per chunk of Liger's fused linear cross-entropy
+    (``use_liger_kernel=True``): ``next_power_of_2(ceil(rows / ceil(vocab /
+    hidden)))``, at most the rows, so that a chunk's logits are about the size of the
+    hidden states. Liger computes the gradients inside its forward (a gradient of the
+    hidden states and, for a trainable ``lm_head``, of the weight, kept to backward)
+    instead of recomputing the chunks in backward as ``loss_impl="chunked"`` replays:
+    the logits are never whole in either."""
+    from .families import model_shape
+
+    shape = model_shape(model)
+    rows = opts["batch"] * opts["seq"]
+    factor = -(-shape.vocab // shape.hidden)
+    want = -(-rows // factor)
+    return min(1 << (want - 1).bit_length(), rows)
+
+
+def _trl_config(training_args: Any) -> str | None:
+    """``"dpo"`` for TRL's ``DPOConfig``, ``"grpo"`` for its ``GRPOConfig`` (the
+    object, or the dict of its fields: told apart by the fields only they have),
+    ``None`` otherwise."""
+    name = type(training_args).__name__
+    if name == "DPOConfig" or (
+        isinstance(training_args, dict) and "precompute_ref_log_probs" in training_args
+    ):
+        return "dpo"
+    if name == "GRPOConfig" or (
+        isinstance(training_args, dict) and "num_generations" in training_args
+    ):
+        return "grpo"
+    return None
+
+
+def _objective_options(training_args: Any, peft: bool) -> dict[str, Any]:
+    """The objective a TRL config trains (:mod:`trainmem.objectives`).
+
+    ``DPOConfig``: ``objective="dpo"`` (``per_device_train_batch_size`` counts
+    preference pairs; ``max_length`` the tokens of each sequence), the reference
+    precomputed when ``precompute_ref_log_probs``, else a frozen copy or, under peft,
+    the disabled adapter. ``GRPOConfig``: ``objective="grpo"`` with
+    ``num_generations`` and ``max_completion_length`` (TRL's defaults 8 and 512), a
+    reference only when ``beta`` is not 0 (its default is 0.0); ``seq`` is the prompt
+    length, which the config does not fix."""
+    kind = _trl_config(training_args)
+    if kind == "dpo":
+        precomputed = bool(hf_field(training_args, "precompute_ref_log_probs", False))
+        return dict(objective="dpo", reference="precomputed" if precomputed else "auto")
+    if kind == "grpo":
+        beta = float(hf_field(training_args, "beta", 0.0) or 0.0)
+        reference = "none" if beta == 0 else ("adapter" if peft else "copy")
+        return dict(
+            objective="grpo",
+            reference=reference,
+            group_size=hf_field(training_args, "num_generations", 8) or 8,
+            max_completion_length=hf_field(training_args, "max_completion_length", 512)
+            or 512,
+        )
+    return {}
 
 
 def config_dtype(model: Any) -> str | None:

@@ -171,9 +171,16 @@ class _TrackedTraining:
     goes; with ``track`` it records in ``marks`` the event at the end of the forward
     pass, the gradients and the optimizer states."""
 
-    def __init__(self, model, opt, inputs, d: Decisions, device: str, fake: bool):
-        self.model, self.opt, self.step = model, opt, d.options
+    def __init__(
+        self, model, opt, inputs, d: Decisions, device: str, fake: bool, extra=None
+    ):
+        self.model, self.opt, self.step, self.d = model, opt, d.options, d
         self.inputs, self.labels = inputs, inputs.clone()
+        # an objective's reference model and the batch's extra tensors
+        # (trainmem.measuring.preference_losses): precomputed log-probabilities,
+        # advantages
+        self.extra = dict(extra or {})
+        self.ref_model = self.extra.pop("ref_model", None)
         self.device = "cuda" if device == "cuda" else "cpu"
         self.amp = d.dtypes.autocast is not None
         self.amp_dtype = torch_dtype(d.dtypes.autocast) if self.amp else None
@@ -188,9 +195,18 @@ class _TrackedTraining:
         self.quant_state = quant_state_tensors(model)
         for t in list(model.parameters()) + list(model.buffers()) + self.quant_state:
             tracker.register(t)
+        self.ref_tensors = []
+        if self.ref_model is not None:
+            self.ref_tensors = list(self.ref_model.parameters()) + list(
+                self.ref_model.buffers()
+            )
+            for t in self.ref_tensors:
+                tracker.register(t)
         tracker.set_phase("forward")  # the batch is held for backward (embedding, loss)
         tracker.register(self.inputs)
         tracker.register(self.labels)
+        for t in self.extra.values():
+            tracker.register(t)
         tracker.set_phase("pre")
         tracker.param_storages = {id(p.untyped_storage()) for p in model.parameters()}
 
@@ -202,14 +218,33 @@ class _TrackedTraining:
             if self.amp
             else contextlib.nullcontext()
         )
-        with autocast:
-            loss = self.model(
-                # use_cache as the estimate describes it (StepConfig.cache_on: the
-                # config's default, off under checkpointing, or --use-cache)
-                input_ids=self.inputs,
-                labels=self.labels,
-                use_cache=self.step.cache_on,
-            ).loss
+        offload = contextlib.nullcontext()
+        if self.d.activation_offload:
+            from .offload import HostOffload
+
+            offload = HostOffload().hooks(self.model)
+        with autocast, offload:
+            loss = self._objective_loss() if self.d.objective.logps else None
+            if self.d.loss_chunk:
+                from .chunked_loss import causal_lm_loss
+
+                loss = causal_lm_loss(
+                    self.model,
+                    self.inputs,
+                    self.d.loss_chunk,
+                    use_cache=self.step.cache_on,
+                )
+            loss = (
+                loss
+                if loss is not None
+                else self.model(
+                    # use_cache as the estimate describes it (StepConfig.cache_on: the
+                    # config's default, off under checkpointing, or --use-cache)
+                    input_ids=self.inputs,
+                    labels=self.labels,
+                    use_cache=self.step.cache_on,
+                ).loss
+            )
         if step.grad_accum > 1:
             loss = loss / step.grad_accum
         if track:
@@ -222,6 +257,26 @@ class _TrackedTraining:
         else:
             loss.backward()
         del loss
+
+    def _objective_loss(self):
+        """The loss of an objective that reads log-probabilities (DPO, GRPO)."""
+        from . import preference_losses
+
+        if self.d.objective.rollouts:
+            return preference_losses.grpo_loss(
+                self.model,
+                self.inputs,
+                self.step.max_completion_length,
+                self.extra["advantages"],
+                self.extra.get("reference_logps"),
+            )
+        return preference_losses.dpo_loss(
+            self.model,
+            self.ref_model,
+            self.inputs,
+            self.d.reference,
+            self.extra.get("precomputed_logps"),
+        )
 
     def run(self, track: bool) -> None:
         tracker, opt = self.tracker, self.opt
@@ -281,7 +336,10 @@ class _TrackedTraining:
         tracker, model, marks = self.tracker, self.model, self.marks
         weight_ids = {
             id(tracker.record_of(t))
-            for t in list(model.parameters()) + list(model.buffers()) + self.quant_state
+            for t in list(model.parameters())
+            + list(model.buffers())
+            + self.quant_state
+            + self.ref_tensors
         }
         master_ids = set()
         if self.amp:
@@ -356,20 +414,66 @@ def _one_run(config, step: StepConfig, *, device: str, seed: int = 0) -> dict:
             )
         else:
             model, opt = build_training_setup(config, step, device=real_device)
-        shape = (step.batch, step.seq)
+        d = decide(model_shape(config), step)
+        shape = d.sequences
         if fake:
             inputs = torch.zeros(shape, dtype=torch.long, device=real_device)
         else:
             generator = torch.Generator(device="cpu").manual_seed(seed)
             inputs = torch.randint(0, config.vocab_size, shape, generator=generator)
             inputs = inputs.to(real_device)
-        d = decide(model_shape(config), step)
-        training = _TrackedTraining(model, opt, inputs, d, device, fake)
+        extra = _objective_inputs(config, step, d, model, inputs, real_device)
+        training = _TrackedTraining(model, opt, inputs, d, device, fake, extra)
         cuda_stats = training.measure_second_step(device)
         result = training.collect()
         result["cuda"] = cuda_stats
         model = opt = training = None  # free the step's tensors before the next run
         return result
+
+
+def _objective_inputs(config, step, d: Decisions, model, inputs, device) -> dict:
+    """What an objective's step holds besides the batch: the reference model (a frozen
+    copy loaded like the policy), DPO's precomputed log-probabilities, GRPO's
+    advantages and reference log-probabilities (computed before the step, when the
+    rollouts are scored)."""
+    out: dict = {}
+    if not d.objective.logps:
+        return out
+    rows = d.sequences[0]
+    if d.reference == "copy":
+        from .models import build_model
+
+        impl = "sdpa" if step.attn == "math" else step.attn
+        ref = build_model(
+            config,
+            device=device,
+            dtype=torch_dtype(d.dtypes.load),
+            attn_implementation=impl,
+        )
+        ref.requires_grad_(False)
+        out["ref_model"] = ref.train()
+    if d.reference == "precomputed":
+        out["precomputed_logps"] = -torch.rand(rows, device=device)
+    if d.objective.rollouts:
+        from .preference_losses import reference_token_logps
+
+        out["advantages"] = torch.randn(rows, device=device)
+        if d.reference != "none":
+            amp = d.dtypes.autocast
+            autocast = (
+                torch.autocast(device, dtype=torch_dtype(amp))
+                if amp
+                else contextlib.nullcontext()
+            )
+            with autocast:
+                out["reference_logps"] = reference_token_logps(
+                    model,
+                    out.get("ref_model"),
+                    inputs,
+                    step.max_completion_length,
+                    d.reference,
+                ).float()
+    return out
 
 
 def _n_layers_field(config) -> str:
@@ -440,11 +544,21 @@ step_signature(
 
 def _options_record(config, step: StepConfig, device: str, seed: int) -> dict:
     """The options of a measurement as its result reports them (``.options``)."""
+    from ..objectives import record_names as objective_record
+    from ..objectives import resolve_reference
+
     names = MEASURE_RECORD + (("load_dtype",) if step.load_dtype else ())
     if step.method == "qlora":
         names += ("kbit_prepare", "qlora_double_quant")
+    names += objective_record(step)
     model = getattr(config, "name_or_path", None) or "config"
-    return step.record(names, seed=seed, device=device, model=model)
+    return step.record(
+        names,
+        seed=seed,
+        device=device,
+        model=model,
+        reference=resolve_reference(step),
+    )
 
 
 #: the options a measurement's result reports, in order (:meth:`StepConfig.record`)

@@ -42,6 +42,12 @@ class Simulator:
         self.node_ids = count()  # creation order of autograd nodes
         self.autocast = None  # lower-precision dtype name under torch.autocast
         self.grad_enabled = True
+        # peft's disable_adapter() around a forward (a reference model)
+        self.adapters_off = False
+        # activation offloading (an .offload.Offload while the forward's saved tensors
+        # go to the host; None: they stay) and the parameters' buffers, which stay
+        self.offload = None
+        self.param_buffers: set[int] = set()
         # the active CheckpointRegion while recording a checkpointed region
         self.checkpoint_region = None
         self.marks: dict[str, dict] = {}

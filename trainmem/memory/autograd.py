@@ -24,12 +24,16 @@ class Node:
         "backward_fn",
         "region",
         "saves_tensors",
+        "restore",
         "__weakref__",
     )
 
     def __init__(
         self, order, edges, saved, backward_fn, region=None, saves_tensors=False
     ):
+        # bytes of the saved tensors that activation offloading moved to the host:
+        # copied back to the device when the node's backward runs
+        self.restore = ()
         self.order = order
         self.edges = edges
         self.saved = saved
@@ -84,6 +88,9 @@ def record(
             region.last_saving = region.n_nodes
         saved, save_out = [], False  # checkpoint: nothing kept, recomputed in backward
     buffers = [t.buffer for t in saved] + ([out.buffer] if save_out else [])
+    restore = ()
+    if sim.offload is not None:
+        buffers, restore = sim.offload.pack(sim, buffers)
     node = Node(
         next(sim.node_ids),
         [i.edge() if i is not None else None for i in inputs],
@@ -94,6 +101,7 @@ def record(
     )
     out.requires_grad = True
     out.grad_fn = node
+    node.restore = restore
     if region is not None and region.recording:
         region.nodes.append(node)
     if region is not None and region.replaying is not None:
@@ -199,6 +207,7 @@ def checkpoint(sim: Simulator, forward_fn, *inputs, reentrant: bool = False):
 
 def param(sim: Simulator, shape, dtype, trainable: bool, category: str) -> SimTensor:
     p = new(sim, shape, dtype, category=category)
+    sim.param_buffers.add(p.buffer.uid)  # activation offloading keeps parameters
     p.requires_grad = trainable
     if trainable:
         p.grad_accumulator = AccumulateGrad(p)
@@ -262,8 +271,10 @@ def backward(sim: Simulator, loss: SimTensor):
         region = node.region
         if region is not None and not region.done and node.saves_tensors:
             region.recompute(sim)
+        # offloaded saved tensors come back to the device for this node's backward
+        restored = [sim.alloc(n) for n in node.restore]
         input_grads = node.backward_fn(node, grad)
-        del grad
+        del grad, restored
         node.saved = None
         if region is not None:
             region.executed += 1

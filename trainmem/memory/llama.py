@@ -138,7 +138,8 @@ def lora_linear(sim: Simulator, x: SimTensor, lin: Linear) -> SimTensor:
         quant_saves_input=lin.saves_input,
         quant_output_cast=lin.output_cast,
     )
-    if lin.A is None:
+    if lin.A is None or sim.adapters_off:
+        # peft's disable_adapter(): the base layer's output only (TRL's reference)
         return result
     result_dtype = result.dtype
     # x = self._cast_input_dtype(x, lora_A.weight.dtype): lives to the end
@@ -248,6 +249,12 @@ def attention(
         del qe, ke, v
         # transpose(1, 2).contiguous(): the math path's output is (b, heads, s, d)
         o = clone_contig(sim, view(o, (b, s, a, d), "t"))
+    elif cfg.get("context_parallel", 1) > 1:
+        # the sequence sharded over ranks: ring attention (trainmem.memory.ring)
+        from .ring import ring_sdpa
+
+        o = ring_sdpa(sim, qe, ke, v, cfg["context_parallel"])
+        del qe, ke, v
     else:
         if cfg.get("sdpa_repeats_kv"):
             # transformers' repeat_kv (no enable_gqa): SDPA saves the copies
@@ -352,7 +359,32 @@ def llama_loss(
         sim.sharded.after_layers(sim)
     h = rmsnorm(sim, h, model.norm)
     del mask  # LlamaModel.forward returns here
+    if cfg.get("loss_chunk"):
+        # the chunked cross-entropy in place of lm_head + cross_entropy
+        from .chunked import chunked_loss
+
+        if cfg.get("kv_cache") is not None:
+            # the decoder's output (and its cache) is dropped before the loss
+            cfg["kv_cache"] = []
+        held = [h]  # handed over: the loss drops the uncast hidden states
+        del h
+        return chunked_loss(sim, held, gathered(sim, model.lm_head), cfg)
+    keep = cfg.get("logits_to_keep")
+    if keep:
+        # hidden_states[:, -logits_to_keep:, :]: a view the lm_head saves (so the
+        # whole last hidden state stays), slice_backward's zeros in backward
+        h = narrow(sim, h, (b, keep, h.shape[-1]))
+    # activation offloading pauses inside lm_head (trainmem.memory.offload)
+    offload, sim.offload = sim.offload, None
     logits = linear(sim, h, gathered(sim, model.lm_head))
+    sim.offload = offload
+    if cfg.get("return_logits"):
+        # labels=None: the model output's logits, as the loss of an objective reads
+        # them (trainmem.memory.preference)
+        del h
+        if cfg.get("kv_cache") is not None and not cfg.get("keep_cache"):
+            cfg["kv_cache"] = []
+        return logits
     # (h, the model output's last_hidden_state, lives until the causal-LM forward
     # returns) ForCausalLMLoss: logits.float(); pad+shift labels; cross_entropy =
     # log_softmax + nll_loss

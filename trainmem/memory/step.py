@@ -19,7 +19,8 @@ from ..versions import (
     litgpt_loss_holds_graph,
     litgpt_rmsnorm_fp32,
 )
-from . import litgpt, traced
+from . import litgpt, preference, traced
+from .offload import Offload
 
 from ..optimizers import optimizer
 from .optimizer_step import SCRATCH_RULES as SCRATCH_RULES, _optimizer_states
@@ -126,7 +127,14 @@ def _micro_batch(sim, model, d, batch, cfg, litgpt_logits) -> int:
     sim.set_phase("forward")
     sim.autocast = d.dtypes.autocast
     cfg["kv_cache"] = [] if d.kv_cache_copies else None
-    loss = DECODERS[d.layout].loss(sim, model, ids, labels, cfg, litgpt_logits)
+    if d.activation_offload:
+        sim.offload = Offload()  # the forward's saved tensors go to the host
+    if d.objective is not None and d.objective.logps:
+        # DPO / GRPO (trainmem.objectives): the objective's loss on the decoder
+        loss = OBJECTIVE_LOSSES[d.objective.name](sim, model, ids, labels, cfg, d)
+    else:
+        loss = DECODERS[d.layout].loss(sim, model, ids, labels, cfg, litgpt_logits)
+    sim.offload = None
     sim.autocast = None
     sim.autocast_cache = []  # leaving torch.autocast clears its cache
     if step.grad_accum > 1:
@@ -144,7 +152,7 @@ def _micro_batch(sim, model, d, batch, cfg, litgpt_logits) -> int:
 
 
 def _forward_backward(
-    sim: Simulator, model: Model, shape, d, batch, replay_as=None
+    sim: Simulator, model: Model, shape, d, batch, replay_as=None, reference=None
 ) -> tuple[int, dict]:
     """The ``grad_accum`` micro-batches of the step (forward, loss scaling, backward);
     returns the forward-allocated bytes alive at the end of the (last) forward pass
@@ -164,6 +172,10 @@ def _forward_backward(
         "reentrant": step.checkpointing_mode == "reentrant",
         # LitGPT: finetune/lora.py chunks lm_head, finetune/full.py does not
         "chunked_head": step.method != "full",
+        # the chunked cross-entropy's rows per chunk (None: the standard loss)
+        "loss_chunk": d.loss_chunk,
+        "context_parallel": d.context_parallel,
+        **(reference or {}),
     }
     activations_at_end = 0
     litgpt_logits = []
@@ -284,6 +296,38 @@ DECODERS = {
 }
 
 
+#: the losses of the objectives that read log-probabilities, by objective name
+OBJECTIVE_LOSSES = {"dpo": preference.dpo_loss, "grpo": preference.grpo_loss}
+
+
+def _reference(sim: Simulator, shape, d, rows: int) -> dict:
+    """What the objective's reference holds for the whole step: a frozen copy of the
+    model loaded like the policy (``copy``), or the precomputed log-probabilities the
+    batch carries (``precomputed``: one float per sequence)."""
+    out = {"reference_model": None, "precomputed_logps": None}
+    if d.reference == "copy":
+        out["reference_model"] = build_params(
+            sim,
+            shape,
+            method="lora",  # every parameter frozen, no adapter
+            lora_rank=1,
+            lora_targets=(),
+            dtypes=d.dtypes,
+        )
+    elif d.reference == "precomputed":
+        out["precomputed_logps"] = new(sim, (rows,), "fp32", category="activations")
+    if d.objective is not None and d.objective.rollouts:
+        # the scored rollouts the batch carries: advantages, and the reference's
+        # per-token log-probabilities when there is a reference
+        completion = d.options.max_completion_length
+        out["advantages"] = new(sim, (rows,), "fp32", category="activations")
+        if d.reference != "none":
+            out["reference_logps"] = new(
+                sim, (rows, completion), "fp32", category="activations"
+            )
+    return out
+
+
 def _warm_up_step(d) -> bool:
     """Whether the allocator replay runs step 1 before the step: a torch optimizer
     over the local parameters (``zero`` 0) creates its states lazily, in its first
@@ -295,18 +339,20 @@ def _warm_up_step(d) -> bool:
     return d.options.zero == 0 and not d.framework.previous_seq
 
 
-def _first_step(sim: Simulator, model: Model, params, shape, d, replay_as) -> list:
+def _first_step(
+    sim: Simulator, model: Model, params, shape, d, replay_as, reference=None
+) -> list:
     """Step 1 of training, for the caching allocator only: the micro-batches'
     forward and backward with no optimizer states, the optimizer's ``step()``
     creating them (:func:`_optimizer_states`) before its scratch, then
     ``zero_grad(set_to_none=True)``; a ``reset_peak`` event then starts step 2's
     peak (``torch.cuda.reset_peak_memory_stats()``). Returns the states."""
     step = d.options
+    rows, tokens = d.sequences if d.objective is not None else (step.batch, step.seq)
     batch = tuple(
-        new(sim, (step.batch, step.seq), "i64", category="activations")
-        for _ in range(2)
+        new(sim, (rows, tokens), "i64", category="activations") for _ in range(2)
     )
-    _forward_backward(sim, model, shape, d, batch, replay_as)
+    _forward_backward(sim, model, shape, d, batch, replay_as, reference)
     sim.set_phase("optimizer")
     states = _optimizer_states(sim, params, step, d.dtypes.optimizer_states)
     rule = optimizer(step.optimizer).impl(step.optimizer_impl).scratch
@@ -351,19 +397,22 @@ def simulate_step(
     model, params = DECODERS[d.layout].build(sim, shape, d)
     masters, held, gathered_root = _shard_for_zero(sim, model, params, d)
     state_dtype = d.dtypes.optimizer_states
+    rows, tokens = d.sequences if d.objective is not None else (step.batch, step.seq)
+    # (context parallelism: the tokens of this GPU's shard of the sequence)
+    reference = _reference(sim, shape, d, rows)
     if replay_as is not None and _warm_up_step(d):
         # the caching allocator as step 2 finds it: step 1 ran with no optimizer
         # states, which its optimizer step then created in the cached pool
-        states = _first_step(sim, model, params, shape, d, replay_as)
+        states = _first_step(sim, model, params, shape, d, replay_as, reference)
     else:
         states = _optimizer_states(sim, params, step, state_dtype)
-    ids = new(sim, (step.batch, step.seq), "i64", category="activations")
-    labels = new(sim, (step.batch, step.seq), "i64", category="activations")
+    ids = new(sim, (rows, tokens), "i64", category="activations")
+    labels = new(sim, (rows, tokens), "i64", category="activations")
     sim.peak = sim.live
     sim.peak_by_category = dict(sim.live_by_category)
     sim.phase_peaks = {}
     activations_at_end, cfg = _forward_backward(
-        sim, model, shape, d, (ids, labels), replay_as
+        sim, model, shape, d, (ids, labels), replay_as, reference
     )
     after_micro_batches = None if sim.events is None else len(sim.events)
     del gathered_root  # resharded at the end of backward (_catch_all_reshard)
@@ -376,6 +425,12 @@ def simulate_step(
     del masters, held
     if d.framework.eval_after_step and step.zero == 0:
         DECODERS[d.layout].after_step(sim, model, step, (ids, labels), cfg)
+    if d.objective is not None and d.objective.rollouts:
+        # zero_grad(set_to_none=True), then the next step's rollouts
+        for p in params:
+            if p.grad_accumulator is not None:
+                p.grad_accumulator.grad = None
+        preference.generate(sim, model, d, cfg)
     cfg.pop("held", None)
     cfg.pop("held_graph", None)
     sim.set_phase("idle")
@@ -402,6 +457,7 @@ def simulate_step(
         "phase_peaks": {
             k: v
             for k, v in sim.phase_peaks.items()
-            if k in ("forward", "backward", "optimizer", "validate", "generate")
+            if k
+            in ("forward", "backward", "optimizer", "validate", "generate", "score")
         },
     }
