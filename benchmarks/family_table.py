@@ -1,8 +1,8 @@
 """The family table: every decoder family the estimator knows, at three shapes, full
 fine-tuning and LoRA, fp32 and bf16 autocast — the estimate
 (:func:`trainmem.estimate.estimate`) next to the CPU measurement of the same step
-(:func:`trainmem.measure.measure`, the peak of the tracked storages), measured in the
-same run, and their ratio.
+(:func:`trainmem.measuring.measure.measure`, the peak of the tracked storages), measured
+in the same run, and their ratio.
 
 Llama, Mistral and Qwen2 are estimated by the Llama replay (:mod:`trainmem.memory.
 llama`); every other family by the replay of its recorded trace
@@ -12,8 +12,8 @@ shapes are not the probe shapes the traces were recorded at.
     python benchmarks/family_table.py [model_type ...] [--quick]
 
 ``--quick``: the first shape only; ``--all-runs``: the four (method, precision)
-pairs at every shape, not only at the first. Prints a Markdown table; exits 1 when a ratio is
-off by more than 1 %.
+pairs at every shape, not only at the first. Prints a Markdown table; exits 1 when a
+ratio is off by more than 1 %.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 
 from trainmem.estimate import estimate
 from trainmem.families import MODEL_TYPES, transformers_config
-from trainmem.measure import measure
+from trainmem.measuring.measure import measure
 
 #: config field names of the sizes (Llama-style; GPT-2 its own)
 LLAMA_STYLE = dict(

@@ -18,7 +18,7 @@ from trainmem.memory import traced
 
 TRACED = [m.name for m in MODEL_TYPES.values() if m.fields]
 RUNS = (("full", "fp32"), ("lora", "bf16-amp"), ("lora", "fp32"), ("full", "bf16-amp"))
-#: a tiny shape that is none of the probes' (trainmem.family_trace.PROBES)
+#: a tiny shape that is none of the probes' (trainmem.measuring.family_trace.PROBES)
 TINY = dict(v=150, h=48, i=120, L=2, a=4, k=2, d=12, b=2, s=20)
 
 
@@ -40,11 +40,11 @@ def _config(name: str) -> dict:
 
 def test_every_recorded_family_has_its_data_file():
     """One data file per registry entry, with every variant the generator records
-    (trainmem.family_trace.RECORDED in each of the entry's regimes), recorded with the
-    transformers and peft this environment pins: a version bump without a
+    (trainmem.measuring.family_trace.RECORDED in each of the entry's regimes), recorded
+    with the transformers and peft this environment pins: a version bump without a
     regenerated file fails here."""
     pytest.importorskip("torch")
-    from trainmem.family_trace import RECORDED, regimes
+    from trainmem.measuring.family_trace import RECORDED, regimes
     from trainmem.config import StepConfig
 
     assert {"gpt2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2"} <= set(TRACED)
@@ -67,7 +67,7 @@ def test_every_recorded_family_has_its_data_file():
 
 @pytest.mark.parametrize("name", TRACED)
 def test_estimate_within_one_percent_of_the_cpu_measurement(name):
-    from trainmem.measure import measure
+    from trainmem.measuring.measure import measure
 
     method, precision = RUNS[TRACED.index(name) % len(RUNS)]
     opts = dict(

@@ -296,8 +296,8 @@ def test_repeat_kv_path_agrees_with_cpu_measurement():
     from trainmem.decisions import decide
     from trainmem.estimate import estimate
     from trainmem.families import model_shape
-    from trainmem.measure import measure
-    from trainmem.models import get_config
+    from trainmem.measuring.measure import measure
+    from trainmem.measuring.models import get_config
 
     cfg = get_config("tiny", num_key_value_heads=2, head_dim=264)
     kw = dict(method="lora", precision="fp32", batch=2, seq=16)

@@ -83,6 +83,13 @@ class Shape:
     def family(self) -> "Family":
         return FAMILIES[self.arch]
 
+    @property
+    def type_entry(self) -> "ModelType | None":
+        """The :class:`ModelType` of ``arch`` when it names one (a recorded family's
+        ``model_type``), else ``None``: what the replay reads of it without importing
+        this registry."""
+        return MODEL_TYPES.get(self.arch)
+
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(d_in, d_out) of each Linear of one decoder layer, by module name (the LoRA
         targets)."""

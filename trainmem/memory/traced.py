@@ -4,9 +4,9 @@ storage, every size an expression in the shape's symbols (:data:`SYMBOLS`), scal
 here to the shape asked for.
 
 The data files (``trainmem/data/families/<model_type>.json``) are written by
-:mod:`trainmem.family_trace` (``python -m trainmem families --write``), which records
-them from the module itself; this module reads them with the standard library only
-(the book's in-page calculator runs it in Pyodide).
+:mod:`trainmem.measuring.family_trace` (``python -m trainmem families --write``), which
+records them from the module itself; this module reads them with the standard library
+only (the book's in-page calculator runs it in Pyodide).
 
 A data file holds one trace per *variant*: the options that change which tensors the
 step makes (:func:`variant_key`: method, precision, load and adapter dtypes, attention,
@@ -105,9 +105,7 @@ def variant_regime(shape, step) -> dict:
     (output and logsumexp). ``attn``: the attention a family without an SDPA path
     runs whatever is asked (Gemma 2 in transformers 5: eager, what
     ``from_pretrained`` picks for it)."""
-    from ..families import MODEL_TYPES
-
-    mt = MODEL_TYPES.get(shape.arch)
+    mt = shape.type_entry
     fused = (
         mt is not None
         and mt.attention_dropout is not None
@@ -154,7 +152,7 @@ def load(model_type: str) -> dict:
         raise OptionError(
             "model",
             f"model_type {model_type!r} has no recorded trace ({path}); run "
-            "python -m trainmem.family_trace --write",
+            "python -m trainmem.measuring.family_trace --write",
         ) from None
 
 
@@ -186,7 +184,7 @@ def trace_for(model_type: str, key: str, step=None) -> dict:
             "versions",
             f"versions: the {model_type} traces record {', '.join(differ)}; "
             "regenerate them under the versions asked "
-            "(python -m trainmem.family_trace --write)",
+            "(python -m trainmem.measuring.family_trace --write)",
         )
     if key not in data["variants"]:
         recorded = "; ".join(sorted(data["variants"]))

@@ -5,9 +5,10 @@ shape's symbols.
 
 How a trace is made (:func:`record_variant`):
 
-* The step :func:`trainmem.measure.measure` measures (same model, optimizer, loop and
-  :class:`~trainmem.tracker.MemoryTracker`) runs on a tiny random-weight model built
-  from the family's config class, at two *probe* shapes whose sizes are distinct
+* The step :func:`trainmem.measuring.measure.measure` measures (same model, optimizer,
+  loop and
+  :class:`~trainmem.measuring.tracker.MemoryTracker`) runs on a tiny random-weight model
+  built from the family's config class, at two *probe* shapes whose sizes are distinct
   numbers (:data:`PROBES`), with 2, 3 and 4 decoder layers.
 * Hooks on the decoder layers cut the events into sections: ``P`` (before layer 0),
   ``F`` (one per layer, its forward), ``Q`` (the head, the loss and backward down to
@@ -39,10 +40,10 @@ from typing import Any
 
 import torch
 
-from .config import StepConfig
+from ..config import StepConfig
 from .tracker import MemoryTracker
-from .families import MODEL_TYPES, model_type
-from .memory.traced import (
+from ..families import MODEL_TYPES, model_type
+from ..memory.traced import (
     DATA_DIR,
     SYMBOLS,
     evaluate,
@@ -119,12 +120,12 @@ def _first_tensor(x):
 
 def run_events(config, step: StepConfig, layers: int) -> dict:
     """The events of one forward and backward of ``config`` (``layers`` decoder
-    layers) under ``step``, as :func:`trainmem.measure.measure` runs them: parameters
-    (name, shape, dtype, trainable), buffers and a flat list of events."""
-    from .decisions import decide
+    layers) under ``step``, as :func:`trainmem.measuring.measure.measure` runs them:
+    parameters (name, shape, dtype, trainable), buffers and a flat list of events."""
+    from ..decisions import decide
     from .measure import _TrackedTraining
     from .training_setup import build_training_setup
-    from .families import model_shape
+    from ..families import model_shape
 
     torch.manual_seed(0)
     model, opt = build_training_setup(config, step, device="cpu")
@@ -260,7 +261,7 @@ def _attention(step):
 
 
 def _dtype(dtype) -> str:
-    from .dtypes import DTYPES
+    from ..dtypes import DTYPES
 
     name = str(dtype).replace("torch.", "")
     for entry in DTYPES.values():
@@ -367,9 +368,7 @@ def _sections(events: list, layers: int) -> list[tuple[str, int | None, list]]:
             return False
         return e[0] != "m" or e[1] == ("phase", "backward")
 
-    return [
-        (sec, j, [e for e in events[a:b] if kept(e, j)]) for sec, j, a, b in bounds
-    ]
+    return [(sec, j, [e for e in events[a:b] if kept(e, j)]) for sec, j, a, b in bounds]
 
 
 def _python_scalar(record) -> bool:
