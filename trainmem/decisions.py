@@ -97,6 +97,9 @@ class Decisions:
     kv_cache_copies: bool
     versions: dict = dataclasses.field(default_factory=dict)
     gpu: Any = None
+    #: the sizes the sharding reads (DeepSpeed's buckets and thresholds for the
+    #: model's width: :mod:`trainmem.deepspeed`), ``None`` when it reads none
+    shard_sizes: Any = None
 
     @property
     def autocast(self) -> str | None:
@@ -240,4 +243,5 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
         kv_cache_copies=step.cache_on and cache_copies_kv(versions),
         versions=versions,
         gpu=gpu,
+        shard_sizes=shard.replay.sizes(step.deepspeed_sizes, shape.hidden),
     )
