@@ -569,7 +569,7 @@ LAB_IDS = sorted(
 
 # Mistakes the self-checks must catch (they did not before), each a requirement the
 # lab states: (name, solution text, replacement, graded question, what the failing
-# self-check says). All of a lab's mistakes are graded in the lab's one grading run.
+# self-check says). A lab's mistakes are graded together, in one run (lab_runs).
 MISTAKES = {
     "lab01": [
         (
@@ -645,10 +645,25 @@ def _with_mistake(sol: Path, old: str, new: str, question: str, text: str) -> st
     return nbformat.writes(nb)
 
 
+# Hidden tests of one lab reduced to the questions its known mistakes are about: the
+# mistakes are graded on those alone (a probe per question costs a run of its own:
+# lab 6's measure training steps), against the same inputs as the solution.
+ONLY_QUESTIONS = """\
+import importlib.util as _util
+
+_spec = _util.spec_from_file_location("_hidden_tests_full_%(lab)s", %(path)r)
+_full = _util.module_from_spec(_spec)
+_spec.loader.exec_module(_full)
+globals().update({k: v for k, v in vars(_full).items() if not k.startswith("__")})
+QUESTIONS = [q for q in _full.QUESTIONS if q.name in %(names)r]
+"""
+
+
 @pytest.fixture(scope="session")
 def lab_runs(tmp_path_factory):
-    """Each lab's solution, untouched lab (and its known mistakes), graded in one run
-    per lab, once per test session."""
+    """Each lab's solution and untouched lab graded in one run per lab, once per test
+    session; its known mistakes in a second run, with the solution's seed, on the
+    questions they are about."""
     cache: dict[str, dict] = {}
 
     def run(lab: str) -> dict:
@@ -659,16 +674,40 @@ def lab_runs(tmp_path_factory):
             subs.mkdir()
             shutil.copy(sol, subs / "solution.ipynb")
             shutil.copy(ROOT / "labs" / sol.name, subs / "untouched_lab.ipynb")
-            for name, old, new, question, text in MISTAKES.get(lab, []):
-                (subs / f"{name}.ipynb").write_text(
-                    _with_mistake(sol, old, new, question, text)
-                )
             records = {
                 r["student"]: r
                 for r in grade(
                     lab, subs, base / "out", jobs=2, log=None, sandboxed=SANDBOXED
                 )
             }
+            mistakes = MISTAKES.get(lab, [])
+            if mistakes:
+                msubs, hidden = base / "mistakes", base / "hidden"
+                msubs.mkdir()
+                hidden.mkdir()
+                for name, old, new, question, text in mistakes:
+                    (msubs / f"{name}.ipynb").write_text(
+                        _with_mistake(sol, old, new, question, text)
+                    )
+                (hidden / f"{lab}.py").write_text(
+                    ONLY_QUESTIONS
+                    % dict(
+                        lab=lab,
+                        path=str(ROOT / "tests" / "grading" / f"{lab}.py"),
+                        names=sorted({m[3] for m in mistakes}),
+                    )
+                )
+                for r in grade(
+                    lab,
+                    msubs,
+                    base / "out_mistakes",
+                    jobs=2,
+                    log=None,
+                    sandboxed=SANDBOXED,
+                    tests_dir=hidden,
+                    seed=records["solution"]["seed"],
+                ):
+                    records[r["student"]] = r
             cache[lab] = dict(records=records, out=base / "out")
         return cache[lab]
 
