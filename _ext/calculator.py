@@ -77,6 +77,7 @@ LABELS = {
     "lora-alpha": "LoRA alpha（lora-alpha）",
     "lora-targets": "LoRA 目标模块（lora-targets）",
     "lora-dtype": "适配器类型（lora-dtype）",
+    "load-dtype": "加载 dtype（load-dtype）",
     "checkpointing": "激活检查点（checkpointing）",
     "attn": "注意力实现（attn）",
     "no-double-quant": "QLoRA 不做双重量化（no-double-quant）",

@@ -99,3 +99,45 @@ def recorded_models(run: str = DEFAULT_RUN) -> dict[str, dict]:
     """The model configs (random weights of published shapes) the recorded training
     steps ran, by the name their ``job["model"]`` gives."""
     return dict(load_run(run).get("models", {}))
+
+
+def recorded_step(step_id: str, run: str = DEFAULT_RUN) -> dict:
+    """One of :func:`recorded_steps` (its ``job`` also says ``recipe`` "loop" or
+    "trainer", Trainer ``args`` and the checkpoint's ``save_dtype``). An unknown id
+    raises ValueError naming the ids the run holds."""
+    steps = recorded_steps(run)
+    if step_id not in steps:
+        raise ValueError(f"step_id must be one of {sorted(steps)}, got {step_id!r}")
+    return steps[step_id]
+
+
+def trainer_step_inputs(step_id: str, run: str = DEFAULT_RUN) -> dict:
+    """What ``trainmem hf`` is given for a recorded ``Trainer`` step: the model's
+    ``config.json`` as the run saved it (the shape, with ``dtype`` the checkpoint's
+    ``save_dtype``), the ``TrainingArguments`` fields it set, the peft
+    ``adapter_config.json`` fields, ``seq`` and the run's library versions (as
+    ``--versions`` takes them), as keyword arguments of
+    :func:`trainmem.estimate.estimate_from_hf`."""
+    row = recorded_step(step_id, run)
+    job = row["job"]
+    if job["recipe"] != "trainer":
+        raise ValueError(f"step_id {step_id!r} is a {job['recipe']!r} run, not Trainer")
+    config = dict(recorded_models(run)[job["model"]])
+    if job.get("save_dtype"):
+        config["dtype"] = job["save_dtype"]
+    peft = None
+    if job["method"] != "full":
+        peft = {
+            "peft_type": "LORA",
+            "r": job["r"],
+            "lora_alpha": job["alpha"],
+            "target_modules": list(job["targets"]),
+            "lora_dropout": job["dropout"],
+        }
+    return dict(
+        model=config,
+        training_args=dict(job["args"]),
+        peft_config=peft,
+        seq=job["seq"],
+        versions=",".join(f"{k}={v}" for k, v in row["versions"].items()),
+    )

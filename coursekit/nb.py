@@ -224,10 +224,17 @@ def setup(
     The printed lines are version-dependent, so this cell is tagged
     ``nbval-ignore-output``.
     """
+    import logging
+
     import torch
 
     from .gpu import describe
 
+    # bitsandbytes (>= 0.49, imported by peft when installed) logs a warning at import
+    # on CPUs with AVX512-BF16 that its optional CPU inference kernel (the `kernels`
+    # package) is missing; nothing here uses that kernel, and the line would land in
+    # whichever cell imports peft first
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     seed_everything(seed)
     if threads is not None and not os.environ.get("COURSE_KEEP_THREADS"):
         torch.set_num_threads(threads)

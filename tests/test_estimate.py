@@ -430,9 +430,13 @@ def test_qlora_base_weights_by_hand_llama7b():
         seq=8,
         kbit_prepare="none",
     )
+    # each of the 224 4-bit weights also keeps its QuantState's tables: the NF4 code
+    # (16 fp32) and, under double quantization, the offset (1 fp32) and the nested
+    # 8-bit map (256 fp32)
+    tables_dq, tables = 224 * (16 + 1 + 256) * 4, 224 * 16 * 4
     # model states at the step: base + 2 fp32 rotary buffers + LoRA fp32 params and fp32
     # grads
-    assert e.model_state_bytes - 2 * 4 * 64 - 8 * e.n_trainable == want
+    assert e.model_state_bytes - 2 * 4 * 64 - 8 * e.n_trainable == want + tables_dq
     # peft's prepare_model_for_kbit_training casts the 16-bit rest to fp32
     prepared = estimate(
         "llama-7b", method="qlora", precision="bf16-amp", optimizer="sgd", seq=8
@@ -450,7 +454,7 @@ def test_qlora_base_weights_by_hand_llama7b():
     )
     assert single.model_state_bytes - e.model_state_bytes == linear * (
         4 / 64 - 1 / 64 - 4 / 16384
-    )
+    ) + (tables - tables_dq)
 
 
 def test_estimate_modules_import_no_torch():
@@ -505,6 +509,9 @@ def test_estimate_from_hf_maps_trainer_arguments():
         lora_rank=16,
         lora_alpha=32,
         lora_targets=LLAMA_LINEARS,
+        # the config names no stored dtype: from_pretrained loads fp32, stated
+        # because LoRA's default recipe is a 16-bit base
+        load_dtype="fp32",
     )
     est = estimate_from_hf(cfg, args, lora, seq=512)
     assert est.total_bytes == estimate(cfg, **opts).total_bytes
@@ -793,8 +800,16 @@ def test_estimates_equal_the_recorded_pre_refactor_values():
     on every rank (bitsandbytes' quant_state; tests/test_zero.py); and the six rows
     with ZeRO-3 on 8 GPUs, since every frozen parameter is sharded too and FSDP's root
     unit (embeddings, final norm, lm_head) stays all-gathered from the forward to the
-    end of backward (tests/test_zero.py). The independent checks are the tests above
-    (transformers' parameter counts, peft, the CPU measurement)."""
+    end of backward (tests/test_zero.py); and the QLoRA row under autocast, since
+    peft's LoRA on a 4-bit Linear casts its input to the adapters' fp32 only outside
+    autocast and copies the base output (trainmem.kbit; the CPU measurement in
+    tests/test_kbit.py); and every QLoRA row, since each 4-bit weight's code tables
+    and offset (bitsandbytes' QuantState: 1,092 B under double quantization) are
+    counted. The LoRA rows run with the load dtype the
+    recorded estimator assumed, the precision's (fp32 under autocast): LoRA's default
+    has since become a 16-bit base (``Precision.default_load``). The independent
+    checks are the tests above (transformers' parameter counts, peft, the CPU
+    measurement)."""
     from pathlib import Path
 
     rows = json.loads(
@@ -812,9 +827,16 @@ def test_estimates_equal_the_recorded_pre_refactor_values():
         "framework",
         "zero_impl",
         "deepspeed_sizes",
+        "load_dtype",
+        "recipe",
     )
     for row in rows:
-        result = estimate(**row["options"], use_cache="off", kbit_prepare="none")
+        result = estimate(
+            **row["options"],
+            **golden_load_dtype(row["options"]),
+            use_cache="off",
+            kbit_prepare="none",
+        )
         result = result.to_dict()
         result["options"] = {
             k: v for k, v in result["options"].items() if k not in added
@@ -822,6 +844,16 @@ def test_estimates_equal_the_recorded_pre_refactor_values():
         # the record of the attention backend (trainmem.sdpa), added since
         assert result.pop("attention")["kind"] == result["options"]["attn"]
         assert result == row["result"], row["options"]
+
+
+def golden_load_dtype(options: dict) -> dict:
+    """The load dtype the golden rows were recorded with, where LoRA's default has
+    changed since: the precision's parameter dtype (fp32 under autocast)."""
+    from trainmem.precisions import precision
+
+    if options.get("method") != "lora":
+        return {}
+    return {"load_dtype": precision(options.get("precision", "bf16-amp")).params}
 
 
 @pytest.mark.parametrize("double_quant", [True, False])
@@ -911,15 +943,26 @@ def test_load_dtype_is_the_weights_dtype_not_autocasts():
     the fp32 adapters as master weights; over the fp32 default, fp32 weights and
     their bf16 copies."""
     kw = dict(method="lora", precision="bf16-amp", batch=1, seq=64)
-    fp32 = estimate("tiny", **kw)
+    fp32 = estimate("tiny", load_dtype="fp32", **kw)
     bf16 = estimate("tiny", load_dtype="bf16", **kw)
-    assert bf16.options["load_dtype"] == "bf16" and "load_dtype" not in fp32.options
+    assert (bf16.options["load_dtype"], fp32.options["load_dtype"]) == ("bf16", "fp32")
     assert bf16.breakdown["master_weights"] == fp32.breakdown["master_weights"] > 0
     assert bf16.breakdown["weights"] < fp32.breakdown["weights"] / 2
     assert bf16.total_bytes < fp32.total_bytes
-    assert estimate("tiny", load_dtype="fp32", **kw).to_dict()["breakdown"] == (
-        fp32.breakdown
-    )
+    assert fp32.options["recipe"] == "fp32 base + fp32 adapters, autocast bf16"
+    assert bf16.options["recipe"] == "bf16 base + fp32 adapters, autocast bf16"
+    # LoRA's default under autocast is the 16-bit base (the recipe users run);
+    # full fine-tuning's stays autocast over fp32 weights
+    default = estimate("tiny", **kw)
+    assert "load_dtype" not in default.options
+    assert default.to_dict()["breakdown"] == bf16.breakdown
+    assert default.options["recipe"] == bf16.options["recipe"]
+    fp16 = estimate("tiny", **dict(kw, precision="fp16-amp"))
+    assert fp16.options["recipe"] == "fp16 base + fp32 adapters, autocast fp16"
+    full = estimate("tiny", **dict(kw, method="full"))
+    assert full.options["recipe"] == "fp32 weights, autocast bf16"
+    pure = estimate("tiny", **dict(kw, precision="bf16"))
+    assert pure.options["recipe"] == "bf16 base + fp32 adapters, no autocast"
     with pytest.raises(ValueError, match="load_dtype must be one of"):
         estimate("tiny", load_dtype="int8")
 
@@ -930,7 +973,7 @@ def test_load_dtype_is_the_weights_dtype_not_autocasts():
         ("5.24.0", "dtype", "bf16"),
         ("5.24.0", "torch_dtype", "bf16"),
         ("5.0.0", "torch_dtype", "bf16"),
-        ("4.57.1", "torch_dtype", None),  # 4.x loads fp32: the precision's default
+        ("4.57.1", "torch_dtype", "fp32"),  # 4.x loads fp32 whatever is stored
     ],
 )
 def test_hf_load_dtype_follows_the_config_and_transformers(transformers, field, want):
@@ -948,7 +991,11 @@ def test_hf_load_dtype_follows_the_config_and_transformers(transformers, field, 
         seq=64,
         versions=f"transformers={transformers}",
     )
-    assert opts.get("load_dtype") == want
+    assert opts["load_dtype"] == want
     plain = dict(_GQA_BF16_CONFIG)
     plain.pop("torch_dtype")
-    assert "load_dtype" not in hf_options(plain, {"bf16": True}, {"r": 8}, seq=64)
+    # no stored dtype: fp32, stated (LoRA's default recipe would load 16 bit)
+    assert hf_options(plain, {"bf16": True}, {"r": 8}, seq=64)["load_dtype"] == "fp32"
+    assert "load_dtype" not in hf_options(
+        plain, {"bf16": True}, {"r": 8}, seq=64, quantization_config={"load_in_4bit": 1}
+    )

@@ -40,14 +40,14 @@ def _config(name: str) -> dict:
 
 def test_every_recorded_family_has_its_data_file():
     """One data file per registry entry, with every variant the generator records
-    (trainmem.measuring.family_trace.RECORDED in each of the entry's regimes), recorded
-    with the transformers and peft this environment pins: a version bump without a
-    regenerated file fails here."""
+    (trainmem.measuring.family_trace.RECORDED in each of the entry's regimes),
+    recorded with the transformers and peft this environment pins: a version bump
+    without a regenerated file fails here."""
     pytest.importorskip("torch")
     from trainmem.measuring.family_trace import RECORDED, regimes
     from trainmem.config import StepConfig
 
-    assert {"gpt2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2"} <= set(TRACED)
+    assert {"gpt2", "qwen3", "gemma3_text", "phi3", "olmo2"} <= set(TRACED)
     for name in TRACED:
         data = traced.load(name)
         assert data["model_type"] == name
@@ -127,7 +127,7 @@ def test_a_variant_not_recorded_is_refused_by_name():
     with pytest.raises(OptionError, match="ckpt=non-reentrant.*not recorded"):
         estimate(_config("qwen3"), checkpointing=True)
     with pytest.raises(OptionError, match="qlora"):
-        estimate(_config("gemma2"), method="qlora")
+        estimate(_config("gemma3_text"), method="qlora")
 
 
 def test_linear_layers_come_from_the_trace():
@@ -155,3 +155,36 @@ def test_data_files_are_plain_json():
     for name in TRACED:
         with open(traced.os.path.join(traced.DATA_DIR, f"{name}.json")) as f:
             assert json.load(f)["model_type"] == name
+
+
+@pytest.mark.parametrize("name", TRACED)
+def test_a_config_file_reads_the_same_without_transformers(name):
+    """The in-page calculator reads a pasted config.json with the defaults
+    :data:`MODEL_TYPES` gives each class's fields; transformers' class gives the same
+    shape (a file naming only the required fields)."""
+    from trainmem.families import plain_config, shape_of_config
+
+    mt = MODEL_TYPES[name]
+    sizes = dict(v=50304, h=256, i=688, L=4, a=8)
+    fields = {"model_type": name}
+    for symbol, value in sizes.items():
+        if symbol != "i" or "i" not in mt.derived:
+            fields[mt.fields[symbol]] = value
+    want = shape_of_config(transformers_config(fields, "config.json"))
+    assert shape_of_config(plain_config(fields, "config.json")) == want
+
+
+def test_a_stored_trace_is_what_the_generator_records_now():
+    """One variant (OLMo 2, full fine-tuning, fp32) recorded afresh from the installed
+    transformers equals the stored one: the data files are the generator's output,
+    not edited by hand (``python -m trainmem.measuring.family_trace --check``
+    compares all)."""
+    pytest.importorskip("torch")
+    from trainmem.config import StepConfig
+    from trainmem.measuring.family_trace import record_variant, regimes
+
+    mt = MODEL_TYPES["olmo2"]
+    step = StepConfig(method="full", precision="fp32", optimizer="adamw")
+    regime = regimes(mt)[0]
+    fresh = json.loads(json.dumps(record_variant(mt, step, regime)))
+    assert fresh == traced.load("olmo2")["variants"][traced.variant_key(step, regime)]

@@ -49,8 +49,8 @@ def test_extrapolation_equals_full_run():
 
 
 def test_unmeasurable_options_are_rejected():
-    with pytest.raises(ValueError, match="allowed for measure: full, lora"):
-        measure("tiny", method="qlora")
+    with pytest.raises(ValueError, match="allowed for a fake measurement: full, lora"):
+        measure("tiny", method="qlora", device="fake")
     with pytest.raises(ValueError, match="device must be one of cpu, fake, cuda"):
         measure("tiny", device="tpu")
 

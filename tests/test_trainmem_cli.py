@@ -287,3 +287,65 @@ def test_one_line_names_the_flag_from_the_option():
         == "--training-args: optim must be one of a, b"
     )
     assert _one_line(ValueError("two\n  lines")) == "two lines"
+
+
+def test_lora_default_is_the_recipe_users_run_and_fits_a_24_gib_card(capsys):
+    """The calculator's and the CLI's LoRA default under bf16-amp: a 16-bit base (a
+    16-bit checkpoint as transformers 5 loads it), peft's fp32 adapters, autocast;
+    a 7B model then fits an RTX 4090 and an A100-40GB. ``--load-dtype fp32``
+    (autocast over fp32 weights, their bf16 copies kept) fits neither."""
+    out = {}
+    for load in ("", "fp32"):
+        for gpu in ("RTX4090", "A100-40GB"):
+            argv = ["estimate", "--model", "llama-7b", "--method", "lora"]
+            argv += ["--gpu", gpu, "--json"] + (["--load-dtype", load] if load else [])
+            assert main(argv) == 0
+            out[load, gpu] = json.loads(capsys.readouterr().out)
+    for gpu in ("RTX4090", "A100-40GB"):
+        assert out["", gpu]["fits"] and not out["fp32", gpu]["fits"]
+        assert out["", gpu]["options"]["recipe"] == (
+            "bf16 base + fp32 adapters, autocast bf16"
+        )
+        assert out["fp32", gpu]["options"]["recipe"] == (
+            "fp32 base + fp32 adapters, autocast bf16"
+        )
+    assert main(["estimate", "--model", "tiny", "--method", "lora"]) == 0
+    assert "recipe: bf16 base + fp32 adapters, autocast bf16" in capsys.readouterr().out
+
+
+def test_hf_on_a_bf16_config_answers_per_transformers_version(tmp_path, capsys):
+    """``trainmem hf`` on a bf16 config.json: transformers 4.57 loads fp32 unless
+    torch_dtype is passed, 5.24 loads the stored bf16 (dtype="auto"); each table
+    names the recipe and why. A preset names no stored dtype: fp32 is assumed, and
+    said."""
+    config = {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 704,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "vocab_size": 1024,
+        "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "args.json").write_text('{"bf16": true}')
+    (tmp_path / "lora.json").write_text('{"r": 16}')
+    base = ["hf", "--model", str(tmp_path / "config.json"), "--seq", "128"]
+    base += ["--training-args", str(tmp_path / "args.json")]
+    base += ["--peft-config", str(tmp_path / "lora.json")]
+    text, total = {}, {}
+    for t in ("4.57.1", "5.24.0"):
+        assert main(base + ["--versions", f"transformers={t}"]) == 0
+        text[t] = capsys.readouterr().out
+        assert main(base + ["--versions", f"transformers={t}", "--json"]) == 0
+        total[t] = json.loads(capsys.readouterr().out)["total_bytes"]
+    assert "recipe: fp32 base + fp32 adapters, autocast bf16" in text["4.57.1"]
+    assert "loads fp32 unless dtype/torch_dtype is passed" in text["4.57.1"]
+    assert "recipe: bf16 base + fp32 adapters, autocast bf16" in text["5.24.0"]
+    assert "loads the stored dtype (dtype='auto', from 5.0)" in text["5.24.0"]
+    assert total["5.24.0"] < total["4.57.1"]
+    assert main(["hf", "--model", "tiny", "--seq", "64"]) == 0
+    assert "preset 'tiny' is a shape that names no stored dtype" in " ".join(
+        capsys.readouterr().out.split()
+    )

@@ -133,7 +133,7 @@ def _gpt2_estimate(shape: Shape, d: Decisions) -> dict:
     step, prec = d.options, d.precision
     method, optimizer = step.method, step.optimizer
     n_params = count_params(shape)
-    param_bytes = ITEMSIZE[prec.params]
+    param_bytes = ITEMSIZE[d.dtypes.load]  # the weights as loaded (LoRA: 16-bit)
     amp = prec.autocast is not None
     if method == "full":
         n_trainable = n_params

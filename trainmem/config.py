@@ -101,8 +101,9 @@ class StepConfig:
     )
     precision: str = _option(
         "bf16-amp",
-        "fp32; fp16-amp / bf16-amp = torch.autocast over fp32 parameters (fp16 with "
-        "loss scaling); bf16 = pure bf16 parameters, grads and states",
+        "fp32; fp16-amp / bf16-amp = torch.autocast (fp16 with loss scaling) over "
+        "the parameters in the load dtype (full fine-tuning: fp32; LoRA: the 16-bit "
+        "base, fp32 adapters); bf16 = pure bf16 parameters, grads and states",
         choices=PRECISIONS,
     )
     optimizer: str = _option(
@@ -145,17 +146,19 @@ class StepConfig:
     load_dtype: str | None = _option(
         None,
         "the dtype the weights are loaded in (from_pretrained's dtype), independent "
-        "of autocast: bf16 with --precision bf16-amp is a 16-bit base loaded from a "
-        "16-bit checkpoint, autocast bf16, fp32 adapters (Trainer(bf16=True) on "
-        "transformers 5); default: the precision's (fp32 under autocast, bf16 for "
-        "pure bf16)",
+        "of autocast. Default: LoRA (hf) under fp16-amp/bf16-amp loads the autocast "
+        "dtype -- the recipe LoRA users run: a 16-bit base loaded from a 16-bit "
+        "checkpoint (from_pretrained's default from transformers 5), peft's fp32 "
+        "adapters, "
+        "autocast (Trainer(bf16=True)); fp32 is autocast over fp32 weights (their "
+        "16-bit copies kept for backward). Full fine-tuning and QLoRA: the "
+        "precision's (fp32 under autocast, bf16 for pure bf16)",
         choices=FLOAT_DTYPES,
     )
     qlora_double_quant: bool = _option(
         True,
         "QLoRA without double quantization of the NF4 constants",
         flag="--no-double-quant",
-        estimate_only=True,
     )
     checkpointing: bool = _option(
         False,
@@ -234,7 +237,6 @@ class StepConfig:
         "QLoRA: peft = prepare_model_for_kbit_training (non-quantized weights upcast "
         "to fp32), none = the base kept in its 16-bit load dtype",
         choices=KBIT_PREPARE,
-        estimate_only=True,
     )
     kernels: str = _option(
         "cuda",

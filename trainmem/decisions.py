@@ -21,6 +21,7 @@ from typing import Any
 from .config import OptionError, Shape, StepConfig
 from .frameworks import Framework, framework
 from .gpus import SM80
+from .kbit import KbitFlow, kbit_flow
 from .precisions import Precision, precision
 from .sdpa import EFFICIENT_LSE_ALIGN, hf_call, select_backend
 from .sharding import Sharding, sharding
@@ -97,6 +98,8 @@ class Decisions:
     kv_cache_copies: bool
     versions: dict = dataclasses.field(default_factory=dict)
     gpu: Any = None
+    #: QLoRA's dtype flow (:mod:`trainmem.kbit`); ``None`` off QLoRA
+    kbit: KbitFlow | None = None
     #: the sizes the sharding reads (DeepSpeed's buckets and thresholds for the
     #: model's width: :mod:`trainmem.deepspeed`), ``None`` when it reads none
     shard_sizes: Any = None
@@ -116,18 +119,13 @@ def _dtypes(
     shape: Shape, step: StepConfig, prec: Precision, frame: Framework
 ) -> Dtypes:
     zero_half = prec.zero_half if step.zero >= 1 else None
-    load = step.load_dtype or prec.params
+    load = step.load_dtype or prec.default_load(step.method, frame.lora_16bit_load)
     autocast = None if zero_half else prec.autocast
-    quant_compute = quant_base = None
-    if step.method == "qlora":
-        quant_compute = prec.quant_compute
-        # the non-quantized weights as loaded: the 16-bit dtype QLoRA loads in unless
-        # the load dtype is given
-        quant_base = step.load_dtype or quant_compute
-        if step.kbit_prepare == "peft" and not frame.quant_base_16bit:
-            # peft's prepare_model_for_kbit_training: every fp16/bf16 parameter that
-            # is not quantized (embeddings, norms, lm_head) is cast to fp32
-            quant_base = "fp32"
+    # QLoRA: the non-quantized weights as loaded and as peft's k-bit preparation
+    # leaves them, and bitsandbytes' compute dtype (trainmem.kbit)
+    flow = kbit_flow(step, prec, frame, step.library_versions)
+    quant_compute = flow.compute if flow else None
+    quant_base = flow.base if flow else None
     base = zero_half or (quant_base if step.method == "qlora" else None) or load
     if frame.adapter_dtype is None:  # the adapters follow the module
         adapters = zero_half or step.lora_dtype or base
@@ -185,13 +183,16 @@ def _attention(
         )
     if step.attn != "sdpa":
         return _Attention(attn, None, None, False, False)
-    if not frame.replays_math_fallback:
+    layout = frame.layout or shape.family.replay
+    if not frame.replays_math_fallback or layout != "llama":
         # LitGPT expands key and value to the query heads itself and calls SDPA
-        # without enable_gqa; its replay has the fused kernels only
+        # without enable_gqa; its replay, and the recorded families' (their traces
+        # are CPU's flash kernel), have the fused kernels only
+        kv_heads = shape.kv_heads if frame.replays_math_fallback else shape.heads
         call, _ = hf_call(
             dtypes.compute,
             shape.heads,
-            shape.heads,
+            kv_heads,
             shape.head_dim,
             step.seq,
             versions,
@@ -243,5 +244,6 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
         kv_cache_copies=step.cache_on and cache_copies_kv(versions),
         versions=versions,
         gpu=gpu,
+        kbit=kbit_flow(step, prec, frame, versions),
         shard_sizes=shard.replay.sizes(step.deepspeed_sizes, shape.hidden),
     )

@@ -78,6 +78,16 @@ NF4_BLOCK = 64  # weights per absmax constant (bitsandbytes' blocksize for 4-bit
 NF4_DQ_BLOCK = 256  # absmax constants per fp32 constant under double quantisation
 
 
+def nf4_state_tables(double_quant: bool = True) -> tuple[int, ...]:
+    """The bytes of the tensors bitsandbytes keeps beside each 4-bit weight's absmax
+    constants (its ``QuantState``; bitsandbytes 0.50.2 ``functional.py``): the NF4
+    code table (``get_4bit_type``: 16 fp32, a new tensor per weight) and, under double
+    quantisation, the fp32 ``offset`` (``_absmax.mean()``) and the 8-bit dynamic map
+    of the nested state (``quantize_blockwise``: ``code.to(A.device, copy=True)``,
+    256 fp32 copied per weight)."""
+    return (16 * 4,) + ((4, 256 * 4) if double_quant else ())
+
+
 def nf4_bytes_per_weight(
     double_quant: bool = True,
     block_size: int = NF4_BLOCK,

@@ -45,11 +45,15 @@ grad_accum, optimizer_impl)``:
 * ``lora_rank`` (r), ``lora_alpha``, ``lora_targets`` (module names), ``lora_dtype``
   (``None`` = peft's default: fp32 adapters), ``qlora_double_quant``.
 * ``load_dtype``: the dtype the weights are loaded in, independent of autocast
-  (``None``: the precision's, fp32 under ``*-amp``). ``precision="bf16-amp",
-  load_dtype="bf16"`` is ``Trainer(bf16=True)`` over a bf16 checkpoint loaded by
-  transformers 5's ``from_pretrained`` (``dtype="auto"``): the 16-bit base held once
-  (autocast casts only fp32 tensors), a 16-bit residual stream, peft's fp32 adapters.
-  :func:`estimate_from_hf` derives it (:func:`trainmem.from_hf.load_dtype`).
+  (``None``: :meth:`trainmem.precisions.Precision.default_load` — under LoRA with
+  ``*-amp`` the autocast dtype, otherwise the precision's, fp32 under ``*-amp``).
+  ``method="lora", precision="bf16-amp"`` is then ``Trainer(bf16=True)`` over a bf16
+  checkpoint loaded by transformers 5's ``from_pretrained`` (``dtype="auto"``): the
+  16-bit base held once (autocast casts only fp32 tensors), a 16-bit residual
+  stream, peft's fp32 adapters; ``load_dtype="fp32"`` is autocast over fp32 weights
+  (transformers 4.x's load), their 16-bit copies kept for backward.
+  :func:`estimate_from_hf` derives it (:func:`trainmem.from_hf.load_dtype`). The
+  result's ``recipe`` says which recipe it replayed.
 * ``checkpointing``: non-reentrant activation checkpointing of every decoder layer.
 * ``attn``: ``"sdpa"`` (also ``"flash"``: the same memory) | ``"eager"`` (materialises
   the ``b x heads x s x s`` scores) | ``"math"`` (SDPA's math path: fp32 copies of q,
@@ -234,11 +238,37 @@ __all__ = [
 # --------------------------------------------------------------------------------------
 
 
-def _options_record(shape: Shape, step: StepConfig) -> dict[str, Any]:
-    """The options of an estimate as its result reports them (``.options``)."""
+def _options_record(shape: Shape, d: Decisions) -> dict[str, Any]:
+    """The options of an estimate as its result reports them (``.options``), with
+    the recipe it replayed (:func:`recipe`)."""
+    step = d.options
     names = ESTIMATE_RECORD + (("load_dtype",) if step.load_dtype else ())
     # load_dtype only when given, so records of the recipes' own stay as they were
-    return step.record(names, model=shape.name, attn=step.attn_memory)
+    out = step.record(names, model=shape.name, attn=step.attn_memory)
+    out["recipe"] = recipe(d)
+    return out
+
+
+def recipe(d: Decisions) -> str:
+    """The recipe a step's estimate replays, in words: the dtype the weights are
+    held in (the base and the adapters under LoRA/QLoRA) and what casts them —
+    ``"bf16 base + fp32 adapters, autocast bf16"`` is ``Trainer(bf16=True)`` + LoRA
+    over a 16-bit checkpoint, ``"fp32 base + fp32 adapters, autocast bf16"`` the
+    same over weights loaded in fp32 (16-bit copies kept for backward)."""
+    t = d.dtypes
+    if d.zero_layout:
+        how = f"module cast to {t.module}, fp32 master copy"
+    elif t.autocast:
+        how = f"autocast {t.autocast}"
+    else:
+        how = "no autocast"
+    if d.options.method == "full":
+        return f"{t.base} weights, {how}"
+    if d.options.method == "qlora":
+        base = f"NF4 base ({t.quant_base} non-quantized weights)"
+    else:
+        base = f"{t.base} base"
+    return f"{base} + {t.adapters} adapters, {how}"
 
 
 #: the options an estimate's result reports, in order (:meth:`StepConfig.record`)
@@ -316,7 +346,7 @@ def estimate_step(
         peak_phase,
         phase_peaks,
         exact,
-        _options_record(shape, step),
+        _options_record(shape, d),
         int(result["model_states"]),
         *_device(result, d, timeline),
         attention={

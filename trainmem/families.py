@@ -83,13 +83,6 @@ class Shape:
     def family(self) -> "Family":
         return FAMILIES[self.arch]
 
-    @property
-    def type_entry(self) -> "ModelType | None":
-        """The :class:`ModelType` of ``arch`` when it names one (a recorded family's
-        ``model_type``), else ``None``: what the replay reads of it without importing
-        this registry."""
-        return MODEL_TYPES.get(self.arch)
-
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(d_in, d_out) of each Linear of one decoder layer, by module name (the LoRA
         targets)."""
@@ -125,6 +118,10 @@ class Family:
     #: a recorded family (``replay="traced"``) whose steps outside its recorded
     #: variants (QLoRA, ZeRO, checkpointing) take the closed form (GPT-2)
     closed_form_otherwise: bool = False
+    #: a recorded family's attention dropout field and attention implementation
+    #: (:attr:`ModelType.attention_dropout`, :attr:`ModelType.attn`)
+    attention_dropout: str | None = None
+    attn: str | None = None
 
     def count_params(self, shape: "Shape") -> int:
         return self.other_params(shape) + shape.layers * self.params_per_layer(shape)
@@ -168,7 +165,7 @@ class ModelType:
     #: (GPT-2's ``attn_pdrop``): its traces are recorded for CPU's and CUDA's SDPA
     attention_dropout: str | None = None
     #: the attention implementation of a family whose transformers module has no SDPA
-    #: path (``None``: the step's)
+    #: path (``None``: the step's; transformers 5's Gemma 2 refuses "sdpa")
     attn: str | None = None
 
 
@@ -360,6 +357,8 @@ def traced_family(name: str) -> Family:
         + ((mt.fields["i"],) if "i" in mt.fields and "i" not in mt.derived else ()),
         replay="traced",
         closed_form_otherwise=name == "gpt2",
+        attention_dropout=mt.attention_dropout,
+        attn=mt.attn,
     )
 
 
@@ -462,16 +461,6 @@ MODEL_TYPES: dict[str, ModelType] = {
             dict(num_key_value_heads=32, head_dim=128, tie_word_embeddings=False),
             fields=_LLAMA_FIELDS,
             regimes=((True, True), (True, False)),
-        ),
-        ModelType(
-            "gemma2",
-            "gemma2",
-            "Gemma2Config",
-            dict(num_key_value_heads=4, head_dim=256, tie_word_embeddings=True),
-            fields=_LLAMA_FIELDS,
-            # transformers 5's Gemma2 refuses attn_implementation="sdpa"
-            attn="eager",
-            regimes=((True, True),),
         ),
         ModelType(
             "gemma3_text",

@@ -38,6 +38,11 @@ class Framework:
     #: upcasts adapters to fp32), or ``None``: the module's (LitGPT creates them inside
     #: the module)
     adapter_dtype: str | None = "fp32"
+    #: LoRA under autocast loads the base in the autocast dtype when ``load_dtype`` is
+    #: not given (a 16-bit checkpoint as transformers 5's ``from_pretrained`` loads
+    #: it); ``False``: the precision's fp32 (LitGPT's ``bf16-mixed``/``16-mixed``:
+    #: Fabric's MixedPrecision keeps the module in fp32 under autocast)
+    lora_16bit_load: bool = True
     #: QLoRA's non-quantized base weights stay 16-bit whatever the k-bit preparation
     #: (Fabric's BitsandbytesPrecision builds the module under its dtype)
     quant_base_16bit: bool = False
@@ -77,6 +82,7 @@ FRAMEWORKS: dict[str, Framework] = {
             measurable=False,
             replays_math_fallback=False,
             adapter_dtype=None,
+            lora_16bit_load=False,
             quant_base_16bit=True,
             families=("llama",),
             lora_together=("gate_proj", "up_proj", "down_proj"),

@@ -68,9 +68,11 @@ def hf_options(
 
     ``training_args``: a ``transformers.TrainingArguments`` (or ``trl.SFTConfig``), or a
     dict of its fields (its JSON); ``None`` means Trainer's defaults. Read: ``optim``
-    (see :data:`HF_OPTIMS`), ``bf16``/``fp16`` (autocast over the fp32 weights:
-    ``bf16-amp``/ ``fp16-amp``; neither: ``fp32``), ``gradient_checkpointing`` or
-    ``activation_checkpointing`` (transformers 5's name) with
+    (see :data:`HF_OPTIMS`), ``bf16``/``fp16`` (autocast: ``bf16-amp``/
+    ``fp16-amp``; neither: ``fp32``) over the weights in the dtype ``from_pretrained``
+    loads them in (:func:`load_dtype`, always stated off QLoRA),
+    ``gradient_checkpointing`` or ``activation_checkpointing`` (transformers 5's
+    name) with
     ``gradient_checkpointing_kwargs``' ``use_reentrant`` (left out: the default of the
     transformers in ``versions``, :func:`trainmem.versions.hf_checkpointing_reentrant`),
     ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``deepspeed``
@@ -89,9 +91,6 @@ def hf_options(
     """
     versions = parse_versions(versions)
     opts = _training_options(training_args, seq, versions)
-    load = load_dtype(model, versions)
-    if load != precision_entry(opts["precision"]).params:
-        opts["load_dtype"] = load
     attn = hf_field(model, "_attn_implementation", None) or hf_field(
         model, "attn_implementation", None
     )
@@ -118,6 +117,15 @@ def hf_options(
             "a 4-bit quantized model needs a peft_config (QLoRA): full fine-tuning "
             "of 4-bit weights is not possible",
         )
+    load = load_dtype(model, versions)
+    if opts["method"] != "qlora":
+        # what from_pretrained loads, always stated: it may differ from the
+        # precision's default recipe either way (an fp32 load under 4.x, a 16-bit
+        # one under 5.x); QLoRA's base follows its quantization rule unless the
+        # load is 16-bit
+        opts["load_dtype"] = load
+    elif load != precision_entry(opts["precision"]).params:
+        opts["load_dtype"] = load
     return opts
 
 
@@ -145,13 +153,20 @@ def config_dtype(model: Any) -> str | None:
 
 
 def load_dtype_reason(model: Any, versions: dict) -> str:
-    """Why :func:`load_dtype` answers what it does, in one sentence."""
+    """Why :func:`load_dtype` answers what it does, in one sentence. A preset name
+    is a shape only: it names no stored dtype, so fp32 is assumed and said."""
     stored = config_dtype(model)
     t = version_text("transformers", versions["transformers"])
     if hf_loads_stored_dtype(versions):
         rule = f"transformers {t} loads the stored dtype (dtype='auto', from 5.0)"
         if stored:
             return f"weights loaded in {stored}: {rule}, the config's dtype"
+        if isinstance(model, str):
+            return (
+                f"weights loaded in fp32 (assumed): {rule}, and preset {model!r} "
+                "is a shape that names no stored dtype; pass the checkpoint's "
+                "config.json (its dtype / torch_dtype) to load what it stores"
+            )
         return f"weights loaded in fp32: {rule} and the config names none"
     said = f" although the config stores {stored}" if stored else ""
     return (

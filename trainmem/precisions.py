@@ -4,7 +4,8 @@ A :class:`Precision` says which dtypes a ``precision`` name stands for; nothing 
 the package tests a precision's name (``tests/test_structure.py`` counts):
 
 * ``params`` — the dtype the parameters are in when nothing else decides it (the
-  load dtype's default: fp32 under autocast, bf16 for pure bf16);
+  load dtype's default for full fine-tuning: fp32 under autocast, bf16 for pure
+  bf16; under LoRA see :meth:`Precision.default_load`);
 * ``autocast`` — the ``torch.autocast`` dtype the forward runs under (``None``: no
   autocast);
 * ``loss_scaling`` — fp16's ``GradScaler`` (the loss is scaled before backward);
@@ -38,6 +39,22 @@ class Precision:
     def compute(self) -> str:
         """The dtype the matmuls run in: autocast's, else the parameters'."""
         return self.autocast or self.params
+
+    def default_load(self, method: str, lora_16bit_load: bool = True) -> str:
+        """The load dtype when none is given. Full fine-tuning and QLoRA:
+        :attr:`params` (torch AMP's fp32 weights are the master copy; QLoRA's base
+        is decided by its own rule). LoRA under autocast: the autocast dtype — the
+        recipe LoRA users run, a 16-bit base loaded from a 16-bit checkpoint
+        (``from_pretrained``'s default from transformers 5.0 is ``dtype="auto"``,
+        the stored dtype), peft's fp32 adapters (``get_peft_model(...,
+        autocast_adapter_dtype=True)`` upcasts fp16/bf16 adapter weights to fp32:
+        ``cast_adapter_dtype`` in peft 0.21's ``tuners/tuners_utils.py``) and
+        autocast (``Trainer(bf16=True)``/``fp16=True``). ``lora_16bit_load=False``
+        (a framework whose mixed precision keeps the module in fp32:
+        ``Framework.lora_16bit_load``): :attr:`params` under LoRA too."""
+        if method == "lora" and self.autocast and lora_16bit_load:
+            return self.autocast
+        return self.params
 
 
 PRECISIONS: dict[str, Precision] = {

@@ -107,11 +107,13 @@ class MemoryEstimate:
                 f"\n{d['gpu']}: {verdict}; headroom {d['headroom_bytes'] / GiB:.2f} GiB"
             )
             text += "".join(f"\nnote: {n['message']}" for n in d.get("notes", ()))
+        if "recipe" in self.options:
+            text += f"\nrecipe: {self.options['recipe']}"
         if self.attention and self.attention.get("sdpa_backend"):
             a = self.attention
             text += f"\nattention: SDPA runs {a['sdpa_backend']} ({a['reason']})"
         if "load_dtype_reason" in self.options:
-            text += f"\nrecipe: {self.options['load_dtype_reason']}"
+            text += f"\nload dtype: {self.options['load_dtype_reason']}"
         return text
 
 

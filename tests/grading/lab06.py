@@ -711,6 +711,14 @@ RESULT = {
 """
 
 
+def _plan_load_dtype(precision):
+    """The frozen base's load dtype of a plan, as the lab's plan table and its
+    ``build_for_plan`` run it: fp32 for ``fp32`` and the AMP plans (the estimator's
+    LoRA default under autocast is a 16-bit base), the 16-bit base for ``bf16``
+    (bf16 and fp16 have the same bytes)."""
+    return None if precision == "bf16" else "fp32"
+
+
 def _plan_estimate(model, plan, seq):
     """``(peak bytes, None)`` of a valid plan, or ``(None, why)``."""
     from trainmem.estimate import estimate
@@ -729,7 +737,12 @@ def _plan_estimate(model, plan, seq):
         return None, "precision 应是 fp32、bf16-amp、fp16-amp、bf16 之一"
     try:
         est = estimate(
-            model, method="lora", seq=seq, lora_alpha=2 * plan["lora_rank"], **plan
+            model,
+            method="lora",
+            seq=seq,
+            lora_alpha=2 * plan["lora_rank"],
+            load_dtype=_plan_load_dtype(plan["precision"]),
+            **plan,
         )
     except Exception as e:  # the estimator's own check of the options
         return None, f"trainmem.estimate 拒绝了这个计划：{e}"
@@ -908,6 +921,7 @@ def peak_expect(c):
         _ns()["_lab06_cfg"](c),
         method="lora",
         precision=c["precision"],
+        load_dtype=_plan_load_dtype(c["precision"]),
         batch=c["micro_bs"],
         seq=c["seq"],
         grad_accum=c["accum"],

@@ -2,9 +2,18 @@
 with timing and peak memory, and the comparison with 16-bit LoRA and the estimator.
 
 The recipe itself (quantisation config, ``prepare_model_for_kbit_training``, LoRA,
-paged 8-bit AdamW) stays in the chapter's cell. ``small=True`` is the CPU run: a tiny
-Llama built from a config (no download, no quantisation: bitsandbytes' 4-bit kernels
-need CUDA) walks through the same steps.
+paged 8-bit AdamW) stays in the chapter's cell; :data:`RECIPE` and :func:`estimates`
+state and estimate exactly that recipe. ``small=True`` is the CPU run: a tiny Llama
+built from a config (no download) walks through the same steps, NF4-quantised by
+bitsandbytes' CPU backend where bitsandbytes (0.49 or newer) is installed.
+
+``from_pretrained`` returns the model in **eval mode** (transformers'
+``modeling_utils.py``: ``model.eval()`` after loading), and transformers checkpoints
+a decoder layer only in training mode (``modeling_layers.py``,
+``GradientCheckpointingLayer``: ``if self.gradient_checkpointing and self.training
+...``): without ``model.train()`` the checkpointing that ``prepare_model_for_kbit_
+training`` enables silently does nothing and every layer's activations are kept.
+:func:`train_steps` calls ``model.train()``, as ``transformers.Trainer`` does.
 """
 
 from __future__ import annotations
@@ -25,6 +34,25 @@ TARGETS = LLAMA_LINEARS
 CKPT = {"use_reentrant": False}
 # peft calls a transformers API that transformers 5 renamed (a FutureWarning per call)
 _RENAMED = ".*will be removed in v6.*"
+#: LoRA rank and alpha of the chapter's run
+RANK, ALPHA = 8, 16
+#: the recipe the chapter's cell runs, as the estimate's options (the compute dtype
+#: fills ``precision`` and ``load_dtype``: :func:`recipe_options`). QLoRA: NF4 + double
+#: quantisation, the rest loaded in the compute dtype, ``prepare_model_for_kbit_
+#: training`` (fp32 norms and embeddings), autocast, non-reentrant checkpointing,
+#: LoRA r=8 on the seven projections, bitsandbytes' 8-bit AdamW (PagedAdamW8bit pages
+#: only states of tensors from 1e5 elements; every LoRA matrix here is smaller, so
+#: its states are plain 8-bit AdamW's). 16-bit LoRA: the same base unquantised, peft's
+#: fp32 adapters, the same autocast and checkpointing, torch AdamW.
+RECIPE = {
+    "qlora": dict(
+        method="qlora",
+        kbit_prepare="peft",
+        qlora_double_quant=True,
+        optimizer="adamw8bit",
+    ),
+    "lora": dict(method="lora", optimizer="adamw"),
+}
 
 
 def sizes(small: bool) -> tuple[int, int, int]:
@@ -32,15 +60,54 @@ def sizes(small: bool) -> tuple[int, int, int]:
     return (2, 32, 3) if small else (4, 512, 6)
 
 
+def bnb_on_cpu() -> bool:
+    """Whether bitsandbytes is installed in a version with a CPU backend (0.49+)."""
+    import importlib.metadata
+    import re
+
+    try:
+        version = importlib.metadata.version("bitsandbytes")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:2]) >= (0, 49)
+
+
 def load_base(device, quant_kwargs: dict | None, compute_dtype, small: bool):
     """The base model: NF4-quantised (``quant_kwargs`` for ``BitsAndBytesConfig``) or
-    16-bit (``quant_kwargs=None``); on the CPU (``small``) a tiny Llama, unquantised."""
+    16-bit (``quant_kwargs=None``), the rest in ``compute_dtype``; on the CPU
+    (``small``) a tiny Llama, saved and loaded back quantised by bitsandbytes' CPU
+    backend where it is installed (:func:`bnb_on_cpu`), else unquantised."""
     warnings.filterwarnings("ignore", message=_RENAMED)
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
     if small:
+        import logging
+        import tempfile
+
         from trainmem.measuring.models import build_model, tiny_llama_config
 
-        return build_model(tiny_llama_config(), seed=0)
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+        model = build_model(tiny_llama_config(), seed=0, dtype=compute_dtype)
+        if quant_kwargs is None or not bnb_on_cpu():
+            return model
+        from transformers.utils import logging as hf_logging
+
+        # (its import-time note about an optional CPU inference kernel is not ours)
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+        hf_logging.disable_progress_bar()  # a few ms of saving and loading
+        try:
+            with tempfile.TemporaryDirectory() as folder:
+                model.save_pretrained(folder)
+                quantized = AutoModelForCausalLM.from_pretrained(
+                    folder,
+                    quantization_config=BitsAndBytesConfig(**quant_kwargs),
+                    dtype=compute_dtype,
+                    device_map={"": "cpu"},
+                )
+            # the model's name, not the temporary folder's (peft records it)
+            quantized.name_or_path = model.name_or_path
+            return quantized
+        finally:
+            hf_logging.enable_progress_bar()
 
     if quant_kwargs is not None:  # BitsAndBytesConfig needs bitsandbytes: GPU only
         return AutoModelForCausalLM.from_pretrained(
@@ -63,6 +130,9 @@ def train_steps(model, opt, device, compute_dtype, small: bool) -> StepRun:
     """A few steps on random tokens under autocast (loss scaling for fp16); the peak
     allocated memory and the mean time of the steps after the first."""
     batch, seq, steps = sizes(small)
+    # from_pretrained left the model in eval mode, where transformers skips the
+    # checkpointing it was asked for (module docstring)
+    model.train()
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -74,7 +144,8 @@ def train_steps(model, opt, device, compute_dtype, small: bool) -> StepRun:
         ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=compute_dtype):
-            loss = model(input_ids=ids, labels=ids).loss
+            # no KV cache in training (what the estimate assumes under checkpointing)
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
@@ -87,26 +158,48 @@ def train_steps(model, opt, device, compute_dtype, small: bool) -> StepRun:
     return StepRun(peak, sum(times[1:]) / (steps - 1), losses)
 
 
-def estimates(config, small: bool) -> dict[str, int]:
-    """trainmem's peak for QLoRA (8-bit AdamW) and 16-bit LoRA (AdamW), both with
-    checkpointing, r=8 on the seven projections, at the GPU run's batch and seq."""
+def recipe_options(compute_dtype, checkpointing: bool = True) -> dict[str, dict]:
+    """The estimate's options for each run of the recipe (:data:`RECIPE`) at the GPU
+    run's batch and sequence: autocast and load dtype from ``compute_dtype`` (bf16,
+    fp16 below sm_80), non-reentrant checkpointing (``checkpointing=False``: the
+    recipe as it runs in eval mode, module docstring)."""
+    name = str(compute_dtype).split(".")[-1]
+    half = {"bfloat16": "bf16", "float16": "fp16"}[name]
+    batch, seq, _ = sizes(False)
+    common = dict(
+        precision=f"{half}-amp",
+        load_dtype=half,
+        batch=batch,
+        seq=seq,
+        lora_rank=RANK,
+        lora_alpha=ALPHA,
+        lora_targets=TARGETS,
+        checkpointing=checkpointing,
+        checkpointing_mode="non-reentrant",
+    )
+    return {m: {**common, **opts} for m, opts in RECIPE.items()}
+
+
+def estimates(config, compute_dtype, checkpointing: bool = True) -> dict[str, int]:
+    """trainmem's peak (tensors) for the QLoRA and 16-bit LoRA runs of the recipe
+    (:func:`recipe_options`)."""
     from trainmem.estimate import estimate
 
-    batch, seq, _ = sizes(False)
     return {
-        m: estimate(
-            config,
-            method=m,
-            precision="bf16",
-            batch=batch,
-            seq=seq,
-            lora_rank=8,
-            optimizer="adamw8bit" if m == "qlora" else "adamw",
-            lora_targets=TARGETS,
-            checkpointing=True,
-        ).total_bytes
-        for m in ("qlora", "lora")
+        m: estimate(config, **opts).total_bytes
+        for m, opts in recipe_options(compute_dtype, checkpointing).items()
     }
+
+
+def recipe_line(compute_dtype) -> str:
+    """The recipe the estimate assumes, in one line."""
+    half = str(compute_dtype).split(".")[-1]
+    return (
+        f"recipe: base loaded in {half}, autocast {half}, non-reentrant "
+        f"checkpointing (model.train()), LoRA r={RANK} on the 7 projections | QLoRA: "
+        "NF4 + double quant, prepare_model_for_kbit_training (fp32 norms and "
+        f"embeddings), 8-bit AdamW | {half} LoRA: fp32 adapters, AdamW"
+    )
 
 
 def _line(label: str, run: StepRun) -> str:
@@ -135,8 +228,9 @@ def compare_with_lora(qlora: StepRun, device, compute_dtype, lora_config, small:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(NAME)
-    est = estimates(config, small)
+    est = estimates(config, compute_dtype)
     batch, seq, _ = sizes(False)
+    print(recipe_line(compute_dtype))
     print(
         f"trainmem estimate, Qwen2.5-0.5B b{batch} x s{seq} + ckpt: "
         f"QLoRA {est['qlora'] / 2**30:.2f} GiB | "

@@ -5,10 +5,9 @@ shape's symbols.
 
 How a trace is made (:func:`record_variant`):
 
-* The step :func:`trainmem.measuring.measure.measure` measures (same model, optimizer,
-  loop and
-  :class:`~trainmem.measuring.tracker.MemoryTracker`) runs on a tiny random-weight model
-  built from the family's config class, at two *probe* shapes whose sizes are distinct
+* The step :func:`trainmem.measure.measure` measures (same model, optimizer, loop and
+  :class:`~trainmem.tracker.MemoryTracker`) runs on a tiny random-weight model built
+  from the family's config class, at two *probe* shapes whose sizes are distinct
   numbers (:data:`PROBES`), with 2, 3 and 4 decoder layers.
 * Hooks on the decoder layers cut the events into sections: ``P`` (before layer 0),
   ``F`` (one per layer, its forward), ``Q`` (the head, the loss and backward down to
@@ -25,7 +24,7 @@ How a trace is made (:func:`record_variant`):
   those runs event by event, and at the second probe with the second probe's run: a
   trace that does not reproduce them is refused.
 
-``python -m trainmem families --write`` regenerates every data file
+``python -m trainmem.measuring.family_trace --write`` regenerates every data file
 (``trainmem/data/families/<model_type>.json``); ``--check`` compares them with a fresh
 recording.
 """
@@ -52,9 +51,12 @@ from ..memory.traced import (
 )
 
 #: the two probe shapes (distinct values, so each size has one expression)
+#: (the query heads per key/value head differ too: 2 and 4, so ``a`` and ``2*k`` are
+#: told apart; the hidden size is a multiple of the heads and not ``a*d``, as
+#: Gemma 3's config requires and so that ``h`` and ``a*d`` are told apart)
 PROBES = (
-    dict(b=3, s=11, a=4, k=2, d=8, h=40, i=52, v=97, r=5, p=29),
-    dict(b=5, s=13, a=6, k=3, d=14, h=90, i=100, v=131, r=7, p=31),
+    dict(b=3, s=17, a=6, k=3, d=8, h=54, i=52, v=97, r=5, p=29),
+    dict(b=5, s=19, a=8, k=2, d=14, h=96, i=100, v=131, r=7, p=31),
 )
 
 
@@ -120,8 +122,8 @@ def _first_tensor(x):
 
 def run_events(config, step: StepConfig, layers: int) -> dict:
     """The events of one forward and backward of ``config`` (``layers`` decoder
-    layers) under ``step``, as :func:`trainmem.measuring.measure.measure` runs them:
-    parameters (name, shape, dtype, trainable), buffers and a flat list of events."""
+    layers) under ``step``, as :func:`trainmem.measure.measure` runs them: parameters
+    (name, shape, dtype, trainable), buffers and a flat list of events."""
     from ..decisions import decide
     from .measure import _TrackedTraining
     from .training_setup import build_training_setup
@@ -275,31 +277,32 @@ def _dtype(dtype) -> str:
 # --------------------------------------------------------------------------------------
 # sizes as expressions
 # --------------------------------------------------------------------------------------
+def _plausible() -> list[str]:
+    """The expressions a size may be, simplest first: constants, a symbol (times 2, 3,
+    4), products of up to four symbols (flattened dims, whole element counts), and
+    the forms of fused projections and shifted labels (``(a+2*k)*d``, ``s+1``, ...),
+    alone or times a symbol."""
+    names = [x for x in SYMBOLS if x != "L"]
+    out = [str(c) for c in range(0, 9)]
+    for x in names:
+        out += [x] + [f"{c}*{x}" for c in (2, 3, 4)]
+    for degree in range(2, 5):
+        for combo in itertools.combinations_with_replacement(names, degree):
+            out.append("*".join(combo))
+    for extra in ("s+1", "s-1", "a+2*k", "d//2", "a*d", "k*d", "(a+2*k)*d", "2*i"):
+        out.append(extra)
+        out += [f"{x}*({extra})" for x in names]
+        out += [f"b*s*({extra})"]
+    return out
+
+
 def _candidates(sym_values: list[dict]) -> dict[tuple, str]:
     """Expressions by their values at the probes, simplest first (a value pair keeps
     the first expression that gives it)."""
     out: dict[tuple, str] = {}
-
-    def add(expr: str):
+    for expr in _plausible():
         key = tuple(evaluate(expr, s) for s in sym_values)
         out.setdefault(key, expr)
-
-    for c in range(0, 9):
-        add(str(c))
-    names = [x for x in SYMBOLS if x != "L"]
-    sums = ["s+1", "s-1", "a+2*k", "2*k", "d//2", "a*d", "k*d", "(a+2*k)*d"]
-    for degree in range(1, 5):
-        for combo in itertools.combinations_with_replacement(names, degree):
-            mono = "*".join(combo)
-            for c in ("", "2*", "3*", "4*"):
-                add(c + mono)
-            add(mono + "//2")
-    for extra in sums:
-        add(extra)
-        for combo in itertools.combinations_with_replacement(names, 2):
-            add(f"{'*'.join(combo)}*({extra})")
-        for x in names:
-            add(f"{x}*({extra})")
     return out
 
 
@@ -767,13 +770,13 @@ def traced_model_types() -> list[str]:
 
 
 def main(argv=None) -> int:
-    """``python -m trainmem.family_trace [--write | --check] [model_type ...]``:
+    """``python -m trainmem.measuring.family_trace [--write | --check] [type ...]``:
     record the traces of the model types (default: all recorded ones) and write
     their data files, or compare them with the files."""
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m trainmem.family_trace")
+    parser = argparse.ArgumentParser(prog="python -m trainmem.measuring.family_trace")
     parser.add_argument("model_types", nargs="*", default=traced_model_types())
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", action="store_true")

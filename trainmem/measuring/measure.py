@@ -48,8 +48,13 @@ The optimizer's implementation is chosen explicitly (``optimizer_impl``: ``"fore
 by default, which is what a plain ``torch.optim.AdamW(params)`` runs on CUDA;
 ``"fused"``, which Hugging Face Trainer's default ``optim="adamw_torch_fused"`` runs;
 ``"for-loop"``) and is the same on every device, so the scratch memory of the step is
-the one a GPU run has.  ``adamw8bit`` and ``qlora`` need ``bitsandbytes`` and a CUDA
-device and are estimated only."""
+the one a GPU run has.  ``adamw8bit`` needs ``bitsandbytes`` on CUDA and is estimated
+only. ``qlora`` runs where bitsandbytes runs — CUDA, and its CPU backend (0.49+): the
+model is saved and loaded back by ``from_pretrained`` with a 4-bit
+``BitsAndBytesConfig``, then ``prepare_model_for_kbit_training`` (``kbit_prepare``);
+not on fake tensors. Each 4-bit weight's ``quant_state`` tensors count as weights. On
+the CPU, peft's LoRA on a 4-bit Linear does not see ``torch.autocast("cpu")``
+(:mod:`trainmem.kbit`): compare with an estimate at ``kernels="cpu"``."""
 
 from __future__ import annotations
 
@@ -76,6 +81,7 @@ from .tracker import MemoryTracker
 from .training_setup import (
     build_training_setup,
     make_optimizer,
+    quant_state_tensors,
     real_mask_decisions,
     to_fake,
     torch_dtype,
@@ -179,7 +185,8 @@ class _TrackedTraining:
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.marks: dict[str, Any] = {}
         tracker = self.tracker = MemoryTracker()
-        for t in list(model.parameters()) + list(model.buffers()):
+        self.quant_state = quant_state_tensors(model)
+        for t in list(model.parameters()) + list(model.buffers()) + self.quant_state:
             tracker.register(t)
         tracker.set_phase("forward")  # the batch is held for backward (embedding, loss)
         tracker.register(self.inputs)
@@ -274,7 +281,7 @@ class _TrackedTraining:
         tracker, model, marks = self.tracker, self.model, self.marks
         weight_ids = {
             id(tracker.record_of(t))
-            for t in list(model.parameters()) + list(model.buffers())
+            for t in list(model.parameters()) + list(model.buffers()) + self.quant_state
         }
         master_ids = set()
         if self.amp:
@@ -384,15 +391,15 @@ def _check_device(device: str) -> None:
         )
 
 
-def _measurable_config(model: Any, step: StepConfig):
+def _measurable_config(model: Any, step: StepConfig, device: str):
     """The model config of ``model``, once ``step`` is known to be measurable here."""
     config = load_model_config(model)
     step.check_model(model_shape(config))
-    if step.method == "qlora":
+    if step.method == "qlora" and device == "fake":
         raise OptionError(
             "method",
-            "method 'qlora' cannot be measured here (needs bitsandbytes on CUDA); "
-            "allowed for measure: full, lora",
+            "method 'qlora' cannot be measured on fake tensors (bitsandbytes quantizes "
+            "real weights); allowed for a fake measurement: full, lora",
         )
     return config
 
@@ -434,6 +441,8 @@ step_signature(
 def _options_record(config, step: StepConfig, device: str, seed: int) -> dict:
     """The options of a measurement as its result reports them (``.options``)."""
     names = MEASURE_RECORD + (("load_dtype",) if step.load_dtype else ())
+    if step.method == "qlora":
+        names += ("kbit_prepare", "qlora_double_quant")
     model = getattr(config, "name_or_path", None) or "config"
     return step.record(names, seed=seed, device=device, model=model)
 
@@ -485,8 +494,8 @@ def measure_step(
     seed: int = 0,
 ) -> Measurement:
     """:func:`measure` with the options of the step given as a
-    :class:`~trainmem.config.StepConfig` (its ``zero``, ``gpus`` and
-    ``qlora_double_quant`` do not apply: one device, no quantization)."""
+    :class:`~trainmem.config.StepConfig` (its ``zero`` and ``gpus`` do not apply: one
+    device)."""
     _check_device(device)
     if step.zero != 0 or step.gpus != 1:
         raise OptionError("zero", "zero must be 0 and gpus 1 for a measurement")
@@ -497,7 +506,7 @@ def measure_step(
             f"framework {step.framework!r} cannot be measured (the measurement runs "
             "the transformers + peft model); allowed for measure: hf",
         )
-    config = _measurable_config(model, step)
+    config = _measurable_config(model, step, device)
     options = _options_record(config, step, device, seed)
     layers_field = _n_layers_field(config)
     n_layers = getattr(config, layers_field)

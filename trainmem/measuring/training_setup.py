@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 
 import torch
 
@@ -33,11 +34,17 @@ def build_training_setup(
     impl = "sdpa" if step.attn == "math" else step.attn
     # the weights in the step's load dtype (from_pretrained's dtype; from_config
     # would follow the config's own dtype)
-    load = decide(model_shape(config), step).dtypes.load
-    model = build_model(
-        config, device=device, dtype=torch_dtype(load), attn_implementation=impl
-    )
-    if step.method == "lora":
+    d = decide(model_shape(config), step)
+    if step.method == "qlora":
+        model = quantized_model(config, d, device=device, attn_implementation=impl)
+    else:
+        model = build_model(
+            config,
+            device=device,
+            dtype=torch_dtype(d.dtypes.load),
+            attn_implementation=impl,
+        )
+    if step.method in ("lora", "qlora"):
         from peft import LoraConfig, get_peft_model
 
         lora_config = LoraConfig(
@@ -54,7 +61,8 @@ def build_training_setup(
             for name, param in model.named_parameters():
                 if "lora_" in name:
                     param.data = param.data.to(dtype)
-    if step.checkpointing:
+    if step.checkpointing and not (d.kbit and d.kbit.prepared):
+        # (prepare_model_for_kbit_training has enabled it, as its callers ask)
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={
                 "use_reentrant": step.checkpointing_mode == "reentrant"
@@ -62,6 +70,85 @@ def build_training_setup(
         )
     model.train()
     return model, make_optimizer(model, step.optimizer, lr, step.optimizer_impl)
+
+
+def quantized_model(config, d, *, device: str = "cpu", attn_implementation=None):
+    """The QLoRA base as a user loads it: the model saved (random weights, in the
+    load dtype) and loaded back by ``from_pretrained`` with a 4-bit NF4
+    ``BitsAndBytesConfig`` (double quantization as ``qlora_double_quant`` says, the
+    compute dtype :class:`trainmem.kbit.KbitFlow` names), then, for ``kbit_prepare
+    "peft"``, ``prepare_model_for_kbit_training`` with the step's checkpointing. Needs
+    bitsandbytes (>= 0.49 runs on the CPU as well as on CUDA)."""
+    import logging
+    import tempfile
+
+    step, flow = d.options, d.kbit
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise OptionError(
+            "method",
+            "method 'qlora' needs bitsandbytes to be measured (pip install "
+            "bitsandbytes; 0.49 or newer runs on the CPU); allowed without it: full, "
+            "lora",
+        )
+    # bitsandbytes logs at import that its optional CPU inference kernel (the
+    # `kernels` package) is missing; training does not use it
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers.utils import logging as hf_logging
+
+    load = torch_dtype(flow.load)
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=step.qlora_double_quant,
+        bnb_4bit_compute_dtype=torch_dtype(flow.compute),
+    )
+    kwargs = {}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    model = build_model(config, dtype=load, **kwargs)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            model.save_pretrained(folder)
+            del model
+            model = AutoModelForCausalLM.from_pretrained(
+                folder,
+                quantization_config=quant,
+                dtype=load,
+                device_map={"": device},
+                **kwargs,
+            )
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    if flow.prepared:
+        from peft import prepare_model_for_kbit_training
+
+        reentrant = step.checkpointing_mode == "reentrant"
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=step.checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+        )
+    return model
+
+
+def quant_state_tensors(model) -> list:
+    """The tensors bitsandbytes keeps beside each 4-bit weight (``quant_state``: the
+    absmax constants, their own constants under double quantization, the code
+    tables), which are neither parameters nor buffers."""
+    out = []
+    for p in model.parameters():
+        state = getattr(p, "quant_state", None)
+        while state is not None:
+            for name in ("absmax", "code", "offset"):
+                t = getattr(state, name, None)
+                if isinstance(t, torch.Tensor):
+                    out.append(t)
+            state = getattr(state, "state2", None)
+    return out
 
 
 @contextlib.contextmanager

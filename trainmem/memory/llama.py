@@ -14,6 +14,7 @@ from .ops import (
     add_scalar,
     bmm,
     cast,
+    clone,
     clone_contig,
     dropout,
     embedding,
@@ -51,9 +52,15 @@ class Linear:
     quantized: bool = False
     # bitsandbytes < 0.43.2: MatMul4Bit keeps its input for backward
     saves_input: bool = False
-    # bnb_4bit_compute_dtype when the input may arrive in another dtype (peft's k-bit
-    # preparation leaves an fp32 residual stream); the output is cast back
+    # QLoRA (trainmem.kbit.KbitFlow): bnb_4bit_compute_dtype, which the input is
+    # cast to (peft's k-bit preparation leaves an fp32 residual stream); whether the
+    # output is cast back to the input's dtype; whether peft's LoRA layer on it casts
+    # its input to the adapters' dtype only outside autocast, and clones the base
+    # layer's output
     compute: str | None = None
+    output_cast: bool = False
+    lora_sees_autocast: bool = False
+    clones_base_output: bool = False
     # peft's lora_dropout > 0, and whose kernels run it ("cuda" / "cpu")
     dropout: bool = False
     kernels: str = "cuda"
@@ -90,6 +97,8 @@ class Model:
     norm: SimTensor
     lm_head: SimTensor
     buffers: list[SimTensor] = field(default_factory=list)  # RoPE's inv_freq, twice
+    # QLoRA: each 4-bit weight's code tables and offset (dtypes.nf4_state_tables)
+    quant_tables: list[SimTensor] = field(default_factory=list)
 
     def parameters(self) -> list[SimTensor]:
         """Every parameter once, in torch's order (a tied ``lm_head`` is not
@@ -117,6 +126,8 @@ def rmsnorm(sim: Simulator, x: SimTensor, w: SimTensor) -> SimTensor:
 def lora_linear(sim: Simulator, x: SimTensor, lin: Linear) -> SimTensor:
     """peft ``lora.Linear.forward``: base(x) + lora_B(lora_A(x.to(A.dtype))) *
     scaling."""
+    if lin.quantized and lin.A is not None:
+        return _lora_on_4bit(sim, x, lin)
     result = linear(
         sim,
         x,
@@ -125,13 +136,13 @@ def lora_linear(sim: Simulator, x: SimTensor, lin: Linear) -> SimTensor:
         quant=lin.quantized,
         quant_compute=lin.compute,
         quant_saves_input=lin.saves_input,
+        quant_output_cast=lin.output_cast,
     )
     if lin.A is None:
         return result
     result_dtype = result.dtype
-    x = cast(
-        sim, x, lin.A.dtype
-    )  # x = self._cast_input_dtype(x, ...): lives to the end
+    # x = self._cast_input_dtype(x, lora_A.weight.dtype): lives to the end
+    x = cast(sim, x, lin.A.dtype)
     if lin.dropout:
         # lora_B(lora_A(dropout(x))): peft's nn.Dropout for lora_dropout > 0 (one per
         # adapted module, so q/k/v each make their own mask and dropped copy)
@@ -144,6 +155,46 @@ def lora_linear(sim: Simulator, x: SimTensor, lin: Linear) -> SimTensor:
     result = add(sim, result, h3)
     del h3
     return cast(sim, result, result_dtype)
+
+
+def _lora_on_4bit(sim: Simulator, x: SimTensor, lin: Linear) -> SimTensor:
+    """peft ``lora/bnb.py`` ``Linear4bit.forward``: ``result = self.base_layer(x)``
+    (bitsandbytes' 4-bit Linear, :func:`.ops.linear`); ``result = result.clone()``;
+    only where ``torch.is_autocast_enabled()`` is False — outside autocast, or always
+    when it is the CPU's (the call without a device type asks CUDA's) — ``x`` is cast
+    to the adapters' dtype and their output back to ``result``'s; then ``result +
+    output`` (:mod:`trainmem.kbit`)."""
+    result = linear(
+        sim,
+        x,
+        lin.w,
+        lin.b,
+        quant=True,
+        quant_compute=lin.compute,
+        quant_saves_input=lin.saves_input,
+        quant_output_cast=lin.output_cast,
+    )
+    if lin.clones_base_output:
+        base_out = result
+        result = clone(sim, base_out)
+        del base_out
+    convert = sim.autocast is None or not lin.lora_sees_autocast
+    expected = result.dtype
+    if convert:
+        x = cast(sim, x, lin.A.dtype)  # lives to the end of forward
+    if lin.dropout:
+        x = dropout(sim, x, lin.kernels)
+    h = linear(sim, x, lin.A)
+    h2 = linear(sim, h, lin.B)
+    del h
+    output = mul_scalar(sim, h2)
+    del h2
+    if convert:
+        output = cast(sim, output, expected)
+    out = add(sim, result, output)
+    del result  # ``result = result + output`` drops the old result first,
+    del output  # then the local ``output`` goes when forward returns
+    return out
 
 
 def attention(

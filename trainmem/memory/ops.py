@@ -62,11 +62,14 @@ def linear(
     quant: bool = False,
     quant_compute: str | None = None,
     quant_saves_input: bool = False,
+    quant_output_cast: bool = False,
 ) -> SimTensor:
     """``F.linear`` (``x @ w.T + b``): saves x if w needs grad, w if x needs grad.
 
     ``quant``: a bitsandbytes 4-bit weight, dequantized to the compute dtype for the
-    matmul (a transient copy) and again in backward."""
+    matmul (a transient copy) and again in backward; ``quant_output_cast``: the
+    output is cast back to the input's dtype (``Linear4bit.forward``'s
+    ``.to(inp_dtype)``, under autocast too: :mod:`trainmem.kbit`)."""
     if quant:
         # bnb Linear4bit: x.to(compute_dtype) when bnb_4bit_compute_dtype is set
         # (``quant_compute``), the output cast back to the input's dtype
@@ -89,7 +92,7 @@ def linear(
         saved = [x_cast] if quant_saves_input and x_cast.requires_grad else []
         record(sim, out, [x_cast], saved, backward_fn)
         del x_cast
-        if quant_compute and sim.autocast is None and in_dtype != compute_dtype:
+        if quant_output_cast and in_dtype != compute_dtype:
             out = cast(sim, out, in_dtype)
         return out
     x_cast = _autocast_input(sim, x)
@@ -268,6 +271,13 @@ def rotate_half(sim: Simulator, x: SimTensor) -> SimTensor:
         ]
 
     record(sim, out, [neg_x2, x1], [], backward_fn)
+    return out
+
+
+def clone(sim: Simulator, x: SimTensor) -> SimTensor:
+    """``x.clone()``: a copy in the same layout; saves nothing."""
+    out = new(sim, x.shape, x.dtype, layout=x.layout)
+    record(sim, out, [x], [], lambda node, g: [g])
     return out
 
 

@@ -13,7 +13,7 @@ from .allocator import RepeatDetector, common_period
 from .autograd import backward
 from .llama import Model, build_params, llama_loss, trainable_params
 from .ops import mul_scalar
-from ..dtypes import nf4_bytes_per_weight
+from ..dtypes import nf4_bytes_per_weight, nf4_state_tables
 from ..versions import (
     bnb_saves_input,
     litgpt_loss_holds_graph,
@@ -61,8 +61,7 @@ def _build_llama(sim: Simulator, shape, d):
     stay in the 16-bit dtype, or fp32 after peft's prepare_model_for_kbit_training
     (``Dtypes.quant_base``)."""
     step = d.options
-    compute_dtype = d.dtypes.quant_compute
-    versions = d.versions
+    flow = d.kbit
     model = build_params(
         sim,
         shape,
@@ -80,9 +79,16 @@ def _build_llama(sim: Simulator, shape, d):
                     sim, linear.w.buffer, bytes_per_weight / ITEMSIZE[linear.w.dtype]
                 )
                 linear.quantized = True
-                linear.saves_input = bnb_saves_input(versions)
-                if step.kbit_prepare == "peft":
-                    linear.compute = compute_dtype
+                model.quant_tables += [
+                    new(sim, (nbytes,), "u8", category="weights")
+                    for nbytes in nf4_state_tables(step.qlora_double_quant)
+                ]
+                linear.saves_input = flow.saves_input
+                # Linear4bit: x.to(compute_dtype), the output .to(the input's dtype)
+                linear.compute = flow.compute
+                linear.output_cast = flow.output_in_input_dtype
+                linear.lora_sees_autocast = flow.lora_sees_autocast
+                linear.clones_base_output = flow.clones_base_output
     if step.lora_dropout > 0:
         for layer in model.layers:
             for linear in layer.linears.values():

@@ -4,9 +4,10 @@ storage, every size an expression in the shape's symbols (:data:`SYMBOLS`), scal
 here to the shape asked for.
 
 The data files (``trainmem/data/families/<model_type>.json``) are written by
-:mod:`trainmem.measuring.family_trace` (``python -m trainmem families --write``), which
-records them from the module itself; this module reads them with the standard library
-only (the book's in-page calculator runs it in Pyodide).
+:mod:`trainmem.measuring.family_trace` (``python -m
+trainmem.measuring.family_trace --write``), which records them from the module
+itself; this module reads them with the standard library only (the book's in-page
+calculator runs it in Pyodide).
 
 A data file holds one trace per *variant*: the options that change which tensors the
 step makes (:func:`variant_key`: method, precision, load and adapter dtypes, attention,
@@ -105,10 +106,9 @@ def variant_regime(shape, step) -> dict:
     (output and logsumexp). ``attn``: the attention a family without an SDPA path
     runs whatever is asked (Gemma 2 in transformers 5: eager, what
     ``from_pretrained`` picks for it)."""
-    mt = shape.type_entry
+    family = shape.family  # its Family entry (trainmem.families.traced_family)
     fused = (
-        mt is not None
-        and mt.attention_dropout is not None
+        family.attention_dropout is not None
         and step.kernels == "cuda"
         and step.attn_memory == "sdpa"
     )
@@ -117,7 +117,7 @@ def variant_regime(shape, step) -> dict:
         tied=shape.tied,
         b1=False,
         fused=fused,
-        attn=None if mt is None else mt.attn,
+        attn=family.attn,
     )
 
 

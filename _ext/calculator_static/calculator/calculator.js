@@ -211,6 +211,9 @@ def tm_formats(text):
       const n = (x) => x.toLocaleString("en-US");
       const out = [`各阶段峰值：${phases}。`,
         `参数 ${n(d.n_params)} 个，其中可训练 ${n(d.n_trainable)} 个。`];
+      // the recipe the estimate replayed (trainmem.estimate.recipe): which dtype the
+      // weights are held in and what casts them
+      if (d.options && d.options.recipe) out.push(`配方（recipe）：${d.options.recipe}。`);
       if (!d.exact) out.push("该模型用闭式公式估计激活（未逐算子回放）。");
       // the SDPA kernel torch selects for this step (trainmem.sdpa)
       const sdpa = { flash: "flash", efficient: "memory-efficient", cudnn: "cuDNN",
