@@ -1,8 +1,8 @@
 """The family table: every decoder family the estimator knows, at three shapes, full
 fine-tuning and LoRA, fp32 and bf16 autocast — the estimate
 (:func:`trainmem.estimate.estimate`) next to the CPU measurement of the same step
-(:func:`trainmem.measure.measure`, the peak of the tracked storages), measured in the
-same run, and their ratio.
+(:func:`trainmem.measuring.measure.measure`, the peak of the tracked storages), measured
+in the same run, and their ratio.
 
 Llama, Mistral and Qwen2 are estimated by the Llama replay (:mod:`trainmem.memory.
 llama`); every other family by the replay of its recorded trace

@@ -115,6 +115,9 @@ class Decisions:
     context_parallel: int = 1
     #: QLoRA's dtype flow (:mod:`trainmem.kbit`); ``None`` off QLoRA
     kbit: KbitFlow | None = None
+    #: the sizes the sharding reads (DeepSpeed's buckets and thresholds for the
+    #: model's width: :mod:`trainmem.deepspeed`), ``None`` when it reads none
+    shard_sizes: Any = None
 
     @property
     def autocast(self) -> str | None:
@@ -302,4 +305,5 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
         activation_offload=step.activation_offload,
         context_parallel=step.context_parallel,
         kbit=kbit_flow(step, prec, frame, versions),
+        shard_sizes=shard.replay.sizes(step.deepspeed_sizes, shape.hidden),
     )

@@ -12,8 +12,8 @@ from .accounting import ITEMSIZE, Simulator
 from .shard_plan import ShardReplay, Weights
 
 
-def _sizes(step, model):
-    return deepspeed.sizes(step.deepspeed_sizes, model.norm.shape[0])
+def _sizes(which: str, hidden: int):
+    return deepspeed.sizes(which, hidden)
 
 
 def _persisted(model, weights: Weights, sizes) -> set:

@@ -9,7 +9,7 @@ from .accounting import Simulator
 from .shard_plan import ShardReplay, Weights, root_tensors
 
 
-def _sizes(step, model) -> None:
+def _sizes(which: str, hidden: int) -> None:
     return None  # FSDP reads no bucket sizes of its own here
 
 

@@ -77,9 +77,10 @@ class ShardReplay:
     """What one sharding does in the replay: the functions a
     :class:`trainmem.sharding.Sharding` entry carries (``replay``)."""
 
-    #: ``(step, model) -> sizes``: the bucket sizes and thresholds it reads (``None``
-    #: when it reads none)
-    sizes: Callable[[Any, Any], Any]
+    #: ``(deepspeed_sizes option, hidden size) -> sizes``: the bucket sizes and
+    #: thresholds it reads (``None`` when it reads none), resolved once by
+    #: :func:`trainmem.decisions.decide` (``Decisions.shard_sizes``)
+    sizes: Callable[[str, int], Any]
     #: ``(model, weights, sizes) -> ids``: parameters it never partitions
     persisted: Callable[[Any, Weights, Any], set]
     #: ZeRO-3, after the weights are sharded: ``(sim, model, step, weights,
@@ -125,7 +126,7 @@ def _shard_for_zero(sim: Simulator, model, params: list, d):
     shard = 1.0 / step.gpus
     masters = []
     gathered_layer = gathered_root = None
-    sizes = replay.sizes(step, model)
+    sizes = d.shard_sizes
     if d.dtypes.master:
         masters = [
             new(sim, p.shape, d.dtypes.master, category="master_weights")
