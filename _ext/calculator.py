@@ -140,7 +140,9 @@ TIPS = {
     "lora-dtype": "适配器参数的 dtype；默认取 peft 的（fp32 适配器）",
     "load-dtype": (
         "加载权重的 dtype（from_pretrained 的 dtype），与自动混合精度（autocast）"
-        "无关；默认取精度的（混合精度下 fp32，纯 bf16 下 bf16）"
+        "无关。默认：LoRA（hf）在 fp16-amp / bf16-amp 下按自动混合精度的 16 位 dtype"
+        " 加载（用户实际跑的配方：16 位底座、fp32 适配器、自动混合精度）；全参数微调与 "
+        "QLoRA 取精度的（混合精度下 fp32，纯 bf16 下 bf16）"
     ),
     "no-double-quant": "QLoRA 不对 NF4 的量化常数再做一次量化（双重量化）",
     "checkpointing": (
@@ -197,6 +199,42 @@ TIPS = {
     "framework": (
         "谁的训练步：hf（transformers + peft，Trainer 的循环）或 litgpt（LitGPT "
         "的 GPT）；默认 hf"
+    ),
+    "objective": (
+        "训练目标：sft（监督微调，batch×seq 上的交叉熵）；dpo（TRL 的 DPOTrainer"
+        "：批大小数偏好对，策略模型对 2×batch 条 chosen 与 rejected 前向、反向，参"
+        "考模型只前向、不建计算图）；grpo（TRL 的 GRPOTrainer：批大小数补全条数，每"
+        "条是 seq 个提示 token 加生成的补全，logits 只算补全部分，先带 KV 缓存生成）"
+        "；默认 sft"
+    ),
+    "reference": (
+        "dpo / grpo 的参考模型（reference model）：copy（冻结的第二份模型）、adap"
+        "ter（关掉 LoRA 适配器的底座）、precomputed（DPO 预先算好的 log 概率）、non"
+        "e（GRPO 默认 beta=0.0，没有参考模型）；auto：LoRA 下用 adapter，否则 DPO "
+        "用 copy、GRPO 用 none；默认 auto"
+    ),
+    "group-size": (
+        "grpo：每个提示生成的补全条数（GRPOConfig.num_generations），须整除 批大"
+        "小×梯度累积×GPU 数；默认 8"
+    ),
+    "max-completion-length": (
+        "grpo：每条补全生成的 token 数（GRPOConfig.max_completion_length）；默认 512"
+    ),
+    "loss-impl": (
+        "因果语言模型损失的实现：standard（lm_head 的 logits 整块算出，再做 fp32 "
+        "交叉熵）或 chunked（融合线性层与交叉熵，按 Cut Cross-Entropy / Liger 的做"
+        "法分块算 logits、反向时重算，从不整块保留）；默认 standard"
+    ),
+    "loss-chunk": "chunked 损失每块的行数（token 数）；默认 1024",
+    "activation-offload": (
+        "激活卸载（TRL 的 activation_offloading）：自动求导（autograd）保存的张量前向时拷到主"
+        "机内存、反向时拷回；参数、小于 1 KiB 的张量、被保存两次的存储与 lm_head 的"
+        "输入留在 GPU 上"
+    ),
+    "context-parallel": (
+        "上下文并行（context parallelism）：把序列切到这么多张 GPU 上（torch 的环形"
+        "注意力（ring attention），负载均衡，seq 须能被 2×N 整除）；每张卡的激活降为"
+        " seq/N 个 token，权重、梯度与优化器状态不变（要切它们再加 ZeRO）；默认 1"
     ),
     "gpu": (
         "GPU 型号：加上缓存分配器保留的显存（reserved）、nvidia-smi 显示的显存（"

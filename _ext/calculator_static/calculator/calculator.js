@@ -258,6 +258,17 @@ def tm_formats(text):
       return el("div", { class: "tm-table-wrap" }, el("table", { class: "tm-table" }, thead, tbody));
     }
 
+    // trainmem.estimate.recipe's words in Chinese (its dtype names stay as they are)
+    function zhRecipe(r) {
+      return r
+        .replace(/^NF4 base \((\w+) non-quantized weights\)/, "NF4 底座（未量化的权重为 $1）")
+        .replace(/module cast to (\w+), fp32 master copy/, "整个模块转为 $1，另有 fp32 主副本")
+        .replace(/no autocast/, "不用自动混合精度")
+        .replace(/autocast (\w+)/, "自动混合精度（autocast）$1")
+        .replace(/(\w+) base/, "$1 底座").replace(/(\w+) adapters/, "$1 适配器")
+        .replace(/(\w+) weights/, "$1 权重").replace(", ", "，");
+    }
+
     function notes(d) {
       const phases = Object.entries(d.phase_peaks)
         .map(([k, v]) => `${phaseName(k)} ${fmt(v, GiB)} GiB`).join("；");
@@ -266,7 +277,7 @@ def tm_formats(text):
         `参数 ${n(d.n_params)} 个，其中可训练 ${n(d.n_trainable)} 个。`];
       // the recipe the estimate replayed (trainmem.estimate.recipe): which dtype the
       // weights are held in and what casts them
-      if (d.options && d.options.recipe) out.push(`配方（recipe）：${d.options.recipe}。`);
+      if (d.options && d.options.recipe) out.push(`配方（recipe）：${zhRecipe(d.options.recipe)}。`);
       if (!d.exact) out.push("该模型用闭式公式估计激活（未逐算子回放）。");
       // the SDPA kernel torch selects for this step (trainmem.sdpa)
       const sdpa = { flash: "flash", efficient: "memory-efficient", cudnn: "cuDNN",
