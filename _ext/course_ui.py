@@ -291,6 +291,13 @@ def figure_alt(source: str) -> str | None:
     def text_of(arg):
         if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
             return arg.value.strip()
+        if (  # coursekit.fonts.zh("中文", "English"): the Chinese text the page shows
+            isinstance(arg, ast.Call)
+            and isinstance(arg.func, ast.Name)
+            and arg.func.id == "zh"
+            and arg.args
+        ):
+            return text_of(arg.args[0])
         if isinstance(
             arg, ast.JoinedStr
         ):  # f"...{x}...": the computed parts become "…"

@@ -818,6 +818,9 @@ def test_figure_alt_from_titles_and_labels():
     )
     assert ui.figure_alt(src) == "图：rank …: loss；LoRA；横轴 step；纵轴 loss"
     assert ui.figure_alt("plt.plot(x)\nplt.show()") is None
+    # coursekit.fonts.zh(chinese, english): the Chinese text is what the figure shows
+    zh_src = 'ax.set_title(zh("每卡激活", "per GPU"))\nax.set_xlabel(zh("序列", "seq"))'
+    assert ui.figure_alt(zh_src) == "图：每卡激活；横轴 序列"
     assert ui.figure_alt("%matplotlib inline") is None
 
 
