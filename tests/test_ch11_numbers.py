@@ -102,3 +102,43 @@ def test_dpo_peaks_recomputed():
 
 def test_measured_errors_within_one_percent():
     assert num("c11_dpo_worst") < 1 and num("c11_grpo_worst") < 1
+
+
+def count(key: str) -> int:
+    return int(glued()[key].replace(",", ""))
+
+
+def _compiled_step_shape() -> tuple[int, int, int]:
+    """Tokens, model width and MLP width of the measured block stack (its defaults)."""
+    import inspect
+
+    from trainmem.measuring.compiled_step import step_memory
+
+    p = inspect.signature(step_memory).parameters
+    b, s = p["shape"].default
+    assert p["n"].default == 2
+    return b * s, p["d"].default, p["f"].default
+
+
+def test_compiled_saved_bytes_by_autograd_formulas():
+    # What each autograd formula saves (fp32, N tokens, width d, MLP width f).
+    # Eager, block 1 (its input needs no grad): x*rsqrt for the norm weight's grad, h
+    # for gate/up's weight grads, gate, up, silu(gate) and the product for down's
+    # weight grad; block 2 also its input and rsqrt (its input needs grad); the loss
+    # saves the output: 6 N d + N + 8 N f floats.
+    n, d, f = _compiled_step_shape()
+    assert count("c11_cmp_saved_eager") == 4 * (6 * n * d + n + 8 * n * f)
+    # Min-cut: silu(gate) and x*rsqrt are recomputed in the backward; each block keeps
+    # its input, rsqrt, h, gate, up and the product, plus the output for the loss.
+    assert count("c11_cmp_saved_mincut") == 4 * (5 * n * d + 2 * n + 6 * n * f)
+    drop = 1 - count("c11_cmp_saved_mincut") / count("c11_cmp_saved_eager")
+    assert num("c11_cmp_saved_drop") == pytest.approx(100 * drop, abs=0.5)
+
+
+def test_compiled_peaks_order_and_drop():
+    eager, default = count("c11_cmp_peak_eager"), count("c11_cmp_peak_default")
+    mincut = count("c11_cmp_peak_mincut")
+    assert mincut < default < eager
+    assert num("c11_cmp_peak_drop") == pytest.approx(
+        100 * (1 - mincut / eager), abs=0.5
+    )
