@@ -227,9 +227,9 @@ TIPS = {
     ),
     "loss-chunk": "chunked 损失每块的行数（token 数）；默认 1024",
     "activation-offload": (
-        "激活卸载（TRL 的 activation_offloading）：自动求导（autograd）保存的张量前向时拷到主"
-        "机内存、反向时拷回；参数、小于 1 KiB 的张量、被保存两次的存储与 lm_head 的"
-        "输入留在 GPU 上"
+        "激活卸载（TRL 的 activation_offloading）：自动求导（autograd）保存的张量"
+        "前向时拷到主机内存、反向时拷回；参数、小于 1 KiB 的张量、"
+        "被保存两次的存储与 lm_head 的输入留在 GPU 上"
     ),
     "context-parallel": (
         "上下文并行（context parallelism）：把序列切到这么多张 GPU 上（torch 的环形"
