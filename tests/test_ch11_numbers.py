@@ -142,3 +142,22 @@ def test_compiled_peaks_order_and_drop():
     assert num("c11_cmp_peak_drop") == pytest.approx(
         100 * (1 - mincut / eager), abs=0.5
     )
+
+
+def test_mask_versions_differ_by_the_saved_masks_and_kv_copies():
+    """transformers 4.57.1 minus 5.24.0 for the 8B DPO LoRA step: every layer saves
+    one bf16 additive mask per row (2 rows a pair) and K and V repeated from the KV
+    heads to the query heads."""
+    c = LLAMA3_8B
+    layers, heads, kv = (
+        c["num_hidden_layers"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+    )
+    d, rows, s = c["hidden_size"] // heads, 2, 2048
+    masks = layers * rows * s * s * 2
+    copies = layers * 2 * rows * (heads - kv) * s * d * 2
+    assert num("c11_mask_diff") == pytest.approx((masks + copies) / GiB, abs=0.005)
+    assert num("c11_mask_old") - num("c11_mask_new") == pytest.approx(
+        num("c11_mask_diff"), abs=0.011
+    )

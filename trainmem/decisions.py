@@ -24,9 +24,14 @@ from .gpus import SM80
 from .objectives import Objective, objective, resolve_reference, sequences
 from .kbit import KbitFlow, kbit_flow
 from .precisions import Precision, precision
-from .sdpa import EFFICIENT_LSE_ALIGN, hf_call, select_backend
+from .sdpa import EFFICIENT_LSE_ALIGN, MASK_ALIGN, hf_call, select_backend
 from .sharding import Sharding, sharding
-from .versions import cache_copies_kv, loss_form
+from .versions import (
+    cache_copies_kv,
+    cache_values_in_key_dtype,
+    hf_materializes_causal_mask,
+    loss_form,
+)
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,14 @@ class Decisions:
     #: the forward's KV cache holds new copies of every layer's K and V
     #: (``StepConfig.cache_on`` and :func:`trainmem.versions.cache_copies_kv`)
     kv_cache_copies: bool
+    #: the cache's copies of V take K's dtype
+    #: (:func:`trainmem.versions.cache_values_in_key_dtype`)
+    kv_cache_values_as_keys: bool
     versions: dict = dataclasses.field(default_factory=dict)
+    #: transformers builds a ``batch x seq x seq`` bool causal mask and hands it to
+    #: SDPA (no KV cache in the forward, :func:`versions.hf_materializes_causal_mask`)
+    #: instead of ``is_causal=True``
+    causal_mask: bool = False
     gpu: Any = None
     #: what the step optimises (:mod:`trainmem.objectives`), the reference it runs
     #: (``copy``, ``adapter``, ``precomputed`` or ``none``) and the (rows, tokens) of
@@ -128,6 +140,13 @@ class Decisions:
         """The queries the fused kernel's saved logsumexp is padded to (the
         memory-efficient kernel's :data:`trainmem.sdpa.EFFICIENT_LSE_ALIGN`)."""
         return EFFICIENT_LSE_ALIGN if self.sdpa_backend == "efficient" else 1
+
+    @property
+    def sdpa_mask_align(self) -> int:
+        """The last dim a mask handed to the memory-efficient kernel is padded to
+        (``preprocess_mask``'s ``mem_eff_alignment`` in torch's attention.cpp: an
+        unaligned mask is copied into a padded one, which backward keeps)."""
+        return MASK_ALIGN if self.sdpa_backend == "efficient" else 1
 
 
 def _dtypes(
@@ -174,7 +193,13 @@ class _Attention:
 
 
 def _attention(
-    shape: Shape, step: StepConfig, dtypes: Dtypes, frame: Framework, gpu, versions
+    shape: Shape,
+    step: StepConfig,
+    dtypes: Dtypes,
+    frame: Framework,
+    gpu,
+    versions,
+    mask: bool = False,
 ) -> _Attention:
     """What attention runs (:mod:`trainmem.sdpa`): asked for ``sdpa``, the backend
     torch selects for the call transformers makes — on the card's compute capability,
@@ -193,8 +218,10 @@ def _attention(
             f"newer; {gpu.name} is sm_{major}{minor}: use attn 'sdpa'",
         )
     if step.attn == "math":
+        # with a mask transformers repeat_kv-s key and value (no enable_gqa)
+        repeats = mask and shape.kv_heads != shape.heads
         return _Attention(
-            "math", "math", "asked: sdpa_kernel(SDPBackend.MATH)", False, False
+            "math", "math", "asked: sdpa_kernel(SDPBackend.MATH)", repeats, False
         )
     if step.attn != "sdpa":
         return _Attention(attn, None, None, False, False)
@@ -221,10 +248,27 @@ def _attention(
         shape.head_dim,
         step.seq,
         versions,
+        mask=mask,
     )
     choice = select_backend(call, cap, versions["torch"])
     kind = "math" if choice.backend == "math" else "sdpa"
     return _Attention(kind, choice.backend, choice.reason, repeats, kind == "math")
+
+
+def _causal_mask(step: StepConfig, layout, goal, versions) -> bool:
+    """Whether the transformers decoder hands SDPA a materialised causal mask: the
+    Llama-layout decoders through transformers, SDPA (any backend), no KV cache in the
+    forward (``use_cache`` off, checkpointing, or TRL's ``use_cache=False`` for DPO and
+    GRPO), on the versions of :func:`versions.hf_materializes_causal_mask`. Context
+    parallelism's ring is replayed with ``is_causal`` only."""
+    cache = step.cache_on and not goal.logps
+    return (
+        layout == "llama"
+        and step.attn in ("sdpa", "math")
+        and step.context_parallel == 1
+        and not cache
+        and hf_materializes_causal_mask(versions)
+    )
 
 
 def _per_rank(rows_tokens: tuple[int, int], ranks: int) -> tuple[int, int]:
@@ -245,9 +289,11 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
     shard = sharding(step.zero_impl)
     versions = step.library_versions
     dtypes = _dtypes(shape, step, prec, frame)
-    att = _attention(shape, step, dtypes, frame, gpu, versions)
     goal = objective(step.objective)
     layout = frame.layout or shape.family.layout(shape, step)
+    mask = _causal_mask(step, layout, goal, versions)
+    cache_copies = step.cache_on and cache_copies_kv(versions) and not goal.logps
+    att = _attention(shape, step, dtypes, frame, gpu, versions, mask)
     if step.context_parallel > 1 and (
         layout != "llama" or goal.name != "sft" or step.attn_memory != "sdpa"
     ):
@@ -295,8 +341,10 @@ def decide(shape: Shape, step: StepConfig, gpu: Any = None) -> Decisions:
         zero_layout=bool(prec.zero_half) and step.zero >= 1,
         communicators=shard.communicators,
         # TRL's DPO and GRPO forwards pass use_cache=False
-        kv_cache_copies=step.cache_on and cache_copies_kv(versions) and not goal.logps,
+        kv_cache_copies=cache_copies,
+        kv_cache_values_as_keys=cache_copies and cache_values_in_key_dtype(versions),
         versions=versions,
+        causal_mask=mask,
         gpu=gpu,
         objective=goal,
         reference=resolve_reference(step),

@@ -47,6 +47,10 @@ SAVES = {
 #: memory-efficient attention's logsumexp is padded to a multiple of this many
 #: queries (``kAlignLSE`` in mem_eff_attention/kernel_forward.h)
 EFFICIENT_LSE_ALIGN = 32
+#: a mask handed to the memory-efficient kernel must have its rows aligned to this
+#: many elements, or ``preprocess_mask`` copies it into a padded one
+#: (``mem_eff_alignment`` in aten/src/ATen/native/transformers/attention.cpp)
+MASK_ALIGN = 8
 
 
 @dataclass(frozen=True)

@@ -177,6 +177,47 @@ def cache_copies_kv(v: dict) -> bool:
     return v["transformers"] >= (4, 56)
 
 
+def cache_values_in_key_dtype(v: dict) -> bool:
+    """Whether the KV cache's value copies take the keys' dtype: ``DynamicLayer.
+    lazy_initialization`` makes both empty tensors in ``key_states.dtype`` from 4.56
+    to 5.23 (``self.values = torch.tensor([], dtype=self.dtype)``), so ``torch.cat``
+    promotes 16-bit values to the fp32 of keys that RoPE computed in fp32 (fp32
+    weights under autocast), and SDPA's autocast casts them back to 16 bit; 5.24.0
+    makes the values' empty tensor in ``value_states.dtype``."""
+    return (4, 56) <= v["transformers"] < (5, 24)
+
+
+def hf_materializes_causal_mask(v: dict) -> bool:
+    """Whether a training forward with no KV cache and no attention mask (TRL's DPO and
+    GRPO pass ``use_cache=False``; gradient checkpointing turns the cache off) builds
+    a ``batch x seq x seq`` bool causal mask for SDPA instead of passing
+    ``is_causal=True``. From 4.53.1 ``_preprocess_mask_arguments`` (masking_utils.py)
+    calls ``find_packed_sequence_indices(position_ids)`` whenever there is no cache and
+    no attention mask, and that function returns its tensor even when nothing is packed
+    ("it would be nice to return None ... but it causes issues with export", 4.57.1);
+    ``create_causal_mask`` then sets ``allow_is_causal_skip = False`` (with torch 2.6
+    or newer) and materialises the mask. 5.0.0 returns ``None`` when no sequence is
+    packed (huggingface/transformers#42367), and the mask is skipped again."""
+    return (4, 53, 1) <= v["transformers"] < (5, 0) and v["torch"][:2] >= (2, 6)
+
+
+def installed(libraries=LIBRARIES) -> dict[str, str]:
+    """The versions of ``libraries`` installed here (``importlib.metadata``), for
+    ``versions=``: a cell that compares an estimate with a measurement estimates the
+    libraries it measured with. Libraries not installed are left out (their pinned
+    versions fill in)."""
+    from importlib import metadata
+
+    out = {}
+    for lib in libraries:
+        try:
+            text = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            continue
+        out[lib] = text.split("+")[0]
+    return out
+
+
 def hf_checkpointing_reentrant(v: dict) -> bool:
     """What ``gradient_checkpointing=True`` without ``use_reentrant`` runs:
     ``gradient_checkpointing_enable`` fills ``{"use_reentrant": True}`` up to

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .accounting import SimTensor, Simulator, new, view
-from .autograd import AccumulateGrad, checkpoint, param
+from .autograd import AccumulateGrad, checkpoint, param, record
 from .sharded import gathered
 from .ops import (
     _promote,
@@ -223,7 +223,10 @@ def attention(
         # its empty initial tensors, so the cache holds (and returns) new K and V that
         # live until the model output is dropped
         ke = clone_contig(sim, ke)
-        v = clone_contig(sim, v)
+        if cfg.get("kv_cache_values_as_keys") and v.dtype != ke.dtype:
+            v = _cat_promoted(sim, v, _promote(ke.dtype, v.dtype))
+        else:
+            v = clone_contig(sim, v)
         cfg["kv_cache"] += [ke, v]
     if cfg["attn"] == "eager":
         ke = repeat_kv(sim, ke, a)
@@ -245,7 +248,7 @@ def attention(
     elif cfg["attn"] == "math":
         if cfg.get("sdpa_repeats_kv"):
             ke, v = repeat_kv(sim, ke, a), repeat_kv(sim, v, a)
-        o = sdpa_math(sim, qe, ke, v)
+        o = sdpa_math(sim, qe, ke, v, mask=mask)
         del qe, ke, v
         # transpose(1, 2).contiguous(): the math path's output is (b, heads, s, d)
         o = clone_contig(sim, view(o, (b, s, a, d), "t"))
@@ -259,10 +262,59 @@ def attention(
         if cfg.get("sdpa_repeats_kv"):
             # transformers' repeat_kv (no enable_gqa): SDPA saves the copies
             ke, v = repeat_kv(sim, ke, a), repeat_kv(sim, v, a)
-        o = sdpa(sim, qe, ke, v, lse_align=cfg.get("lse_align", 1))
+        o = sdpa(
+            sim,
+            qe,
+            ke,
+            v,
+            lse_align=cfg.get("lse_align", 1),
+            mask=mask,
+            mask_align=cfg.get("mask_align", 1),
+        )
         del qe, ke, v
     o = view(o, (b, s, a * d))
     return lora_linear(sim, o, layer.linears["o_proj"])
+
+
+def _cat_promoted(sim: Simulator, v: SimTensor, dtype: str) -> SimTensor:
+    """``torch.cat([empty, v])`` with an empty tensor of another dtype: a contiguous
+    copy of ``v`` in the promoted ``dtype``; backward narrows the gradient and casts
+    it back to ``v``'s dtype."""
+    out = new(sim, v.shape, dtype, layout="bhsd")
+    shape, v_dtype = v.shape, v.dtype
+    record(sim, out, [v], [], lambda node, g: [new(sim, shape, v_dtype)])
+    return out
+
+
+def causal_mask(sim: Simulator, b: int, s: int) -> SimTensor:
+    """The ``(b, 1, s, s)`` bool causal mask transformers builds for SDPA when it
+    cannot pass ``is_causal`` (:func:`trainmem.versions.hf_materializes_causal_mask`),
+    op by op as measured on transformers 4.57.1: ``find_packed_sequence_indices``
+    (``diff`` of the position ids with a prepended column, ``!= 1``, ``cumsum``), then
+    ``sdpa_mask_recent_torch``'s vmapped index functions (the causal ``(s, s)``
+    comparison, then the packed-sequence equality over ``(b, s, s)``). The mask stays
+    alive until the decoder's forward returns."""
+    first = new(sim, (b, 1), "i64")  # position_ids[:, :1] - 1
+    prepended = new(sim, (b, s + 1), "i64")  # torch.diff's cat
+    diff = new(sim, (b, s), "i64")
+    del prepended
+    ne = new(sim, (b, s), "u8")  # torch.bool: one byte an element
+    packed = new(sim, (b, s), "i64")  # cumsum: the packed-sequence index
+    del ne, first, diff
+    kv_arange = new(sim, (s,), "i64")
+    batch_arange = new(sim, (b,), "i64")
+    head_arange = new(sim, (1,), "i64")
+    ones = new(sim, (s,), "u8")
+    le = new(sim, (s, s), "u8")
+    causal = new(sim, (s, s), "u8")
+    del le, ones
+    rows_q = new(sim, (b, s), "i64")  # packed[batch, q_idx]
+    rows_kv = new(sim, (b, s), "i64")  # packed[batch, kv_idx]
+    eq = new(sim, (b, s, s), "u8")
+    del rows_q, rows_kv
+    mask = new(sim, (b, 1, s, s), "u8")
+    del eq, causal, kv_arange, batch_arange, head_arange, packed
+    return mask
 
 
 def _q_dtype(sim, layer: Layer, cos: SimTensor):
@@ -322,13 +374,13 @@ def llama_loss(
     # rotary embedding (computed once per forward, in fp32, then cast to the activation
     # dtype)
     pos = new(sim, (1, s), "i64")
+    mask = causal_mask(sim, b, s) if cfg.get("causal_mask") else None
     freqs = new(sim, (1, s, d // 2), "fp32")
     emb = new(sim, (1, s, d), "fp32")
     del freqs
     cos = cast(sim, new(sim, (1, 1, s, d), "fp32"), dtype)
     sin = cast(sim, new(sim, (1, 1, s, d), "fp32"), dtype)
     del emb
-    mask = None
     if cfg["attn"] == "eager":
         mask = new(sim, (b, 1, s, s), dtype)
     if not cfg["checkpointing"]:

@@ -370,14 +370,44 @@ def softmax_fp32(sim: Simulator, x: SimTensor) -> SimTensor:
     return out
 
 
+def _additive_mask(sim: Simulator, mask: SimTensor, dtype: str) -> SimTensor:
+    """SDPA's ``convert_boolean_attn_mask``: ``where(mask, 0.0, scalar_tensor(-inf))``
+    in the query's dtype, a new ``(b, 1, s, s)`` tensor per call."""
+    zero, neg_inf = new(sim, (), dtype), new(sim, (), dtype)
+    out = new(sim, mask.shape, dtype)
+    del zero, neg_inf
+    return out
+
+
 def sdpa(
-    sim: Simulator, q: SimTensor, k: SimTensor, v: SimTensor, lse_align: int = 1
+    sim: Simulator,
+    q: SimTensor,
+    k: SimTensor,
+    v: SimTensor,
+    lse_align: int = 1,
+    mask: SimTensor | None = None,
+    mask_align: int = 1,
 ) -> SimTensor:
     """``scaled_dot_product_attention`` on a fused kernel (flash, cuDNN,
     memory-efficient; :mod:`trainmem.sdpa`): saves q, k, v, out and the fp32
-    logsumexp, whose query dim the memory-efficient kernel pads to ``lse_align``."""
+    logsumexp, whose query dim the memory-efficient kernel pads to ``lse_align``.
+    ``mask``: a bool attention mask, converted to an additive one in the query's dtype
+    and saved too; the memory-efficient kernel gets it with rows padded to
+    ``mask_align`` elements (``preprocess_mask``: a padded copy when unaligned)."""
     q, k, v = _autocast_input(sim, q), _autocast_input(sim, k), _autocast_input(sim, v)
     b, a, s, d = q.shape
+    saved_mask = []
+    if mask is not None:
+        bias = _additive_mask(sim, mask, q.dtype)
+        cols = bias.shape[-1]
+        if mask_align > 1 and cols % mask_align:
+            padded = new(
+                sim, bias.shape[:-1] + (cols - cols % mask_align + mask_align,), q.dtype
+            )
+            del bias
+            bias = padded
+        saved_mask = [bias]
+        del bias
     out = new(sim, (b, a, s, d), q.dtype, layout="bshd")
     lse = new(sim, (b, a, -(-s // lse_align) * lse_align), "fp32")
     q_shape, k_shape, v_shape, dtype = q.shape, k.shape, v.shape, q.dtype
@@ -397,7 +427,7 @@ def sdpa(
             grad_v if v_needs_grad else None,
         ]
 
-    record(sim, out, [q, k, v], [q, k, v, lse], backward_fn, save_out=True)
+    record(sim, out, [q, k, v], [q, k, v, lse, *saved_mask], backward_fn, save_out=True)
     return out
 
 
@@ -417,7 +447,13 @@ def _bmm_result(sim: Simulator, o: SimTensor) -> SimTensor:
     return out
 
 
-def sdpa_math(sim: Simulator, q: SimTensor, k: SimTensor, v: SimTensor) -> SimTensor:
+def sdpa_math(
+    sim: Simulator,
+    q: SimTensor,
+    k: SimTensor,
+    v: SimTensor,
+    mask: SimTensor | None = None,
+) -> SimTensor:
     """``scaled_dot_product_attention`` on its math path (aten's composite
     ``_scaled_dot_product_attention_math``, causal, torch 2.5+), what runs where no
     fused kernel takes the dtype (bf16 below sm_80) or under
@@ -438,21 +474,28 @@ def sdpa_math(sim: Simulator, q: SimTensor, k: SimTensor, v: SimTensor) -> SimTe
       second output, dropped by the caller when the op returns);
     * the second ``matmul`` (it copies v when needed) and its result cast back.
 
-    Autocast does not reach inside: the op is cast once at its entry."""
+    Autocast does not reach inside: the op is cast once at its entry. ``mask``: a bool
+    attention mask instead of ``is_causal``, converted to an additive one in the input
+    dtype before the composite runs (which then builds no causal mask of its own)."""
     q, k, v = _autocast_input(sim, q), _autocast_input(sim, k), _autocast_input(sim, v)
     outer, sim.autocast = sim.autocast, None
     try:
         b, a, s, d = q.shape
         in_dtype = q.dtype
         acc = "fp32" if in_dtype in ("bf16", "fp16") else in_dtype
+        given = None if mask is None else _additive_mask(sim, mask, in_dtype)
         q32, k32, v32 = cast(sim, q, acc), cast(sim, k, acc), cast(sim, v, acc)
         qs = mul_scalar(sim, q32)
-        ones = new(sim, (s, s), "u8")  # torch.bool: one byte an element
-        tril = new(sim, (s, s), "u8")
-        del ones
-        scalars = new(sim, (), acc), new(sim, (), acc)
-        mask = new(sim, (s, s), acc)
-        del scalars, tril
+        if given is None:
+            ones = new(sim, (s, s), "u8")  # torch.bool: one byte an element
+            tril = new(sim, (s, s), "u8")
+            del ones
+            scalars = new(sim, (), acc), new(sim, (), acc)
+            mask = new(sim, (s, s), acc)
+            del scalars, tril
+        else:
+            mask = given
+            del given
         # GQA (the same tensors when every head has its own k and v)
         kr = repeat_kv(sim, k32, a, always_copy=True)
         vr = repeat_kv(sim, v32, a, always_copy=True)

@@ -127,6 +127,7 @@ def _micro_batch(sim, model, d, batch, cfg, litgpt_logits) -> int:
     sim.set_phase("forward")
     sim.autocast = d.dtypes.autocast
     cfg["kv_cache"] = [] if d.kv_cache_copies else None
+    cfg["kv_cache_values_as_keys"] = d.kv_cache_values_as_keys
     if d.activation_offload:
         sim.offload = Offload()  # the forward's saved tensors go to the host
     if d.objective is not None and d.objective.logps:
@@ -167,6 +168,9 @@ def _forward_backward(
         "sdpa_repeats_kv": d.sdpa_repeats_kv,
         # memory-efficient attention pads its logsumexp (trainmem.sdpa)
         "lse_align": d.sdpa_lse_align,
+        # a materialised causal mask (trainmem.versions.hf_materializes_causal_mask)
+        "causal_mask": d.causal_mask,
+        "mask_align": d.sdpa_mask_align,
         "checkpointing": step.checkpointing,
         "loss_form": d.loss_form,
         "reentrant": step.checkpointing_mode == "reentrant",
