@@ -177,6 +177,14 @@ def cache_copies_kv(v: dict) -> bool:
     return v["transformers"] >= (4, 56)
 
 
+def rope_buffers(v: dict) -> int:
+    """Storages of a transformers rotary embedding's ``inv_freq``: up to 4.57
+    ``LlamaRotaryEmbedding.__init__`` keeps ``self.original_inv_freq = self.inv_freq``
+    (one storage); 5.0.0 registers ``original_inv_freq`` as a buffer of its own,
+    ``inv_freq.clone()`` (two)."""
+    return 2 if v["transformers"] >= (5, 0) else 1
+
+
 def cache_values_in_key_dtype(v: dict) -> bool:
     """Whether the KV cache's value copies take the keys' dtype: ``DynamicLayer.
     lazy_initialization`` makes both empty tensors in ``key_states.dtype`` from 4.56

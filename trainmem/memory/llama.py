@@ -480,6 +480,7 @@ def build_params(
     lora_rank: int,
     lora_targets,
     dtypes,
+    rope_buffers: int = 2,
 ) -> Model:
     """Parameters (and buffers) as the measured model holds them.
 
@@ -503,11 +504,12 @@ def build_params(
 
     h = shape.hidden
     embed = make_param((shape.vocab, h), full)
-    # rotary buffers: inv_freq and original_inv_freq (head_dim/2 floats each)
+    # rotary buffers: inv_freq and original_inv_freq, head_dim/2 floats each
+    # (``rope_buffers``: one storage up to transformers 4.57, versions.rope_buffers)
     buffer_dtype = dtypes.buffers
     buffers = [
         new(sim, (shape.head_dim // 2,), buffer_dtype, category="weights")
-        for _ in range(2)
+        for _ in range(rope_buffers)
     ]
     adapter_dtype = dtypes.adapters
     adapter_category = (

@@ -18,6 +18,7 @@ from ..versions import (
     bnb_saves_input,
     litgpt_loss_holds_graph,
     litgpt_rmsnorm_fp32,
+    rope_buffers,
 )
 from . import litgpt, preference, traced
 from .offload import Offload
@@ -70,6 +71,7 @@ def _build_llama(sim: Simulator, shape, d):
         lora_rank=step.lora_rank,
         lora_targets=step.lora_targets,
         dtypes=d.dtypes,
+        rope_buffers=rope_buffers(d.versions),
     )
     if step.method == "qlora":
         # NF4: 4 bits per weight + its share of the absmax constants
@@ -317,6 +319,7 @@ def _reference(sim: Simulator, shape, d, rows: int) -> dict:
             lora_rank=1,
             lora_targets=(),
             dtypes=d.dtypes,
+            rope_buffers=rope_buffers(d.versions),
         )
     elif d.reference == "precomputed":
         out["precomputed_logps"] = new(sim, (rows,), "fp32", category="activations")
