@@ -922,6 +922,14 @@ def test_column_printouts_keep_their_columns_on_a_phone(browser, doc):
 
 
 @pytest.mark.parametrize("doc", PAGES)
+def test_display_equations_fit_a_phone(browser, doc):
+    """No display equation is wider than the column at 390 px (it would scroll in its
+    own box): long ones break over lines (``aligned``/``gathered``)."""
+    over = _audit(browser, doc, "math")
+    assert not over, f"{len(over)} equation(s) wider than the column by {over} px"
+
+
+@pytest.mark.parametrize("doc", PAGES)
 def test_figures_are_legible_and_chinese_on_a_phone(browser, doc):
     """Every figure carries the sizes of its texts (coursekit.figures.record_figures,
     run by setup()); at 390 px the smallest renders at 9 px or more, and no title,
