@@ -746,6 +746,18 @@ def test_every_option_has_a_chinese_tooltip():
         assert f["label"] != f["flag"], f"no Chinese label for {f['flag']}"
 
 
+def test_page_names_every_model_type_it_reads():
+    """The page's list of config.json model types is the registry's: a family added to
+    trainmem.families.MODEL_TYPES without a word on the calculator page fails here."""
+    from pathlib import Path
+
+    from trainmem.families import MODEL_TYPES
+
+    text = (Path(__file__).resolve().parents[1] / "book" / "calculator.md").read_text()
+    missing = [m for m in MODEL_TYPES if f"`{m}`" not in text]
+    assert not missing, f"book/calculator.md does not name model types {missing}"
+
+
 _SHOWN_TEXT = """sel => [...document.querySelectorAll(sel)].map(e => {
   const c = e.cloneNode(true);
   c.querySelectorAll('code').forEach(x => x.remove());
