@@ -580,6 +580,14 @@ MISTAKES = {
             "ulp(0.0, 'fp16') 应为",
         ),
         (
+            "decoder_converts_with_numpy",  # right values, the conversion it forbids
+            "    if exponent == 0x1F:\n        return sign * math.inf if mantissa == 0 "
+            "else math.nan\n",
+            "    return float(np.array([bits], dtype=np.uint16).view(np.float16)[0])\n",
+            "decode_fp16",
+            "只用整数位运算",
+        ),
+        (
             "nan_rounded_like_a_number",  # 0x7FFFFFFF rounds to 0x8000 (-0.0)
             "    if math.isnan(x):\n        return ((bits >> 16) & 0x8000) | 0x7FC0\n",
             "",

@@ -127,15 +127,50 @@ def decode_types(fmt: str) -> list[CaseType]:
             _nan(fmt),
             fix="指数段全 1 且尾数段不为 0 时返回 math.nan",
         ),
+        CaseType(
+            "integer_only",
+            "只用整数位运算（numpy / torch / struct 被拿走时照样算对）",
+            3,
+            _guarded(fmt),
+            fix="本实验要求只用整数位运算与 math.ldexp（或 2.0 ** k）：不要用 "
+            "np.float16、torch 的 view 或 struct 替你转换（第 2 节）",
+        ),
     ]
 
 
+def _guarded(fmt):
+    """Patterns of every kind, each decoded by the student's function with numpy,
+    torch and struct taken away (coursekit.integer_only)."""
+    kinds = (_zero(fmt), _subnormal(fmt, 2), _normal(fmt, 4), _inf(fmt), _nan(fmt, 2))
+    return lambda rng: [{"guarded": b} for k in kinds for b in k(rng)]
+
+
+def _bits(x) -> int:
+    return x["guarded"] if isinstance(x, dict) else x
+
+
+def _show16(x) -> str:
+    return hex16(_bits(x)) + (
+        "（拿走 numpy/torch/struct）" if isinstance(x, dict) else ""
+    )
+
+
+def _probe16(fn: str) -> str:
+    return (
+        "from coursekit.integer_only import integer_only as _integer_only\n"
+        f"_guarded = _integer_only({fn})\n"
+        "CASE = lambda x: (\n"
+        f"    _guarded(x['guarded']) if isinstance(x, dict) else {fn}(x)\n"
+        ")\n"
+    )
+
+
 def _expect_fp16(bits):
-    return ref_decode16([bits], "fp16")[0]
+    return ref_decode16([_bits(bits)], "fp16")[0]
 
 
 def _expect_bf16(bits):
-    return ref_decode16([bits], "bf16")[0]
+    return ref_decode16([_bits(bits)], "bf16")[0]
 
 
 # ---------------------------------------------------------------- fp32 -> bf16 bits
@@ -374,19 +409,20 @@ QUESTIONS = [
         points=3,
         cases=decode_types("fp16"),
         expect=_expect_fp16,
-        probe="CASE = decode_fp16",
+        probe=_probe16("decode_fp16"),
         compare=same_float,
-        show_input=hex16,
-        description="decode_fp16：16 位模式 → 数值（正规/次正规/±0/inf/NaN）",
+        show_input=_show16,
+        description="decode_fp16：16 位模式 → 数值（正规/次正规/±0/inf/NaN），"
+        "只用整数位运算",
     ),
     Question(
         "decode_bf16",
         points=2,
         cases=decode_types("bf16"),
         expect=_expect_bf16,
-        probe="CASE = decode_bf16",
+        probe=_probe16("decode_bf16"),
         compare=same_float,
-        show_input=hex16,
+        show_input=_show16,
         description="decode_bf16：16 位模式 → 数值",
     ),
     Question(
