@@ -12,7 +12,11 @@ shapes are not the probe shapes the traces were recorded at.
     python benchmarks/family_table.py [model_type ...] [--quick]
 
 ``--quick``: the first shape only; ``--all-runs``: the four (method, precision)
-pairs at every shape, not only at the first. Prints a Markdown table; exits 1 when a
+pairs at every shape, not only at the first. A second table runs, at the second
+shape, every recipe the traces record beyond those four
+(``trainmem.measuring.family_trace.RECORDED``: 16-bit and fp32 loads, pure bf16,
+checkpointing, LoRA on every linear layer, LoRA dropout); ``--no-recipes`` leaves it
+out. Prints a Markdown table; exits 1 when a
 ratio is off by more than 1 %.
 """
 
@@ -119,6 +123,35 @@ def rows(names, shapes, every_run_at_each_shape: bool = False):
                 )
 
 
+def recipe_text(options: dict) -> str:
+    return ", ".join(
+        f"{k}={v}" for k, v in options.items() if k not in ("method", "precision")
+    )
+
+
+def recipe_rows(names, shape):
+    """Every recorded recipe beyond the four (method, precision) pairs, for each
+    family at ``shape``: (family, method, precision, recipe, estimate, measured)."""
+    from trainmem.measuring.family_trace import ALL_LINEAR, RECORDED
+
+    for name in names:
+        gqa, tied = regime(name)
+        config = transformers_config(config_of(name, shape, gqa, tied), f"{name}-r")
+        every = tuple(estimate(config).shape.linear_shapes())
+        for options in RECORDED[4:]:
+            opts = dict(options)
+            targets = opts.pop("lora_targets", MODEL_TYPES[name].lora_default)
+            opts.update(
+                batch=shape["b"],
+                seq=shape["s"],
+                lora_targets=every if targets == ALL_LINEAR else targets,
+                attn=MODEL_TYPES[name].attn or "sdpa",
+            )
+            est = estimate(config, kernels="cpu", **opts).total_bytes
+            got = measure(config, **opts).total_bytes
+            yield name, options["method"], options["precision"], options, est, got
+
+
 #: GPT-2 124M (transformers' GPT2Config defaults, dropout 0.1), full fine-tuning in
 #: fp32, AdamW, batch 8 x 1024, a plain PyTorch loop on an NVIDIA H200 (sm_90; torch
 #: 2.11, transformers 5.24): steps 2-3 as recorded (bytes)
@@ -159,6 +192,7 @@ def main(argv=None) -> int:
     parser.add_argument("families", nargs="*", default=list(FAMILIES))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--all-runs", action="store_true")
+    parser.add_argument("--no-recipes", action="store_true")
     args = parser.parse_args(argv)
     shapes = SHAPES[:1] if args.quick else SHAPES
     print(
@@ -179,6 +213,25 @@ def main(argv=None) -> int:
             f"{ratio:.4f} |",
             flush=True,
         )
+    if not args.no_recipes:
+        sh = SHAPES[1]
+        print(
+            f"\nRecipes at shape 2 ({sh['h']}/{sh['i']}/{sh['L']}/{sh['a']}/kv/"
+            f"{sh['b']}×{sh['s']}):\n"
+        )
+        print(
+            "| family | method | precision | recipe | estimate (B) "
+            "| CPU measured (B) | estimate / measured |"
+        )
+        print("|---|---|---|---|---:|---:|---:|")
+        for name, method, prec, options, est, got in recipe_rows(args.families, sh):
+            ratio = est / got
+            worst = max(worst, abs(ratio - 1))
+            print(
+                f"| {name} | {method} | {prec} | {recipe_text(options)} | {est:,} "
+                f"| {got:,} | {ratio:.4f} |",
+                flush=True,
+            )
     print(f"\nlargest deviation: {worst:.2%}")
     if "gpt2" in args.families:
         gpt2_on_h200()

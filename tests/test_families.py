@@ -39,13 +39,18 @@ def _config(name: str) -> dict:
 
 
 def test_every_recorded_family_has_its_data_file():
-    """One data file per registry entry, with every variant the generator records
-    (trainmem.measuring.family_trace.RECORDED in each of the entry's regimes),
-    recorded with the transformers and peft this environment pins: a version bump
-    without a regenerated file fails here."""
+    """One data file per registry entry, with every step the generator records
+    (trainmem.measuring.family_trace.RECORDED in each of the entry's regimes, LoRA
+    on every linear layer under the family's own names), recorded with the
+    transformers and peft this environment pins: a version bump without a
+    regenerated file fails here."""
     pytest.importorskip("torch")
-    from trainmem.measuring.family_trace import RECORDED, regimes
-    from trainmem.config import StepConfig
+    from trainmem.measuring.family_trace import (
+        RECORDED,
+        all_linear_targets,
+        recorded_steps,
+        regimes,
+    )
 
     assert {"gpt2", "qwen3", "gemma3_text", "phi3", "olmo2"} <= set(TRACED)
     for name in TRACED:
@@ -54,15 +59,74 @@ def test_every_recorded_family_has_its_data_file():
         assert data["transformers"] == version("transformers")
         assert data["peft"] == version("peft")
         mt = MODEL_TYPES[name]
-        want = {
-            traced.variant_key(
-                StepConfig(method=m, precision=p, lora_targets=mt.lora_default), r
-            )
-            for m, p in RECORDED
-            for r in regimes(mt)
-        }
+        want = set()
+        for r in regimes(mt):
+            every = all_linear_targets(traced.structure(name, r))
+            assert set(every) == set(model_shape(_config(name)).linear_shapes())
+            want |= {traced.variant_key(s, r) for s in recorded_steps(mt, every)}
+        assert len(want) == len(RECORDED) * len(regimes(mt))
         assert set(data["variants"]) == want, name
         assert FAMILIES[name].replay == "traced"
+
+
+#: the recipes recorded besides the four (method, precision) pairs, each checked on
+#: one family against the CPU measurement at a shape not recorded (benchmarks/
+#: family_table.py --recipes checks every family)
+RECIPES = {
+    "ckpt-lora": dict(method="lora", precision="bf16-amp", checkpointing=True),
+    "ckpt-full-fp32": dict(method="full", precision="fp32", checkpointing=True),
+    "load-bf16-full": dict(method="full", precision="bf16-amp", load_dtype="bf16"),
+    "load-fp32-lora": dict(method="lora", precision="bf16-amp", load_dtype="fp32"),
+    "pure-bf16-lora": dict(method="lora", precision="bf16"),
+    "all-linear-ckpt": dict(
+        method="lora", precision="bf16-amp", checkpointing=True, all_linear=True
+    ),
+    "lora-dropout": dict(method="lora", precision="bf16-amp", lora_dropout=0.05),
+}
+
+
+@pytest.mark.parametrize(
+    "name, recipe",
+    [(n, r) for n, r in zip(TRACED * 2, RECIPES)],
+)
+def test_a_reader_recipe_is_within_one_percent_of_the_cpu_measurement(name, recipe):
+    """transformers 5's 16-bit load, 4.x's fp32 load, pure bf16, checkpointing, LoRA
+    on every linear layer and LoRA dropout replay a recorded family's step as the CPU
+    measures it; ``trainmem hf`` states the load dtype, and the stated default finds
+    the same trace."""
+    from trainmem.measuring.measure import measure
+
+    opts = dict(RECIPES[recipe])
+    shape = model_shape(_config(name))
+    targets = (
+        tuple(shape.linear_shapes())
+        if opts.pop("all_linear", False)
+        else MODEL_TYPES[name].lora_default
+    )
+    opts.update(
+        batch=TINY["b"],
+        seq=TINY["s"],
+        lora_targets=targets,
+        lora_rank=4,
+        attn=MODEL_TYPES[name].attn or "sdpa",
+    )
+    est = estimate(_config(name), kernels="cpu", **opts)
+    got = measure(_config(name), **opts)
+    assert abs(est.total_bytes / got.total_bytes - 1) < 0.01, (
+        est.total_bytes,
+        got.total_bytes,
+    )
+    from trainmem.config import StepConfig
+    from trainmem.decisions import decide
+
+    dtypes = decide(shape, StepConfig(**opts)).dtypes
+    load, adapters = traced.step_dtypes(StepConfig(**opts))
+    assert load == dtypes.load
+    assert opts["method"] == "full" or adapters == dtypes.adapters
+    stated = dict(opts, load_dtype=dtypes.load)
+    assert estimate(_config(name), kernels="cpu", **stated).total_bytes == (
+        est.total_bytes
+    )
 
 
 @pytest.mark.parametrize("name", TRACED)
@@ -124,8 +188,8 @@ def test_gpt2_under_cuda_kernels_keeps_bool_masks_and_no_attention_probabilities
 
 
 def test_a_variant_not_recorded_is_refused_by_name():
-    with pytest.raises(OptionError, match="ckpt=non-reentrant.*not recorded"):
-        estimate(_config("qwen3"), checkpointing=True)
+    with pytest.raises(OptionError, match="ckpt=reentrant.*not recorded"):
+        estimate(_config("qwen3"), checkpointing=True, checkpointing_mode="reentrant")
     with pytest.raises(OptionError, match="qlora"):
         estimate(_config("gemma3_text"), method="qlora")
 

@@ -315,21 +315,31 @@ def _traced_sizes(s: "Shape", part: str) -> list[tuple[str, tuple[int, ...]]]:
     ]
 
 
-def _traced_linears(s: "Shape") -> dict[str, tuple[int, int]]:
-    """The 2-D weights of one decoder layer by the module name peft matches (the last
-    component, or the last two where the last repeats: GPT-2's ``attn.c_proj``)."""
+def linear_keys(layer_params) -> list[tuple[str, tuple]]:
+    """The 2-D weights among one decoder layer's ``(name, dims)``, each under the
+    module name peft matches (the last component, or the last two where the last
+    repeats: GPT-2's ``attn.c_proj``), in the layer's order."""
     paths = []
-    for name, dims in _traced_sizes(s, "layer"):
+    for name, dims in layer_params:
         parts = name.split(".")
         if parts[-1] == "weight" and len(dims) == 2:
             n = parts.index("0")  # the layer index of layer 0's parameters
-            paths.append((parts[n + 1 : -1], dims))
+            paths.append((parts[n + 1 : -1], tuple(dims)))
     last = [p[-1] for p, _ in paths]
-    out = {}
-    for path, (rows, cols) in paths:
-        key = path[-1] if last.count(path[-1]) == 1 else ".".join(path[-2:])
-        out[key] = (cols, rows)  # nn.Linear's (out, in); Conv1D's is (in, out)
-    return out
+    return [
+        (path[-1] if last.count(path[-1]) == 1 else ".".join(path[-2:]), dims)
+        for path, dims in paths
+    ]
+
+
+def _traced_linears(s: "Shape") -> dict[str, tuple[int, int]]:
+    """The 2-D weights of one decoder layer by the module name peft matches
+    (:func:`linear_keys`), as (d_in, d_out)."""
+    # nn.Linear's weight is (out, in); Conv1D's is (in, out)
+    return {
+        key: (cols, rows)
+        for key, (rows, cols) in linear_keys(_traced_sizes(s, "layer"))
+    }
 
 
 def _count(sizes) -> int:

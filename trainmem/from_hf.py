@@ -107,7 +107,7 @@ def hf_options(
     )
     four_bit = bool(hf_field(quant, "load_in_4bit", False))
     if peft_config is not None:
-        opts.update(_lora_options(peft_config))
+        opts.update(_lora_options(peft_config, model))
         if four_bit:
             opts["method"] = "qlora"
             opts["qlora_double_quant"] = bool(
@@ -402,8 +402,26 @@ def _deepspeed_options(ds: Any) -> dict[str, Any]:
     return {"zero": stage, "zero_impl": "deepspeed", "deepspeed_sizes": sizes}
 
 
-def _lora_options(peft_config: Any) -> dict[str, Any]:
-    """The LoRA options of a peft ``LoraConfig`` or its dict; see :func:`hf_options`."""
+def _model_targets(model: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The LoRA targets peft picks for ``model``'s type when ``target_modules`` is
+    left out (its ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`` entry, the
+    registry's ``lora_default``), and those ``"all-linear"`` stands for: every linear
+    layer of a decoder block, under the family's own names (GPT-2's ``c_attn``, Phi-3's
+    ``qkv_proj``)."""
+    from .families import MODEL_TYPES, model_shape
+
+    try:
+        shape = model_shape(model)
+    except (OptionError, TypeError, ValueError, OSError):
+        return ("q_proj", "v_proj"), ALL_LINEAR
+    entry = MODEL_TYPES.get(shape.arch)
+    default = entry.lora_default if entry else ("q_proj", "v_proj")
+    return tuple(default), tuple(shape.linear_shapes())
+
+
+def _lora_options(peft_config: Any, model: Any = None) -> dict[str, Any]:
+    """The LoRA options of a peft ``LoraConfig`` or its dict; see :func:`hf_options`
+    (``model``: the config the targets are named for)."""
     peft_type = hf_field(peft_config, "peft_type", "LORA")
     peft_type = str(peft_type).split(".")[-1].upper()
     if peft_type != "LORA":
@@ -416,15 +434,16 @@ def _lora_options(peft_config: Any) -> dict[str, Any]:
             "peft_config: use_dora=True is not modelled; allowed: use_dora=False",
         )
     targets = hf_field(peft_config, "target_modules", None)
+    default, every = _model_targets(model)
     if targets is None:
-        targets = ("q_proj", "v_proj")  # peft's default for Llama-family models
+        targets = default  # peft's default for the model type
     elif isinstance(targets, str):
-        targets = ALL_LINEAR if targets == "all-linear" else (targets,)
+        targets = every if targets == "all-linear" else (targets,)
     options = dict(
         method="lora",
         lora_rank=hf_field(peft_config, "r", 8),
         lora_alpha=hf_field(peft_config, "lora_alpha", 8),
-        lora_targets=tuple(sorted(targets, key=lambda t: (ALL_LINEAR + (t,)).index(t))),
+        lora_targets=tuple(sorted(targets, key=lambda t: (every + (t,)).index(t))),
     )
     # peft's default 0.0 is nn.Identity; > 0 keeps a mask per adapted module
     dropout = float(hf_field(peft_config, "lora_dropout", 0.0) or 0.0)

@@ -41,7 +41,7 @@ import torch
 
 from ..config import StepConfig
 from .tracker import MemoryTracker
-from ..families import MODEL_TYPES, model_type
+from ..families import MODEL_TYPES, linear_keys, model_type
 from ..memory.traced import (
     DATA_DIR,
     SYMBOLS,
@@ -702,14 +702,60 @@ def _buffer_template(b1, b2, layers, syms):
     return out
 
 
-#: the variants recorded for every model type: (method, precision) pairs, each in
-#: every regime the model type's configs can take
+#: the steps recorded for every model type, in each regime its configs can take: the
+#: four (method, precision) pairs, and the recipes readers run on top of them --
+#: transformers 5's 16-bit load under autocast (a 16-bit checkpoint loaded by
+#: from_pretrained's default) and 4.x's fp32 load under LoRA, pure bf16, activation
+#: checkpointing (transformers 5's non-reentrant default), LoRA on every linear layer
+#: (``ALL_LINEAR``: peft's ``target_modules="all-linear"``, the family's own names) and
+#: LoRA dropout. A step not listed is refused by name.
+ALL_LINEAR = "all-linear"
 RECORDED = (
-    ("full", "fp32"),
-    ("lora", "fp32"),
-    ("full", "bf16-amp"),
-    ("lora", "bf16-amp"),
+    dict(method="full", precision="fp32"),
+    dict(method="lora", precision="fp32"),
+    dict(method="full", precision="bf16-amp"),
+    dict(method="lora", precision="bf16-amp"),
+    dict(method="full", precision="bf16-amp", load_dtype="bf16"),
+    dict(method="lora", precision="bf16-amp", load_dtype="fp32"),
+    dict(method="full", precision="bf16"),
+    dict(method="lora", precision="bf16"),
+    dict(method="full", precision="fp32", checkpointing=True),
+    dict(method="full", precision="bf16-amp", checkpointing=True),
+    dict(method="lora", precision="bf16-amp", checkpointing=True),
+    dict(method="lora", precision="bf16-amp", lora_targets=ALL_LINEAR),
+    dict(
+        method="lora", precision="bf16-amp", lora_targets=ALL_LINEAR, checkpointing=True
+    ),
+    dict(method="lora", precision="bf16-amp", lora_dropout=0.05),
 )
+
+
+def recorded_steps(mt, all_linear: tuple[str, ...]) -> list[StepConfig]:
+    """The :class:`StepConfig` of each :data:`RECORDED` step for model type ``mt``
+    (``all_linear``: its LoRA target names for ``ALL_LINEAR``)."""
+    steps = []
+    for options in RECORDED:
+        options = dict(options)
+        targets = options.pop("lora_targets", mt.lora_default)
+        steps.append(
+            StepConfig(
+                lora_targets=all_linear if targets == ALL_LINEAR else targets,
+                optimizer="adamw",
+                attn=mt.attn or "sdpa",
+                **options,
+            )
+        )
+    return steps
+
+
+def all_linear_targets(trace: dict) -> tuple[str, ...]:
+    """The LoRA targets ``target_modules="all-linear"`` gives the model of a full
+    fine-tuning ``trace``: every 2-D weight of a decoder layer (peft leaves the
+    output layer out)."""
+    layer = [
+        (name, dims) for name, part, dims, _, _ in trace["params"] if part == "layer"
+    ]
+    return tuple(key for key, _ in linear_keys(layer))
 
 
 def regimes(mt) -> list[dict]:
@@ -728,19 +774,18 @@ def record_model_type(name: str, progress=None) -> dict:
     """Every recorded variant of model type ``name`` (the data file's content)."""
     mt = model_type(name)
     variants = {}
-    for method, prec in RECORDED:
-        step = StepConfig(
-            method=method,
-            precision=prec,
-            lora_targets=mt.lora_default,
-            optimizer="adamw",
-            attn=mt.attn or "sdpa",
-        )
-        for regime in regimes(mt):
+    for regime in regimes(mt):
+        # the first step is full fine-tuning: its parameters name the linear layers
+        first = recorded_steps(mt, ())[0]
+        structure = record_variant(mt, first, regime)
+        all_linear = all_linear_targets(structure)
+        for step in recorded_steps(mt, all_linear):
             key = variant_key(step, regime)
             if progress:
                 progress(f"{name}: {key}")
-            variants[key] = record_variant(mt, step, regime)
+            variants[key] = (
+                structure if step == first else record_variant(mt, step, regime)
+            )
     return {
         "model_type": name,
         "transformers": _version("transformers"),

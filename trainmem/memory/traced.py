@@ -32,6 +32,8 @@ import os
 from functools import lru_cache
 
 from ..errors import OptionError
+from ..frameworks import framework
+from ..precisions import precision
 from .accounting import ITEMSIZE, SimTensor, Simulator
 from .autograd import Node, _accumulate, param
 
@@ -73,14 +75,26 @@ def evaluate(expr: str, symbols: dict) -> int:
     return eval(_compiled(expr), {"__builtins__": {}}, symbols)
 
 
+def step_dtypes(step) -> tuple[str, str]:
+    """The load and adapter dtypes ``step`` resolves to, as
+    :func:`trainmem.decisions.decide` resolves them for the steps a trace records (no
+    ZeRO, no QLoRA): a trace's key names them, so an option stated (``trainmem hf``
+    states the load dtype ``from_pretrained`` picks) and the same one left to its
+    default find the same trace."""
+    prec, frame = precision(step.precision), framework(step.framework)
+    load = step.load_dtype or prec.default_load(step.method, frame.lora_16bit_load)
+    return load, step.lora_dtype or frame.adapter_dtype or load
+
+
 def variant_key(step, regime: dict) -> str:
     """The options and shape regime a trace is recorded for, as its data key."""
     lora = step.method != "full"
+    load, adapters = step_dtypes(step)
     parts = [
         step.method,
         step.precision,
-        f"load={step.load_dtype or '-'}",
-        f"adapters={(step.lora_dtype or '-') if lora else '-'}",
+        f"load={load}",
+        f"adapters={adapters if lora else '-'}",
         # flash: the same memory as sdpa; a family without an SDPA path: its own
         f"attn={regime.get('attn') or step.attn_memory}",
         f"cache={'on' if step.cache_on else 'off'}",
