@@ -27,7 +27,7 @@ import sys
 import time
 
 from trainmem.estimate import estimate
-from trainmem.families import MODEL_TYPES, transformers_config
+from trainmem.families import MODEL_TYPES, model_shape, transformers_config
 from trainmem.measuring.measure import measure
 
 #: config field names of the sizes (Llama-style; GPT-2 its own)
@@ -56,6 +56,7 @@ FAMILIES = (
     "mistral",
     "qwen2",
     "qwen3",
+    "gemma2",
     "gemma3_text",
     "phi3",
     "gpt2",
@@ -137,7 +138,7 @@ def recipe_rows(names, shape):
     for name in names:
         gqa, tied = regime(name)
         config = transformers_config(config_of(name, shape, gqa, tied), f"{name}-r")
-        every = tuple(estimate(config).shape.linear_shapes())
+        every = tuple(model_shape(config).linear_shapes())
         for options in RECORDED[4:]:
             opts = dict(options)
             targets = opts.pop("lora_targets", MODEL_TYPES[name].lora_default)

@@ -252,3 +252,25 @@ def test_a_stored_trace_is_what_the_generator_records_now():
     regime = regimes(mt)[0]
     fresh = json.loads(json.dumps(record_variant(mt, step, regime)))
     assert fresh == traced.load("olmo2")["variants"][traced.variant_key(step, regime)]
+
+
+@pytest.mark.parametrize("name", ["phi3", "gpt2"])
+def test_a_trainer_run_of_a_recorded_family_is_estimated_not_refused(name):
+    """``trainmem hf`` on a recorded family: a bf16 checkpoint under transformers 5
+    (``from_pretrained`` loads it in bf16, stated as the load dtype), Trainer's bf16
+    autocast, checkpointing and ``target_modules="all-linear"`` -- peft's names for
+    that family (Phi-3's ``qkv_proj``, GPT-2's ``c_attn``), not Llama's -- find the
+    recorded trace, and equal the same step written as options."""
+    from trainmem.estimate import estimate_from_hf
+    from trainmem.from_hf import hf_options
+
+    config = dict(_config(name).to_dict(), torch_dtype="bfloat16", dtype="bfloat16")
+    args = dict(bf16=True, gradient_checkpointing=True, per_device_train_batch_size=2)
+    peft = dict(r=4, lora_alpha=8, target_modules="all-linear")
+    opts = hf_options(config, args, peft, seq=TINY["s"])
+    every = set(model_shape(_config(name)).linear_shapes())
+    assert set(opts["lora_targets"]) == every
+    assert opts["load_dtype"] == "bf16" and opts["checkpointing"]
+    got = estimate_from_hf(config, args, peft, seq=TINY["s"])
+    assert got.exact  # the traced replay ran, not a closed form
+    assert got.total_bytes == estimate(_config(name), **opts).total_bytes

@@ -167,6 +167,11 @@ class ModelType:
     #: the attention implementation of a family whose transformers module has no SDPA
     #: path (``None``: the step's; transformers 5's Gemma 2 refuses "sdpa")
     attn: str | None = None
+    #: the ``layer_types`` entry every probe layer is built as, for a family whose
+    #: layers alternate kinds that allocate the same tensors in another order (Gemma
+    #: 2: sliding-window and full attention, the same b x heads x s x s scores and
+    #: mask); the family's checks measure the alternating model
+    probe_layer_type: str | None = None
 
 
 def _llama_shape(get, name: str, model_type: str) -> "Shape":
@@ -479,6 +484,16 @@ MODEL_TYPES: dict[str, ModelType] = {
             dict(num_key_value_heads=4, head_dim=256, tie_word_embeddings=True),
             fields=_LLAMA_FIELDS,
             regimes=((True, True),),
+        ),
+        ModelType(
+            "gemma2",
+            "gemma2",
+            "Gemma2Config",
+            dict(num_key_value_heads=4, head_dim=256, tie_word_embeddings=True),
+            fields=_LLAMA_FIELDS,
+            regimes=((True, True),),
+            attn="eager",
+            probe_layer_type="full_attention",
         ),
         ModelType(
             "phi3",

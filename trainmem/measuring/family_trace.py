@@ -86,6 +86,8 @@ def probe_config(mt, sym: dict, layers: int, regime: dict):
     if "tied" in mt.fields:
         fields[mt.fields["tied"]] = regime["tied"]
     fields.update(mt.probe_fields)
+    if mt.probe_layer_type:
+        fields["layer_types"] = [mt.probe_layer_type] * layers
     if regime.get("fused"):
         # CUDA's fused SDPA applies the dropout inside the kernel: recorded where
         # CPU's flash kernel runs, at attention dropout 0 (traced.variant_regime)
@@ -289,7 +291,17 @@ def _plausible() -> list[str]:
     for degree in range(2, 5):
         for combo in itertools.combinations_with_replacement(names, degree):
             out.append("*".join(combo))
-    for extra in ("s+1", "s-1", "a+2*k", "d//2", "a*d", "k*d", "(a+2*k)*d", "2*i"):
+    for extra in (
+        "s+1",
+        "s-1",
+        "a+2*k",
+        "d//2",
+        "a*d",
+        "k*d",
+        "(a+2*k)*d",
+        "2*i",
+        "a//k",
+    ):
         out.append(extra)
         out += [f"{x}*({extra})" for x in names]
         out += [f"b*s*({extra})"]
