@@ -1322,9 +1322,9 @@ def _lab06_plan(**kw):
 
 
 def test_lab06_prediction_is_the_students_own_and_budget_weighs():
-    """The student's own prediction earns by closeness to the plan's peak: a hand-
-    written 900,000 for an 818,548 B plan earns full marks, 2x earns nothing; a plan
-    over budget earns nothing for itself or its prediction."""
+    """The student's own prediction earns by closeness to the plan's peak, measured
+    on the CPU: a hand-written 900,000 for an 818,548 B plan earns full marks, 2x
+    earns nothing; a plan over budget earns nothing for itself or its prediction."""
     import importlib.util
 
     from trainmem.demos.synthetic_task import task_config
@@ -1350,3 +1350,12 @@ def test_lab06_prediction_is_the_students_own_and_budget_weighs():
     over, msg = share(cpu_plan=_lab06_plan(batch=8, grad_accum=2), cpu_pred=1_100_000)
     assert over == pytest.approx(1 - mod.FIT_SHARE - mod.PRED_SHARE), msg
     assert "预测不计分" in msg
+    # the CPU prediction is graded against the plan measured on the CPU (the
+    # reference loop), with the estimator's number shown after it
+    measured = mod._measured_cpu_peak(json.dumps(cpu, sort_keys=True), 12)
+    assert abs(measured / peak - 1) < 0.01
+    _, msg = share(cpu_pred=peak)
+    assert f"实测的峰值（评分器用参考训练循环测得） {measured:,d}" in msg, msg
+    assert f"trainmem.estimate 给出 {peak:,d}" in msg, msg
+    mod._measured_cpu_peak = lambda plan_json, seq: 2 * peak  # a plan measured 2x
+    assert share(cpu_pred=peak)[0] == pytest.approx(1 - mod.PRED_SHARE)

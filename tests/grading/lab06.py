@@ -14,6 +14,8 @@ feedback message carries it verbatim, so the instructor reads it on the feedback
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 
 from coursekit.grading import CaseType, Question
@@ -719,6 +721,30 @@ def _plan_load_dtype(precision):
     return None if precision == "bf16" else "fp32"
 
 
+def _plan_options(plan, seq) -> dict:
+    """The estimator's (and the measurement's) options of a valid plan."""
+    return dict(
+        method="lora",
+        seq=seq,
+        lora_alpha=2 * plan["lora_rank"],
+        load_dtype=_plan_load_dtype(plan["precision"]),
+        **plan,
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def _measured_cpu_peak(plan_json: str, seq: int) -> int:
+    """The peak of one step of the CPU plan, measured (``trainmem.measuring.measure``:
+    the reference loop's tensors on the CPU, tracked storage by storage) on the
+    synthetic task's model: the number a prediction is graded against. A few seconds;
+    plans repeat across submissions, so each is measured once per grading process."""
+    from trainmem.demos.synthetic_task import task_config
+    from trainmem.measuring.measure import measure
+
+    plan = json.loads(plan_json)
+    return measure(task_config(), **_plan_options(plan, seq)).total_bytes
+
+
 def _plan_estimate(model, plan, seq):
     """``(peak bytes, None)`` of a valid plan, or ``(None, why)``."""
     from trainmem.estimate import estimate
@@ -736,14 +762,7 @@ def _plan_estimate(model, plan, seq):
     if plan["precision"] not in ("fp32", "bf16-amp", "fp16-amp", "bf16"):
         return None, "precision 应是 fp32、bf16-amp、fp16-amp、bf16 之一"
     try:
-        est = estimate(
-            model,
-            method="lora",
-            seq=seq,
-            lora_alpha=2 * plan["lora_rank"],
-            load_dtype=_plan_load_dtype(plan["precision"]),
-            **plan,
-        )
+        est = estimate(model, **_plan_options(plan, seq))
     except Exception as e:  # the estimator's own check of the options
         return None, f"trainmem.estimate 拒绝了这个计划：{e}"
     return est.total_bytes, None
@@ -804,16 +823,15 @@ def plan_check(inputs, result):
                 "（先让计划放进预算，再预测它）"
             )
             continue
-        # The peak the plan really has: on the CPU the tensor-level measurement of a
-        # correct step is within 1% of the estimate (exercise 6 holds the student's
-        # own train_step to it), so the estimate stands in for the measurement here
-        # (measuring every plan in the grader would cost seconds per submission).
-        target = peak
-        what = (
-            "这个计划的峰值（实测与 trainmem.estimate 相差不到 1%）"
-            if key == "cpu_plan"
-            else "这个计划的 trainmem.estimate（评分器没有 GPU）"
-        )
+        # The peak the plan really has: the CPU plan measured (the reference loop on
+        # the CPU, _measured_cpu_peak); the grader has no GPU, so the GPU plan's is
+        # the estimate. The estimator's number is shown after, for comparison.
+        if key == "cpu_plan":
+            target = _measured_cpu_peak(json.dumps(plan, sort_keys=True), req["seq"])
+            what = "这个计划在 CPU 上实测的峰值（评分器用参考训练循环测得）"
+        else:
+            target = peak
+            what = "这个计划的 trainmem.estimate（评分器没有 GPU，以估算代替实测）"
         got = prediction_share(pred, target)
         share += PRED_SHARE * got
         off = f"，相差 {pred / target - 1:+.1%}" if _num(pred) and pred > 0 else ""
@@ -821,6 +839,11 @@ def plan_check(inputs, result):
             f"{'✓' if got == 1 else '✗'} {pred_name} = {pred!r:.40}：{what} "
             f"{target:,d}{off}（{PRED_FULL:.0%} 以内满分，超过 {PRED_ZERO:.0%} "
             f"不得分；得 {got:.0%}）"
+            + (
+                f"；trainmem.estimate 给出 {peak:,d}（{peak / target - 1:+.2%}）"
+                if key == "cpu_plan"
+                else ""
+            )
         )
     measured = result.get("cpu_measured")
     lines.append(
