@@ -613,6 +613,15 @@ MISTAKES = {
             "检查点应以非 reentrant 方式打开",
         ),
     ],
+    "lab05": [
+        (
+            "forward_builds_the_dk_update",  # right values, the d x k matrix LoRA avoids
+            "+ (self.dropout(x) @ self.lora_A.T @ self.lora_B.T) * self.scaling",
+            "+ self.dropout(x) @ (self.lora_B @ self.lora_A).T * self.scaling",
+            "lora_forward",
+            "前向里新分配的最大张量",
+        ),
+    ],
     "lab06": [
         (
             "loss_over_k",  # the classic accumulation, wrong once micro-batches differ

@@ -325,13 +325,21 @@ def CASE(_case):
         _layer.lora_B.copy_(_B)
     _layer.train()
     _torch.manual_seed(_case["seed"])  # the dropout mask, drawn as peft draws it
-    _out = _layer(_x)
+    if _case.get("watch"):  # the forward's largest new tensor (coursekit.tensor_watch)
+        from coursekit.tensor_watch import largest_new_tensor as _largest
+
+        _out, _big = _largest(_layer, _x)
+    else:
+        _out = _layer(_x)
     (_out * _w).sum().backward()
-    return {
+    _res = {
         "out": _out.detach().flatten().tolist(),
         "gA": _layer.lora_A.grad.flatten().tolist(),
         "gB": _layer.lora_B.grad.flatten().tolist(),
     }
+    if _case.get("watch"):
+        _res["largest"] = [_big.numel, list(_big.shape), _big.op]
+    return _res
 """
 )
 
@@ -347,23 +355,46 @@ def forward_expect(case):
     torch.manual_seed(case["seed"])
     out = model(x)
     (out * w).sum().backward()
-    return {
+    out_ = {
         "out": out.detach().flatten().tolist(),
         "gA": layer.lora_A["default"].weight.grad.flatten().tolist(),
         "gB": layer.lora_B["default"].weight.grad.flatten().tolist(),
     }
+    if case.get("watch"):  # no tensor of the forward may be as large as d x k
+        out_["limit"] = case["d_in"] * case["d_out"]
+    return out_
 
 
 def forward_compare(got, want):
     if not isinstance(got, dict):
         return False, "没有结果"
-    return _verdict(
-        {
-            "输出与 peft 不同": _close(got.get("out"), want["out"]),
-            "lora_A 的梯度与 peft 不同": _close(got.get("gA"), want["gA"]),
-            "lora_B 的梯度与 peft 不同": _close(got.get("gB"), want["gB"]),
-        }
-    )
+    checks = {
+        "输出与 peft 不同": _close(got.get("out"), want["out"]),
+        "lora_A 的梯度与 peft 不同": _close(got.get("gA"), want["gA"]),
+        "lora_B 的梯度与 peft 不同": _close(got.get("gB"), want["gB"]),
+    }
+    if "limit" in want:
+        big = got.get("largest")
+        ok = isinstance(big, list) and len(big) == 3 and _num(big[0])
+        shape = f"形状 {tuple(big[1])}（{big[2]} 的结果）" if ok else "d×k"
+        checks[f"前向构造了一个{shape}的 d×k 大小的张量"] = ok and (
+            big[0] < want["limit"]
+        )
+    return _verdict(checks)
+
+
+def _watched(rng):
+    """Layers whose d_in, d_out exceed the 6 tokens of the input and the rank, so no
+    legitimate tensor of the forward is as large as d x k."""
+    return [
+        dict(
+            _layer_case(rng, r=rng.randint(1, 4)),
+            d_in=rng.randint(16, 24),
+            d_out=rng.randint(16, 24),
+            watch=True,
+        )
+        for _ in range(2)
+    ]
 
 
 FORWARD_TYPES = [
@@ -396,6 +427,14 @@ FORWARD_TYPES = [
         _layers(2, dropout=0.5),
         fix="dropout 只作用在 LoRA 支路的输入上：base(x) + B A dropout(x) · scaling，"
         "base 看到的是原始的 x（自检的 peft_and_ours(..., dropout=0.5) 是同一类输入）",
+    ),
+    CaseType(
+        "low_rank",
+        "不构造 d×k 的矩阵（前向里新分配的最大张量小于 d×k）",
+        2,
+        _watched,
+        fix="先乘 A 再乘 B：(x Aᵀ) Bᵀ，不要先算 B @ A 或把它加到 W0 上——训练时 "
+        "d×k 的 BA 从不出现（自检调用 coursekit.tensor_watch 查的就是这一条）",
     ),
 ]
 
@@ -682,7 +721,7 @@ QUESTIONS = [
         probe=FORWARD_PROBE,
         show_input=_show_layer,
         description="LoRALinear.forward：输出与 A、B 的梯度与 peft 的 lora.Linear 一致"
-        "（dropout 只在 LoRA 支路上）",
+        "（dropout 只在 LoRA 支路上），且不构造 d×k 的矩阵",
     ),
     Question(
         "lora_merge",
