@@ -615,7 +615,7 @@ MISTAKES = {
     ],
     "lab05": [
         (
-            "forward_builds_the_dk_update",  # right values, the d x k matrix LoRA avoids
+            "forward_builds_the_dk_update",  # right values, the d x k matrix built
             "+ (self.dropout(x) @ self.lora_A.T @ self.lora_B.T) * self.scaling",
             "+ self.dropout(x) @ (self.lora_B @ self.lora_A).T * self.scaling",
             "lora_forward",
