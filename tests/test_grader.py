@@ -603,6 +603,14 @@ MISTAKES = {
             "count_params",
             "transformers 建出的模型有",
         ),
+        (
+            "error_without_allowed_values",  # raises, but names nothing to pick from
+            'raise ValueError(f"precision must be one of {sorted(BYTES)}, got '
+            '{precision!r}")',
+            'raise ValueError("unknown precision")',
+            "static_memory",
+            "ValueError 信息应列出允许的取值",
+        ),
     ],
     "lab04": [
         (
@@ -611,6 +619,14 @@ MISTAKES = {
             "checkpoint(block, h, use_reentrant=True) if checkpointing",
             "run_blocks",
             "检查点应以非 reentrant 方式打开",
+        ),
+        (
+            "error_without_accum_and_n",  # raises, but says neither accum nor N
+            'f"accum must be a divisor (>= 1) of the batch size N={n}, '
+            'got accum={accum}"',
+            '"bad accum"',
+            "accumulate_grads",
+            "ValueError 的信息应写出 accum=5 与 N=32",
         ),
     ],
     "lab05": [
@@ -1245,7 +1261,7 @@ def test_lab04_accum_below_one_is_weighed():
     )
     assert right["points"] == 3, right
     failing = {t["name"] for t in wrong["types"] if t["passed"] < t["total"]}
-    assert failing == {"bad"} and wrong["points"] < 3, wrong["types"]
+    assert failing == {"bad", "bad_message"} and wrong["points"] < 3, wrong["types"]
 
 
 def test_lab04_reentrant_checkpointing_loses_the_points():

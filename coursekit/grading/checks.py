@@ -99,3 +99,22 @@ def quiet_warnings(fn):
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+def raised_naming(got: Any, want: dict) -> tuple[bool, str]:
+    """A case that must raise. ``want``: ``{"raised": "ValueError"}``, with
+    ``"mentions"``: the texts its message must contain (what the lab says the message
+    names: the bad value, the allowed range or values). ``got``: ``{"raised": the
+    exception's class name or None, "message": str(exception)}``."""
+    if not isinstance(got, dict):
+        return False, "没有结果"
+    if got.get("raised") != want["raised"]:
+        return False, f"应抛出 {want['raised']}，得到 {got.get('raised')}"
+    message = got.get("message") if isinstance(got.get("message"), str) else ""
+    missing = [m for m in want.get("mentions", ()) if m not in message]
+    if missing:
+        return False, (
+            f"{want['raised']} 的信息应写出 {'、'.join(missing)}，"
+            f"得到 {message[:160]!r}"
+        )
+    return True, ""

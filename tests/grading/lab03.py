@@ -10,6 +10,7 @@ from the student's kernel).
 from __future__ import annotations
 
 from coursekit.grading import CaseType, Question
+from coursekit.grading.checks import raised_naming
 
 NOTEBOOK = "lab03_memory_estimator.ipynb"
 CELL_TIMEOUT = 90
@@ -148,7 +149,17 @@ def _bad_names(rng):
     ]
 
 
+def _bad_names_message(rng):
+    """The bad names again, as ``{"args": ..., "mention": True}``: the message must
+    list the allowed values of the name that is wrong."""
+    return [{"args": c, "mention": True} for c in _bad_names(rng)]
+
+
 def mem_expect(case):
+    if isinstance(case, dict):  # the message's case type
+        _, p, o = case["args"]
+        allowed = sorted(BYTES) if p not in BYTES else sorted(N_STATES)
+        return {"raised": "ValueError", "mentions": allowed}
     n, p, o = case
     if p not in BYTES or o not in N_STATES:
         return "ValueError"
@@ -164,6 +175,8 @@ def mem_expect(case):
 
 
 def _mem_compare(got, want):
+    if isinstance(want, dict) and "raised" in want:
+        return raised_naming(got, want)
     if want == "ValueError":
         return got == "ValueError", "名字不在表里时要抛 ValueError"
     if not isinstance(got, dict):
@@ -176,6 +189,12 @@ def _mem_compare(got, want):
 
 MEM_PROBE = """
 def CASE(case):
+    if isinstance(case, dict):  # a bad name: the exception and its message
+        try:
+            static_memory(*case["args"])
+            return {"raised": None}
+        except Exception as e:
+            return {"raised": type(e).__name__, "message": str(e)[:300]}
     try:
         r = static_memory(*case)
     except ValueError:
@@ -212,6 +231,14 @@ MEM_TYPES = [
         1,
         _bad_names,
         fix="precision 或 optimizer 不在表里时 raise ValueError（名字区分大小写）",
+    ),
+    CaseType(
+        "bad_name_message",
+        "不合法的名字：ValueError 的信息列出允许的取值",
+        1,
+        _bad_names_message,
+        fix="ValueError 的信息里列出错的那个参数允许的全部取值（本实验第 2 节："
+        "precision 错列出四种精度，optimizer 错列出三种优化器）",
     ),
 ]
 

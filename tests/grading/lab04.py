@@ -12,7 +12,7 @@ block outputs/gradients.
 from __future__ import annotations
 
 from coursekit.grading import CaseType, Question
-from coursekit.grading.checks import close_floats, exec_source
+from coursekit.grading.checks import close_floats, exec_source, raised_naming
 
 NOTEBOOK = "lab04_accumulation_checkpointing.ipynb"
 CELL_TIMEOUT = 60
@@ -178,16 +178,25 @@ def _mlp_case(rng, n, **extra):
     )
 
 
+def _mentioned(cases, kind):
+    """The bad cases of a ``*_message`` case type: their message is graded too."""
+    return (
+        [dict(c, mention=True) for c in cases] if kind.endswith("_message") else cases
+    )
+
+
 def _accum_type(kind):
     def make(rng):
-        if kind == "bad":  # N not a multiple of accum; accum < 1 (0, or one dividing N)
-            return [
+        if kind in ("bad", "bad_message"):
+            # N not a multiple of accum; accum < 1 (0, or one dividing N)
+            cases = [
                 _mlp_case(rng, a * rng.randint(2, 4) + 1, accum=a, bad=True)
                 for a in (3, 4)
             ] + [
                 _mlp_case(rng, 2 * rng.randint(2, 8), accum=a, bad=True)
                 for a in (0, -2)
             ]
+            return _mentioned(cases, kind)
         return [
             _mlp_case(rng, a * rng.randint(1, 5), accum=a, bad=False)
             for a in (rng.choice([2, 3, 4, 5]) for _ in range(4))
@@ -198,8 +207,10 @@ def _accum_type(kind):
 
 def _weighted_type(kind):
     def make(rng):
-        if kind == "bad":
-            return [_mlp_case(rng, 9, mbs=m, bad=True) for m in (0, -1)]
+        if kind in ("bad", "bad_message"):
+            return _mentioned(
+                [_mlp_case(rng, 9, mbs=m, bad=True) for m in (0, -1)], kind
+            )
         cases = []
         for _ in range(4 if kind == "uneven" else 2):
             mbs = rng.randint(2, 6)
@@ -226,7 +237,7 @@ def CASE(_case):
             accumulate_grads(_model, _loss, _x, _y, _case["accum"])
             return {"raised": None}
         except Exception as _e:
-            return {"raised": type(_e).__name__}
+            return {"raised": type(_e).__name__, "message": str(_e)[:300]}
     accumulate_grads(
         _model, _loss, _x, _y, _case["accum"]
     )  # a first call leaves grads behind
@@ -255,7 +266,14 @@ def _sizes(case) -> list[int]:
 
 def accum_expect(case):
     if case["bad"]:
-        return {"raised": "ValueError"}
+        want = {"raised": "ValueError"}
+        if case.get("mention"):  # what the lab says the message names
+            want["mentions"] = (
+                [str(case["accum"]), str(case["n"])]
+                if "accum" in case
+                else ["micro_batch_size", str(case["mbs"])]
+            )
+        return want
     import torch
 
     ns = _ns()
@@ -269,9 +287,7 @@ def accum_compare(got, want):
     if not isinstance(got, dict):
         return False, "没有结果"
     if "raised" in want:
-        return got.get(
-            "raised"
-        ) == "ValueError", f"应抛出 ValueError，得到 {got.get('raised')}"
+        return raised_naming(got, want)
     wrong = []
     if not _grads_match(got.get("returned"), want["grads"]):
         wrong.append("返回的 {name: grad} 与整批梯度不一致" + TOL)
@@ -318,6 +334,13 @@ ACCUM_TYPES = [
         fix="accum < 1 或 N % accum != 0 时 raise ValueError（在任何计算之前；"
         "N % 0 抛的是 ZeroDivisionError，负的 accum 也可能整除 N）",
     ),
+    CaseType(
+        "bad_message",
+        "ValueError 的信息写出 accum 与 N",
+        1,
+        _accum_type("bad_message"),
+        fix="ValueError 的信息里写出收到的 accum 与样本数 N（本实验练习 1 的要求）",
+    ),
 ]
 WEIGHTED_TYPES = [
     CaseType(
@@ -340,6 +363,14 @@ WEIGHTED_TYPES = [
         1,
         _weighted_type("bad"),
         fix="micro_batch_size < 1 时 raise ValueError",
+    ),
+    CaseType(
+        "bad_message",
+        "ValueError 的信息写出参数名 micro_batch_size 与取值",
+        1,
+        _weighted_type("bad_message"),
+        fix="ValueError 的信息里写出参数名 micro_batch_size 与收到的值（本实验练习 2 "
+        "的要求）",
     ),
 ]
 

@@ -15,7 +15,12 @@ from __future__ import annotations
 import math
 
 from coursekit.grading import CaseType, Question
-from coursekit.grading.checks import close_floats, exec_source, quiet_warnings
+from coursekit.grading.checks import (
+    close_floats,
+    exec_source,
+    quiet_warnings,
+    raised_naming,
+)
 
 _quiet = quiet_warnings
 
@@ -190,9 +195,9 @@ def _init_type(kind):
                     bias=True,
                 )
             ]
-        if kind == "bad":
+        if kind in ("bad", "bad_message"):
             d_in, d_out = rng.randint(3, 12), rng.randint(3, 12)
-            return [
+            cases = [
                 dict(seed=1, d_in=d_in, d_out=d_out, r=0, alpha=4, bias=True, bad=True),
                 dict(
                     seed=2,
@@ -204,6 +209,9 @@ def _init_type(kind):
                     bad=True,
                 ),
             ]
+            if kind == "bad_message":  # the message names r and the allowed range
+                cases = [dict(c, mention=True) for c in cases]
+            return cases
         return [_layer_case(rng) for _ in range(3)]
 
     return make
@@ -219,7 +227,7 @@ def CASE(_case):
             LoRALinear(_base, _case["r"], _case["alpha"])
             return {"raised": None}
         except Exception as _e:
-            return {"raised": type(_e).__name__}
+            return {"raised": type(_e).__name__, "message": str(_e)[:300]}
     _layer = LoRALinear(_base, _case["r"], _case["alpha"])
     _A, _B, _x, _w = _lab05_adapters(_case)
     with _torch.no_grad():
@@ -243,6 +251,9 @@ def CASE(_case):
 
 def init_expect(case):
     if case.get("bad"):
+        if case.get("mention"):
+            top = min(case["d_in"], case["d_out"])
+            return {"raised": "ValueError", "mentions": [str(case["r"]), str(top)]}
         return {"raised": "ValueError"}
     k, d, r = case["d_in"], case["d_out"], case["r"]
     want = {
@@ -260,9 +271,7 @@ def init_compare(got, want):
     if not isinstance(got, dict):
         return False, "没有结果"
     if "raised" in want:
-        return got.get(
-            "raised"
-        ) == "ValueError", f"应抛出 ValueError，得到 {got.get('raised')}"
+        return raised_naming(got, want)
     bound = want["bound"]
     checks = {
         "lora_A 的形状应为 (r, d_in)": got.get("A_shape") == want["A_shape"],
@@ -308,6 +317,14 @@ INIT_TYPES = [
         1,
         _init_type("bad"),
         fix="r < 1 或 r > min(d_in, d_out) 时 raise ValueError",
+    ),
+    CaseType(
+        "bad_message",
+        "非法的 r：ValueError 的信息写出 r 与允许范围",
+        1,
+        _init_type("bad_message"),
+        fix="ValueError 的信息写出收到的 r 与允许的范围 1 到 min(d_in, d_out)（本实验"
+        "第 2 节），让用错的人一眼看出该改成多少",
     ),
 ]
 
