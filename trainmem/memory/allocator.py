@@ -150,9 +150,11 @@ class CachingAllocator:
             self._keys[small], self._free[small] = keys, blocks
 
     def malloc(self, nbytes: int) -> Block | None:
+        # the hot path of a large model's replay (millions of calls): round_size,
+        # Block.key and _insert written out
         if nbytes <= 0:
             return None  # a 0-byte tensor has no block
-        size = round_size(nbytes)
+        size = K_MIN_BLOCK if nbytes < K_MIN_BLOCK else ((nbytes + 511) >> 9) << 9
         small = size <= K_SMALL_SIZE
         keys = self._keys[small]
         i = bisect.bisect_left(keys, size << _SIZE_SHIFT)  # the smallest that fits
@@ -162,18 +164,21 @@ class CachingAllocator:
         else:
             block = self._new_segment(small, allocation_size(size))
         remaining = block.size - size
-        split = remaining >= K_MIN_BLOCK if small else remaining > K_SMALL_SIZE
-        if split:
+        if remaining >= K_MIN_BLOCK if small else remaining > K_SMALL_SIZE:
             rest = Block(block.segment, block.offset + size, remaining)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
                 block.next.prev = rest
             block.next = rest
             block.size = size
-            self._insert(small, rest)
+            k = (remaining << _SIZE_SHIFT) | (rest.segment << _SEG_SHIFT) | rest.offset
+            j = bisect.bisect_left(keys, k)
+            keys.insert(j, k)
+            self._free[small].insert(j, rest)
         block.free = False
         self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
         return block
 
     def release(self, block: Block | None) -> None:
@@ -182,21 +187,29 @@ class CachingAllocator:
         small = self._segment_pool[block.segment]
         self.allocated -= block.size
         block.free = True
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and neighbour.free:
-                self._remove(small, neighbour)
-                if neighbour is block.prev:
-                    neighbour.size += block.size
-                    neighbour.next = block.next
-                    if block.next is not None:
-                        block.next.prev = neighbour
-                    block = neighbour
-                else:
-                    block.size += neighbour.size
-                    block.next = neighbour.next
-                    if neighbour.next is not None:
-                        neighbour.next.prev = block
-        self._insert(small, block)
+        keys, free = self._keys[small], self._free[small]
+        prev, nxt = block.prev, block.next
+        if prev is not None and prev.free:
+            i = bisect.bisect_left(keys, prev.key())  # keys are unique (one address)
+            del keys[i]
+            del free[i]
+            prev.size += block.size
+            prev.next = nxt
+            if nxt is not None:
+                nxt.prev = prev
+            block = prev
+        if nxt is not None and nxt.free:
+            i = bisect.bisect_left(keys, nxt.key())
+            del keys[i]
+            del free[i]
+            block.size += nxt.size
+            block.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = block
+        k = block.key()
+        i = bisect.bisect_left(keys, k)
+        keys.insert(i, k)
+        free.insert(i, block)
 
 
 def _setup_at_final_size(events: list) -> list:
@@ -226,17 +239,16 @@ class Replay:
     following the block and category of every live tensor. ``every``: the timeline
     keeps the highest point of each stretch of that many events (0: no timeline).
     ``oom``: the index of the event whose allocation failed under ``capacity`` (the
-    replay stops there), else ``None``. ``made``: for each live tensor, the
-    micro-batch (``micro_batch`` when it was fed) it was allocated in and as which
-    allocation of it (for :class:`RepeatDetector`)."""
+    replay stops there), else ``None``. ``tensors``: for each live tensor, its
+    block, category, bytes and where it was made: the micro-batch (``micro_batch``
+    when it was fed) it was allocated in and as which allocation of it (for
+    :class:`RepeatDetector`)."""
 
     def __init__(self, capacity: int | None = None, every: int = 0):
         self.alloc = CachingAllocator(capacity)
-        self.blocks: dict[int, Block | None] = {}
-        self.category: dict[int, str] = {}
-        self.sizes: dict[int, int] = {}
+        # each live tensor: [block, category, bytes, (micro-batch, ordinal)]
+        self.tensors: dict[int, list] = {}
         self.live: dict[str, int] = {}
-        self.made: dict[int, tuple[int, int]] = {}
         self.micro_batch = self.ordinal = 0
         self.phase = "idle"
         self.every = every
@@ -246,48 +258,58 @@ class Replay:
         self.oom: int | None = None
 
     def feed(self, events) -> None:
+        # allocations and frees are most of a step's events: handled here, the rest
+        # by _event
+        if self.oom is not None:
+            return
+        malloc, release = self.alloc.malloc, self.alloc.release
+        tensors, live, every = self.tensors, self.live, self.every
         for ev in events:
-            if self.oom is not None:
-                return
+            kind = ev[0]
             try:
-                self._event(ev)
+                if kind == "alloc":
+                    _, uid, nbytes, cat, self.phase = ev
+                    tensors[uid] = [
+                        malloc(nbytes),
+                        cat,
+                        nbytes,
+                        (self.micro_batch, self.ordinal),
+                    ]
+                    self.ordinal += 1
+                    live[cat] = live.get(cat, 0) + nbytes
+                elif kind == "free":
+                    t = tensors.pop(ev[1], None)
+                    if t is not None:
+                        release(t[0])
+                        live[t[1]] -= t[2]
+                else:
+                    self._event(ev)
             except OutOfMemory:
                 self.oom = self.fed
                 return
-            if self.every:
+            if every:
                 self._sample()
             self.fed += 1
 
     def _event(self, ev) -> None:
         kind, uid = ev[0], ev[1]
-        if kind == "alloc":
-            _, _, nbytes, cat, self.phase = ev
-            self.blocks[uid] = self.alloc.malloc(nbytes)
-            self.category[uid], self.sizes[uid] = cat, nbytes
-            self.live[cat] = self.live.get(cat, 0) + nbytes
-            self.made[uid] = (self.micro_batch, self.ordinal)
-            self.ordinal += 1
-        elif kind == "free":
-            if uid in self.blocks:
-                self.alloc.release(self.blocks.pop(uid))
-                self.live[self.category[uid]] -= self.sizes.pop(uid)
-                del self.made[uid]
-        elif kind == "resize":
-            if uid in self.blocks:
-                self.alloc.release(self.blocks.pop(uid))
-                self.live[self.category[uid]] += ev[2] - self.sizes[uid]
-                self.sizes[uid] = ev[2]
-                self.blocks[uid] = self.alloc.malloc(ev[2])
+        t = self.tensors.get(uid)
+        if kind == "resize":
+            if t is not None:
+                self.alloc.release(t[0])
+                self.live[t[1]] += ev[2] - t[2]
+                t[2] = ev[2]
+                t[0] = self.alloc.malloc(ev[2])
         elif kind == "reset_peak":
             # torch.cuda.reset_peak_memory_stats() between steps: the peak allocated
             # (and the timeline) start again from what is allocated now
             self.alloc.peak_allocated = self.alloc.allocated
             self.timeline, self._best = [], None
         elif kind == "category":
-            if uid in self.sizes:
-                self.live[self.category[uid]] -= self.sizes[uid]
-                self.category[uid] = ev[2]
-                self.live[ev[2]] = self.live.get(ev[2], 0) + self.sizes[uid]
+            if t is not None:
+                self.live[t[1]] -= t[2]
+                t[1] = ev[2]
+                self.live[ev[2]] = self.live.get(ev[2], 0) + t[2]
 
     def _sample(self) -> None:
         # each bucket of ``every`` events keeps its highest point, so the timeline
@@ -399,14 +421,15 @@ class RepeatDetector:
 
     def signature(self, j: int):
         run = self.replay
-        owner = {id(b): uid for uid, b in run.blocks.items() if b is not None}
+        owner = {id(t[0]): uid for uid, t in run.tensors.items() if t[0] is not None}
         segments = []
         alloc = run.alloc
         for seg in sorted(alloc._blocks):
             block, out = alloc._blocks[seg], []
             while block is not None:
                 uid = owner.get(id(block))
-                mb, n = run.made.get(uid, (0, 0))
+                t = run.tensors.get(uid)
+                mb, n = t[3] if t is not None else (0, 0)
                 role = None if block.free else (uid if mb == 0 else (j - mb, n))
                 out.append((block.size, role))
                 block = block.next
