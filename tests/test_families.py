@@ -274,3 +274,13 @@ def test_a_trainer_run_of_a_recorded_family_is_estimated_not_refused(name):
     got = estimate_from_hf(config, args, peft, seq=TINY["s"])
     assert got.exact  # the traced replay ran, not a closed form
     assert got.total_bytes == estimate(_config(name), **opts).total_bytes
+
+
+def test_a_family_without_sdpa_names_the_attention_it_runs():
+    """transformers' Gemma 2 has no SDPA path (``_supports_sdpa = False``: its
+    softcapping): asked for sdpa, the estimate replays eager attention and says so."""
+    est = estimate(_config("gemma2"), method="lora", batch=2, seq=20)
+    assert est.attention["kind"] == "eager"
+    assert "no SDPA path" in est.attention["reason"]
+    eager = estimate(_config("gemma2"), method="lora", batch=2, seq=20, attn="eager")
+    assert eager.total_bytes == est.total_bytes

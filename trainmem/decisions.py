@@ -210,6 +210,17 @@ def _attention(
     run below compute capability 8.0."""
     attn = step.attn_memory
     cap = None if gpu is None else tuple(gpu.capability)
+    forced = getattr(shape.family, "attn", None)
+    if forced and step.attn != forced:
+        # a family whose transformers module has no SDPA path runs its own whatever
+        # is asked (Gemma 2: ``_supports_sdpa = False``, softcapping)
+        return _Attention(
+            forced,
+            None,
+            f"{shape.arch} has no SDPA path in transformers (it runs {forced})",
+            False,
+            False,
+        )
     if step.attn == "flash" and cap is not None and cap < SM80:
         major, minor = cap
         raise OptionError(

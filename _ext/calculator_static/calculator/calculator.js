@@ -284,6 +284,10 @@ def tm_formats(text):
         math: "数学路径（math）" };
       const backend = d.attention && d.attention.sdpa_backend;
       if (backend) out.push(`注意力：SDPA 运行 ${sdpa[backend] || backend} 后端。`);
+      // a family with no SDPA path in transformers (Gemma 2) runs its own attention
+      if (d.attention && d.attention.kind === "eager" && d.attention.reason)
+        out.push("注意力：这个模型族在 transformers 里没有 SDPA 路径，按 eager 注意力重放"
+          + "（分数与 softmax 整块存下）。");
       return el("p", { class: "tm-calc-notes" }, out.join(" "));
     }
 
