@@ -42,6 +42,21 @@ import calculator as calc  # noqa: E402  (the Sphinx extension: module list and 
 
 # config.json files a reader might paste (public shapes; the optional fields vary on
 # purpose)
+GEMMA2_2B = {  # a recorded family with no SDPA path (eager attention, softcapping)
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "vocab_size": 256000,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "sliding_window": 4096,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "torch_dtype": "float32",
+}
 MISTRAL_7B = {
     "architectures": ["MistralForCausalLM"],
     "model_type": "mistral",
@@ -197,6 +212,10 @@ GRID: list[tuple[dict, dict | None]] = [
     ({"model": "config.json", "seq": "64"}, QWEN2_NO_KV),
     ({"model": "config.json", "seq": "64", "attn": "eager"}, MISTRAL_NO_KV),
     ({"model": "config.json", "batch": "2"}, GPT2_SMALL),
+    (
+        {"model": "config.json", "method": "lora", "checkpointing": True, "seq": "64"},
+        GEMMA2_2B,
+    ),
 ]
 
 # bad input: the page must show the CLI's own stderr line
