@@ -82,6 +82,7 @@ RECIPES = {
         method="lora", precision="bf16-amp", checkpointing=True, all_linear=True
     ),
     "lora-dropout": dict(method="lora", precision="bf16-amp", lora_dropout=0.05),
+    "fp16-lora": dict(method="lora", precision="fp16-amp"),
 }
 
 

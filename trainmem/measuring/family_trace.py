@@ -716,7 +716,8 @@ def _buffer_template(b1, b2, layers, syms):
 
 #: the steps recorded for every model type, in each regime its configs can take: the
 #: four (method, precision) pairs, and the recipes readers run on top of them --
-#: transformers 5's 16-bit load under autocast (a 16-bit checkpoint loaded by
+#: fp16 autocast with loss scaling (GPUs without bf16: T4, V100), transformers 5's
+#: 16-bit load under autocast (a 16-bit checkpoint loaded by
 #: from_pretrained's default) and 4.x's fp32 load under LoRA, pure bf16, activation
 #: checkpointing (transformers 5's non-reentrant default), LoRA on every linear layer
 #: (``ALL_LINEAR``: peft's ``target_modules="all-linear"``, the family's own names) and
@@ -727,6 +728,8 @@ RECORDED = (
     dict(method="lora", precision="fp32"),
     dict(method="full", precision="bf16-amp"),
     dict(method="lora", precision="bf16-amp"),
+    dict(method="full", precision="fp16-amp"),
+    dict(method="lora", precision="fp16-amp"),
     dict(method="full", precision="bf16-amp", load_dtype="bf16"),
     dict(method="lora", precision="bf16-amp", load_dtype="fp32"),
     dict(method="full", precision="bf16"),
