@@ -144,11 +144,13 @@ def lora_linear(sim: Simulator, x: SimTensor, lin: Linear) -> SimTensor:
     result_dtype = result.dtype
     # x = self._cast_input_dtype(x, lora_A.weight.dtype): lives to the end
     x = cast(sim, x, lin.A.dtype)
-    if lin.dropout:
-        # lora_B(lora_A(dropout(x))): peft's nn.Dropout for lora_dropout > 0 (one per
-        # adapted module, so q/k/v each make their own mask and dropped copy)
-        x = dropout(sim, x, lin.kernels)
-    h = linear(sim, x, lin.A)
+    # lora_B(lora_A(dropout(x))): peft's nn.Dropout for lora_dropout > 0 (one per
+    # adapted module, so q/k/v each make their own mask and dropped copy); the dropped
+    # copy is a temporary of the expression, gone once lora_A has run, while the
+    # cast x stays (a recompute under checkpointing peaks here)
+    dropped = dropout(sim, x, lin.kernels) if lin.dropout else x
+    h = linear(sim, dropped, lin.A)
+    del dropped
     h2 = linear(sim, h, lin.B)
     del h
     h3 = mul_scalar(sim, h2)
@@ -183,9 +185,9 @@ def _lora_on_4bit(sim: Simulator, x: SimTensor, lin: Linear) -> SimTensor:
     expected = result.dtype
     if convert:
         x = cast(sim, x, lin.A.dtype)  # lives to the end of forward
-    if lin.dropout:
-        x = dropout(sim, x, lin.kernels)
-    h = linear(sim, x, lin.A)
+    dropped = dropout(sim, x, lin.kernels) if lin.dropout else x  # as lora_linear
+    h = linear(sim, dropped, lin.A)
+    del dropped
     h2 = linear(sim, h, lin.B)
     del h
     output = mul_scalar(sim, h2)
