@@ -83,6 +83,20 @@ RECIPES = {
     ),
     "lora-dropout": dict(method="lora", precision="bf16-amp", lora_dropout=0.05),
     "fp16-lora": dict(method="lora", precision="fp16-amp"),
+    "usual-lora": dict(
+        method="lora",
+        precision="bf16-amp",
+        checkpointing=True,
+        lora_dropout=0.05,
+        all_linear=True,
+    ),
+    "usual-lora-fp16": dict(
+        method="lora",
+        precision="fp16-amp",
+        checkpointing=True,
+        lora_dropout=0.1,
+        all_linear=True,
+    ),
 }
 
 

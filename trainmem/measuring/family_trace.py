@@ -742,6 +742,27 @@ RECORDED = (
         method="lora", precision="bf16-amp", lora_targets=ALL_LINEAR, checkpointing=True
     ),
     dict(method="lora", precision="bf16-amp", lora_dropout=0.05),
+    # the LoRA recipe most guides print (r 16, dropout 0.05, all linear layers,
+    # checkpointing), and its parts; the same on fp16 for GPUs without bf16
+    dict(
+        method="lora", precision="bf16-amp", lora_targets=ALL_LINEAR, lora_dropout=0.05
+    ),
+    dict(method="lora", precision="bf16-amp", checkpointing=True, lora_dropout=0.05),
+    dict(
+        method="lora",
+        precision="bf16-amp",
+        lora_targets=ALL_LINEAR,
+        checkpointing=True,
+        lora_dropout=0.05,
+    ),
+    dict(method="lora", precision="fp16-amp", checkpointing=True),
+    dict(
+        method="lora",
+        precision="fp16-amp",
+        lora_targets=ALL_LINEAR,
+        checkpointing=True,
+        lora_dropout=0.05,
+    ),
 )
 
 
