@@ -133,19 +133,33 @@ def recipe_text(options: dict) -> str:
 def recipe_rows(names, shape):
     """Every recorded recipe beyond the four (method, precision) pairs, for each
     family at ``shape``: (family, method, precision, recipe, estimate, measured)."""
-    from trainmem.measuring.family_trace import ALL_LINEAR, RECORDED
+    from trainmem.measuring.family_trace import (
+        ALL_LINEAR,
+        ATTENTION,
+        RECORDED,
+        attention_targets,
+    )
+    from trainmem.memory.traced import structure
 
     for name in names:
         gqa, tied = regime(name)
         config = transformers_config(config_of(name, shape, gqa, tied), f"{name}-r")
-        every = tuple(model_shape(config).linear_shapes())
+        model = model_shape(config)
+        every = tuple(model.linear_shapes())
+        if model.family.replay == "traced":
+            kind = dict(gqa=model.kv_heads < model.heads, tied=model.tied, b1=False)
+            attention = attention_targets(structure(name, kind))
+        else:  # the Llama replay: the attention block's four projections
+            attention = every[:4]
         for options in RECORDED[4:]:
             opts = dict(options)
             targets = opts.pop("lora_targets", MODEL_TYPES[name].lora_default)
             opts.update(
                 batch=shape["b"],
                 seq=shape["s"],
-                lora_targets=every if targets == ALL_LINEAR else targets,
+                lora_targets={ALL_LINEAR: every, ATTENTION: attention}.get(
+                    targets, targets
+                ),
                 attn=MODEL_TYPES[name].attn or "sdpa",
             )
             est = estimate(config, kernels="cpu", **opts).total_bytes

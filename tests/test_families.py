@@ -11,7 +11,7 @@ from importlib.metadata import version
 
 import pytest
 
-from trainmem.config import OptionError
+from trainmem.config import OptionError, StepConfig
 from trainmem.estimate import estimate
 from trainmem.families import FAMILIES, MODEL_TYPES, model_shape, transformers_config
 from trainmem.memory import traced
@@ -48,6 +48,7 @@ def test_every_recorded_family_has_its_data_file():
     from trainmem.measuring.family_trace import (
         RECORDED,
         all_linear_targets,
+        attention_targets,
         recorded_steps,
         regimes,
     )
@@ -61,9 +62,13 @@ def test_every_recorded_family_has_its_data_file():
         mt = MODEL_TYPES[name]
         want = set()
         for r in regimes(mt):
-            every = all_linear_targets(traced.structure(name, r))
+            structure = traced.structure(name, r)
+            every = all_linear_targets(structure)
             assert set(every) == set(model_shape(_config(name)).linear_shapes())
-            want |= {traced.variant_key(s, r) for s in recorded_steps(mt, every)}
+            attention = attention_targets(structure)
+            assert attention and set(attention) < set(every)
+            steps = recorded_steps(mt, every, attention)
+            want |= {traced.variant_key(s, r) for s in steps}
         assert len(want) == len(RECORDED) * len(regimes(mt))
         assert set(data["variants"]) == want, name
         assert FAMILIES[name].replay == "traced"
@@ -90,6 +95,13 @@ RECIPES = {
         lora_dropout=0.05,
         all_linear=True,
     ),
+    "attention-lora": dict(
+        method="lora",
+        precision="bf16-amp",
+        checkpointing=True,
+        lora_dropout=0.05,
+        attention=True,
+    ),
     "usual-lora-fp16": dict(
         method="lora",
         precision="fp16-amp",
@@ -111,13 +123,16 @@ def test_a_reader_recipe_is_within_one_percent_of_the_cpu_measurement(name, reci
     the same trace."""
     from trainmem.measuring.measure import measure
 
+    from trainmem.measuring.family_trace import attention_targets
+
     opts = dict(RECIPES[recipe])
     shape = model_shape(_config(name))
-    targets = (
-        tuple(shape.linear_shapes())
-        if opts.pop("all_linear", False)
-        else MODEL_TYPES[name].lora_default
-    )
+    targets = MODEL_TYPES[name].lora_default
+    if opts.pop("all_linear", False):
+        targets = tuple(shape.linear_shapes())
+    if opts.pop("attention", False):
+        regime = traced.variant_regime(shape, StepConfig(**opts))
+        targets = attention_targets(traced.structure(name, regime))
     opts.update(
         batch=TINY["b"],
         seq=TINY["s"],
@@ -131,7 +146,6 @@ def test_a_reader_recipe_is_within_one_percent_of_the_cpu_measurement(name, reci
         est.total_bytes,
         got.total_bytes,
     )
-    from trainmem.config import StepConfig
     from trainmem.decisions import decide
 
     dtypes = decide(shape, StepConfig(**opts)).dtypes

@@ -723,6 +723,9 @@ def _buffer_template(b1, b2, layers, syms):
 #: (``ALL_LINEAR``: peft's ``target_modules="all-linear"``, the family's own names) and
 #: LoRA dropout. A step not listed is refused by name.
 ALL_LINEAR = "all-linear"
+#: LoRA on the attention block's linear layers (q, k, v, o; Phi-3's qkv_proj and
+#: o_proj; GPT-2's c_attn and attn.c_proj): the other target list guides print
+ATTENTION = "attention"
 RECORDED = (
     dict(method="full", precision="fp32"),
     dict(method="lora", precision="fp32"),
@@ -755,6 +758,14 @@ RECORDED = (
         checkpointing=True,
         lora_dropout=0.05,
     ),
+    dict(method="lora", precision="bf16-amp", lora_targets=ATTENTION),
+    dict(
+        method="lora",
+        precision="bf16-amp",
+        lora_targets=ATTENTION,
+        checkpointing=True,
+        lora_dropout=0.05,
+    ),
     dict(method="lora", precision="fp16-amp", checkpointing=True),
     dict(
         method="lora",
@@ -766,16 +777,20 @@ RECORDED = (
 )
 
 
-def recorded_steps(mt, all_linear: tuple[str, ...]) -> list[StepConfig]:
+def recorded_steps(
+    mt, all_linear: tuple[str, ...], attention: tuple[str, ...] = ()
+) -> list[StepConfig]:
     """The :class:`StepConfig` of each :data:`RECORDED` step for model type ``mt``
-    (``all_linear``: its LoRA target names for ``ALL_LINEAR``)."""
+    (``all_linear``, ``attention``: its LoRA target names for ``ALL_LINEAR`` and
+    ``ATTENTION``)."""
+    named = {ALL_LINEAR: all_linear, ATTENTION: attention}
     steps = []
     for options in RECORDED:
         options = dict(options)
         targets = options.pop("lora_targets", mt.lora_default)
         steps.append(
             StepConfig(
-                lora_targets=all_linear if targets == ALL_LINEAR else targets,
+                lora_targets=named.get(targets, targets),
                 optimizer="adamw",
                 attn=mt.attn or "sdpa",
                 **options,
@@ -792,6 +807,19 @@ def all_linear_targets(trace: dict) -> tuple[str, ...]:
         (name, dims) for name, part, dims, _, _ in trace["params"] if part == "layer"
     ]
     return tuple(key for key, _ in linear_keys(layer))
+
+
+def attention_targets(trace: dict) -> tuple[str, ...]:
+    """The linear layers of a decoder layer's attention block (their parameter names
+    pass through an ``attn`` module: ``self_attn``, GPT-2's ``attn``), named as
+    :func:`all_linear_targets` names them."""
+    layer = [
+        (name, dims) for name, part, dims, _, _ in trace["params"] if part == "layer"
+    ]
+    weights = [n for n, dims in layer if n.endswith(".weight") and len(dims) == 2]
+    return tuple(
+        key for (key, _), name in zip(linear_keys(layer), weights) if "attn" in name
+    )
 
 
 def regimes(mt) -> list[dict]:
@@ -815,7 +843,8 @@ def record_model_type(name: str, progress=None) -> dict:
         first = recorded_steps(mt, ())[0]
         structure = record_variant(mt, first, regime)
         all_linear = all_linear_targets(structure)
-        for step in recorded_steps(mt, all_linear):
+        attention = attention_targets(structure)
+        for step in recorded_steps(mt, all_linear, attention):
             key = variant_key(step, regime)
             if progress:
                 progress(f"{name}: {key}")
