@@ -133,24 +133,14 @@ def recipe_text(options: dict) -> str:
 def recipe_rows(names, shape):
     """Every recorded recipe beyond the four (method, precision) pairs, for each
     family at ``shape``: (family, method, precision, recipe, estimate, measured)."""
-    from trainmem.measuring.family_trace import (
-        ALL_LINEAR,
-        ATTENTION,
-        RECORDED,
-        attention_targets,
-    )
-    from trainmem.memory.traced import structure
+    from trainmem.measuring.family_trace import ALL_LINEAR, ATTENTION, RECORDED
 
     for name in names:
         gqa, tied = regime(name)
         config = transformers_config(config_of(name, shape, gqa, tied), f"{name}-r")
         model = model_shape(config)
         every = tuple(model.linear_shapes())
-        if model.family.replay == "traced":
-            kind = dict(gqa=model.kv_heads < model.heads, tied=model.tied, b1=False)
-            attention = attention_targets(structure(name, kind))
-        else:  # the Llama replay: the attention block's four projections
-            attention = every[:4]
+        attention = model.attention_linears()
         for options in RECORDED[4:]:
             opts = dict(options)
             targets = opts.pop("lora_targets", MODEL_TYPES[name].lora_default)

@@ -66,7 +66,8 @@ def test_every_recorded_family_has_its_data_file():
             every = all_linear_targets(structure)
             assert set(every) == set(model_shape(_config(name)).linear_shapes())
             attention = attention_targets(structure)
-            assert attention and set(attention) < set(every)
+            assert attention == model_shape(_config(name)).attention_linears()
+            assert set(attention) < set(every)
             steps = recorded_steps(mt, every, attention)
             want |= {traced.variant_key(s, r) for s in steps}
         assert len(want) == len(RECORDED) * len(regimes(mt))
@@ -123,16 +124,13 @@ def test_a_reader_recipe_is_within_one_percent_of_the_cpu_measurement(name, reci
     the same trace."""
     from trainmem.measuring.measure import measure
 
-    from trainmem.measuring.family_trace import attention_targets
-
     opts = dict(RECIPES[recipe])
     shape = model_shape(_config(name))
     targets = MODEL_TYPES[name].lora_default
     if opts.pop("all_linear", False):
         targets = tuple(shape.linear_shapes())
     if opts.pop("attention", False):
-        regime = traced.variant_regime(shape, StepConfig(**opts))
-        targets = attention_targets(traced.structure(name, regime))
+        targets = shape.attention_linears()
     opts.update(
         batch=TINY["b"],
         seq=TINY["s"],

@@ -88,6 +88,11 @@ class Shape:
         targets)."""
         return self.family.linear_shapes(self)
 
+    def attention_linears(self) -> tuple[str, ...]:
+        """The Linears of one decoder layer's attention block (q, k, v, o; Phi-3's
+        qkv_proj and o_proj; GPT-2's c_attn and attn.c_proj), by module name."""
+        return self.family.attention_linears(self)
+
 
 # --------------------------------------------------------------------------------------
 # the families
@@ -125,6 +130,14 @@ class Family:
 
     def count_params(self, shape: "Shape") -> int:
         return self.other_params(shape) + shape.layers * self.params_per_layer(shape)
+
+    def attention_linears(self, shape: "Shape") -> tuple[str, ...]:
+        """The Linears whose module sits in the attention block: by
+        :attr:`module_paths`, or for a recorded family by its parameters' names
+        (:func:`attention_keys`)."""
+        if self.module_paths is not None:
+            return tuple(k for k, path in self.module_paths.items() if "attn" in path)
+        return attention_keys(_traced_sizes(shape, "layer"))
 
     def layout(self, shape: "Shape", step) -> str | None:
         """The decoder the replay builds for ``step`` (``None``: the closed form): a
@@ -335,6 +348,22 @@ def linear_keys(layer_params) -> list[tuple[str, tuple]]:
         (path[-1] if last.count(path[-1]) == 1 else ".".join(path[-2:]), dims)
         for path, dims in paths
     ]
+
+
+def attention_keys(layer_params) -> tuple[str, ...]:
+    """The keys of :func:`linear_keys` whose module sits in the layer's attention
+    block: the parameter's name passes through an ``attn`` module (``self_attn``,
+    GPT-2's ``attn``)."""
+    weights = [
+        name
+        for name, dims in layer_params
+        if name.split(".")[-1] == "weight" and len(dims) == 2
+    ]
+    return tuple(
+        key
+        for (key, _), name in zip(linear_keys(layer_params), weights)
+        if "attn" in name
+    )
 
 
 def _traced_linears(s: "Shape") -> dict[str, tuple[int, int]]:

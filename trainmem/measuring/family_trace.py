@@ -41,7 +41,7 @@ import torch
 
 from ..config import StepConfig
 from .tracker import MemoryTracker
-from ..families import MODEL_TYPES, linear_keys, model_type
+from ..families import MODEL_TYPES, attention_keys, linear_keys, model_type
 from ..memory.traced import (
     DATA_DIR,
     SYMBOLS,
@@ -816,10 +816,7 @@ def attention_targets(trace: dict) -> tuple[str, ...]:
     layer = [
         (name, dims) for name, part, dims, _, _ in trace["params"] if part == "layer"
     ]
-    weights = [n for n, dims in layer if n.endswith(".weight") and len(dims) == 2]
-    return tuple(
-        key for (key, _), name in zip(linear_keys(layer), weights) if "attn" in name
-    )
+    return attention_keys(layer)
 
 
 def regimes(mt) -> list[dict]:
